@@ -1,0 +1,27 @@
+"""Detectors: one module per check, each exporting `DETECTOR`, plus one config in
+experiments/detectors/. Nothing here may import `injectors` or read injection events: a check
+that could see the fault plan would make every catch rate worthless.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from typing import Any
+
+from harness.plugins import Detector, EventLog, RankInfo
+
+
+def available() -> tuple[str, ...]:
+    names = (m.name for m in pkgutil.iter_modules(__path__))
+    return tuple(
+        sorted(n for n in names if hasattr(importlib.import_module(f"detectors.{n}"), "DETECTOR"))
+    )
+
+
+def detector_class(name: str) -> type[Detector]:
+    return importlib.import_module(f"detectors.{name}").DETECTOR
+
+
+def build(configs: dict[str, dict[str, Any]], info: RankInfo, log: EventLog) -> list[Detector]:
+    return [detector_class(name)(params, info, log) for name, params in configs.items()]

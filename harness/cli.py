@@ -1,0 +1,105 @@
+"""`sdc-bench`: the Hydra app. This process only orchestrates: it validates the composed config,
+hands the ranks plain dataclasses, and writes the report at the end.
+
+A config mistake exits 2 with one line naming the key and what is allowed, before any rank is
+spawned and before anything in `out` is touched.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import hydra
+from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+from harness import report
+from harness.campaign import CampaignError, check_out, run_campaign
+from harness.config import ConfigError, RunConfig, run_config
+
+CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "experiments")
+GROUPS = ("workload", "topology", "fault", "detectors", "campaign")
+
+
+def fail(message: str) -> None:
+    print(f"sdc-bench: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def check_group_choices(argv: list[str]) -> None:
+    """Hydra answers an unknown group option with a multi-line error and exit 1; answer it here
+    with the contract's one line and exit 2."""
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        key = key.lstrip("+~")
+        if not sep or key not in GROUPS:
+            continue
+        allowed = sorted(p.stem for p in Path(CONFIG_DIR, key).glob("*.yaml"))
+        for choice in value.strip("[]").split(","):
+            choice = choice.strip()
+            if choice and choice not in allowed:
+                fail(f"{key}: '{choice}' is not allowed; allowed: {', '.join(allowed)}")
+
+
+def preflight(argv: list[str]) -> None:
+    """Compose and validate the config before Hydra creates or writes anything in `out`.
+
+    A sweep's jobs are validated one by one as they start instead.
+    """
+    if "-m" in argv or "--multirun" in argv:
+        return
+    overrides = [a for a in argv if not a.startswith("-") and not a.startswith("hydra")]
+    try:
+        with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+            cfg = compose(config_name="config", overrides=overrides)
+    except HydraException as exc:
+        fail(str(exc).strip().splitlines()[0])
+    run = validated(cfg)
+    try:
+        check_out(Path(cfg.out), run)
+    except ConfigError as exc:
+        fail(str(exc))
+
+
+def resolve_out(cfg: DictConfig) -> Path:
+    """A sweep job writes into its own job folder unless `out` was given explicitly."""
+    hydra_cfg = HydraConfig.get()
+    given = any(o.split("=", 1)[0] == "out" for o in hydra_cfg.overrides.task)
+    if hydra_cfg.mode == RunMode.MULTIRUN and not given:
+        return Path(hydra_cfg.runtime.output_dir)
+    return Path(cfg.out)
+
+
+def validated(cfg: DictConfig) -> RunConfig:
+    try:
+        raw = OmegaConf.to_container(cfg, resolve=True)
+        return run_config(raw)
+    except ConfigError as exc:
+        fail(str(exc))
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
+def app(cfg: DictConfig) -> None:
+    run = validated(cfg)
+    out = resolve_out(cfg)
+    try:
+        trials = run_campaign(run, out)
+    except ConfigError as exc:
+        fail(str(exc))
+    except CampaignError as exc:
+        print(f"sdc-bench: campaign failed: {exc}", file=sys.stderr)
+        sys.exit(1)
+    df = report.load_trials([trials.parent])
+    path = report.write_report(df, out)
+    print(report.summary(df))
+    print(f"trials: {trials}\nreport: {path}")
+
+
+def main() -> None:
+    check_group_choices(sys.argv[1:])
+    preflight(sys.argv[1:])
+    app()

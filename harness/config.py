@@ -1,0 +1,294 @@
+"""Turn the composed Hydra config into plain, validated dataclasses.
+
+Everything a user can get wrong is checked here, in the Hydra process, before any rank is
+spawned. A problem raises `ConfigError`, which the command prints as one line and exits 2.
+Ranks only ever receive the dataclasses below, never an OmegaConf object.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import detectors
+import injectors
+from harness.workloads import DTYPES, WorkloadConfig
+
+SITES_WITH_SCOPE = {"allreduce": ("rank", "reduction")}
+PERSISTENCE = ("transient", "intermittent", "permanent")
+WORKLOADS = ("mlp", "gpt")
+BACKENDS = ("gloo", "nccl")
+LAUNCHERS = ("spawn", "torchrun")
+BIT_WIDTH = {"float32": 32, "bfloat16": 16, "float16": 16}
+
+
+class ConfigError(ValueError):
+    """A user error in the config: `key` is the dotted key, `message` says what is allowed."""
+
+    def __init__(self, key: str, message: str):
+        super().__init__(f"{key}: {message}")
+        self.key = key
+
+
+@dataclass(frozen=True)
+class TopologyConfig:
+    nodes: int
+    ranks_per_node: int
+    spares: int
+    backend: str
+    threads_per_rank: int
+    collective_timeout_s: float
+    trial_timeout_s: float
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+
+@dataclass(frozen=True)
+class FaultConfig:
+    site: str = "none"
+    model: str = "none"
+    bit: int | None = None
+    factor: float | None = None
+    value: str | None = None
+    scope: str | None = None
+    ranks: tuple[int, ...] = ()
+    steps: tuple[int, ...] = ()
+    persistence: str = "transient"
+    probability: float = 0.5
+    tensor: str = "*"
+    index: int | None = None
+    elements: int = 1
+
+    @property
+    def clean(self) -> bool:
+        return self.site == "none"
+
+    def label(self) -> str:
+        if self.clean:
+            return "clean"
+        parts = [self.site, self.model]
+        if self.bit is not None:
+            parts.append(f"b{self.bit}")
+        if self.factor is not None:
+            parts.append(f"x{self.factor:g}")
+        if self.value is not None:
+            parts.append(self.value)
+        if self.scope:
+            parts.append(self.scope)
+        if self.persistence != "transient":
+            parts.append(self.persistence)
+        return "-".join(parts)
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    interval: int
+    keep: bool
+
+
+@dataclass(frozen=True)
+class TrialSpec:
+    trial_id: str
+    seed: int
+    fault: FaultConfig
+    golden: bool = False
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    campaign: str
+    workload: WorkloadConfig
+    topology: TopologyConfig
+    detectors: dict[str, dict[str, Any]]
+    checkpoint: CheckpointConfig
+    seeds: int
+    noise_seeds: int
+    scenarios: tuple[FaultConfig, ...]
+    launcher: str = "spawn"
+    recovery: bool = False
+    trials: tuple[TrialSpec, ...] = field(default=())
+
+    def golden_specs(self) -> list[TrialSpec]:
+        seeds = range(self.workload.seed, self.workload.seed + max(self.seeds, self.noise_seeds))
+        return [TrialSpec(f"golden-s{s}", s, FaultConfig(), golden=True) for s in seeds]
+
+
+def _choice(key: str, value: Any, allowed: tuple[str, ...] | list[str]) -> str:
+    if value not in allowed:
+        raise ConfigError(key, f"'{value}' is not allowed; allowed: {', '.join(allowed)}")
+    return value
+
+
+def _int(key: str, value: Any, low: int | None = None, high: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(key, f"'{value}' is not an integer")
+    if (low is not None and value < low) or (high is not None and value > high):
+        bounds = f"{low if low is not None else '-inf'}..{high if high is not None else 'inf'}"
+        raise ConfigError(key, f"{value} is out of range; allowed: {bounds}")
+    return value
+
+
+def _positive(key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ConfigError(key, f"'{value}' must be a positive number")
+    return float(value)
+
+
+def _int_list(key: str, value: Any, low: int, high: int) -> tuple[int, ...]:
+    items = [value] if isinstance(value, int) else value
+    if not isinstance(items, list | tuple) or not items:
+        raise ConfigError(key, f"'{value}' must be a non-empty list of integers in {low}..{high}")
+    return tuple(sorted({_int(f"{key}[{i}]", v, low, high) for i, v in enumerate(items)}))
+
+
+def workload_config(raw: dict[str, Any]) -> WorkloadConfig:
+    known = {f.name for f in fields(WorkloadConfig)}
+    for key in raw:
+        if key not in known:
+            raise ConfigError(
+                f"workload.{key}", f"unknown key; allowed: {', '.join(sorted(known))}"
+            )
+    _choice("workload.name", raw.get("name"), WORKLOADS)
+    _choice("workload.dtype", raw.get("dtype"), tuple(DTYPES))
+    _int("workload.steps", raw.get("steps"), 1)
+    _int("workload.seed", raw.get("seed"), 0)
+    _int("workload.micro_batches", raw.get("micro_batches"), 1)
+    _int("workload.micro_batch_size", raw.get("micro_batch_size"), 1)
+    _positive("workload.lr", raw.get("lr"))
+    cfg = WorkloadConfig(**raw)
+    if cfg.name == "gpt" and cfg.d_model % cfg.heads:
+        raise ConfigError("workload.heads", f"{cfg.heads} must divide d_model={cfg.d_model}")
+    return cfg
+
+
+def topology_config(raw: dict[str, Any]) -> TopologyConfig:
+    _int("topology.nodes", raw.get("nodes"), 1)
+    _int("topology.ranks_per_node", raw.get("ranks_per_node"), 1)
+    _int("topology.spares", raw.get("spares"), 0)
+    _choice("topology.backend", raw.get("backend"), BACKENDS)
+    _int("topology.threads_per_rank", raw.get("threads_per_rank"), 1)
+    _positive("topology.collective_timeout_s", raw.get("collective_timeout_s"))
+    _positive("topology.trial_timeout_s", raw.get("trial_timeout_s"))
+    return TopologyConfig(**raw)
+
+
+def fault_config(
+    key: str, raw: dict[str, Any], workload: WorkloadConfig, topology: TopologyConfig
+) -> FaultConfig:
+    known = {f.name for f in fields(FaultConfig)}
+    for name in raw:
+        if name not in known:
+            raise ConfigError(f"{key}.{name}", f"unknown key; allowed: {', '.join(sorted(known))}")
+    site = _choice(f"{key}.site", raw.get("site", "none"), ("none", *injectors.SITES))
+    if site == "none":
+        return FaultConfig()
+    model = _choice(f"{key}.model", raw.get("model"), injectors.available_models())
+    values = dict(raw, site=site, model=model)
+    width = BIT_WIDTH[workload.dtype]
+    if values.get("bit") is not None:
+        values["bit"] = _int(f"{key}.bit", values["bit"], 0, width - 1)
+    if values.get("value") is not None:
+        values["value"] = _value_name(values["value"])
+    factor = values.get("factor")
+    if factor is not None and (
+        isinstance(factor, bool) or not isinstance(factor, int | float) or not math.isfinite(factor)
+    ):
+        raise ConfigError(f"{key}.factor", f"'{factor}' must be a finite number")
+    if factor is not None:
+        values["factor"] = float(factor)
+    scope = values.get("scope")
+    if site in SITES_WITH_SCOPE:
+        values["scope"] = _choice(f"{key}.scope", scope or "rank", SITES_WITH_SCOPE[site])
+    elif scope is not None:
+        raise ConfigError(f"{key}.scope", f"site '{site}' has no scope; leave it null")
+    values["ranks"] = _int_list(f"{key}.ranks", values.get("ranks"), 0, topology.world_size - 1)
+    values["steps"] = _int_list(f"{key}.steps", values.get("steps"), 0, workload.steps - 1)
+    _choice(f"{key}.persistence", values.get("persistence", "transient"), PERSISTENCE)
+    if values.get("index") is not None:
+        _int(f"{key}.index", values["index"], 0)
+    _int(f"{key}.elements", values.get("elements", 1), 1)
+    probability = values.get("probability", 0.5)
+    if not isinstance(probability, int | float) or not 0 < probability <= 1:
+        raise ConfigError(f"{key}.probability", f"'{probability}' must be in (0, 1]")
+    fault = FaultConfig(**values)
+    injectors.model_class(model).validate(key, fault)
+    return fault
+
+
+def _value_name(value: Any) -> str:
+    """Hydra reads `nan` and `inf` as floats; the table and the model keep them as names."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return str(value).strip().lower()
+
+
+def expand_scenarios(raw: list[dict[str, Any]]) -> list[tuple[int, dict[str, Any]]]:
+    """Each scenario may carry `grid: {key: [values]}`; it expands to the cross product."""
+    expanded = []
+    for i, scenario in enumerate(raw):
+        scenario = dict(scenario)
+        grid = scenario.pop("grid", None) or {}
+        keys = list(grid)
+        for combo in itertools.product(*(grid[k] for k in keys)):
+            expanded.append((i, {**scenario, **dict(zip(keys, combo, strict=True))}))
+    return expanded
+
+
+def detector_configs(raw: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+    raw = raw or {}
+    allowed = detectors.available()
+    out = {}
+    for name, params in raw.items():
+        _choice("detectors", name, allowed)
+        out[name] = detectors.detector_class(name).validate(f"detectors.{name}", dict(params or {}))
+    return out
+
+
+def run_config(raw: dict[str, Any]) -> RunConfig:
+    """Validate a composed config (as a plain dict) and expand its campaign into trials."""
+    workload = workload_config(dict(raw["workload"]))
+    topology = topology_config(dict(raw["topology"]))
+    campaign = dict(raw["campaign"])
+    launcher = _choice("launcher", raw.get("launcher", "spawn"), LAUNCHERS)
+    if topology.backend == "nccl" and launcher != "torchrun":
+        raise ConfigError("topology.backend", "'nccl' needs launcher=torchrun; allowed here: gloo")
+    recovery = dict(raw.get("recovery") or {})
+    if recovery.get("enabled", False) is not False:
+        raise ConfigError("recovery.enabled", "recovery is not built yet; allowed: false")
+    checkpoint = dict(raw["checkpoint"])
+    checkpoint_cfg = CheckpointConfig(
+        interval=_int("checkpoint.interval", checkpoint.get("interval"), 1),
+        keep=bool(checkpoint.get("keep", False)),
+    )
+    seeds = _int("campaign.seeds", campaign.get("seeds"), 1)
+    noise_seeds = _int("campaign.noise_seeds", campaign.get("noise_seeds"), 2)
+    if campaign.get("name") == "single":
+        scenario_raw = [(0, dict(raw["fault"]))]
+    else:
+        scenario_raw = expand_scenarios(list(campaign.get("scenarios") or []))
+        if not scenario_raw:
+            raise ConfigError("campaign.scenarios", "a campaign needs at least one scenario")
+    scenarios, trials = [], []
+    for n, (i, scenario) in enumerate(scenario_raw):
+        key = "fault" if campaign.get("name") == "single" else f"campaign.scenarios[{i}]"
+        fault = fault_config(key, scenario, workload, topology)
+        scenarios.append(fault)
+        for s in range(seeds):
+            seed = workload.seed + s
+            trials.append(TrialSpec(f"{n:03d}-{fault.label()}-s{seed}", seed, fault))
+    return RunConfig(
+        campaign=str(campaign.get("name")),
+        workload=workload,
+        topology=topology,
+        detectors=detector_configs(raw.get("detectors")),
+        checkpoint=checkpoint_cfg,
+        seeds=seeds,
+        noise_seeds=noise_seeds,
+        scenarios=tuple(scenarios),
+        launcher=launcher,
+        trials=tuple(trials),
+    )

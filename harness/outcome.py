@@ -1,0 +1,218 @@
+"""Judge one trial after the fact: join its alerts with its injections and compare it with the
+golden run, exactly as DESIGN section 5 defines fired, effect, detected, contained and
+attribution. Detectors never see any of this; only the harness, once the trial is over.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+from harness.config import FaultConfig, RunConfig, TrialSpec
+from harness.plugins import PHASE_ORDER
+from harness.trainer import RankResult
+
+# Faults that enter the gradient of their own step: containing them means alerting before
+# that step's optimizer update.
+GRADIENT_SITES = {"grad", "allreduce", "activation", "loss"}
+
+COLUMNS = [
+    "trial_id", "seed", "workload", "dtype", "nodes", "ranks_per_node", "site", "model", "bit",
+    "factor", "value", "scope", "persistence", "fired", "inject_step", "injected_ranks", "effect",
+    "detected", "first_detector", "detect_step", "ttd_steps", "ttd_seconds", "contained",
+    "alerts", "suspect_ranks", "suspect_nodes", "attribution_correct", "recovered", "final_loss",
+    "golden_final_loss", "loss_delta", "step_time_s",
+    # Beyond the contract: what the report and audits of the table need.
+    "campaign", "detectors", "detected_by", "alert_detectors", "fault_ranks", "fault_steps",
+    "golden_match", "noise_band", "crash_cause",
+]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Golden:
+    """The fault-free reference for one seed."""
+
+    seed: int
+    final_loss: float
+    weights_digest: str
+
+
+def noise_band(goldens: list[Golden]) -> float:
+    """Seed-to-seed spread of the golden final loss: max minus min over the noise seeds."""
+    losses = [g.final_loss for g in goldens]
+    return max(losses) - min(losses)
+
+
+def golden_from(spec: TrialSpec, parts: list[RankResult]) -> Golden:
+    digests = {p.weights_digest for p in parts}
+    assert len(digests) == 1, f"golden replicas diverged in {spec.trial_id}"
+    return Golden(spec.seed, parts[0].final_loss, digests.pop())
+
+
+def merge_alerts(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One alert per (step, detector, phase), its suspects the union over the ranks that raised it,
+    ordered as they happened in the step."""
+    merged: dict[tuple, dict[str, Any]] = {}
+    for e in events:
+        if e["kind"] != "alert":
+            continue
+        key = (e["step"], e["detector"], e["phase"])
+        alert = merged.setdefault(
+            key, {**e, "suspect_ranks": set(), "suspect_nodes": set(), "raised_by": set()}
+        )
+        alert["suspect_ranks"] |= set(e["suspect_ranks"])
+        alert["suspect_nodes"] |= set(e["suspect_nodes"])
+        alert["raised_by"].add(e["rank"])
+        alert["time"] = min(alert["time"], e["time"])
+    return sorted(
+        merged.values(), key=lambda a: (a["step"], PHASE_ORDER[a["phase"]], a["detector"])
+    )
+
+
+def _join(values) -> str:
+    return ";".join(str(v) for v in sorted(values))
+
+
+def _blank_if_nan(x: float) -> float | str:
+    return "" if x is None or math.isnan(x) else x
+
+
+def trial_row(
+    run: RunConfig,
+    spec: TrialSpec,
+    parts: list[RankResult] | None,
+    crash: str | None,
+    golden: Golden,
+    band: float,
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The trial's row for trials.csv and its events for events.jsonl."""
+    fault: FaultConfig = spec.fault
+    events = [e for p in parts or [] for e in p.events]
+    events.sort(key=lambda e: (e.get("step", -1), e["time"]))
+    injections = [e for e in events if e["kind"] == "inject" and e["fired"]]
+    alerts = merge_alerts(events)
+    checkpoints = sorted({e["step"] for e in events if e["kind"] == "checkpoint"})
+
+    fired = bool(injections)
+    inject_step = min((e["step"] for e in injections), default=None)
+    injected_ranks = {e["rank"] for e in injections}
+    caught = [a for a in alerts if fired and a["step"] >= inject_step]
+    first = caught[0] if caught else None
+
+    if parts is None:
+        final_loss = math.nan
+    else:
+        losses = [p.final_loss for p in parts]
+        final_loss = math.nan if any(math.isnan(x) for x in losses) else max(losses)
+    golden_match = parts is not None and all(
+        p.weights_digest == golden.weights_digest for p in parts
+    )
+    row: dict[str, Any] = {
+        "trial_id": spec.trial_id,
+        "seed": spec.seed,
+        "workload": run.workload.name,
+        "dtype": run.workload.dtype,
+        "nodes": run.topology.nodes,
+        "ranks_per_node": run.topology.ranks_per_node,
+        "site": fault.site,
+        "model": fault.model,
+        "bit": "" if fault.bit is None else fault.bit,
+        "factor": "" if fault.factor is None else fault.factor,
+        "value": fault.value or "",
+        "scope": fault.scope or "",
+        "persistence": "" if fault.clean else fault.persistence,
+        "fired": fired,
+        "inject_step": "" if inject_step is None else inject_step,
+        "injected_ranks": _join(injected_ranks),
+        "effect": classify(fault, parts, crash, golden_match, final_loss, golden.final_loss, band),
+        "detected": bool(first),
+        "first_detector": first["detector"] if first else "",
+        "detect_step": first["step"] if first else "",
+        "ttd_steps": first["step"] - inject_step if first else "",
+        "ttd_seconds": first["time"] - min(e["time"] for e in injections) if first else "",
+        "contained": contained(fault, inject_step, first, checkpoints) if fired else "",
+        "alerts": len(alerts),
+        "suspect_ranks": _join(first["suspect_ranks"]) if first else "",
+        "suspect_nodes": _join(first["suspect_nodes"]) if first else "",
+        "attribution_correct": attribution(first, injected_ranks, run) if first else "",
+        "recovered": "",
+        "final_loss": _blank_if_nan(final_loss),
+        "golden_final_loss": golden.final_loss,
+        "loss_delta": _blank_if_nan(final_loss - golden.final_loss),
+        "step_time_s": step_time(parts),
+        "campaign": run.campaign,
+        "detectors": _join(run.detectors),
+        "detected_by": _join({a["detector"] for a in caught}),
+        "alert_detectors": _join({a["detector"] for a in alerts}),
+        "fault_ranks": _join(fault.ranks),
+        "fault_steps": _join(fault.steps),
+        "golden_match": golden_match,
+        "noise_band": band,
+        "crash_cause": crash or "",
+    }
+    if crash:
+        events.append({"kind": "crash", "cause": crash, "time": 0.0})
+    for alert in alerts:
+        events.append(
+            {
+                "kind": "trial_alert",
+                **{k: alert[k] for k in ("step", "detector", "phase", "time", "evidence")},
+                "suspect_ranks": sorted(alert["suspect_ranks"]),
+                "suspect_nodes": sorted(alert["suspect_nodes"]),
+                "raised_by": sorted(alert["raised_by"]),
+            }
+        )
+    return row, [{"trial_id": spec.trial_id, **e} for e in events]
+
+
+def classify(
+    fault: FaultConfig,
+    parts: list[RankResult] | None,
+    crash: str | None,
+    golden_match: bool,
+    final_loss: float,
+    golden_loss: float,
+    band: float,
+) -> str:
+    if crash or parts is None:
+        return "crash"
+    if fault.clean:
+        return "none"
+    if golden_match:
+        return "masked"
+    if not math.isfinite(final_loss) or not all(p.weights_finite for p in parts):
+        return "harmful"
+    return "benign" if abs(final_loss - golden_loss) <= band else "harmful"
+
+
+def contained(
+    fault: FaultConfig, inject_step: int, first: dict[str, Any] | None, checkpoints: list[int]
+) -> bool:
+    """Alerted before any checkpoint holding the corruption and, for faults that enter the
+    gradient, before the optimizer step of the injection step."""
+    if first is None:
+        return False
+    if fault.site in GRADIENT_SITES and (
+        first["step"] != inject_step or PHASE_ORDER[first["phase"]] >= PHASE_ORDER["optimizer"]
+    ):
+        return False
+    # A checkpoint at step c is written after every check of step c, so it holds a corruption
+    # injected at or before c, and comes after an alert raised in step c.
+    return not any(inject_step <= c < first["step"] for c in checkpoints)
+
+
+def attribution(first: dict[str, Any], injected_ranks: set[int], run: RunConfig) -> bool:
+    """The suspect set names the injected ranks (or their nodes) and nothing else."""
+    if first["suspect_ranks"]:
+        return first["suspect_ranks"] == injected_ranks
+    nodes = {r // run.topology.ranks_per_node for r in injected_ranks}
+    return bool(first["suspect_nodes"]) and first["suspect_nodes"] == nodes
+
+
+def step_time(parts: list[RankResult] | None) -> float | str:
+    """Median over steps of the slowest rank's step time: the world moves at its slowest rank."""
+    if not parts:
+        return ""
+    return statistics.median(max(ts) for ts in zip(*(p.step_times for p in parts), strict=True))

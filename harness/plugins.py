@@ -1,0 +1,176 @@
+"""The plug-in interface: the trainer knows these hook points, never a concrete plug-in.
+
+Injectors and detectors both subclass `Plugin` and implement only the hooks they need. At each
+hook point every injector runs before every detector, so a check always sees the corruption
+injected at its own site. Detectors get an `alert` callback and nothing else from the harness:
+they never see the fault plan.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+# The step's points, in the order they happen (DESIGN section 3). The index orders alerts
+# within a step, which `contained` relies on.
+PHASES = (
+    "forward",
+    "loss",
+    "pre_allreduce",
+    "post_allreduce",
+    "audit",
+    "optimizer",
+    "post_update",
+    "consensus",
+    "checkpoint",
+)
+PHASE_ORDER = {name: i for i, name in enumerate(PHASES)}
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    world_size: int
+    ranks_per_node: int
+
+    @property
+    def node(self) -> int:
+        return self.rank // self.ranks_per_node
+
+    @property
+    def local_rank(self) -> int:
+        return self.rank % self.ranks_per_node
+
+
+@dataclass
+class Bucket:
+    """One DDP gradient bucket: the flat buffer and the named views into it."""
+
+    index: int
+    buffer: torch.Tensor
+    tensors: list[tuple[str, torch.Tensor]]
+    is_last: bool
+
+
+@dataclass
+class EventLog:
+    """The events one rank records during one trial."""
+
+    rank: int
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+    def emit(self, kind: str, **fields: Any) -> None:
+        self.events.append({"kind": kind, "rank": self.rank, "time": time.time(), **fields})
+
+
+Alert = Callable[..., None]
+
+
+class Plugin:
+    """Every hook is a no-op; a plug-in overrides the ones at its site."""
+
+    def watches_module(self, name: str) -> bool:
+        return False
+
+    def on_forward(self, step: int, module: str, output: torch.Tensor) -> None: ...
+
+    def on_loss(self, step: int, loss: torch.Tensor) -> torch.Tensor | None: ...
+
+    def on_local_grad(self, step: int, bucket: Bucket) -> None: ...
+
+    def on_reduced_grad(self, step: int, bucket: Bucket) -> None: ...
+
+    def on_audit(self, step: int, model: nn.Module) -> None: ...
+
+    def on_optimizer_state(self, step: int, optimizer: torch.optim.Optimizer) -> None: ...
+
+    def on_update(self, step: int, model: nn.Module) -> None: ...
+
+    def approves_checkpoint(self, step: int, model: nn.Module) -> bool:
+        return True
+
+
+class Detector(Plugin):
+    """A check. Subclasses call `self.alert(step, phase, suspect_ranks, evidence)`."""
+
+    name = "detector"
+
+    def __init__(self, params: dict[str, Any], info: RankInfo, log: EventLog):
+        self.params = params
+        self.info = info
+        self._log = log
+
+    def alert(self, step: int, phase: str, suspect_ranks: Iterable[int], evidence: Any) -> None:
+        assert phase in PHASE_ORDER, phase
+        ranks = sorted(set(suspect_ranks))
+        nodes = sorted({r // self.info.ranks_per_node for r in ranks})
+        self._log.emit(
+            "alert",
+            step=step,
+            detector=self.name,
+            phase=phase,
+            suspect_ranks=ranks,
+            suspect_nodes=nodes,
+            evidence=evidence,
+        )
+
+
+class PluginBus:
+    """Calls every plug-in's hook at one point, injectors first."""
+
+    def __init__(self, plugins: list[Plugin]):
+        self.plugins = plugins
+
+    def install_forward_hooks(self, model: nn.Module, step_of: Callable[[], int]) -> None:
+        for name, module in model.named_modules():
+            watchers = [p for p in self.plugins if name and p.watches_module(name)]
+            if not watchers:
+                continue
+
+            def hook(_mod, _inp, output, name=name, watchers=watchers):
+                for plugin in watchers:
+                    plugin.on_forward(step_of(), name, output)
+
+            module.register_forward_hook(hook)
+
+    def loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
+        for plugin in self.plugins:
+            replaced = plugin.on_loss(step, loss)
+            if replaced is not None:
+                loss = replaced
+        return loss
+
+    def local_grad(self, step: int, bucket: Bucket) -> None:
+        for plugin in self.plugins:
+            plugin.on_local_grad(step, bucket)
+
+    def reduced_grad(self, step: int, bucket: Bucket) -> None:
+        for plugin in self.plugins:
+            plugin.on_reduced_grad(step, bucket)
+
+    def audit(self, step: int, model: nn.Module) -> None:
+        for plugin in self.plugins:
+            plugin.on_audit(step, model)
+
+    def optimizer_state(self, step: int, optimizer: torch.optim.Optimizer) -> None:
+        for plugin in self.plugins:
+            plugin.on_optimizer_state(step, optimizer)
+
+    def update(self, step: int, model: nn.Module) -> None:
+        for plugin in self.plugins:
+            plugin.on_update(step, model)
+
+    def checkpoint_approved(self, step: int, model: nn.Module) -> bool:
+        # Every plug-in is asked, so each check runs even after another has refused.
+        verdicts = [plugin.approves_checkpoint(step, model) for plugin in self.plugins]
+        return all(verdicts)
+
+
+def matches(name: str, pattern: str) -> bool:
+    return fnmatch.fnmatchcase(name, pattern)

@@ -1,0 +1,85 @@
+"""The campaign's tables on disk, written so that an interrupted campaign loses nothing.
+
+A trial's events are appended first and its row last, each as whole lines, flushed and fsynced:
+a row in trials.csv means the trial is complete. On resume a torn last line is dropped, and the
+events of trials that have no row are discarded, so nothing is counted twice.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from harness.outcome import COLUMNS, Golden
+
+
+def _append_lines(path: Path, text: str) -> None:
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _drop_torn_tail(path: Path) -> None:
+    """A line without its newline was cut mid-write: truncate it away."""
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        with open(path, "r+b") as f:
+            f.truncate(data.rfind(b"\n") + 1)
+
+
+def _csv_line(values: list[Any]) -> str:
+    buffer = io.StringIO()
+    csv.writer(buffer, lineterminator="\n").writerow(values)
+    return buffer.getvalue()
+
+
+class Records:
+    """trials.csv, events.jsonl and golden.jsonl of one campaign folder."""
+
+    def __init__(self, out: Path):
+        self.out = out
+        self.trials = out / "trials.csv"
+        self.events = out / "events.jsonl"
+        self.golden_file = out / "golden.jsonl"
+
+    def resume(self) -> set[str]:
+        """Make the files consistent after an interruption; return the finished trial ids."""
+        done: set[str] = set()
+        if self.trials.exists():
+            _drop_torn_tail(self.trials)
+            with open(self.trials, newline="", encoding="utf-8") as f:
+                done = {row["trial_id"] for row in csv.DictReader(f)}
+        if self.events.exists():
+            _drop_torn_tail(self.events)
+            kept = [
+                line
+                for line in self.events.read_text(encoding="utf-8").splitlines(keepends=True)
+                if json.loads(line)["trial_id"] in done
+            ]
+            tmp = self.events.with_name(".events.jsonl.tmp")
+            tmp.write_text("".join(kept), encoding="utf-8")
+            os.replace(tmp, self.events)
+        if self.golden_file.exists():
+            _drop_torn_tail(self.golden_file)
+        return done
+
+    def goldens(self) -> dict[int, Golden]:
+        if not self.golden_file.exists():
+            return {}
+        lines = self.golden_file.read_text(encoding="utf-8").splitlines()
+        return {g.seed: g for g in (Golden(**json.loads(line)) for line in lines)}
+
+    def add_golden(self, golden: Golden) -> None:
+        _append_lines(self.golden_file, json.dumps(golden.__dict__) + "\n")
+
+    def add_trial(self, row: dict[str, Any], events: list[dict[str, Any]]) -> None:
+        if events:
+            _append_lines(self.events, "".join(json.dumps(e) + "\n" for e in events))
+        fresh = not self.trials.exists() or self.trials.stat().st_size == 0
+        header = _csv_line(COLUMNS) if fresh else ""
+        _append_lines(self.trials, header + _csv_line([row[c] for c in COLUMNS]))

@@ -1,0 +1,227 @@
+"""The report: catch rates with their uncertainty, false positives and time to detection, built
+only from trials.csv so that `sdc-report` can rebuild it from any run or sweep folder.
+
+Definitions are DESIGN section 5's. Every rate carries its n and a 95% Wilson interval: a 3/3
+catch rate is not a 100% detector, and the interval says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+from harness.outcome import COLUMNS
+
+Z95 = 1.959963984540054
+BIT_CLASSES = {  # (sign bit, lowest exponent bit) per dtype width
+    "float32": (31, 23),
+    "bfloat16": (15, 7),
+    "float16": (15, 10),
+}
+
+
+class ReportError(ValueError):
+    pass
+
+
+def wilson(k: int, n: int) -> tuple[float, float]:
+    """95% Wilson score interval for k successes in n trials."""
+    if n == 0:
+        return (math.nan, math.nan)
+    p = k / n
+    denom = 1 + Z95**2 / n
+    center = (p + Z95**2 / (2 * n)) / denom
+    half = Z95 * math.sqrt(p * (1 - p) / n + Z95**2 / (4 * n * n)) / denom
+    return (max(0.0, center - half), min(1.0, center + half))
+
+
+def bit_class(dtype: str, bit: object) -> str:
+    if bit == "" or bit is None or (isinstance(bit, float) and math.isnan(bit)):
+        return ""
+    sign, exponent_low = BIT_CLASSES[dtype]
+    bit = int(bit)
+    if bit == sign:
+        return "sign"
+    if bit == sign - 1:
+        return "exponent_msb"
+    return "exponent" if bit >= exponent_low else "mantissa"
+
+
+def load_trials(dirs: list[Path]) -> pd.DataFrame:
+    """Every trials.csv under the given folders (a sweep folder holds one per job)."""
+    files = []
+    for d in dirs:
+        if not d.is_dir():
+            raise ReportError(f"{d}: not a folder")
+        found = sorted(d.rglob("trials.csv"))
+        if not found:
+            raise ReportError(f"{d}: no trials.csv in it or below it")
+        files += found
+    frames = []
+    for f in files:
+        df = pd.read_csv(f, keep_default_na=False, na_values=[""], dtype={"trial_id": str})
+        missing = [c for c in COLUMNS if c not in df.columns]
+        if missing:
+            raise ReportError(f"{f}: missing columns: {', '.join(missing)}")
+        frames.append(df.assign(run=str(f.parent)))
+    df = pd.concat(frames, ignore_index=True)
+    for col in ("fired", "detected", "contained", "attribution_correct", "golden_match"):
+        df[col] = df[col].map({True: True, False: False, "True": True, "False": False})
+    df["bit_class"] = [bit_class(d, b) for d, b in zip(df["dtype"], df["bit"], strict=True)]
+    for col in ("detected_by", "alert_detectors", "detectors"):
+        df[col] = df[col].fillna("").astype(str)
+    return df
+
+
+def _rate(k: int, n: int) -> str:
+    if n == 0:
+        return "n=0"
+    lo, hi = wilson(k, n)
+    return f"{k}/{n} = {k / n:.0%} [{lo:.0%}, {hi:.0%}]"
+
+
+def _table(rows: list[dict[str, object]]) -> str:
+    if not rows:
+        return "_none_\n"
+    cols = list(rows[0])
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _detectors(df: pd.DataFrame) -> list[str]:
+    return sorted({d for ds in df["detectors"] for d in ds.split(";") if d})
+
+
+def catch_rates(df: pd.DataFrame) -> list[dict[str, object]]:
+    fired = df[df["fired"] == True]  # noqa: E712 (a column of booleans)
+    rows = []
+    for label, subset in (
+        ("all fired", fired),
+        ("non-masked", fired[fired["effect"] != "masked"]),
+        ("harmful", fired[fired["effect"] == "harmful"]),
+    ):
+        row = {"trials": label, "any detector": _rate(int(subset["detected"].sum()), len(subset))}
+        for d in _detectors(df):
+            caught = subset["detected_by"].map(lambda s, d=d: d in s.split(";")).astype(bool)
+            row[d] = _rate(int(caught.sum()), len(subset))
+        rows.append(row)
+    return rows
+
+
+def cells(df: pd.DataFrame) -> list[dict[str, object]]:
+    """Catch rate per (site, model, bit class), and whether the cell is a blind spot."""
+    fired = df[df["fired"] == True]  # noqa: E712
+    rows = []
+    for (site, model, bits), g in fired.groupby(["site", "model", "bit_class"], dropna=False):
+        harmful = g[g["effect"] == "harmful"]
+        k_h, n_h = int(harmful["detected"].sum()), len(harmful)
+        blind = n_h > 0 and wilson(k_h, n_h)[1] < 0.5
+        rows.append(
+            {
+                "site": site,
+                "model": model,
+                "bit class": bits or "-",
+                "catch rate (fired)": _rate(int(g["detected"].sum()), len(g)),
+                "catch rate (harmful)": _rate(k_h, n_h),
+                "effects": ", ".join(f"{e} {c}" for e, c in g["effect"].value_counts().items()),
+                "blind spot": "**yes**" if blind else "no",
+            }
+        )
+    return rows
+
+
+def false_positives(df: pd.DataFrame) -> list[dict[str, object]]:
+    clean = df[df["site"] == "none"]
+    rows = []
+    for d in _detectors(df):
+        flagged = clean["alert_detectors"].map(lambda s, d=d: d in s.split(";")).astype(bool)
+        rows.append(
+            {
+                "detector": d,
+                "clean trials with an alert": _rate(int(flagged.sum()), len(clean)),
+            }
+        )
+    return rows
+
+
+def _per_trial(df: pd.DataFrame) -> str:
+    clean = df[df["site"] == "none"]
+    return f"{clean['alerts'].sum()}/{len(clean)}" if len(clean) else "no clean trials"
+
+
+def detection_times(df: pd.DataFrame) -> list[dict[str, object]]:
+    caught = df[df["detected"] == True]  # noqa: E712
+    rows = []
+    for d, g in caught.groupby("first_detector"):
+        ttd = g["ttd_steps"]
+        rows.append(
+            {
+                "first detector": d,
+                "n": len(g),
+                "ttd steps (median / max)": f"{ttd.median():g} / {ttd.max():g}",
+                "ttd seconds (median)": f"{g['ttd_seconds'].median():.4f}",
+                "contained": _rate(int(g["contained"].sum()), len(g)),
+                "attribution correct": _rate(int(g["attribution_correct"].sum()), len(g)),
+            }
+        )
+    return rows
+
+
+def summary(df: pd.DataFrame) -> str:
+    """The short table printed at the end of a campaign."""
+    effects = df["effect"].value_counts()
+    head = f"{len(df)} trials: " + ", ".join(f"{e} {effects[e]}" for e in sorted(effects.index))
+    return head + "\n\n" + _table(catch_rates(df)) + "\n" + _table(false_positives(df))
+
+
+def write_report(df: pd.DataFrame, out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    sections = [
+        "# SDC detection coverage report",
+        f"Runs: {', '.join(sorted(df['run'].unique()))}  ",
+        f"Trials: {len(df)}; workloads: {', '.join(sorted(df['workload'].unique()))}; "
+        f"dtypes: {', '.join(sorted(df['dtype'].unique()))}; "
+        "effects: " + ", ".join(f"{e} {n}" for e, n in df["effect"].value_counts().items()),
+        "Rates are k/n with a 95% Wilson interval. Catch rate = detected / fired (DESIGN §5); "
+        "`detected` means an alert at or after the first step in which the injection changed a "
+        "value.",
+        "## Catch rate by detector\n\n" + _table(catch_rates(df)),
+        "## Catch rate by scenario cell\n\nA blind spot is a cell with harmful trials whose catch "
+        "rate's upper bound is below 50%.\n\n" + _table(cells(df)),
+        "## False positives (clean trials)\n\n"
+        f"Alerts per clean trial, all detectors: {_per_trial(df)}\n\n"
+        + _table(false_positives(df)),
+        "## Time to detection, containment and attribution\n\n" + _table(detection_times(df)),
+    ]
+    clean = df[df["site"] == "none"]
+    if len(clean):
+        same = int(clean["golden_match"].sum())
+        sections.append(
+            "## Detectors observe only\n\nClean trials whose final weights are bit-identical to "
+            f"their golden run (detectors off): {same}/{len(clean)}."
+        )
+    path = out / "report.md"
+    tmp = out / ".report.md.tmp"
+    tmp.write_text("\n\n".join(sections) + "\n", encoding="utf-8")
+    tmp.replace(path)
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="sdc-report", description=__doc__.splitlines()[0])
+    parser.add_argument("dirs", nargs="+", type=Path, help="run folders or sweep folders")
+    parser.add_argument("--out", type=Path, help="where to write (default: the first folder)")
+    args = parser.parse_args(argv)
+    try:
+        df = load_trials(args.dirs)
+    except ReportError as exc:
+        print(f"sdc-report: {exc}", file=sys.stderr)
+        sys.exit(2)
+    path = write_report(df, args.out or args.dirs[0])
+    print(summary(df))
+    print(f"report: {path}")

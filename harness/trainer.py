@@ -1,0 +1,152 @@
+"""One rank's training run for one trial: the step in DESIGN's fixed order, with every site a
+hook point. It knows the plug-in hooks, never a concrete injector or detector.
+
+    1. forward (activation)  -> loss (loss)
+    2. backward -> local gradients, bucket by bucket (grad)         \
+    3. checks on local gradients                                     | one DDP comm hook
+    4. allreduce -> averaged gradients (allreduce)                   |
+    5. checks on averaged gradients                                 /
+    6. audit (replay)
+    7. optimizer step (optimizer state), then the update (weight)
+    8-9. consensus, then a checkpoint only if every check approves
+"""
+
+import hashlib
+import math
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import detectors
+from harness import checkpoint
+from harness.config import RunConfig, TrialSpec
+from harness.plugins import Bucket, EventLog, PluginBus, RankInfo
+from harness.workloads import Workload
+from injectors import injector
+
+
+@dataclass
+class RankResult:
+    """What one rank reports about one trial."""
+
+    trial_id: str
+    rank: int
+    events: list[dict[str, Any]] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    step_times: list[float] = field(default_factory=list)
+    final_loss: float = math.nan
+    weights_digest: str = ""
+    weights_finite: bool = True
+
+
+class _HookState:
+    """What the comm hook needs; the trainer sets `step` before each backward."""
+
+    def __init__(self, bus: PluginBus, model: nn.Module, world_size: int):
+        self.bus = bus
+        self.names = {id(p): n for n, p in model.named_parameters()}
+        self.world_size = world_size
+        self.step = 0
+
+
+def _comm_hook(state: _HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Sites 2-5 around the one allreduce DDP allows: local checks, collective, reduced checks.
+
+    DDP checks the parameter names and the `dist.GradBucket` annotation itself (so this module
+    must not use postponed annotations).
+    """
+    step = state.step
+    names = [state.names[id(p)] for p in bucket.parameters()]
+    view = Bucket(
+        index=bucket.index(),
+        buffer=bucket.buffer(),
+        tensors=list(zip(names, bucket.gradients(), strict=True)),
+        is_last=bucket.is_last(),
+    )
+    state.bus.local_grad(step, view)
+    view.buffer.div_(state.world_size)
+    future = dist.all_reduce(view.buffer, async_op=True).get_future()
+
+    def reduced(fut: torch.futures.Future) -> torch.Tensor:
+        state.bus.reduced_grad(step, view)
+        return fut.value()[0]
+
+    return future.then(reduced)
+
+
+def weights_digest(model: nn.Module) -> str:
+    """SHA-256 over every parameter's bytes: equal digests mean bit-identical weights."""
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        h.update(name.encode())
+        h.update(p.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def run_trial(run: RunConfig, spec: TrialSpec, info: RankInfo, store: Path) -> RankResult:
+    """Train one trial from step 0 on this rank; every rank of the world calls this together."""
+    cfg = replace(run.workload, seed=spec.seed)
+    workload = Workload(cfg)
+    model = workload.build_model()
+    log = EventLog(info.rank)
+    plugins = injector.build(spec.fault, spec.seed, info, log, model)
+    plugins += detectors.build({} if spec.golden else run.detectors, info, log)
+    bus = PluginBus(plugins)
+
+    ddp = DDP(model)
+    state = _HookState(bus, model, info.world_size)
+    ddp.register_comm_hook(state, _comm_hook)
+    bus.install_forward_hooks(model, lambda: state.step)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    result = RankResult(spec.trial_id, info.rank, log.events)
+
+    for step in range(cfg.steps):
+        state.step = step
+        started = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        step_loss = 0.0
+        for micro in range(cfg.micro_batches):
+            last = micro == cfg.micro_batches - 1
+            with nullcontext() if last else ddp.no_sync():
+                loss = workload.loss(ddp, workload.batch(step, info.rank, micro))
+                loss = bus.loss(step, loss)
+                (loss / cfg.micro_batches).backward()
+            step_loss += loss.item() / cfg.micro_batches
+        bus.audit(step, model)
+        optimizer.step()
+        bus.optimizer_state(step, optimizer)
+        bus.update(step, model)
+        if (step + 1) % run.checkpoint.interval == 0 and bus.checkpoint_approved(step, model):
+            _checkpoint(store / spec.trial_id, step, model, optimizer, info, log)
+        result.step_times.append(time.perf_counter() - started)
+        result.losses.append(step_loss)
+
+    with torch.no_grad():
+        result.final_loss = float(workload.loss(model, workload.eval_batch()))
+    result.weights_digest = weights_digest(model)
+    result.weights_finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    return result
+
+
+def _checkpoint(
+    folder: Path,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    info: RankInfo,
+    log: EventLog,
+) -> None:
+    """Rank 0 writes, as in DDP practice: the replicas are meant to be identical."""
+    if info.rank != 0:
+        return
+    path = folder / f"step_{step:06d}.pt"
+    state = {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    checkpoint.save(path, state)
+    log.emit("checkpoint", step=step, path=str(path))

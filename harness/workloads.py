@@ -1,0 +1,153 @@
+"""Training workloads whose every micro-batch is a pure function of (seed, step, rank, micro-batch).
+
+Any rank can regenerate any other rank's micro-batch bit for bit, which is what replay audits
+need, and two runs with the same seed see exactly the same data.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Distinct stream tags keep the data, teacher and evaluation generators independent.
+_STREAM_TRAIN, _STREAM_TEACHER, _STREAM_EVAL = 1, 2, 3
+
+
+def generator(*key: int) -> torch.Generator:
+    """A CPU generator seeded from an integer tuple, stable across processes and runs."""
+    seed = 0x9E3779B97F4A7C15
+    for part in key:
+        seed = (seed * 0x100000001B3 ^ (part & 0xFFFFFFFFFFFFFFFF)) % (1 << 63)
+    return torch.Generator().manual_seed(seed)
+
+
+@dataclass(frozen=True)
+class WorkloadConfig:
+    name: str
+    steps: int
+    dtype: str
+    seed: int
+    micro_batches: int
+    micro_batch_size: int
+    lr: float
+    # mlp
+    in_dim: int = 64
+    hidden: int = 256
+    classes: int = 10
+    # gpt
+    vocab: int = 128
+    context: int = 64
+    d_model: int = 128
+    layers: int = 2
+    heads: int = 4
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: WorkloadConfig):
+        super().__init__()
+        self.fc1 = nn.Linear(cfg.in_dim, cfg.hidden)
+        self.fc2 = nn.Linear(cfg.hidden, cfg.hidden)
+        self.head = nn.Linear(cfg.hidden, cfg.classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(F.gelu(self.fc2(F.gelu(self.fc1(x)))))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: WorkloadConfig):
+        super().__init__()
+        self.heads = cfg.heads
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model)
+        self.out = nn.Linear(4 * cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    """A small decoder-only transformer (about 430k parameters at the defaults)."""
+
+    def __init__(self, cfg: WorkloadConfig):
+        super().__init__()
+        self.tok = nn.Embedding(cfg.vocab, cfg.d_model)
+        self.pos = nn.Embedding(cfg.context, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+class Workload:
+    """Builds the model and produces deterministic batches and losses for one config."""
+
+    def __init__(self, cfg: WorkloadConfig):
+        self.cfg = cfg
+        self.dtype = DTYPES[cfg.dtype]
+        teacher = generator(cfg.seed, _STREAM_TEACHER)
+        if cfg.name == "mlp":
+            self._teacher = torch.randn(cfg.in_dim, cfg.classes, generator=teacher)
+        else:
+            # A sparse random Markov chain: learnable structure, so the loss falls visibly.
+            logits = torch.randn(cfg.vocab, cfg.vocab, generator=teacher) * 3.0
+            self._transitions = torch.softmax(logits, dim=1)
+
+    def build_model(self) -> nn.Module:
+        torch.manual_seed(self.cfg.seed)
+        model = MLP(self.cfg) if self.cfg.name == "mlp" else GPT(self.cfg)
+        return model.to(self.dtype)
+
+    def batch(self, step: int, rank: int, micro_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = generator(self.cfg.seed, _STREAM_TRAIN, step, rank, micro_batch)
+        return self._sample(gen, self.cfg.micro_batch_size)
+
+    def eval_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._sample(generator(self.cfg.seed, _STREAM_EVAL), 4 * self.cfg.micro_batch_size)
+
+    def _sample(self, gen: torch.Generator, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        if cfg.name == "mlp":
+            x = torch.randn(n, cfg.in_dim, generator=gen)
+            return x.to(self.dtype), (x @ self._teacher).argmax(dim=1)
+        tokens = torch.empty(n, cfg.context + 1, dtype=torch.long)
+        tokens[:, 0] = torch.randint(cfg.vocab, (n,), generator=gen)
+        for t in range(cfg.context):
+            probs = self._transitions[tokens[:, t]]
+            tokens[:, t + 1] = torch.multinomial(probs, 1, generator=gen).squeeze(1)
+        return tokens[:, :-1], tokens[:, 1:]
+
+    def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        inputs, targets = batch
+        logits = model(inputs)
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    def tokens_per_micro_batch(self) -> int:
+        per_sample = self.cfg.context if self.cfg.name == "gpt" else 1
+        return self.cfg.micro_batch_size * per_sample
+
+
+def parameter_count(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def finite(x: float) -> bool:
+    return math.isfinite(x)

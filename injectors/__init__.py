@@ -1,0 +1,27 @@
+"""Fault injectors: one module per fault model, each exporting `MODEL`.
+
+`injector.FaultInjector` places a model's corruption at a site of the step; the trainer only
+calls `build` and never names a concrete injector.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+from injectors.model import FaultModel
+
+# Sites whose tensors the injector can reach today.
+SITES = ("grad", "allreduce", "weight")
+_NOT_MODELS = {"bits", "model", "injector"}
+
+
+def available_models() -> tuple[str, ...]:
+    names = (m.name for m in pkgutil.iter_modules(__path__) if m.name not in _NOT_MODELS)
+    return tuple(
+        sorted(n for n in names if hasattr(importlib.import_module(f"injectors.{n}"), "MODEL"))
+    )
+
+
+def model_class(name: str) -> type[FaultModel]:
+    return importlib.import_module(f"injectors.{name}").MODEL

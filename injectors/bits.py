@@ -1,0 +1,41 @@
+"""Bit-level access to one element of a float tensor, in the tensor's own dtype."""
+
+from __future__ import annotations
+
+import torch
+
+_INT_VIEW = {
+    torch.float64: torch.int64,
+    torch.float32: torch.int32,
+    torch.bfloat16: torch.int16,
+    torch.float16: torch.int16,
+}
+
+
+def width(dtype: torch.dtype) -> int:
+    return torch.finfo(dtype).bits
+
+
+def _int_view(flat: torch.Tensor) -> torch.Tensor:
+    return flat.view(_INT_VIEW[flat.dtype])
+
+
+def pattern(flat: torch.Tensor, index: int) -> int:
+    """The element's bit pattern as an unsigned integer."""
+    bits = width(flat.dtype)
+    return int(_int_view(flat)[index]) & ((1 << bits) - 1)
+
+
+def to_hex(flat: torch.Tensor, index: int) -> str:
+    return f"0x{pattern(flat, index):0{width(flat.dtype) // 4}x}"
+
+
+def write_pattern(flat: torch.Tensor, index: int, value: int) -> None:
+    """Store an unsigned bit pattern into the element, reinterpreted as the signed view."""
+    bits = width(flat.dtype)
+    signed = value - (1 << bits) if value >= 1 << (bits - 1) else value
+    _int_view(flat)[index] = signed
+
+
+def flip(flat: torch.Tensor, index: int, bit: int) -> None:
+    write_pattern(flat, index, pattern(flat, index) ^ (1 << bit))

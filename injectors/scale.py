@@ -1,0 +1,23 @@
+"""`scale`: multiply the element by a finite factor (0.40 becomes 4.00 with factor 10)."""
+
+from __future__ import annotations
+
+import torch
+
+from harness.config import ConfigError
+from injectors.model import FaultModel
+
+
+class Scale(FaultModel):
+    name = "scale"
+
+    @classmethod
+    def validate(cls, key: str, fault) -> None:
+        if fault.factor is None:
+            raise ConfigError(f"{key}.factor", "the scale model needs a finite factor")
+
+    def corrupt(self, flat: torch.Tensor, index: int) -> None:
+        flat[index] = flat[index] * self.fault.factor
+
+
+MODEL = Scale

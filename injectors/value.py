@@ -1,0 +1,47 @@
+"""`value`: set the element to a number, `nan`, `inf`, `-inf`, `max` (largest finite), `zero`,
+or `random` (uniform over the tensor's current range, seeded)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from harness.config import ConfigError
+from injectors.model import FaultModel
+
+NAMED = ("nan", "inf", "-inf", "max", "zero", "random")
+
+
+class Value(FaultModel):
+    name = "value"
+
+    @classmethod
+    def validate(cls, key: str, fault) -> None:
+        if fault.value in NAMED:
+            return
+        try:
+            number = float(fault.value)
+        except (TypeError, ValueError):
+            number = math.nan
+        if not math.isfinite(number):
+            raise ConfigError(
+                f"{key}.value",
+                f"'{fault.value}' is not allowed; allowed: a number, {', '.join(NAMED)}",
+            )
+
+    def corrupt(self, flat: torch.Tensor, index: int) -> None:
+        choice = self.fault.value
+        if choice == "max":
+            new = torch.finfo(flat.dtype).max
+        elif choice == "zero":
+            new = 0.0
+        elif choice == "random":
+            low, high = float(flat.min()), float(flat.max())
+            new = self.rng.uniform(low, high)
+        else:
+            new = float(choice)
+        flat[index] = new
+
+
+MODEL = Value
