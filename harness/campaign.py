@@ -71,47 +71,56 @@ class SpawnExecutor:
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
-def run_campaign(run: RunConfig, out: Path) -> Path:
-    """Run every pending trial of `run` into `out`; return the path of trials.csv."""
-    claim(out, run)
-    records = Records(out)
-    done = records.resume()
-    goldens = records.goldens()
-    pending_golden = [g for g in run.golden_specs() if g.seed not in goldens]
-    pending = [t for t in run.trials if t.trial_id not in done]
-    executor = SpawnExecutor(run.topology, out / "world", out / "store")
-    bar = tqdm(total=len(pending_golden) + len(pending), unit="trial", mininterval=1.0)
-    alerts = crashes = 0
-    try:
-        for spec in pending_golden:
-            bar.set_description(f"golden {spec.trial_id}")
-            outcome = executor.run(run, spec)
+class Campaign:
+    """The ledger of one campaign folder: what is pending, and what to do with each outcome.
+
+    Shared by the spawned world and the torchrun worker, so both write the same rows.
+    """
+
+    def __init__(self, run: RunConfig, out: Path):
+        claim(out, run)
+        self.run = run
+        self.out = out
+        self.records = Records(out)
+        done = self.records.resume()
+        self.goldens = self.records.goldens()
+        self.pending = [g for g in run.golden_specs() if g.seed not in self.goldens]
+        self.pending += [t for t in run.trials if t.trial_id not in done]
+
+    def record(self, spec: TrialSpec, outcome: Outcome) -> dict | None:
+        """Store a golden result, or append a trial's row; return the row."""
+        if not self.run.checkpoint.keep:
+            shutil.rmtree(self.out / "store" / spec.trial_id, ignore_errors=True)
+        if spec.golden:
             if outcome.parts is None:
                 raise CampaignError(f"golden run {spec.trial_id} crashed: {outcome.crash}")
             golden = golden_from(spec, outcome.parts)
-            records.add_golden(golden)
-            goldens[golden.seed] = golden
-            _drop_checkpoints(out, spec, run)
-            bar.update()
-        band = noise_band(list(goldens.values()))
-        for spec in pending:
+            self.records.add_golden(golden)
+            self.goldens[golden.seed] = golden
+            return None
+        band = noise_band(list(self.goldens.values()))
+        golden = self.goldens[spec.seed]
+        row, events = trial_row(self.run, spec, outcome.parts, outcome.crash, golden, band)
+        self.records.add_trial(row, events)
+        return row
+
+
+def run_campaign(run: RunConfig, out: Path) -> Path:
+    """Run every pending trial of `run` into `out` in spawned worlds; return trials.csv."""
+    campaign = Campaign(run, out)
+    executor = SpawnExecutor(run.topology, out / "world", out / "store")
+    bar = tqdm(total=len(campaign.pending), unit="trial", mininterval=1.0)
+    alerts = crashes = 0
+    try:
+        for spec in campaign.pending:
             bar.set_description(spec.trial_id)
-            outcome = executor.run(run, spec)
-            row, events = trial_row(
-                run, spec, outcome.parts, outcome.crash, goldens[spec.seed], band
-            )
-            records.add_trial(row, events)
-            _drop_checkpoints(out, spec, run)
-            alerts += row["alerts"]
-            crashes += row["effect"] == "crash"
-            bar.set_postfix(alerts=alerts, crashes=crashes, refresh=False)
+            row = campaign.record(spec, executor.run(run, spec))
+            if row is not None:
+                alerts += row["alerts"]
+                crashes += row["effect"] == "crash"
+                bar.set_postfix(alerts=alerts, crashes=crashes, refresh=False)
             bar.update()
     finally:
         bar.close()
         executor.close()
-    return records.trials
-
-
-def _drop_checkpoints(out: Path, spec: TrialSpec, run: RunConfig) -> None:
-    if not run.checkpoint.keep:
-        shutil.rmtree(out / "store" / spec.trial_id, ignore_errors=True)
+    return campaign.records.trials

@@ -17,7 +17,7 @@ from hydra.errors import HydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from harness import report
+from harness import report, torchrun_worker
 from harness.campaign import CampaignError, check_out, run_campaign
 from harness.config import ConfigError, RunConfig, run_config
 
@@ -57,12 +57,28 @@ def preflight(argv: list[str]) -> None:
         with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
             cfg = compose(config_name="config", overrides=overrides)
     except HydraException as exc:
-        fail(str(exc).strip().splitlines()[0])
+        fail(_composition_error(str(exc), overrides))
     run = validated(cfg)
     try:
         check_out(Path(cfg.out), run)
     except ConfigError as exc:
         fail(str(exc))
+
+
+def _composition_error(message: str, overrides: list[str]) -> str:
+    """Hydra's message for an unknown key, rewritten to name the keys that do exist."""
+    first = message.strip().splitlines()[0]
+    if not first.startswith("Could not override '"):
+        return first
+    key = first.split("'")[1]
+    parent, _, _ = key.rpartition(".")
+    groups = [o for o in overrides if o.split("=", 1)[0] in GROUPS]
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        base = compose(config_name="config", overrides=groups)
+    node = OmegaConf.select(base, parent) if parent else base
+    if not isinstance(node, DictConfig):
+        return f"{key}: unknown key"
+    return f"{key}: unknown key; allowed: {', '.join(str(k) for k in node)}"
 
 
 def resolve_out(cfg: DictConfig) -> Path:
@@ -76,16 +92,23 @@ def resolve_out(cfg: DictConfig) -> Path:
 
 def validated(cfg: DictConfig) -> RunConfig:
     try:
-        raw = OmegaConf.to_container(cfg, resolve=True)
-        return run_config(raw)
+        return run_config(plain(cfg))
     except ConfigError as exc:
         fail(str(exc))
+
+
+def plain(cfg: DictConfig) -> dict:
+    return OmegaConf.to_container(cfg, resolve=True)
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
 def app(cfg: DictConfig) -> None:
     run = validated(cfg)
     out = resolve_out(cfg)
+    if run.launcher == "torchrun":
+        print(f"plan: {torchrun_worker.write_plan(plain(cfg), out)}")
+        print(f"run it on every node with:\n  {torchrun_worker.command(run, out)}")
+        return
     try:
         trials = run_campaign(run, out)
     except ConfigError as exc:
@@ -99,7 +122,17 @@ def app(cfg: DictConfig) -> None:
     print(f"trials: {trials}\nreport: {path}")
 
 
+def implied_campaign(argv: list[str]) -> list[str]:
+    """Overriding the fault without naming a campaign means: run that fault (campaign=single)."""
+    keys = [a.lstrip("+~").split("=", 1)[0] for a in argv if "=" in a]
+    if any(k == "fault" or k.startswith("fault.") for k in keys) and "campaign" not in keys:
+        return [*argv, "campaign=single"]
+    return argv
+
+
 def main() -> None:
-    check_group_choices(sys.argv[1:])
-    preflight(sys.argv[1:])
+    argv = implied_campaign(sys.argv[1:])
+    sys.argv[1:] = argv
+    check_group_choices(argv)
+    preflight(argv)
     app()

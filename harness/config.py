@@ -12,9 +12,12 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+import torch
+
 import detectors
 import injectors
-from harness.workloads import DTYPES, WorkloadConfig
+from harness.workloads import DTYPES, Workload, WorkloadConfig
+from injectors import injector
 
 SITES_WITH_SCOPE = {"allreduce": ("rank", "reduction")}
 PERSISTENCE = ("transient", "intermittent", "permanent")
@@ -145,13 +148,20 @@ def _int_list(key: str, value: Any, low: int, high: int) -> tuple[int, ...]:
     return tuple(sorted({_int(f"{key}[{i}]", v, low, high) for i, v in enumerate(items)}))
 
 
-def workload_config(raw: dict[str, Any]) -> WorkloadConfig:
-    known = {f.name for f in fields(WorkloadConfig)}
+def _known_keys(prefix: str, raw: dict[str, Any], known: list[str]) -> None:
     for key in raw:
         if key not in known:
-            raise ConfigError(
-                f"workload.{key}", f"unknown key; allowed: {', '.join(sorted(known))}"
-            )
+            raise ConfigError(f"{prefix}{key}", f"unknown key; allowed: {', '.join(known)}")
+
+
+TOP_KEYS = [
+    "workload", "topology", "fault", "detectors", "campaign", "out", "launcher", "recovery",
+    "checkpoint",
+]  # fmt: skip
+
+
+def workload_config(raw: dict[str, Any]) -> WorkloadConfig:
+    _known_keys("workload.", raw, [f.name for f in fields(WorkloadConfig)])
     _choice("workload.name", raw.get("name"), WORKLOADS)
     _choice("workload.dtype", raw.get("dtype"), tuple(DTYPES))
     _int("workload.steps", raw.get("steps"), 1)
@@ -166,6 +176,7 @@ def workload_config(raw: dict[str, Any]) -> WorkloadConfig:
 
 
 def topology_config(raw: dict[str, Any]) -> TopologyConfig:
+    _known_keys("topology.", raw, [f.name for f in fields(TopologyConfig)])
     _int("topology.nodes", raw.get("nodes"), 1)
     _int("topology.ranks_per_node", raw.get("ranks_per_node"), 1)
     _int("topology.spares", raw.get("spares"), 0)
@@ -179,10 +190,7 @@ def topology_config(raw: dict[str, Any]) -> TopologyConfig:
 def fault_config(
     key: str, raw: dict[str, Any], workload: WorkloadConfig, topology: TopologyConfig
 ) -> FaultConfig:
-    known = {f.name for f in fields(FaultConfig)}
-    for name in raw:
-        if name not in known:
-            raise ConfigError(f"{key}.{name}", f"unknown key; allowed: {', '.join(sorted(known))}")
+    _known_keys(f"{key}.", raw, [f.name for f in fields(FaultConfig)])
     site = _choice(f"{key}.site", raw.get("site", "none"), ("none", *injectors.SITES))
     if site == "none":
         return FaultConfig()
@@ -219,6 +227,21 @@ def fault_config(
     return fault
 
 
+def _check_target(key: str, fault: FaultConfig, model: torch.nn.Module) -> None:
+    if fault.clean:
+        return
+    size = injector.target_size(fault, model)
+    if size == 0:
+        names = ", ".join(n for n, _ in model.named_parameters())
+        raise ConfigError(
+            f"{key}.tensor", f"'{fault.tensor}' matches no parameter; allowed: {names}"
+        )
+    if fault.index is not None and fault.index + fault.elements > size:
+        raise ConfigError(
+            f"{key}.index", f"{fault.index} is out of range; allowed: 0..{size - fault.elements}"
+        )
+
+
 def _value_name(value: Any) -> str:
     """Hydra reads `nan` and `inf` as floats; the table and the model keep them as names."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -250,12 +273,16 @@ def detector_configs(raw: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
 
 def run_config(raw: dict[str, Any]) -> RunConfig:
     """Validate a composed config (as a plain dict) and expand its campaign into trials."""
+    _known_keys("", raw, TOP_KEYS)
+    _known_keys("campaign.", raw["campaign"], ["name", "seeds", "noise_seeds", "scenarios"])
+    _known_keys("checkpoint.", raw["checkpoint"], ["interval", "keep"])
+    _known_keys("recovery.", raw.get("recovery") or {}, ["enabled"])
     workload = workload_config(dict(raw["workload"]))
     topology = topology_config(dict(raw["topology"]))
     campaign = dict(raw["campaign"])
     launcher = _choice("launcher", raw.get("launcher", "spawn"), LAUNCHERS)
-    if topology.backend == "nccl" and launcher != "torchrun":
-        raise ConfigError("topology.backend", "'nccl' needs launcher=torchrun; allowed here: gloo")
+    if topology.backend == "nccl":
+        raise ConfigError("topology.backend", "'nccl' is not supported yet; allowed: gloo")
     recovery = dict(raw.get("recovery") or {})
     if recovery.get("enabled", False) is not False:
         raise ConfigError("recovery.enabled", "recovery is not built yet; allowed: false")
@@ -272,10 +299,12 @@ def run_config(raw: dict[str, Any]) -> RunConfig:
         scenario_raw = expand_scenarios(list(campaign.get("scenarios") or []))
         if not scenario_raw:
             raise ConfigError("campaign.scenarios", "a campaign needs at least one scenario")
+    model = Workload(workload).build_model()
     scenarios, trials = [], []
     for n, (i, scenario) in enumerate(scenario_raw):
         key = "fault" if campaign.get("name") == "single" else f"campaign.scenarios[{i}]"
         fault = fault_config(key, scenario, workload, topology)
+        _check_target(key, fault, model)
         scenarios.append(fault)
         for s in range(seeds):
             seed = workload.seed + s

@@ -1,0 +1,98 @@
+"""Run a campaign plan under torchrun: the same trainer, with env:// rendezvous and node identity
+from torchrun's variables. `sdc-bench launcher=torchrun out=DIR` writes DIR/plan.json and prints
+the command, for example:
+
+    torchrun --standalone --nproc-per-node=4 -m harness.torchrun_worker DIR
+
+torchrun itself is the watchdog here: a rank that dies ends the whole run, and a rerun of the
+same command resumes after the last complete trial.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch.distributed as dist
+
+from harness import report
+from harness.campaign import Campaign
+from harness.config import ConfigError, RunConfig, run_config
+from harness.plugins import RankInfo
+from harness.trainer import run_trial
+from harness.world import Outcome, init_rank
+
+PLAN = "plan.json"
+
+
+def command(run: RunConfig, out: Path) -> str:
+    topo = run.topology
+    rendezvous = (
+        "--standalone"
+        if topo.nodes == 1
+        else f"--nnodes={topo.nodes} --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT"
+    )
+    return (
+        f"torchrun {rendezvous} --nproc-per-node={topo.ranks_per_node} "
+        f"-m harness.torchrun_worker {out}"
+    )
+
+
+def write_plan(raw: dict, out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / PLAN
+    tmp = out / f".{PLAN}.tmp"
+    tmp.write_text(json.dumps(raw, indent=1, sort_keys=True))
+    tmp.replace(path)
+    return path
+
+
+def rank_info(run: RunConfig) -> RankInfo:
+    """This rank's place, from torchrun's variables; they must match the plan's topology."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    per_node = int(os.environ["LOCAL_WORLD_SIZE"])
+    topo = run.topology
+    if (world, per_node) != (topo.world_size, topo.ranks_per_node):
+        raise ConfigError(
+            "topology",
+            f"torchrun started {world} ranks, {per_node} per node; the plan wants "
+            f"{topo.world_size}, {topo.ranks_per_node} per node",
+        )
+    return RankInfo(rank, world, per_node)
+
+
+def main(argv: list[str] | None = None) -> None:
+    out = Path((argv or sys.argv[1:])[0])
+    try:
+        run = run_config(json.loads((out / PLAN).read_text()))
+        info = rank_info(run)
+    except (ConfigError, OSError) as exc:
+        print(f"harness.torchrun_worker: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    init_rank(run.topology)
+    dist.init_process_group(
+        run.topology.backend,
+        init_method="env://",
+        timeout=timedelta(seconds=run.topology.collective_timeout_s),
+    )
+    campaign = Campaign(run, out) if info.rank == 0 else None
+    pending = [campaign.pending if campaign else None]
+    dist.broadcast_object_list(pending, src=0)
+    for spec in pending[0]:
+        part = run_trial(run, spec, info, out / "store")
+        parts = [None] * info.world_size if campaign else None
+        dist.gather_object(part, parts, dst=0)
+        if campaign:
+            campaign.record(spec, Outcome(parts=parts))
+    if campaign:
+        df = report.load_trials([out])
+        print(report.summary(df))
+        print(f"report: {report.write_report(df, out)}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

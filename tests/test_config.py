@@ -1,0 +1,43 @@
+"""Config composition with Hydra's compose API, and what validation builds from it."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.config import ConfigError
+from tests.conftest import compose_run
+
+
+def test_default_campaign_expands_scenarios_times_seeds():
+    run = compose_run()
+    assert (run.topology.nodes, run.topology.ranks_per_node, run.topology.backend) == (4, 1, "gloo")
+    assert list(run.detectors) == ["nan_inf"]
+    sites = {t.fault.site for t in run.trials}
+    models = {t.fault.model for t in run.trials if not t.fault.clean}
+    assert "none" in sites and {"bitflip", "scale", "value"} <= models
+    assert len(run.trials) == len(run.scenarios) * run.seeds
+    assert len({t.trial_id for t in run.trials}) == len(run.trials)
+    assert [g.seed for g in run.golden_specs()] == list(range(max(run.seeds, run.noise_seeds)))
+
+
+def test_single_campaign_runs_the_fault_keys_seeds_times():
+    run = compose_run("campaign=single", "fault=grad_scale", "campaign.seeds=3", "workload.seed=7")
+    assert [t.seed for t in run.trials] == [7, 8, 9]
+    assert {t.fault.factor for t in run.trials} == {1000.0}
+
+
+def test_detectors_can_be_empty():
+    assert compose_run("detectors=[]").detectors == {}
+
+
+def test_allreduce_scope_defaults_to_rank_and_accepts_reduction():
+    base = ["campaign=single", "fault=grad_scale", "fault.site=allreduce"]
+    assert compose_run(*base).trials[0].fault.scope == "rank"
+    assert compose_run(*base, "fault.scope=reduction").trials[0].fault.scope == "reduction"
+    with pytest.raises(ConfigError, match="fault.scope"):
+        compose_run(*base, "fault.scope=everyone")
+
+
+def test_hydra_reads_nan_as_a_float_and_the_fault_keeps_its_name():
+    run = compose_run("campaign=single", "fault=grad_nan", "fault.value=inf")
+    assert run.trials[0].fault.value == "inf" and "value-inf" in run.trials[0].trial_id

@@ -1,0 +1,47 @@
+"""Bad input: exit 2, one line naming the key and what is allowed, before anything is spawned
+or written."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import sdc_bench
+
+CASES = [
+    (["fault.site=gpu"], "fault.site", "allowed: none, grad, allreduce, weight"),
+    (["campaign=single", "fault=grad_bitflip", "fault.model=melt"], "fault.model", "bitflip"),
+    (["campaign=single", "fault=grad_bitflip", "fault.bit=32"], "fault.bit", "0..31"),
+    (
+        ["campaign=single", "fault=grad_bitflip", "workload.dtype=bfloat16", "fault.bit=16"],
+        "fault.bit",
+        "0..15",
+    ),
+    (["campaign=single", "fault=grad_bitflip", "fault.ranks=[4]"], "fault.ranks", "0..3"),
+    (["campaign=single", "fault=grad_bitflip", "fault.steps=[30]"], "fault.steps", "0..29"),
+    (["campaign=single", "fault=grad_bitflip", "fault.steps=[]"], "fault.steps", "non-empty"),
+    (["campaign=single", "fault=grad_scale", "fault.factor=inf"], "fault.factor", "finite"),
+    (["campaign=single", "fault=grad_bitflip", "fault.scope=rank"], "fault.scope", "no scope"),
+    (
+        ["campaign=single", "fault=grad_bitflip", "fault.tensor=nothing.*"],
+        "fault.tensor",
+        "matches no parameter",
+    ),
+    (["workload=transformer"], "workload", "allowed: gpt, mlp"),
+    (["workload.dtype=float8"], "workload.dtype", "allowed: float32, bfloat16, float16"),
+    (["detectors=[nan_inf,oracle]"], "detectors", "allowed: nan_inf"),
+    (["topology.nodes=0"], "topology.nodes", "1..inf"),
+    (["recovery.enabled=true"], "recovery.enabled", "allowed: false"),
+    (["fault.sitee=grad"], "fault.sitee", ""),
+]
+
+
+@pytest.mark.parametrize(("overrides", "key", "allowed"), CASES, ids=[c[1] for c in CASES])
+def test_bad_value_exits_2_with_one_line(tmp_path, overrides, key, allowed):
+    out = tmp_path / "out"
+    proc = sdc_bench(*overrides, f"out={out}", cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert key in lines[0] and allowed in lines[0], lines[0]
+    assert "Traceback" not in proc.stderr
+    assert not out.exists(), "nothing may be created before the config is valid"

@@ -1,0 +1,143 @@
+"""The definitions of DESIGN section 5, on hand-built trial results."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from harness.config import FaultConfig, TrialSpec
+from harness.outcome import Golden, noise_band, trial_row
+from harness.report import bit_class, wilson
+from harness.trainer import RankResult
+from tests.conftest import compose_run
+
+GRAD_NAN = FaultConfig(site="grad", model="value", value="nan", ranks=(1,), steps=(3,))
+WEIGHT = FaultConfig(site="weight", model="scale", factor=10.0, ranks=(2,), steps=(3,))
+
+
+def _part(rank, events=(), loss=1.0, digest="g", finite=True):
+    return RankResult(
+        f"t{rank}", rank, list(events), [loss], [0.01, 0.02, 0.03], loss, digest, finite
+    )
+
+
+def _inject(rank, step, t=10.0):
+    return {"kind": "inject", "rank": rank, "step": step, "fired": True, "time": t}
+
+
+def _alert(rank, step, phase, suspects, t=11.0, detector="d"):
+    return {
+        "kind": "alert",
+        "rank": rank,
+        "step": step,
+        "phase": phase,
+        "detector": detector,
+        "suspect_ranks": suspects,
+        "suspect_nodes": suspects,
+        "evidence": {},
+        "time": t,
+    }
+
+
+def _row(fault, parts, crash=None, band=0.1):
+    spec = TrialSpec("t", 0, fault)
+    return trial_row(compose_run(), spec, parts, crash, Golden(0, 1.0, "g"), band)[0]
+
+
+def test_caught_in_its_step_before_the_optimizer_is_contained_and_attributed():
+    parts = [
+        _part(0),
+        _part(
+            1,
+            [_inject(1, 3), _alert(1, 3, "pre_allreduce", [1])],
+            loss=math.nan,
+            digest="x",
+            finite=False,
+        ),
+    ] + [_part(r) for r in (2, 3)]
+    row = _row(GRAD_NAN, parts)
+    assert (row["fired"], row["detected"], row["contained"], row["attribution_correct"]) == (
+        True,
+        True,
+        True,
+        True,
+    )
+    assert row["ttd_steps"] == 0 and row["ttd_seconds"] == pytest.approx(1.0)
+    assert row["effect"] == "harmful" and row["final_loss"] == ""
+
+
+def test_a_gradient_fault_caught_a_step_late_is_not_contained():
+    parts = [_part(0, [_alert(0, 4, "pre_allreduce", [0])]), _part(1, [_inject(1, 3)], digest="x")]
+    row = _row(GRAD_NAN, parts + [_part(2), _part(3)])
+    assert row["detected"] and not row["contained"] and not row["attribution_correct"]
+    assert row["ttd_steps"] == 1
+
+
+def test_a_checkpoint_between_injection_and_alert_breaks_containment():
+    checkpoint = {"kind": "checkpoint", "rank": 0, "step": 4, "time": 12.0}
+    late = [
+        _part(0, [checkpoint]),
+        _part(1),
+        _part(2, [_inject(2, 3), _alert(2, 5, "consensus", [2])], digest="x"),
+        _part(3),
+    ]
+    assert _row(WEIGHT, late)["contained"] is False
+    early = [
+        _part(0, [checkpoint]),
+        _part(1),
+        _part(2, [_inject(2, 3), _alert(2, 4, "consensus", [2])], digest="x"),
+        _part(3),
+    ]
+    assert _row(WEIGHT, early)["contained"] is True
+
+
+def test_effects():
+    same = [_part(r) for r in range(4)]
+    assert _row(GRAD_NAN, same)["effect"] == "masked"
+    near = [_part(r, loss=1.05, digest="x") for r in range(4)]
+    assert _row(GRAD_NAN, near, band=0.1)["effect"] == "benign"
+    far = [_part(r, loss=1.5, digest="x") for r in range(4)]
+    assert _row(GRAD_NAN, far, band=0.1)["effect"] == "harmful"
+    crash = _row(GRAD_NAN, None, crash="rank 2 killed by SIGKILL")
+    assert crash["effect"] == "crash" and crash["crash_cause"] == "rank 2 killed by SIGKILL"
+    assert _row(FaultConfig(), same)["effect"] == "none"
+
+
+def test_an_injection_that_changed_nothing_has_not_fired():
+    quiet = {**_inject(1, 3), "fired": False}
+    row = _row(GRAD_NAN, [_part(0), _part(1, [quiet]), _part(2), _part(3)])
+    assert row["fired"] is False and row["detected"] is False and row["contained"] == ""
+
+
+def test_alerts_before_the_injection_do_not_count_as_detection():
+    parts = [_part(0, [_alert(0, 1, "pre_allreduce", [0])]), _part(1, [_inject(1, 3)])]
+    row = _row(GRAD_NAN, parts + [_part(2), _part(3)])
+    assert row["alerts"] == 1 and row["detected"] is False
+
+
+def test_noise_band_and_wilson():
+    assert noise_band([Golden(0, 1.0, "a"), Golden(1, 1.3, "b"), Golden(2, 0.9, "c")]) == (
+        pytest.approx(0.4)
+    )
+    # Reference values (Wilson 1927; as computed by statsmodels' proportion_confint).
+    assert wilson(5, 5) == (pytest.approx(0.5655, abs=1e-4), 1.0)
+    assert wilson(0, 10)[1] == pytest.approx(0.2775, abs=1e-4)
+    lo, hi = wilson(7, 20)
+    assert (lo, hi) == (pytest.approx(0.1812, abs=1e-4), pytest.approx(0.5671, abs=1e-4))
+
+
+def test_bit_classes():
+    assert [bit_class("float32", b) for b in (31, 30, 23, 22)] == [
+        "sign",
+        "exponent_msb",
+        "exponent",
+        "mantissa",
+    ]
+    assert [bit_class("bfloat16", b) for b in (15, 14, 7, 6)] == [
+        "sign",
+        "exponent_msb",
+        "exponent",
+        "mantissa",
+    ]
+    assert bit_class("float32", "") == ""

@@ -1,0 +1,103 @@
+"""The world survives its ranks: a killed rank costs one trial; torchrun runs the same code."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from tests.conftest import BIN, FAST, rows, without_timing
+
+
+def _wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_sigkilled_rank_costs_one_trial_and_the_campaign_goes_on(tmp_path):
+    out = tmp_path / "run"
+    args = [
+        "fault=grad_nan",
+        "workload.steps=200",
+        "fault.steps=[150]",
+        "campaign.seeds=3",
+        "campaign.noise_seeds=2",
+        f"out={out}",
+    ]
+    proc = subprocess.Popen(
+        [str(BIN / "sdc-bench"), *args],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        # Goldens done and the first trial recorded: the world is mid-campaign.
+        _wait_for(lambda: (out / "trials.csv").exists(), 240, "the first trial row")
+        (world,) = (out / "world").glob("world-*")
+        victim = int((world / "rank2.pid").read_text())
+        time.sleep(0.3)
+        os.kill(victim, signal.SIGKILL)
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr[-3000:]
+    table = rows(out)
+    assert len(table) == 3
+    crashed = [r for r in table if r["effect"] == "crash"]
+    assert len(crashed) == 1, [(r["trial_id"], r["effect"]) for r in table]
+    assert "rank 2 killed by SIGKILL" in crashed[0]["crash_cause"]
+    assert all(r["effect"] == "harmful" for r in table if r is not crashed[0])
+    with_pid = [p for p in Path("/proc").iterdir() if p.name.isdigit()]
+    assert not any(p.name == str(victim) for p in with_pid)
+
+
+def test_torchrun_runs_the_same_worker_code_and_writes_the_same_rows(tmp_path, run_ok):
+    args = [
+        *FAST,
+        "fault=grad_nan",
+        "fault.steps=[5]",
+        "topology.nodes=1",
+        "topology.ranks_per_node=4",
+    ]
+    spawned, planned = tmp_path / "spawned", tmp_path / "planned"
+    run_ok(*args, f"out={spawned}", cwd=tmp_path)
+    proc = run_ok(*args, "launcher=torchrun", f"out={planned}", cwd=tmp_path)
+    command = proc.stdout.strip().splitlines()[-1].split()
+    assert command[:3] == ["torchrun", "--standalone", "--nproc-per-node=4"]
+    env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}")
+    done = subprocess.run(
+        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    spawned_rows, torchrun_rows = without_timing(rows(spawned)), without_timing(rows(planned))
+    assert spawned_rows == torchrun_rows
+    assert spawned_rows[0]["detected"] == "True" and spawned_rows[0]["suspect_ranks"] == "3"
+
+
+def test_torchrun_refuses_a_world_that_does_not_match_the_plan(tmp_path, run_ok):
+    planned = tmp_path / "planned"
+    run_ok(*FAST, "fault=grad_nan", "launcher=torchrun", f"out={planned}", cwd=tmp_path)
+    env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}")
+    done = subprocess.run(
+        [
+            "torchrun",
+            "--standalone",
+            "--nproc-per-node=2",
+            "-m",
+            "harness.torchrun_worker",
+            str(planned),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode != 0
+    assert "the plan wants 4, 1 per node" in done.stderr
+    assert not (planned / "trials.csv").exists()
