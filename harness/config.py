@@ -17,7 +17,7 @@ import torch
 import detectors
 import injectors
 from harness.workloads import DTYPES, Workload, WorkloadConfig
-from injectors import injector
+from injectors import bits, injector
 
 SITES_WITH_SCOPE = {"allreduce": ("rank", "reduction")}
 PERSISTENCE = ("transient", "intermittent", "permanent")
@@ -54,7 +54,7 @@ class TopologyConfig:
 class FaultConfig:
     site: str = "none"
     model: str = "none"
-    bit: int | None = None
+    bit: int | str | None = None
     factor: float | None = None
     value: str | None = None
     scope: str | None = None
@@ -75,7 +75,7 @@ class FaultConfig:
             return "clean"
         parts = [self.site, self.model]
         if self.bit is not None:
-            parts.append(f"b{self.bit}")
+            parts.append(f"b{self.bit}" if isinstance(self.bit, int) else self.bit)
         if self.factor is not None:
             parts.append(f"x{self.factor:g}")
         if self.value is not None:
@@ -197,8 +197,11 @@ def fault_config(
     model = _choice(f"{key}.model", raw.get("model"), injectors.available_models())
     values = dict(raw, site=site, model=model)
     width = BIT_WIDTH[workload.dtype]
-    if values.get("bit") is not None:
-        values["bit"] = _int(f"{key}.bit", values["bit"], 0, width - 1)
+    bit = values.get("bit")
+    if isinstance(bit, str):
+        _choice(f"{key}.bit", bit, bits.CLASSES)
+    elif bit is not None:
+        values["bit"] = _int(f"{key}.bit", bit, 0, width - 1)
     if values.get("value") is not None:
         values["value"] = _value_name(values["value"])
     factor = values.get("factor")

@@ -71,6 +71,14 @@ def merge_alerts(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     )
 
 
+def _bit(fault: FaultConfig, injections: list[dict[str, Any]]) -> int | str:
+    """The bit actually flipped when it was one; else the configured bit, class or blank."""
+    flipped = {e["bit"] for e in injections}
+    if len(flipped) == 1 and None not in flipped:
+        return flipped.pop()
+    return "" if fault.bit is None else fault.bit
+
+
 def _join(values) -> str:
     return ";".join(str(v) for v in sorted(values))
 
@@ -118,7 +126,7 @@ def trial_row(
         "ranks_per_node": run.topology.ranks_per_node,
         "site": fault.site,
         "model": fault.model,
-        "bit": "" if fault.bit is None else fault.bit,
+        "bit": _bit(fault, injections),
         "factor": "" if fault.factor is None else fault.factor,
         "value": fault.value or "",
         "scope": fault.scope or "",

@@ -15,13 +15,10 @@ from pathlib import Path
 import pandas as pd
 
 from harness.outcome import COLUMNS
+from harness.workloads import DTYPES
+from injectors import bits
 
 Z95 = 1.959963984540054
-BIT_CLASSES = {  # (sign bit, lowest exponent bit) per dtype width
-    "float32": (31, 23),
-    "bfloat16": (15, 7),
-    "float16": (15, 10),
-}
 
 
 class ReportError(ValueError):
@@ -40,15 +37,12 @@ def wilson(k: int, n: int) -> tuple[float, float]:
 
 
 def bit_class(dtype: str, bit: object) -> str:
+    """A configured bit as its class; a configured class stays itself."""
     if bit == "" or bit is None or (isinstance(bit, float) and math.isnan(bit)):
         return ""
-    sign, exponent_low = BIT_CLASSES[dtype]
-    bit = int(bit)
-    if bit == sign:
-        return "sign"
-    if bit == sign - 1:
-        return "exponent_msb"
-    return "exponent" if bit >= exponent_low else "mantissa"
+    if str(bit) in bits.CLASSES:
+        return str(bit)
+    return bits.classify(DTYPES[dtype], int(float(bit)))
 
 
 def load_trials(dirs: list[Path]) -> pd.DataFrame:
@@ -117,7 +111,7 @@ def cells(df: pd.DataFrame) -> list[dict[str, object]]:
     """Catch rate per (site, model, bit class), and whether the cell is a blind spot."""
     fired = df[df["fired"] == True]  # noqa: E712
     rows = []
-    for (site, model, bits), g in fired.groupby(["site", "model", "bit_class"], dropna=False):
+    for (site, model, klass), g in fired.groupby(["site", "model", "bit_class"], dropna=False):
         harmful = g[g["effect"] == "harmful"]
         k_h, n_h = int(harmful["detected"].sum()), len(harmful)
         blind = n_h > 0 and wilson(k_h, n_h)[1] < 0.5
@@ -125,7 +119,7 @@ def cells(df: pd.DataFrame) -> list[dict[str, object]]:
             {
                 "site": site,
                 "model": model,
-                "bit class": bits or "-",
+                "bit class": klass or "-",
                 "catch rate (fired)": _rate(int(g["detected"].sum()), len(g)),
                 "catch rate (harmful)": _rate(k_h, n_h),
                 "effects": ", ".join(f"{e} {c}" for e, c in g["effect"].value_counts().items()),

@@ -23,7 +23,7 @@ def _part(rank, events=(), loss=1.0, digest="g", finite=True):
 
 
 def _inject(rank, step, t=10.0):
-    return {"kind": "inject", "rank": rank, "step": step, "fired": True, "time": t}
+    return {"kind": "inject", "rank": rank, "step": step, "fired": True, "time": t, "bit": None}
 
 
 def _alert(rank, step, phase, suspects, t=11.0, detector="d"):

@@ -1,0 +1,43 @@
+"""Durable tables and checkpoints: whole rows or none, verified checkpoints."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness import checkpoint
+from harness.outcome import COLUMNS, Golden
+from harness.records import Records
+
+
+def _row(trial_id):
+    return {c: "" for c in COLUMNS} | {"trial_id": trial_id}
+
+
+def test_resume_drops_a_torn_row_and_the_events_of_unfinished_trials(tmp_path):
+    records = Records(tmp_path)
+    records.add_trial(_row("a"), [{"trial_id": "a", "kind": "inject"}])
+    records.add_golden(Golden(0, 1.0, "d"))
+    with open(records.events, "a") as f:
+        f.write('{"trial_id": "b", "kind": "inject"}\n{"trial_id": "b", "ki')
+    with open(records.trials, "a") as f:
+        f.write("b,0,mlp")
+    assert Records(tmp_path).resume() == {"a"}
+    assert records.trials.read_text().count("\n") == 2
+    assert [line for line in records.events.read_text().splitlines()] == [
+        '{"trial_id": "a", "kind": "inject"}'
+    ]
+    assert records.goldens() == {0: Golden(0, 1.0, "d")}
+
+
+def test_checkpoint_round_trip_and_a_flipped_byte_is_caught(tmp_path):
+    path = tmp_path / "store" / "step_000009.pt"
+    state = {"step": 9, "model": {"w": torch.arange(6, dtype=torch.float32)}}
+    checkpoint.save(path, state)
+    assert torch.equal(checkpoint.load(path)["model"]["w"], state["model"]["w"])
+    assert not list(path.parent.glob(".*tmp"))
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(checkpoint.CorruptCheckpoint, match="checksum mismatch"):
+        checkpoint.load(path)
