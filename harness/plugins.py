@@ -43,10 +43,6 @@ class RankInfo:
     def node(self) -> int:
         return self.rank // self.ranks_per_node
 
-    @property
-    def local_rank(self) -> int:
-        return self.rank % self.ranks_per_node
-
 
 @dataclass
 class Bucket:
@@ -63,13 +59,12 @@ class EventLog:
     """The events one rank records during one trial."""
 
     rank: int
+    node: int
     events: list[dict[str, Any]] = field(default_factory=list)
 
     def emit(self, kind: str, **fields: Any) -> None:
-        self.events.append({"kind": kind, "rank": self.rank, "time": time.time(), **fields})
-
-
-Alert = Callable[..., None]
+        event = {"kind": kind, "rank": self.rank, "node": self.node, "time": time.time()}
+        self.events.append(event | fields)
 
 
 class Plugin:

@@ -95,7 +95,7 @@ def run_trial(run: RunConfig, spec: TrialSpec, info: RankInfo, store: Path) -> R
     cfg = replace(run.workload, seed=spec.seed)
     workload = Workload(cfg)
     model = workload.build_model()
-    log = EventLog(info.rank)
+    log = EventLog(info.rank, info.node)
     plugins = injector.build(spec.fault, spec.seed, info, log, model)
     plugins += detectors.build({} if spec.golden else run.detectors, info, log)
     bus = PluginBus(plugins)

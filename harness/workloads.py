@@ -6,7 +6,6 @@ need, and two runs with the same seed see exactly the same data.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -139,15 +138,3 @@ class Workload:
         inputs, targets = batch
         logits = model(inputs)
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
-
-    def tokens_per_micro_batch(self) -> int:
-        per_sample = self.cfg.context if self.cfg.name == "gpt" else 1
-        return self.cfg.micro_batch_size * per_sample
-
-
-def parameter_count(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
-
-
-def finite(x: float) -> bool:
-    return math.isfinite(x)
