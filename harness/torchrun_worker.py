@@ -23,7 +23,7 @@ from harness.campaign import Campaign
 from harness.config import ConfigError, RunConfig, run_config
 from harness.plugins import RankInfo
 from harness.trainer import run_trial
-from harness.world import Outcome, init_rank
+from harness.world import Outcome, init_rank, shutdown
 
 PLAN = "plan.json"
 
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
         df = report.load_trials([out])
         print(report.summary(df))
         print(f"report: {report.write_report(df, out)}")
-    dist.destroy_process_group()
+    shutdown()
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ trial gets a fresh one. Rendezvous goes through a file store, so no port is ever
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import queue
@@ -86,6 +87,14 @@ def _rank_main(
             results.close()
             results.join_thread()
             os._exit(1)
+    shutdown()
+
+
+def shutdown() -> None:
+    """Leave the process group cleanly: collect the trial's DDP objects (whose threads abort the
+    process if they outlive the group) and let every rank arrive before the group goes."""
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
 
 
