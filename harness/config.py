@@ -21,6 +21,7 @@ from injectors import bits, injector
 
 SITES_WITH_SCOPE = {"allreduce": ("rank", "reduction")}
 PERSISTENCE = ("transient", "intermittent", "permanent")
+SELECT = ("random", "largest")
 WORKLOADS = ("mlp", "gpt")
 BACKENDS = ("gloo", "nccl")
 LAUNCHERS = ("spawn", "torchrun")
@@ -65,6 +66,12 @@ class FaultConfig:
     tensor: str = "*"
     index: int | None = None
     elements: int = 1
+    select: str = "random"
+    nbits: int = 1
+    adjacent: bool = True
+    stuck_at: int | None = None
+    ber: float | None = None
+    schedule: tuple[dict[str, Any], ...] = ()
 
     @property
     def clean(self) -> bool:
@@ -80,9 +87,19 @@ class FaultConfig:
             parts.append(f"x{self.factor:g}")
         if self.value is not None:
             parts.append(self.value)
+        if self.stuck_at is not None:
+            parts.append(f"at{self.stuck_at}")
+        if self.nbits > 1:
+            parts.append(f"n{self.nbits}{'adj' if self.adjacent else 'rnd'}")
+        if self.ber is not None:
+            parts.append(f"ber{self.ber:g}")
+        if self.select != "random":
+            parts.append(self.select)
         if self.scope:
             parts.append(self.scope)
-        if self.persistence != "transient":
+        if self.schedule:
+            parts.append("schedule")
+        elif self.persistence != "transient":
             parts.append(self.persistence)
         return "-".join(parts)
 
@@ -142,10 +159,20 @@ def _positive(key: str, value: Any) -> float:
 
 
 def _int_list(key: str, value: Any, low: int, high: int) -> tuple[int, ...]:
-    items = [value] if isinstance(value, int) else value
+    """A list of integers; an item "A:B" or "A:B:S" stands for range(A, B, S)."""
+    items = [value] if isinstance(value, int | str) else value
     if not isinstance(items, list | tuple) or not items:
         raise ConfigError(key, f"'{value}' must be a non-empty list of integers in {low}..{high}")
-    return tuple(sorted({_int(f"{key}[{i}]", v, low, high) for i, v in enumerate(items)}))
+    expanded = []
+    for i, item in enumerate(items):
+        if isinstance(item, str):
+            try:
+                expanded += list(range(*(int(part) for part in item.split(":"))))
+            except (TypeError, ValueError):
+                raise ConfigError(f"{key}[{i}]", f"'{item}' is not a range A:B or A:B:S") from None
+        else:
+            expanded.append(item)
+    return tuple(sorted({_int(f"{key}[{i}]", v, low, high) for i, v in enumerate(expanded)}))
 
 
 def _known_keys(prefix: str, raw: dict[str, Any], known: list[str]) -> None:
@@ -216,33 +243,85 @@ def fault_config(
         values["scope"] = _choice(f"{key}.scope", scope or "rank", SITES_WITH_SCOPE[site])
     elif scope is not None:
         raise ConfigError(f"{key}.scope", f"site '{site}' has no scope; leave it null")
-    values["ranks"] = _int_list(f"{key}.ranks", values.get("ranks"), 0, topology.world_size - 1)
-    values["steps"] = _int_list(f"{key}.steps", values.get("steps"), 0, workload.steps - 1)
+    values["schedule"] = _schedule(f"{key}.schedule", values.get("schedule"), workload, topology)
+    if not values["schedule"]:
+        values["ranks"] = _int_list(f"{key}.ranks", values.get("ranks"), 0, topology.world_size - 1)
+        values["steps"] = _int_list(f"{key}.steps", values.get("steps"), 0, workload.steps - 1)
+    else:
+        values["ranks"], values["steps"] = (), ()
     _choice(f"{key}.persistence", values.get("persistence", "transient"), PERSISTENCE)
+    _choice(f"{key}.select", values.get("select", "random"), SELECT)
     if values.get("index") is not None:
         _int(f"{key}.index", values["index"], 0)
     _int(f"{key}.elements", values.get("elements", 1), 1)
+    _int(f"{key}.nbits", values.get("nbits", 1), 1, width)
+    if not isinstance(values.get("adjacent", True), bool):
+        raise ConfigError(
+            f"{key}.adjacent", f"'{values['adjacent']}' is not allowed; allowed: true, false"
+        )
     probability = values.get("probability", 0.5)
     if not isinstance(probability, int | float) or not 0 < probability <= 1:
         raise ConfigError(f"{key}.probability", f"'{probability}' must be in (0, 1]")
+    ber = values.get("ber")
+    if ber is not None and (not isinstance(ber, int | float) or not 0 < ber <= 1):
+        raise ConfigError(f"{key}.ber", f"'{ber}' must be a bit error rate in (0, 1]")
+    if ber is not None and model != "bitflip":
+        raise ConfigError(f"{key}.ber", "a bit error rate needs model bitflip")
     fault = FaultConfig(**values)
     injectors.model_class(model).validate(key, fault)
     return fault
 
 
+def _schedule(
+    key: str, raw: Any, workload: WorkloadConfig, topology: TopologyConfig
+) -> tuple[dict[str, Any], ...]:
+    """An explicit list of injections: {step, rank, tensor, index[, bit]} each."""
+    if not raw:
+        return ()
+    width = BIT_WIDTH[workload.dtype]
+    entries = []
+    for i, entry in enumerate(raw):
+        k = f"{key}[{i}]"
+        if not isinstance(entry, dict):
+            raise ConfigError(k, "each entry is {step, rank, tensor, index[, bit]}")
+        _known_keys(f"{k}.", entry, ["step", "rank", "tensor", "index", "bit"])
+        clean = {
+            "step": _int(f"{k}.step", entry.get("step"), 0, workload.steps - 1),
+            "rank": _int(f"{k}.rank", entry.get("rank"), 0, topology.world_size - 1),
+            "tensor": str(entry.get("tensor")),
+            "index": _int(f"{k}.index", entry.get("index"), 0),
+        }
+        if entry.get("bit") is not None:
+            clean["bit"] = _int(f"{k}.bit", entry["bit"], 0, width - 1)
+        entries.append(clean)
+    return tuple(entries)
+
+
 def _check_target(key: str, fault: FaultConfig, model: torch.nn.Module) -> None:
+    """The tensors a fault names must exist at its site on this workload's model."""
     if fault.clean:
         return
-    size = injector.target_size(fault, model)
-    if size == 0:
-        names = ", ".join(n for n, _ in model.named_parameters())
-        raise ConfigError(
-            f"{key}.tensor", f"'{fault.tensor}' matches no parameter; allowed: {names}"
-        )
-    if fault.index is not None and fault.index + fault.elements > size:
-        raise ConfigError(
-            f"{key}.index", f"{fault.index} is out of range; allowed: 0..{size - fault.elements}"
-        )
+    reachable = dict(injector.targets(fault.site, model))
+    names = ", ".join(reachable)
+    for i, entry in enumerate(fault.schedule):
+        at = f"{key}.schedule[{i}]"
+        if entry["tensor"] not in reachable:
+            message = f"'{entry['tensor']}' is not at site {fault.site}; allowed: {names}"
+            raise ConfigError(f"{at}.tensor", message)
+        size = reachable[entry["tensor"]]
+        if size is not None and entry["index"] >= size:
+            message = f"{entry['index']} is out of range; allowed: 0..{size - 1}"
+            raise ConfigError(f"{at}.index", message)
+    if fault.schedule:
+        return
+    matched = injector.matching(fault, model)
+    if not matched:
+        message = f"'{fault.tensor}' matches nothing at site {fault.site}; allowed: {names}"
+        raise ConfigError(f"{key}.tensor", message)
+    sizes = [size for _, size in matched]
+    if fault.index is not None and None not in sizes and fault.index + fault.elements > sum(sizes):
+        high = sum(sizes) - fault.elements
+        raise ConfigError(f"{key}.index", f"{fault.index} is out of range; allowed: 0..{high}")
 
 
 def _value_name(value: Any) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +27,7 @@ COLUMNS = [
     "golden_final_loss", "loss_delta", "step_time_s",
     # Beyond the contract: what the report and audits of the table need.
     "campaign", "detectors", "detected_by", "alert_detectors", "fault_ranks", "fault_steps",
-    "golden_match", "noise_band", "crash_cause",
+    "golden_match", "replicas_agree", "divergent_ranks", "noise_band", "crash_cause",
 ]  # fmt: skip
 
 
@@ -157,6 +158,8 @@ def trial_row(
         "fault_ranks": _join(fault.ranks),
         "fault_steps": _join(fault.steps),
         "golden_match": golden_match,
+        "replicas_agree": "" if parts is None else len({p.weights_digest for p in parts}) == 1,
+        "divergent_ranks": _join(divergent_ranks(parts)),
         "noise_band": band,
         "crash_cause": crash or "",
     }
@@ -217,6 +220,14 @@ def attribution(first: dict[str, Any], injected_ranks: set[int], run: RunConfig)
         return first["suspect_ranks"] == injected_ranks
     nodes = {r // run.topology.ranks_per_node for r in injected_ranks}
     return bool(first["suspect_nodes"]) and first["suspect_nodes"] == nodes
+
+
+def divergent_ranks(parts: list[RankResult] | None) -> list[int]:
+    """Ranks whose final weights differ from the most common replica's."""
+    if not parts:
+        return []
+    majority, _ = Counter(p.weights_digest for p in parts).most_common(1)[0]
+    return [p.rank for p in parts if p.weights_digest != majority]
 
 
 def step_time(parts: list[RankResult] | None) -> float | str:

@@ -73,9 +73,11 @@ class Plugin:
     def watches_module(self, name: str) -> bool:
         return False
 
-    def on_forward(self, step: int, module: str, output: torch.Tensor) -> None: ...
+    def on_forward(self, step: int, module: str, output: torch.Tensor) -> torch.Tensor | None:
+        """Return a tensor to replace the module's output, or None to leave it."""
 
-    def on_loss(self, step: int, loss: torch.Tensor) -> torch.Tensor | None: ...
+    def on_loss(self, step: int, loss: torch.Tensor) -> torch.Tensor | None:
+        """Return a tensor to replace the loss, or None to leave it."""
 
     def on_local_grad(self, step: int, bucket: Bucket) -> None: ...
 
@@ -129,8 +131,12 @@ class PluginBus:
                 continue
 
             def hook(_mod, _inp, output, name=name, watchers=watchers):
+                replaced = None
                 for plugin in watchers:
-                    plugin.on_forward(step_of(), name, output)
+                    result = plugin.on_forward(step_of(), name, output)
+                    if result is not None:
+                        output = replaced = result
+                return replaced
 
             module.register_forward_hook(hook)
 

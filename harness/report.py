@@ -63,7 +63,14 @@ def load_trials(dirs: list[Path]) -> pd.DataFrame:
             raise ReportError(f"{f}: missing columns: {', '.join(missing)}")
         frames.append(df.assign(run=str(f.parent)))
     df = pd.concat(frames, ignore_index=True)
-    for col in ("fired", "detected", "contained", "attribution_correct", "golden_match"):
+    for col in (
+        "fired",
+        "detected",
+        "contained",
+        "attribution_correct",
+        "golden_match",
+        "replicas_agree",
+    ):
         df[col] = df[col].map({True: True, False: False, "True": True, "False": False})
     df["bit_class"] = [bit_class(d, b) for d, b in zip(df["dtype"], df["bit"], strict=True)]
     for col in ("detected_by", "alert_detectors", "detectors"):

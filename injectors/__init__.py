@@ -11,8 +11,7 @@ import pkgutil
 
 from injectors.model import FaultModel
 
-# Sites whose tensors the injector can reach today.
-SITES = ("grad", "allreduce", "weight")
+SITES = ("grad", "allreduce", "weight", "optimizer", "activation", "loss")
 _NOT_MODELS = {"bits", "model", "injector"}
 
 

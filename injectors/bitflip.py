@@ -1,7 +1,9 @@
-"""`bitflip`: invert one bit of the element, in the tensor's own dtype (LSB = 0).
+"""`bitflip`: invert bits of the element, in the tensor's own dtype (LSB = 0).
 
 `fault.bit` is an index, a class (`sign`, `exponent_msb`, `exponent`, `mantissa`: a bit of that
-class drawn from the trial's seed), or null for any bit drawn from the seed.
+class drawn from the trial's seed), or null for any bit drawn from the seed. `fault.nbits` > 1
+flips that many bits: adjacent ones upward from the chosen bit (`fault.adjacent=true`, shifted
+down to fit the word), or the chosen bit plus others drawn at random.
 """
 
 from __future__ import annotations
@@ -12,17 +14,33 @@ from injectors import bits
 from injectors.model import FaultModel
 
 
+def choose_bit(fault, dtype: torch.dtype, rng) -> int:
+    """The configured bit, a seeded draw within the configured class, or any seeded bit."""
+    if isinstance(fault.bit, int):
+        return fault.bit
+    if isinstance(fault.bit, str):
+        return rng.choice(bits.class_bits(dtype, fault.bit))
+    return rng.randrange(bits.width(dtype))
+
+
 class BitFlip(FaultModel):
     name = "bitflip"
 
-    def corrupt(self, flat: torch.Tensor, index: int) -> int:
-        bit = self.fault.bit
-        if bit is None:
-            bit = self.rng.randrange(bits.width(flat.dtype))
-        elif isinstance(bit, str):
-            bit = self.rng.choice(bits.class_bits(flat.dtype, bit))
-        bits.flip(flat, index, bit)
-        return bit
+    def corrupt(self, flat: torch.Tensor, index: int, bit: int | None = None) -> list[int]:
+        width = bits.width(flat.dtype)
+        first = choose_bit(self.fault, flat.dtype, self.rng) if bit is None else bit
+        n = self.fault.nbits if bit is None else 1
+        if n == 1:
+            chosen = [first]
+        elif self.fault.adjacent:
+            low = min(first, width - n)
+            chosen = list(range(low, low + n))
+        else:
+            others = [b for b in range(width) if b != first]
+            chosen = sorted([first, *self.rng.sample(others, n - 1)])
+        for b in chosen:
+            bits.flip(flat, index, b)
+        return chosen
 
 
 MODEL = BitFlip

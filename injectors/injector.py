@@ -1,4 +1,14 @@
-"""The fault injector plug-in: when, where and on which element a fault model strikes."""
+"""The fault injector plug-in: when, where and on which element a fault model strikes.
+
+Sites and what they reach (DESIGN section 3):
+    grad       a rank's local gradients before the collective (parameter names)
+    allreduce  the averaged gradients after it; scope `rank` on the listed ranks, scope
+               `reduction` on every receiver alike (the reduction itself was wrong)
+    weight     parameters right after the optimizer step (parameter names)
+    optimizer  Adam's moments right after the step (`NAME.exp_avg`, `NAME.exp_avg_sq`)
+    activation the output of a module in the forward pass (module names)
+    loss       the scalar loss before backward (`loss`)
+"""
 
 from __future__ import annotations
 
@@ -6,6 +16,7 @@ import math
 import random
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -15,38 +26,95 @@ from injectors import bits, model_class
 if TYPE_CHECKING:
     from harness.config import FaultConfig
 
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
 
 def _number(x: float) -> float | str:
     """JSON has no NaN or infinity: non-finite values are written as strings."""
     return x if math.isfinite(x) else str(x)
 
 
-class FaultInjector(Plugin):
-    """Injects one fault (DESIGN section 5: pinned to the rank's hardware, seeded by the trial).
+def targets(site: str, model: nn.Module) -> list[tuple[str, int | None]]:
+    """The named tensors a site can reach on `model`, with their sizes where known up front."""
+    params = list(model.named_parameters())
+    if site == "optimizer":
+        return [(f"{n}.{k}", p.numel()) for n, p in params for k in MOMENTS]
+    if site == "activation":
+        return [(n, None) for n, _ in model.named_modules() if n]
+    if site == "loss":
+        return [("loss", 1)]
+    return [(n, p.numel()) for n, p in params]
 
-    The same elements are chosen on every rank from the trial seed alone, so a `reduction` scope
-    fault corrupts the same position on every receiver, and a permanent fault keeps hitting the
-    same unit step after step.
+
+def matching(fault: FaultConfig, model: nn.Module) -> list[tuple[str, int | None]]:
+    return [(n, size) for n, size in targets(fault.site, model) if matches(n, fault.tensor)]
+
+
+class _ReplaceValue(torch.autograd.Function):
+    """Forward gives the corrupted value; backward passes the gradient through unchanged, as
+    when faulty hardware computed one wrong value and everything downstream used it."""
+
+    @staticmethod
+    def forward(ctx, clean: torch.Tensor, corrupted: torch.Tensor) -> torch.Tensor:
+        return corrupted.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class FaultInjector(Plugin):
+    """Injects one fault, pinned to the hardware of the ranks it names and seeded by the trial.
+
+    Elements are chosen from the trial seed alone, so a `reduction` fault corrupts the same
+    position on every receiver, and a permanent fault keeps hitting the same unit step after
+    step, as a defective core would.
     """
 
     def __init__(
-        self,
-        fault: FaultConfig,
-        seed: int,
-        info: RankInfo,
-        log: EventLog,
-        targets: list[tuple[str, int]],
+        self, fault: FaultConfig, seed: int, info: RankInfo, log: EventLog, model: nn.Module
     ):
         self.fault = fault
         self.seed = seed
+        self.info = info
         self.log = log
-        reduction = fault.scope == "reduction"
-        self.active = reduction or info.rank in fault.ranks
-        rng = random.Random(f"fault-elements:{seed}")
         self.model = model_class(fault.model)(fault, random.Random(f"fault-model:{seed}"))
-        self.positions = _choose_elements(fault, targets, rng)
+        self.rng = random.Random(f"fault-elements:{seed}")
+        self.ber_rng = np.random.default_rng([seed, 0xBE7])
+        self.schedule = [e for e in fault.schedule if e["rank"] == info.rank]
+        if fault.schedule:
+            self.active = bool(self.schedule)
+        else:
+            self.active = fault.scope == "reduction" or info.rank in fault.ranks
+        self.names = {p: n for n, p in model.named_parameters()}
+        self.positions = self._initial_positions(matching(fault, model))
+
+    def _initial_positions(self, matched: list[tuple[str, int | None]]) -> dict[str, list[int]]:
+        """Seeded positions over the matched tensors, concatenated in model order. A module's
+        output size is only known in the forward pass: its indices are drawn there."""
+        if self.fault.schedule or self.fault.ber or self.fault.select == "largest":
+            return {}
+        if matched and matched[0][1] is None:
+            return {self.rng.choice(sorted(n for n, _ in matched)): []}
+        total = sum(size for _, size in matched)
+        if self.fault.index is not None:
+            flat = range(self.fault.index, self.fault.index + self.fault.elements)
+        else:
+            flat = sorted(self.rng.sample(range(total), min(self.fault.elements, total)))
+        positions: dict[str, list[int]] = {}
+        for k in flat:
+            for name, size in matched:
+                if k < size:
+                    positions.setdefault(name, []).append(k)
+                    break
+                k -= size
+        return positions
 
     def _due(self, step: int) -> bool:
+        if not self.active:
+            return False
+        if self.fault.schedule:
+            return any(e["step"] == step for e in self.schedule)
         first = self.fault.steps[0]
         if self.fault.persistence == "transient":
             return step in self.fault.steps
@@ -55,32 +123,95 @@ class FaultInjector(Plugin):
         draw = random.Random(f"fault-intermittent:{self.seed}:{step}").random()
         return step >= first and draw < self.fault.probability
 
-    def _inject(self, step: int, named: list[tuple[str, torch.Tensor]]) -> None:
-        if not (self.active and self._due(step)):
-            return
-        tensors = dict(named)
-        with torch.no_grad():
-            for name, index in self.positions:
-                if name not in tensors:
-                    continue
-                flat = tensors[name].view(-1)
-                old, old_bits = float(flat[index]), bits.to_hex(flat, index)
-                bit = self.model.corrupt(flat, index)
-                new_bits = bits.to_hex(flat, index)
-                self.log.emit(
-                    "inject",
-                    step=step,
-                    site=self.fault.site,
-                    model=self.fault.model,
-                    tensor=name,
-                    index=index,
-                    bit=bit,
-                    old=_number(old),
-                    new=_number(float(flat[index])),
-                    old_bits=old_bits,
-                    new_bits=new_bits,
-                    fired=old_bits != new_bits,
+    def _elements(self, step: int, name: str, flat: torch.Tensor) -> list[tuple[int, int | None]]:
+        """(index, bit or None) pairs to corrupt in one tensor at this step."""
+        fault = self.fault
+        if fault.schedule:
+            return [
+                (e["index"], e.get("bit"))
+                for e in self.schedule
+                if e["step"] == step and e["tensor"] == name
+            ]
+        if not matches(name, fault.tensor):
+            return []
+        if fault.ber:
+            width = bits.width(flat.dtype)
+            total = flat.numel() * width
+            count = int(self.ber_rng.binomial(total, fault.ber))
+            return [(k // width, k % width) for k in sorted(self.rng.sample(range(total), count))]
+        if name in self.positions and not self.positions[name]:
+            count = min(fault.elements, flat.numel())
+            self.positions[name] = sorted(self.rng.sample(range(flat.numel()), count))
+        return [(i, None) for i in self.positions.get(name, [])]
+
+    def _choose(
+        self, step: int, named: list[tuple[str, torch.Tensor]]
+    ) -> list[tuple[str, torch.Tensor, int, int | None]]:
+        """(name, flat tensor, index, bit) to corrupt among the tensors at hand."""
+        flats = [(name, tensor.view(-1)) for name, tensor in named]
+        if self.fault.select != "largest" or self.fault.schedule:
+            return [(n, f, i, b) for n, f in flats for i, b in self._elements(step, n, f)]
+        candidates = []
+        for name, flat in flats:
+            if matches(name, self.fault.tensor):
+                top = torch.topk(
+                    flat.detach().abs().float(), min(self.fault.elements, flat.numel())
                 )
+                candidates += [(float(v), name, flat, int(i)) for v, i in zip(*top, strict=True)]
+        candidates.sort(key=lambda c: -c[0])
+        return [(name, flat, i, None) for _, name, flat, i in candidates[: self.fault.elements]]
+
+    def _inject(self, step: int, named: list[tuple[str, torch.Tensor]]) -> None:
+        if not self._due(step):
+            return
+        with torch.no_grad():
+            for name, flat, index, bit in self._choose(step, named):
+                self._corrupt(step, name, flat, index, bit)
+
+    def _corrupt(
+        self, step: int, name: str, flat: torch.Tensor, index: int, bit: int | None
+    ) -> None:
+        old, old_bits = float(flat[index]), bits.to_hex(flat, index)
+        touched = self.model.corrupt(flat, index, bit)
+        new_bits = bits.to_hex(flat, index)
+        self.log.emit(
+            "inject",
+            step=step,
+            site=self.fault.site,
+            model=self.fault.model,
+            tensor=name,
+            index=index,
+            bit=touched[0] if touched else None,
+            bits=touched,
+            old=_number(old),
+            new=_number(float(flat[index])),
+            old_bits=old_bits,
+            new_bits=new_bits,
+            fired=old_bits != new_bits,
+        )
+
+    def _replaced(self, step: int, name: str, value: torch.Tensor) -> torch.Tensor | None:
+        """A corrupted copy of a forward value, wired in with a straight-through gradient."""
+        if not self._due(step):
+            return None
+        corrupted = value.detach().clone()
+        chosen = self._choose(step, [(name, corrupted)])
+        if not chosen:
+            return None
+        for _, flat, index, bit in chosen:
+            self._corrupt(step, name, flat, index, bit)
+        return _ReplaceValue.apply(value, corrupted)
+
+    def watches_module(self, name: str) -> bool:
+        return self.fault.site == "activation" and self.active and matches(name, self.fault.tensor)
+
+    def on_forward(self, step: int, module: str, output: torch.Tensor) -> torch.Tensor | None:
+        return self._replaced(step, module, output)
+
+    def on_loss(self, step: int, loss: torch.Tensor) -> torch.Tensor | None:
+        if self.fault.site == "loss":
+            return self._replaced(step, "loss", loss)
+        return None
 
     def on_local_grad(self, step: int, bucket: Bucket) -> None:
         if self.fault.site == "grad":
@@ -90,29 +221,20 @@ class FaultInjector(Plugin):
         if self.fault.site == "allreduce":
             self._inject(step, bucket.tensors)
 
+    def on_optimizer_state(self, step: int, optimizer: torch.optim.Optimizer) -> None:
+        if self.fault.site != "optimizer":
+            return
+        named = [
+            (f"{self.names[p]}.{k}", state[k])
+            for p, state in optimizer.state.items()
+            for k in MOMENTS
+            if k in state
+        ]
+        self._inject(step, named)
+
     def on_update(self, step: int, model: nn.Module) -> None:
         if self.fault.site == "weight":
             self._inject(step, [(n, p.data) for n, p in model.named_parameters()])
-
-
-def _choose_elements(
-    fault: FaultConfig, targets: list[tuple[str, int]], rng: random.Random
-) -> list[tuple[str, int]]:
-    """Flat positions over the matching tensors, concatenated in model order."""
-    matched = [(name, numel) for name, numel in targets if matches(name, fault.tensor)]
-    total = sum(numel for _, numel in matched)
-    if fault.index is not None:
-        flat = range(fault.index, fault.index + fault.elements)
-    else:
-        flat = sorted(rng.sample(range(total), min(fault.elements, total)))
-    positions = []
-    for k in flat:
-        for name, numel in matched:
-            if k < numel:
-                positions.append((name, k))
-                break
-            k -= numel
-    return positions
 
 
 def build(
@@ -120,10 +242,4 @@ def build(
 ) -> list[Plugin]:
     if fault.clean:
         return []
-    targets = [(name, p.numel()) for name, p in model.named_parameters()]
-    return [FaultInjector(fault, seed, info, log, targets)]
-
-
-def target_size(fault: FaultConfig, model: nn.Module) -> int:
-    """How many elements the fault's tensor glob covers on this model (0: it matches nothing)."""
-    return sum(p.numel() for n, p in model.named_parameters() if matches(n, fault.tensor))
+    return [FaultInjector(fault, seed, info, log, model)]

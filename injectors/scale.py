@@ -16,7 +16,7 @@ class Scale(FaultModel):
         if fault.factor is None:
             raise ConfigError(f"{key}.factor", "the scale model needs a finite factor")
 
-    def corrupt(self, flat: torch.Tensor, index: int) -> None:
+    def corrupt(self, flat: torch.Tensor, index: int, bit: int | None = None) -> None:
         flat[index] = flat[index] * self.fault.factor
 
 

@@ -30,7 +30,7 @@ class Value(FaultModel):
                 f"'{fault.value}' is not allowed; allowed: a number, {', '.join(NAMED)}",
             )
 
-    def corrupt(self, flat: torch.Tensor, index: int) -> None:
+    def corrupt(self, flat: torch.Tensor, index: int, bit: int | None = None) -> None:
         choice = self.fault.value
         if choice == "max":
             new = torch.finfo(flat.dtype).max

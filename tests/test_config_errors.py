@@ -8,7 +8,7 @@ import pytest
 from tests.conftest import sdc_bench
 
 CASES = [
-    (["fault.site=gpu"], "fault.site", "allowed: none, grad, allreduce, weight"),
+    (["fault.site=gpu"], "fault.site", "allowed: none, grad, allreduce, weight, optimizer"),
     (["campaign=single", "fault=grad_bitflip", "fault.model=melt"], "fault.model", "bitflip"),
     (["campaign=single", "fault=grad_bitflip", "fault.bit=32"], "fault.bit", "0..31"),
     (
@@ -24,7 +24,7 @@ CASES = [
     (
         ["campaign=single", "fault=grad_bitflip", "fault.tensor=nothing.*"],
         "fault.tensor",
-        "matches no parameter",
+        "matches nothing at site grad",
     ),
     (["workload=transformer"], "workload", "allowed: gpt, mlp"),
     (["workload.dtype=float8"], "workload.dtype", "allowed: float32, bfloat16, float16"),
