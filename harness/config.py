@@ -72,6 +72,7 @@ class FaultConfig:
     stuck_at: int | None = None
     ber: float | None = None
     schedule: tuple[dict[str, Any], ...] = ()
+    bucket: int | None = None
 
     @property
     def clean(self) -> bool:
@@ -251,6 +252,12 @@ def fault_config(
         values["ranks"], values["steps"] = (), ()
     _choice(f"{key}.persistence", values.get("persistence", "transient"), PERSISTENCE)
     _choice(f"{key}.select", values.get("select", "random"), SELECT)
+    if values.get("bucket") is not None:
+        _int(f"{key}.bucket", values["bucket"], 0)
+        if site not in ("grad", "allreduce"):
+            raise ConfigError(
+                f"{key}.bucket", f"site '{site}' has no buckets; allowed: grad, allreduce"
+            )
     if values.get("index") is not None:
         _int(f"{key}.index", values["index"], 0)
     _int(f"{key}.elements", values.get("elements", 1), 1)

@@ -1,7 +1,8 @@
 """The fault injector plug-in: when, where and on which element a fault model strikes.
 
 Sites and what they reach (DESIGN section 3):
-    grad       a rank's local gradients before the collective (parameter names)
+    grad       a rank's local gradients before the collective (parameter names; `fault.bucket`
+               narrows it to one DDP bucket, indexed as DDP orders them after the first step)
     allreduce  the averaged gradients after it; scope `rank` on the listed ranks, scope
                `reduction` on every receiver alike (the reduction itself was wrong)
     weight     parameters right after the optimizer step (parameter names)
@@ -87,7 +88,9 @@ class FaultInjector(Plugin):
         else:
             self.active = fault.scope == "reduction" or info.rank in fault.ranks
         self.names = {p: n for n, p in model.named_parameters()}
-        self.positions = self._initial_positions(matching(fault, model))
+        # With a bucket named, positions are drawn over that bucket's tensors when it first shows.
+        matched = [] if fault.bucket is not None else matching(fault, model)
+        self.positions = self._initial_positions(matched)
 
     def _initial_positions(self, matched: list[tuple[str, int | None]]) -> dict[str, list[int]]:
         """Seeded positions over the matched tensors, concatenated in model order. A module's
@@ -213,13 +216,22 @@ class FaultInjector(Plugin):
             return self._replaced(step, "loss", loss)
         return None
 
+    def _inject_bucket(self, step: int, bucket: Bucket) -> None:
+        if self.fault.bucket is not None:
+            if bucket.index != self.fault.bucket:
+                return
+            if not self.positions:
+                sizes = [(n, t.numel()) for n, t in bucket.tensors if matches(n, self.fault.tensor)]
+                self.positions = self._initial_positions(sizes)
+        self._inject(step, bucket.tensors)
+
     def on_local_grad(self, step: int, bucket: Bucket) -> None:
         if self.fault.site == "grad":
-            self._inject(step, bucket.tensors)
+            self._inject_bucket(step, bucket)
 
     def on_reduced_grad(self, step: int, bucket: Bucket) -> None:
         if self.fault.site == "allreduce":
-            self._inject(step, bucket.tensors)
+            self._inject_bucket(step, bucket)
 
     def on_optimizer_state(self, step: int, optimizer: torch.optim.Optimizer) -> None:
         if self.fault.site != "optimizer":

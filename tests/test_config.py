@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from harness.cli import CONFIG_DIR
 from harness.config import ConfigError
 from tests.conftest import compose_run
 
@@ -41,3 +44,20 @@ def test_allreduce_scope_defaults_to_rank_and_accepts_reduction():
 def test_hydra_reads_nan_as_a_float_and_the_fault_keeps_its_name():
     run = compose_run("campaign=single", "fault=grad_nan", "fault.value=inf")
     assert run.trials[0].fault.value == "inf" and "value-inf" in run.trials[0].trial_id
+
+
+def test_every_fault_preset_composes_and_validates():
+    presets = sorted(p.stem for p in (Path(CONFIG_DIR) / "fault").glob("*.yaml"))
+    assert len(presets) >= 10
+    sites = set()
+    for name in presets:
+        (trial,) = compose_run("campaign=single", f"fault={name}").trials
+        sites.add(trial.fault.site)
+    assert sites == {"none", "grad", "allreduce", "weight", "optimizer", "activation", "loss"}
+
+
+def test_ranges_expand():
+    run = compose_run(
+        "campaign=single", "fault=grad_scale", "fault.steps=[2:5,9]", "fault.ranks=[1:4]"
+    )
+    assert run.trials[0].fault.steps == (2, 3, 4, 9) and run.trials[0].fault.ranks == (1, 2, 3)
