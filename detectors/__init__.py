@@ -9,7 +9,7 @@ import importlib
 import pkgutil
 from typing import Any
 
-from harness.plugins import Detector, EventLog, RankInfo
+from harness.plugins import Detector, DetectorContext, EventLog
 
 
 def available() -> tuple[str, ...]:
@@ -23,5 +23,7 @@ def detector_class(name: str) -> type[Detector]:
     return importlib.import_module(f"detectors.{name}").DETECTOR
 
 
-def build(configs: dict[str, dict[str, Any]], info: RankInfo, log: EventLog) -> list[Detector]:
-    return [detector_class(name)(params, info, log) for name, params in configs.items()]
+def build(
+    configs: dict[str, dict[str, Any]], ctx: DetectorContext, log: EventLog
+) -> list[Detector]:
+    return [detector_class(name)(params, ctx, log) for name, params in configs.items()]

@@ -8,11 +8,8 @@ gradient can also cause) pays for a closer look. No collective: each rank judges
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from harness.config import ConfigError
 from harness.plugins import Bucket, Detector
 
 
@@ -26,12 +23,6 @@ def first_non_finite(flat: torch.Tensor) -> int | None:
 
 class NanInf(Detector):
     name = "nan_inf"
-
-    @classmethod
-    def validate(cls, key: str, params: dict[str, Any]) -> dict[str, Any]:
-        for name in params:
-            raise ConfigError(f"{key}.{name}", "unknown key; nan_inf takes no parameters")
-        return params
 
     def _check(self, step: int, bucket: Bucket, phase: str, suspects: list[int]) -> None:
         index = first_non_finite(bucket.buffer)

@@ -16,6 +16,7 @@ import torch
 
 import detectors
 import injectors
+from harness.errors import ConfigError
 from harness.workloads import DTYPES, Workload, WorkloadConfig
 from injectors import bits, injector
 
@@ -28,27 +29,24 @@ LAUNCHERS = ("spawn", "torchrun")
 BIT_WIDTH = {"float32": 32, "bfloat16": 16, "float16": 16}
 
 
-class ConfigError(ValueError):
-    """A user error in the config: `key` is the dotted key, `message` says what is allowed."""
-
-    def __init__(self, key: str, message: str):
-        super().__init__(f"{key}: {message}")
-        self.key = key
-
-
 @dataclass(frozen=True)
 class TopologyConfig:
     nodes: int
     ranks_per_node: int
     spares: int
     backend: str
-    threads_per_rank: int
+    threads_per_rank: int | tuple[int, ...]
     collective_timeout_s: float
     trial_timeout_s: float
 
     @property
     def world_size(self) -> int:
         return self.nodes * self.ranks_per_node
+
+    def threads(self, rank: int) -> int:
+        if isinstance(self.threads_per_rank, int):
+            return self.threads_per_rank
+        return self.threads_per_rank[rank]
 
 
 @dataclass(frozen=True)
@@ -209,7 +207,21 @@ def topology_config(raw: dict[str, Any]) -> TopologyConfig:
     _int("topology.ranks_per_node", raw.get("ranks_per_node"), 1)
     _int("topology.spares", raw.get("spares"), 0)
     _choice("topology.backend", raw.get("backend"), BACKENDS)
-    _int("topology.threads_per_rank", raw.get("threads_per_rank"), 1)
+    threads = raw.get("threads_per_rank")
+    if isinstance(threads, list):
+        world = raw["nodes"] * raw["ranks_per_node"]
+        if len(threads) != world:
+            raise ConfigError(
+                "topology.threads_per_rank", f"a list needs {world} entries, one per rank"
+            )
+        raw = dict(
+            raw,
+            threads_per_rank=tuple(
+                _int(f"topology.threads_per_rank[{i}]", t, 1) for i, t in enumerate(threads)
+            ),
+        )
+    else:
+        _int("topology.threads_per_rank", threads, 1)
     _positive("topology.collective_timeout_s", raw.get("collective_timeout_s"))
     _positive("topology.trial_timeout_s", raw.get("trial_timeout_s"))
     return TopologyConfig(**raw)
@@ -350,13 +362,16 @@ def expand_scenarios(raw: list[dict[str, Any]]) -> list[tuple[int, dict[str, Any
     return expanded
 
 
-def detector_configs(raw: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+def detector_configs(
+    raw: dict[str, Any] | None, topology: TopologyConfig
+) -> dict[str, dict[str, Any]]:
     raw = raw or {}
     allowed = detectors.available()
     out = {}
     for name, params in raw.items():
         _choice("detectors", name, allowed)
-        out[name] = detectors.detector_class(name).validate(f"detectors.{name}", dict(params or {}))
+        params = dict(params or {})
+        out[name] = detectors.detector_class(name).validate(f"detectors.{name}", params, topology)
     return out
 
 
@@ -402,7 +417,7 @@ def run_config(raw: dict[str, Any]) -> RunConfig:
         campaign=str(campaign.get("name")),
         workload=workload,
         topology=topology,
-        detectors=detector_configs(raw.get("detectors")),
+        detectors=detector_configs(raw.get("detectors"), topology),
         checkpoint=checkpoint_cfg,
         seeds=seeds,
         noise_seeds=noise_seeds,

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from harness.errors import ConfigError
+
 # The step's points, in the order they happen (DESIGN section 3). The index orders alerts
 # within a step, which `contained` relies on.
 PHASES = (
@@ -46,12 +48,14 @@ class RankInfo:
 
 @dataclass
 class Bucket:
-    """One DDP gradient bucket: the flat buffer and the named views into it."""
+    """One DDP gradient bucket: the flat buffer and the named views into it. After the
+    collective, `riders` holds the reduced payload each plug-in appended to it."""
 
     index: int
     buffer: torch.Tensor
     tensors: list[tuple[str, torch.Tensor]]
     is_last: bool
+    riders: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -81,9 +85,14 @@ class Plugin:
 
     def on_local_grad(self, step: int, bucket: Bucket) -> None: ...
 
+    def rider(self, step: int, bucket: Bucket) -> torch.Tensor | None:
+        """A few float32 numbers to sum across ranks with this bucket's allreduce, for free:
+        the sum comes back in `bucket.riders[id(self)]`. A check that runs every step may add
+        no collective of its own (DESIGN section 6)."""
+
     def on_reduced_grad(self, step: int, bucket: Bucket) -> None: ...
 
-    def on_audit(self, step: int, model: nn.Module) -> None: ...
+    def on_audit(self, step: int) -> None: ...
 
     def on_optimizer_state(self, step: int, optimizer: torch.optim.Optimizer) -> None: ...
 
@@ -93,18 +102,58 @@ class Plugin:
         return True
 
 
+@dataclass
+class DetectorContext:
+    """What a check may know: where it runs and what it trains. Never the fault plan."""
+
+    info: RankInfo
+    model: nn.Module
+    workload: Any  # harness.workloads.Workload: regenerates any rank's micro-batch
+    steps: int
+
+
 class Detector(Plugin):
-    """A check. Subclasses call `self.alert(step, phase, suspect_ranks, evidence)`."""
+    """A check. Subclasses call `self.alert(step, phase, suspect_ranks, evidence)`.
+
+    `mode: observe` records alerts and lets training go on (how campaigns measure coverage and
+    effect in one run); `mode: act` also asks the trainer to stop the trial before the next
+    optimizer step or checkpoint. Every rank must reach the same stop decision, so a check in
+    act mode only alerts on evidence every rank holds.
+    """
 
     name = "detector"
+    defaults: dict[str, Any] = {}
 
-    def __init__(self, params: dict[str, Any], info: RankInfo, log: EventLog):
+    def __init__(self, params: dict[str, Any], ctx: DetectorContext, log: EventLog):
         self.params = params
-        self.info = info
+        self.ctx = ctx
+        self.info = ctx.info
         self._log = log
+        self.stop_requested = False
+
+    @classmethod
+    def validate(cls, key: str, params: dict[str, Any], topology: Any) -> dict[str, Any]:
+        """`params` completed with the defaults; a ConfigError names any bad key."""
+        allowed = {"mode": "observe", **cls.defaults}
+        for name in params:
+            if name not in allowed:
+                raise ConfigError(f"{key}.{name}", f"unknown key; allowed: {', '.join(allowed)}")
+        merged = {**allowed, **params}
+        if merged["mode"] not in ("observe", "act"):
+            raise ConfigError(
+                f"{key}.mode", f"'{merged['mode']}' is not allowed; allowed: observe, act"
+            )
+        cls.check(key, merged, topology)
+        return merged
+
+    @classmethod
+    def check(cls, key: str, params: dict[str, Any], topology: Any) -> None:
+        """A check's own rules for its parameters (raise ConfigError)."""
 
     def alert(self, step: int, phase: str, suspect_ranks: Iterable[int], evidence: Any) -> None:
         assert phase in PHASE_ORDER, phase
+        if self.params.get("mode") == "act":
+            self.stop_requested = True
         ranks = sorted(set(suspect_ranks))
         nodes = sorted({r // self.info.ranks_per_node for r in ranks})
         self._log.emit(
@@ -155,9 +204,17 @@ class PluginBus:
         for plugin in self.plugins:
             plugin.on_reduced_grad(step, bucket)
 
-    def audit(self, step: int, model: nn.Module) -> None:
+    def riders(self, step: int, bucket: Bucket) -> list[tuple[int, torch.Tensor]]:
+        out = []
         for plugin in self.plugins:
-            plugin.on_audit(step, model)
+            payload = plugin.rider(step, bucket)
+            if payload is not None:
+                out.append((id(plugin), payload))
+        return out
+
+    def audit(self, step: int) -> None:
+        for plugin in self.plugins:
+            plugin.on_audit(step)
 
     def optimizer_state(self, step: int, optimizer: torch.optim.Optimizer) -> None:
         for plugin in self.plugins:
@@ -171,6 +228,9 @@ class PluginBus:
         # Every plug-in is asked, so each check runs even after another has refused.
         verdicts = [plugin.approves_checkpoint(step, model) for plugin in self.plugins]
         return all(verdicts)
+
+    def stopper(self) -> Detector | None:
+        return next((p for p in self.plugins if getattr(p, "stop_requested", False)), None)
 
 
 def matches(name: str, pattern: str) -> bool:

@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     except (ConfigError, OSError) as exc:
         print(f"harness.torchrun_worker: error: {exc}", file=sys.stderr)
         sys.exit(2)
-    init_rank(run.topology)
+    init_rank(run.topology, info.rank)
     dist.init_process_group(
         run.topology.backend,
         init_method="env://",

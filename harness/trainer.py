@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import detectors
 from harness import checkpoint
 from harness.config import RunConfig, TrialSpec
-from harness.plugins import Bucket, EventLog, PluginBus, RankInfo
+from harness.plugins import Bucket, DetectorContext, EventLog, PluginBus, RankInfo
 from harness.workloads import Workload
 from injectors import injector
 
@@ -44,6 +44,15 @@ class RankResult:
     final_loss: float = math.nan
     weights_digest: str = ""
     weights_finite: bool = True
+    stopped_step: int | None = None
+    stopped_by: str = ""
+
+
+def rider_slots(world_size: int) -> int:
+    """Float32 slots appended to every float32 bucket's allreduce, whether or not a check rides
+    on them: gloo's ring sums an element in an order that depends on the buffer's length, so a
+    buffer that grew only when a detector is on would change the trajectory."""
+    return 8 + 4 * world_size
 
 
 class _HookState:
@@ -53,7 +62,20 @@ class _HookState:
         self.bus = bus
         self.names = {id(p): n for n, p in model.named_parameters()}
         self.world_size = world_size
+        self.slots = rider_slots(world_size)
         self.step = 0
+
+    def pack(self, riders: list[tuple[int, torch.Tensor]]) -> tuple[torch.Tensor, list]:
+        slot = torch.zeros(self.slots, dtype=torch.float32)
+        spans, at = [], 0
+        for owner, payload in riders:
+            n = payload.numel()
+            if at + n > self.slots:
+                raise RuntimeError(f"riders need more than {self.slots} slots")
+            slot[at : at + n] = payload.reshape(-1)
+            spans.append((owner, at, n))
+            at += n
+        return slot, spans
 
 
 def _comm_hook(state: _HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -71,12 +93,31 @@ def _comm_hook(state: _HookState, bucket: dist.GradBucket) -> torch.futures.Futu
         is_last=bucket.is_last(),
     )
     state.bus.local_grad(step, view)
-    view.buffer.div_(state.world_size)
-    future = dist.all_reduce(view.buffer, async_op=True).get_future()
+    buffer = view.buffer
+    buffer.div_(state.world_size)
+    slot, spans = state.pack(state.bus.riders(step, view))
+    n = buffer.numel()
+    if buffer.dtype == torch.float32:
+        combined = torch.cat([buffer, slot])
+        future = dist.all_reduce(combined, async_op=True).get_future()
+    else:
+        # A float32 payload cannot share a bucket of another dtype: it pays a collective.
+        futures = [dist.all_reduce(buffer, async_op=True).get_future()]
+        if spans:
+            futures.append(dist.all_reduce(slot, async_op=True).get_future())
+        future = torch.futures.collect_all(futures)
 
     def reduced(fut: torch.futures.Future) -> torch.Tensor:
+        if buffer.dtype == torch.float32:
+            result = fut.value()[0]
+            buffer.copy_(result[:n])
+            summed = result[n:]
+        else:
+            done = fut.value()
+            summed = done[1].value()[0] if spans else slot
+        view.riders = {owner: summed[at : at + k] for owner, at, k in spans}
         state.bus.reduced_grad(step, view)
-        return fut.value()[0]
+        return buffer
 
     return future.then(reduced)
 
@@ -90,6 +131,24 @@ def weights_digest(model: nn.Module) -> str:
     return h.hexdigest()
 
 
+class TrialStopped(Exception):
+    """A check in act mode stopped training; every rank raises it at the same point."""
+
+
+def _stop_point(bus: PluginBus, acting: bool, step: int, result: RankResult) -> None:
+    """With a check in act mode, the ranks agree on stopping with one small collective: a
+    rank-local verdict (say, a sketch mismatch on one receiver) must stop every rank."""
+    if not acting:
+        return
+    stopper = bus.stopper()
+    flag = torch.tensor([1.0 if stopper else 0.0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item():
+        result.stopped_step = step
+        result.stopped_by = stopper.name if stopper else "peer"
+        raise TrialStopped
+
+
 def run_trial(run: RunConfig, spec: TrialSpec, info: RankInfo, store: Path) -> RankResult:
     """Train one trial from step 0 on this rank; every rank of the world calls this together."""
     cfg = replace(run.workload, seed=spec.seed)
@@ -97,7 +156,10 @@ def run_trial(run: RunConfig, spec: TrialSpec, info: RankInfo, store: Path) -> R
     model = workload.build_model()
     log = EventLog(info.rank, info.node)
     plugins = injector.build(spec.fault, spec.seed, info, log, model)
-    plugins += detectors.build({} if spec.golden else run.detectors, info, log)
+    checks = {} if spec.golden else run.detectors
+    ctx = DetectorContext(info, model, workload, cfg.steps)
+    plugins += detectors.build(checks, ctx, log)
+    acting = any(p.get("mode") == "act" for p in checks.values())
     bus = PluginBus(plugins)
 
     ddp = DDP(model)
@@ -107,26 +169,33 @@ def run_trial(run: RunConfig, spec: TrialSpec, info: RankInfo, store: Path) -> R
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     result = RankResult(spec.trial_id, info.rank, log.events)
 
-    for step in range(cfg.steps):
-        state.step = step
-        started = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        step_loss = 0.0
-        for micro in range(cfg.micro_batches):
-            last = micro == cfg.micro_batches - 1
-            with nullcontext() if last else ddp.no_sync():
-                loss = workload.loss(ddp, workload.batch(step, info.rank, micro))
-                loss = bus.loss(step, loss)
-                (loss / cfg.micro_batches).backward()
-            step_loss += loss.item() / cfg.micro_batches
-        bus.audit(step, model)
-        optimizer.step()
-        bus.optimizer_state(step, optimizer)
-        bus.update(step, model)
-        if (step + 1) % run.checkpoint.interval == 0 and bus.checkpoint_approved(step, model):
-            _checkpoint(store / spec.trial_id, step, model, optimizer, info, log)
-        result.step_times.append(time.perf_counter() - started)
-        result.losses.append(step_loss)
+    try:
+        for step in range(cfg.steps):
+            state.step = step
+            started = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            step_loss = 0.0
+            for micro in range(cfg.micro_batches):
+                last = micro == cfg.micro_batches - 1
+                with nullcontext() if last else ddp.no_sync():
+                    loss = workload.loss(ddp, workload.batch(step, info.rank, micro))
+                    loss = bus.loss(step, loss)
+                    (loss / cfg.micro_batches).backward()
+                step_loss += loss.item() / cfg.micro_batches
+            bus.audit(step)
+            _stop_point(bus, acting, step, result)
+            optimizer.step()
+            bus.optimizer_state(step, optimizer)
+            bus.update(step, model)
+            if (step + 1) % run.checkpoint.interval == 0:
+                approved = bus.checkpoint_approved(step, model)
+                _stop_point(bus, acting, step, result)
+                if approved:
+                    _checkpoint(store / spec.trial_id, step, model, optimizer, info, log)
+            result.step_times.append(time.perf_counter() - started)
+            result.losses.append(step_loss)
+    except TrialStopped:
+        log.emit("stop", step=result.stopped_step, detector=result.stopped_by)
 
     with torch.no_grad():
         result.final_loss = float(workload.loss(model, workload.eval_batch()))

@@ -44,10 +44,10 @@ def loopback_interface() -> str:
     return next((n for n in names if n in ("lo", "lo0")), names[0])
 
 
-def init_rank(topology: TopologyConfig) -> None:
+def init_rank(topology: TopologyConfig, rank: int) -> None:
     """Settings every rank needs before it joins: loopback only, a fixed thread count."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
-    torch.set_num_threads(topology.threads_per_rank)
+    torch.set_num_threads(topology.threads(rank))
 
 
 def _rank_main(
@@ -59,7 +59,7 @@ def _rank_main(
     workdir: str,
     store: str,
 ) -> None:
-    init_rank(topology)
+    init_rank(topology, rank)
     parent = os.getppid()
     Path(workdir, f"rank{rank}.pid").write_text(str(os.getpid()))
     dist.init_process_group(

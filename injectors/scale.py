@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from harness.config import ConfigError
+from harness.errors import ConfigError
 from injectors.model import FaultModel
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from harness.config import ConfigError
+from harness.errors import ConfigError
 from injectors import bits
 from injectors.bitflip import choose_bit
 from injectors.model import FaultModel

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from harness.config import ConfigError
+from harness.errors import ConfigError
 from injectors.model import FaultModel
 
 NAMED = ("nan", "inf", "-inf", "max", "zero", "random")

@@ -1,0 +1,96 @@
+"""`weight_consensus`: the third published check. After the update, every replica's parameters
+(and optionally Adam's moments) are fingerprinted and gathered; a replica that differs from a
+strict majority is suspect. It runs every `interval` steps and always before a checkpoint, and
+refuses the checkpoint when the replicas disagree.
+
+The fingerprint is two machine words per tensor, exact on bit patterns (detectors/fingerprint.py),
+so the gather is a few hundred bytes per rank: Megatron-LM's equivalent copies every tensor to
+the CPU and hashes it with SHA-1, and says it is not meant to run often.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from detectors.fingerprint import bits_fingerprint
+from harness.errors import ConfigError
+from harness.plugins import Detector
+
+
+class WeightConsensus(Detector):
+    name = "weight_consensus"
+    defaults = {"interval": 10, "optimizer_state": False}
+
+    @classmethod
+    def check(cls, key: str, params: dict[str, Any], topology: Any) -> None:
+        if (
+            isinstance(params["interval"], bool)
+            or not isinstance(params["interval"], int)
+            or (params["interval"] < 1)
+        ):
+            raise ConfigError(f"{key}.interval", f"'{params['interval']}' must be an integer >= 1")
+        if topology.world_size < 3:
+            raise ConfigError(
+                "topology", "weight_consensus needs at least 3 replicas for a majority"
+            )
+
+    def __init__(self, params, ctx, log):
+        super().__init__(params, ctx, log)
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.checked: dict[int, bool] = {}
+
+    def on_optimizer_state(self, step: int, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+    def _tensors(self, model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+        named = [(n, p) for n, p in model.named_parameters()]
+        if self.params["optimizer_state"] and self.optimizer is not None:
+            names = {p: n for n, p in named}
+            for p, state in self.optimizer.state.items():
+                named += [(f"{names[p]}.{k}", state[k]) for k in ("exp_avg", "exp_avg_sq")]
+        return named
+
+    def _consensus(self, step: int, model: nn.Module) -> bool:
+        if step in self.checked:
+            return self.checked[step]
+        named = self._tensors(model)
+        mine = torch.tensor([w for _, t in named for w in bits_fingerprint(t)], dtype=torch.int64)
+        table = [torch.empty_like(mine) for _ in range(self.info.world_size)]
+        dist.all_gather(table, mine)
+        rows = [tuple(t.tolist()) for t in table]
+        majority, count = Counter(rows).most_common(1)[0]
+        ok = True
+        if count * 2 <= len(rows):
+            ok = False
+            self.alert(
+                step, "consensus", [], {"reason": "no strict majority", "groups": len(set(rows))}
+            )
+        elif count < len(rows):
+            ok = False
+            suspects = [r for r, row in enumerate(rows) if row != majority]
+            differing = sorted(
+                {
+                    named[i // 2][0]
+                    for r in suspects
+                    for i, w in enumerate(rows[r])
+                    if w != majority[i]
+                }
+            )
+            self.alert(step, "consensus", suspects, {"tensors": differing[:8], "agree": count})
+        self.checked = {step: ok}
+        return ok
+
+    def on_update(self, step: int, model: nn.Module) -> None:
+        if (step + 1) % self.params["interval"] == 0:
+            self._consensus(step, model)
+
+    def approves_checkpoint(self, step: int, model: nn.Module) -> bool:
+        return self._consensus(step, model)
+
+
+DETECTOR = WeightConsensus
