@@ -64,6 +64,11 @@ class AllreduceSketch(Detector):
         expected, norms = (float(x) for x in bucket.riders[id(self)])
         got = float(self._project(bucket))
         bound = self.rtol * math.sqrt(bucket.buffer.numel()) * norms
+        if step == 0:
+            # The smallest change of one element this check can see, next to the gradient norm.
+            norm = float(bucket.buffer.float().norm())
+            self._log.emit("sensitivity", step=step, detector=self.name, bucket=bucket.index,
+                           bound=bound, grad_norm=norm)  # fmt: skip
         if not abs(got - expected) <= bound:  # also true for NaN: a NaN cannot be verified
             evidence = {"bucket": bucket.index, "received": got, "expected": expected,
                         "bound": bound}  # fmt: skip

@@ -395,6 +395,7 @@ def run_config(raw: dict[str, Any]) -> RunConfig:
         interval=_int("checkpoint.interval", checkpoint.get("interval"), 1),
         keep=bool(checkpoint.get("keep", False)),
     )
+    checks = detector_configs(raw.get("detectors"), topology)
     seeds = _int("campaign.seeds", campaign.get("seeds"), 1)
     noise_seeds = _int("campaign.noise_seeds", campaign.get("noise_seeds"), 2)
     if campaign.get("name") == "single":
@@ -417,7 +418,7 @@ def run_config(raw: dict[str, Any]) -> RunConfig:
         campaign=str(campaign.get("name")),
         workload=workload,
         topology=topology,
-        detectors=detector_configs(raw.get("detectors"), topology),
+        detectors=checks,
         checkpoint=checkpoint_cfg,
         seeds=seeds,
         noise_seeds=noise_seeds,

@@ -19,16 +19,20 @@ from harness.trainer import RankResult
 # that step's optimizer update.
 GRADIENT_SITES = {"grad", "allreduce", "activation", "loss"}
 
-COLUMNS = [
+CONTRACT_COLUMNS = [
     "trial_id", "seed", "workload", "dtype", "nodes", "ranks_per_node", "site", "model", "bit",
     "factor", "value", "scope", "persistence", "fired", "inject_step", "injected_ranks", "effect",
     "detected", "first_detector", "detect_step", "ttd_steps", "ttd_seconds", "contained",
     "alerts", "suspect_ranks", "suspect_nodes", "attribution_correct", "recovered", "final_loss",
     "golden_final_loss", "loss_delta", "step_time_s",
-    # Beyond the contract: what the report and audits of the table need.
-    "campaign", "detectors", "detected_by", "alert_detectors", "fault_ranks", "fault_steps",
-    "golden_match", "replicas_agree", "divergent_ranks", "noise_band", "crash_cause",
 ]  # fmt: skip
+# Beyond the contract (DESIGN section 4): what the report and audits of the table need.
+EXTRA_COLUMNS = [
+    "campaign", "detectors", "detected_by", "alert_detectors", "fault_ranks", "fault_steps",
+    "golden_match", "replicas_agree", "divergent_ranks", "noise_band", "stopped_step",
+    "crash_cause",
+]  # fmt: skip
+COLUMNS = CONTRACT_COLUMNS + EXTRA_COLUMNS
 
 
 @dataclass(frozen=True)
@@ -161,6 +165,9 @@ def trial_row(
         "replicas_agree": "" if parts is None else len({p.weights_digest for p in parts}) == 1,
         "divergent_ranks": _join(divergent_ranks(parts)),
         "noise_band": band,
+        "stopped_step": next(
+            (p.stopped_step for p in parts or [] if p.stopped_step is not None), ""
+        ),
         "crash_cause": crash or "",
     }
     if crash:

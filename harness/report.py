@@ -8,13 +8,14 @@ catch rate is not a 100% detector, and the interval says so.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from pathlib import Path
 
 import pandas as pd
 
-from harness.outcome import COLUMNS
+from harness.outcome import CONTRACT_COLUMNS, EXTRA_COLUMNS
 from harness.workloads import DTYPES
 from injectors import bits
 
@@ -58,9 +59,12 @@ def load_trials(dirs: list[Path]) -> pd.DataFrame:
     frames = []
     for f in files:
         df = pd.read_csv(f, keep_default_na=False, na_values=[""], dtype={"trial_id": str})
-        missing = [c for c in COLUMNS if c not in df.columns]
+        missing = [c for c in CONTRACT_COLUMNS if c not in df.columns]
         if missing:
             raise ReportError(f"{f}: missing columns: {', '.join(missing)}")
+        for column in EXTRA_COLUMNS:
+            if column not in df.columns:
+                df[column] = ""
         frames.append(df.assign(run=str(f.parent)))
     df = pd.concat(frames, ignore_index=True)
     for col in (
@@ -136,6 +140,23 @@ def cells(df: pd.DataFrame) -> list[dict[str, object]]:
     return rows
 
 
+def sees_and_misses(df: pd.DataFrame) -> list[dict[str, object]]:
+    """Per scenario (site, model, scope, persistence): what share of fired trials each detector
+    caught, as measured. A dash: the detector was not on in those trials."""
+    fired = df[df["fired"] == True]  # noqa: E712
+    keys = ["site", "model", "scope", "persistence"]
+    rows = []
+    for key, g in fired.fillna({"scope": ""}).groupby(keys, dropna=False):
+        row: dict[str, object] = dict(zip(keys, (k or "-" for k in key), strict=True))
+        for d in _detectors(df):
+            on = g[g["detectors"].map(lambda s, d=d: d in s.split(";"))]
+            caught = on["detected_by"].map(lambda s, d=d: d in s.split(";")).astype(bool)
+            row[d] = f"{int(caught.sum())}/{len(on)}" if len(on) else "-"
+        row["harmful"] = int((g["effect"] == "harmful").sum())
+        rows.append(row)
+    return rows
+
+
 def false_positives(df: pd.DataFrame) -> list[dict[str, object]]:
     clean = df[df["site"] == "none"]
     rows = []
@@ -180,7 +201,31 @@ def summary(df: pd.DataFrame) -> str:
     return head + "\n\n" + _table(catch_rates(df)) + "\n" + _table(false_positives(df))
 
 
-def write_report(df: pd.DataFrame, out: Path) -> Path:
+def sensitivity(dirs: list[Path]) -> str:
+    """The smallest one-element perturbation each check could see, from `sensitivity` events."""
+    found = []
+    for d in dirs:
+        for path in d.rglob("events.jsonl"):
+            with open(path, encoding="utf-8") as f:
+                found += [e for e in map(json.loads, f) if e["kind"] == "sensitivity"]
+    if not found:
+        return ""
+    frame = pd.DataFrame(found)
+    frame["relative"] = frame["bound"] / frame["grad_norm"]
+    lines = [
+        "## Sensitivity\n",
+        "| detector | n | smallest visible change of one element "
+        "(median) | relative to the averaged gradient's L2 norm (median) |",
+        "|---|---|---|---|",
+    ]
+    for name, g in frame.groupby("detector"):
+        lines.append(
+            f"| {name} | {len(g)} | {g['bound'].median():.3g} | {g['relative'].median():.3g} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def write_report(df: pd.DataFrame, out: Path, dirs: list[Path] | None = None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     sections = [
         "# SDC detection coverage report",
@@ -194,11 +239,16 @@ def write_report(df: pd.DataFrame, out: Path) -> Path:
         "## Catch rate by detector\n\n" + _table(catch_rates(df)),
         "## Catch rate by scenario cell\n\nA blind spot is a cell with harmful trials whose catch "
         "rate's upper bound is below 50%.\n\n" + _table(cells(df)),
+        "## What each detector sees and misses\n\nFired trials caught by each detector, per "
+        "scenario (k/n).\n\n" + _table(sees_and_misses(df)),
         "## False positives (clean trials)\n\n"
         f"Alerts per clean trial, all detectors: {_per_trial(df)}\n\n"
         + _table(false_positives(df)),
         "## Time to detection, containment and attribution\n\n" + _table(detection_times(df)),
     ]
+    extra = sensitivity(dirs or [out])
+    if extra:
+        sections.append(extra)
     clean = df[df["site"] == "none"]
     if len(clean):
         same = int(clean["golden_match"].sum())
@@ -223,6 +273,6 @@ def main(argv: list[str] | None = None) -> None:
     except ReportError as exc:
         print(f"sdc-report: {exc}", file=sys.stderr)
         sys.exit(2)
-    path = write_report(df, args.out or args.dirs[0])
+    path = write_report(df, args.out or args.dirs[0], args.dirs)
     print(summary(df))
     print(f"report: {path}")

@@ -1,0 +1,161 @@
+"""What each detector must catch and must not see, on real 4-rank gloo worlds."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.errors import ConfigError
+from tests.conftest import compose_run, events, rows
+
+ALL = "detectors=[nan_inf,replay,weight_consensus,allreduce_sketch,grad_stats]"
+PUBLISHED = {"nan_inf", "replay", "weight_consensus"}
+# Audit steps 0, 5, 10; consensus after steps 3, 7, 11; checkpoints after steps 3, 7, 11.
+CADENCE = [
+    "detectors.replay.interval=5",
+    "detectors.weight_consensus.interval=4",
+    "checkpoint.interval=4",
+    "workload.steps=12",
+    "campaign.seeds=1",
+    "campaign.noise_seeds=2",
+]
+SCENARIOS = {
+    "audit": "site:grad,model:scale,factor:1000,ranks:[1],steps:[5]",
+    "no_audit": "site:grad,model:scale,factor:1000,ranks:[1],steps:[6]",
+    "reduction": "site:allreduce,model:scale,factor:1000,scope:reduction,ranks:[0],steps:[6]",
+    "rank": "site:allreduce,model:scale,factor:1000,scope:rank,ranks:[2],steps:[6]",
+    "weight": "site:weight,model:scale,factor:1000,ranks:[3],steps:[5]",
+    "nan": "site:grad,model:value,value:nan,ranks:[0],steps:[6]",
+}
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory):
+    from tests.conftest import sdc_bench
+
+    tmp = tmp_path_factory.mktemp("matrix")
+    listed = ",".join("{" + s + "}" for s in SCENARIOS.values())
+    proc = sdc_bench(ALL, *CADENCE, f"campaign.scenarios=[{listed}]", f"out={tmp / 'run'}", cwd=tmp)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = rows(tmp / "run")
+    return dict(zip(SCENARIOS, table, strict=True)), events(tmp / "run")
+
+
+def _caught_by(row):
+    return set(filter(None, row["detected_by"].split(";")))
+
+
+def test_replay_catches_a_scaled_gradient_on_an_audit_step_and_names_rank_and_node(matrix):
+    row = matrix[0]["audit"]
+    assert "replay" in _caught_by(row)
+    alerts = [
+        e
+        for e in matrix[1]
+        if e["kind"] == "trial_alert"
+        and e["detector"] == "replay"
+        and e["trial_id"] == row["trial_id"]
+    ]
+    assert alerts and alerts[0]["step"] == 5
+    assert alerts[0]["suspect_ranks"] == [1] and alerts[0]["suspect_nodes"] == [1]
+    assert alerts[0]["evidence"]["verifier"] == 0 and alerts[0]["evidence"]["tiebreaker"] == 2
+
+
+def test_the_same_fault_off_the_audit_step_escapes_all_three_published_checks(matrix):
+    row = matrix[0]["no_audit"]
+    assert row["fired"] == "True"
+    assert not _caught_by(row) & PUBLISHED
+
+
+def test_a_wrong_reduction_escapes_the_published_three_and_the_sketch_catches_it(matrix):
+    row = matrix[0]["reduction"]
+    assert row["replicas_agree"] == "True" and row["golden_match"] == "False"
+    assert not _caught_by(row) & PUBLISHED
+    assert row["first_detector"] == "allreduce_sketch" and row["detect_step"] == "6"
+    assert row["contained"] == "True"
+
+
+def test_one_wrong_receiver_is_named_by_weight_consensus_and_caught_by_the_sketch(matrix):
+    row = matrix[0]["rank"]
+    assert row["first_detector"] == "allreduce_sketch" and row["suspect_ranks"] == "2"
+    consensus = [
+        e
+        for e in matrix[1]
+        if e["kind"] == "trial_alert"
+        and e["detector"] == "weight_consensus"
+        and e["trial_id"] == row["trial_id"]
+    ]
+    assert consensus and consensus[0]["step"] == 7 and consensus[0]["suspect_ranks"] == [2]
+
+
+def test_a_corrupted_replica_is_caught_at_the_next_consensus_before_the_checkpoint(matrix):
+    row = matrix[0]["weight"]
+    consensus = [
+        e
+        for e in matrix[1]
+        if e["kind"] == "trial_alert"
+        and e["detector"] == "weight_consensus"
+        and e["trial_id"] == row["trial_id"]
+    ]
+    assert consensus[0]["step"] == 7 and consensus[0]["suspect_ranks"] == [3]
+    assert row["contained"] == "True"
+    checkpoints = [
+        e["step"]
+        for e in matrix[1]
+        if e["kind"] == "checkpoint" and e["trial_id"] == row["trial_id"]
+    ]
+    assert checkpoints == [3], "no checkpoint from a step whose consensus failed"
+
+
+def test_a_nan_in_a_local_gradient_is_caught_by_nan_inf_in_its_step_and_contained(matrix):
+    row = matrix[0]["nan"]
+    assert row["first_detector"] == "nan_inf" and row["detect_step"] == "6"
+    assert row["suspect_ranks"] == "0" and row["contained"] == "True"
+    assert row["attribution_correct"] == "True"
+
+
+@pytest.mark.parametrize(
+    ("workload", "dtype"),
+    [("mlp", "float32"), ("mlp", "bfloat16"), ("gpt", "float32"), ("gpt", "bfloat16")],
+)
+def test_clean_trials_raise_no_alert_and_end_bit_identical(tmp_path, run_ok, workload, dtype):
+    """Eight clean seeds per workload and dtype (32 per detector in all), ranks on 1 and 2
+    threads, every detector in its default mode, every step audited."""
+    out = tmp_path / "run"
+    run_ok(
+        ALL,
+        f"workload={workload}",
+        f"workload.dtype={dtype}",
+        "workload.steps=8",
+        "fault=none",
+        "campaign.seeds=8",
+        "campaign.noise_seeds=2",
+        "topology.threads_per_rank=[1,2,1,2]",
+        "detectors.replay.interval=1",
+        "detectors.weight_consensus.interval=1",
+        f"out={out}",
+        cwd=tmp_path,
+    )
+    table = rows(out)
+    assert len(table) == 8
+    assert all(r["alerts"] == "0" for r in table), [r["alert_detectors"] for r in table]
+    assert all(r["golden_match"] == "True" for r in table)
+
+
+def test_replay_needs_three_nodes_and_act_mode_stops_every_rank(tmp_path, run_ok):
+    with pytest.raises(ConfigError, match="replay needs at least 3 nodes"):
+        compose_run("detectors=[replay]", "topology.nodes=2")
+    out = tmp_path / "run"
+    run_ok(
+        "detectors=[allreduce_sketch]",
+        "detectors.allreduce_sketch.mode=act",
+        "fault=allreduce_rank",
+        "fault.steps=[4]",
+        "workload.steps=10",
+        "campaign.noise_seeds=2",
+        f"out={out}",
+        cwd=tmp_path,
+    )
+    stops = [e for e in events(out) if e["kind"] == "stop"]
+    assert sorted(e["rank"] for e in stops) == [0, 1, 2, 3]
+    assert {e["step"] for e in stops} == {4}
+    (row,) = rows(out)
+    assert row["stopped_step"] == "4" and row["detect_step"] == "4"
