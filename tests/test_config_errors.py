@@ -40,7 +40,7 @@ CASES = [
     (["fault=grad_bitflip", "fault.steps=[x:y]"], "fault.steps[0]", "not a range"),
     (["workload=transformer"], "workload", "allowed: gpt, mlp"),
     (["workload.dtype=float8"], "workload.dtype", "allowed: float32, bfloat16, float16"),
-    (["detectors=[nan_inf,oracle]"], "detectors", "allowed: nan_inf"),
+    (["detectors=[nan_inf,oracle]"], "detectors", "allowed: allreduce_sketch, grad_stats, nan_inf"),
     (["topology.nodes=0"], "topology.nodes", "1..inf"),
     (["recovery.enabled=true"], "recovery.enabled", "allowed: false"),
     (["fault.sitee=grad"], "fault.sitee", ""),
