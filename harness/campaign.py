@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -28,7 +29,13 @@ def _identity(run: RunConfig) -> str:
 
 
 def check_out(out: Path, run: RunConfig) -> None:
-    """Refuse an `out` that holds a different campaign's trials; the same campaign resumes."""
+    """Refuse an `out` that cannot be written or that holds a different campaign's trials; the
+    same campaign resumes."""
+    existing = next(p for p in (out, *out.parents) if p.exists())
+    if not existing.is_dir():
+        raise ConfigError("out", f"{existing} is not a folder; choose an out that can be created")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError("out", f"{existing} is not writable; choose another out")
     path = out / CAMPAIGN_FILE
     if path.exists() and path.read_text() != _identity(run):
         raise ConfigError(
@@ -64,6 +71,10 @@ class SpawnExecutor:
         if self.world is None or not self.world.alive:
             self.world = World(self.topology, self.workdir, self.store)
         return self.world.run(run, spec)
+
+    def kill(self) -> None:
+        if self.world is not None:
+            self.world.kill()
 
     def close(self) -> None:
         if self.world is not None:
@@ -114,12 +125,22 @@ def run_campaign(run: RunConfig, out: Path) -> Path:
     try:
         for spec in campaign.pending:
             bar.set_description(spec.trial_id)
-            row = campaign.record(spec, executor.run(run, spec))
+            outcome = executor.run(run, spec)
+            try:
+                row = campaign.record(spec, outcome)
+            except OSError as exc:
+                raise CampaignError(
+                    f"cannot write results in {out}: {exc.strerror or exc}; every row written "
+                    "before is intact, and a rerun resumes once there is room"
+                ) from exc
             if row is not None:
                 alerts += row["alerts"]
                 crashes += row["effect"] == "crash"
                 bar.set_postfix(alerts=alerts, crashes=crashes, refresh=False)
             bar.update()
+    except KeyboardInterrupt:
+        executor.kill()
+        raise
     finally:
         bar.close()
         executor.close()

@@ -116,6 +116,9 @@ def app(cfg: DictConfig) -> None:
     except CampaignError as exc:
         print(f"sdc-bench: campaign failed: {exc}", file=sys.stderr)
         sys.exit(1)
+    except KeyboardInterrupt:
+        print(f"sdc-bench: interrupted; rerun with out={out} to resume", file=sys.stderr)
+        sys.exit(130)
     df = report.load_trials([trials.parent])
     path = report.write_report(df, out)
     print(report.summary(df))

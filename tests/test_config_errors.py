@@ -38,6 +38,15 @@ CASES = [
         "fc1.weight",
     ),
     (["fault=grad_bitflip", "fault.steps=[x:y]"], "fault.steps[0]", "not a range"),
+    (["detectors=[replay]", "detectors.replay.interval=0"], "detectors.replay.interval", ">= 1"),
+    (
+        ["detectors=[weight_consensus]", "detectors.weight_consensus.interval=-2"],
+        "detectors.weight_consensus.interval",
+        ">= 1",
+    ),
+    (["detectors=[replay]", "topology.nodes=2"], "topology.nodes", "at least 3 nodes"),
+    (["detectors.nan_inf.mode=panic"], "detectors.nan_inf.mode", "allowed: observe, act"),
+    (["fault=grad_scale", "fault.model=crash", "fault.value=melt"], "fault.value", "raise, exit"),
     (["workload=transformer"], "workload", "allowed: gpt, mlp"),
     (["workload.dtype=float8"], "workload.dtype", "allowed: float32, bfloat16, float16"),
     (["detectors=[nan_inf,oracle]"], "detectors", "allowed: allreduce_sketch, grad_stats, nan_inf"),
@@ -57,3 +66,15 @@ def test_bad_value_exits_2_with_one_line(tmp_path, overrides, key, allowed):
     assert key in lines[0] and allowed in lines[0], lines[0]
     assert "Traceback" not in proc.stderr
     assert not out.exists(), "nothing may be created before the config is valid"
+
+
+def test_an_out_that_cannot_be_created_is_refused_before_anything_runs(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("the user's data\n")
+    proc = sdc_bench(f"out={blocker / 'run'}", cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2
+    assert (
+        proc.stderr.strip()
+        == f"sdc-bench: error: out: {blocker} is not a folder; choose an out that can be created"
+    )
+    assert blocker.read_text() == "the user's data\n"

@@ -1,0 +1,46 @@
+"""`crash`: the rank itself fails at the site and step (`fault.value`): `raise` an exception,
+`exit` with code 0 as if done early, `hang` forever (its peers block in the next collective),
+or `kill` itself with SIGKILL. DESIGN section 5's `crash` effect, on demand: it measures what
+a campaign and its detectors do when hardware takes a process down instead of a value."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import torch
+
+from harness.errors import ConfigError
+from injectors.model import FaultModel
+
+ACTIONS = ("raise", "exit", "hang", "kill")
+
+
+class InjectedCrash(RuntimeError):
+    pass
+
+
+class Crash(FaultModel):
+    name = "crash"
+
+    @classmethod
+    def validate(cls, key: str, fault) -> None:
+        if fault.value not in ACTIONS:
+            raise ConfigError(
+                f"{key}.value", f"'{fault.value}' is not allowed; allowed: {', '.join(ACTIONS)}"
+            )
+
+    def corrupt(self, flat: torch.Tensor, index: int, bit: int | None = None) -> None:
+        action = self.fault.value
+        if action == "raise":
+            raise InjectedCrash("injected crash")
+        if action == "exit":
+            os._exit(0)
+        if action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        while True:
+            time.sleep(3600)
+
+
+MODEL = Crash
