@@ -8,13 +8,16 @@ catch rate is not a 100% detector, and the interval says so.
 from __future__ import annotations
 
 import argparse
+import html
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
 import pandas as pd
 
+from harness import figures
 from harness.outcome import CONTRACT_COLUMNS, EXTRA_COLUMNS
 from harness.workloads import DTYPES
 from injectors import bits
@@ -249,6 +252,7 @@ def write_report(df: pd.DataFrame, out: Path, dirs: list[Path] | None = None) ->
     extra = sensitivity(dirs or [out])
     if extra:
         sections.append(extra)
+    sections.append(_figures(df, out))
     clean = df[df["site"] == "none"]
     if len(clean):
         same = int(clean["golden_match"].sum())
@@ -256,11 +260,76 @@ def write_report(df: pd.DataFrame, out: Path, dirs: list[Path] | None = None) ->
             "## Detectors observe only\n\nClean trials whose final weights are bit-identical to "
             f"their golden run (detectors off): {same}/{len(clean)}."
         )
-    path = out / "report.md"
-    tmp = out / ".report.md.tmp"
-    tmp.write_text("\n\n".join(sections) + "\n", encoding="utf-8")
+    markdown = "\n\n".join(sections) + "\n"
+    _write(out / "report.html", to_html(markdown))
+    return _write(out / "report.md", markdown)
+
+
+def _write(path: Path, text: str) -> Path:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
     tmp.replace(path)
     return path
+
+
+def _figures(df: pd.DataFrame, out: Path) -> str:
+    folder = out / "figures"
+    folder.mkdir(exist_ok=True)
+    rates = figures.catch_rate_by_detector(df, _detectors(df), wilson, folder / "catch_rate.png")
+    drawn = [
+        ("Catch rate by detector (95% Wilson intervals)", rates),
+        (
+            "Effect of the faults by scenario",
+            figures.effects_by_scenario(df, folder / "effects.png"),
+        ),
+        ("Time to detection", figures.detection_delay(df, folder / "ttd.png")),
+    ]
+    for dtype in sorted(df["dtype"].unique()):
+        path = figures.catch_heatmap(df, dtype, folder / f"heatmap_{dtype}.png")
+        drawn.append((f"Catch rate by site and bit ({dtype})", path))
+    lines = ["## Figures"]
+    lines += [f"![{title}](figures/{path.name})" for title, path in drawn if path is not None]
+    return "\n\n".join(lines)
+
+
+def _inline(text: str) -> str:
+    text = html.escape(text)
+    text = re.sub(r"\*\*(.+?)\*\*", r"<b>\1</b>", text)
+    return re.sub(r"`(.+?)`", r"<code>\1</code>", text)
+
+
+def to_html(markdown: str) -> str:
+    """The report's own small markdown (headings, tables, images, paragraphs) as a page."""
+    body, table = [], []
+    for line in markdown.splitlines() + [""]:
+        if line.startswith("|"):
+            table.append([c.strip() for c in line.strip("|").split("|")])
+            continue
+        if table:
+            head, rows = table[0], table[2:]
+            body.append("<table><tr>" + "".join(f"<th>{_inline(c)}</th>" for c in head) + "</tr>")
+            body += ["<tr>" + "".join(f"<td>{_inline(c)}</td>" for c in r) + "</tr>" for r in rows]
+            body.append("</table>")
+            table = []
+        image = re.fullmatch(r"!\[(.*)\]\((.*)\)", line.strip())
+        if line.startswith("## "):
+            body.append(f"<h2>{_inline(line[3:])}</h2>")
+        elif line.startswith("# "):
+            body.append(f"<h1>{_inline(line[2:])}</h1>")
+        elif image:
+            alt, src = (html.escape(g) for g in image.groups())
+            body.append(
+                f'<figure><img src="{src}" alt="{alt}"><figcaption>{alt}</figcaption></figure>'
+            )
+        elif line.strip():
+            body.append(f"<p>{_inline(line)}</p>")
+    style = ("body{font-family:sans-serif;max-width:1100px;margin:2em auto;padding:0 1em}"
+             "table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #bbb;"
+             "padding:3px 8px;font-size:90%}th{background:#eee}img{max-width:100%}")  # fmt: skip
+    return (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>SDC detection coverage"
+        f"</title><style>{style}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
 
 from tests.conftest import FAST, events, rows, sdc_bench, without_timing
 
@@ -29,6 +30,11 @@ def test_default_run_prints_summary_and_writes_report(tmp_path, run_ok):
     report = (out / "report.md").read_text()
     for section in ("Catch rate by detector", "Catch rate by scenario cell", "False positives"):
         assert section in report
+    page = (out / "report.html").read_text()
+    images = re.findall(r'<img src="(figures/[^"]+)"', page)
+    assert "<table>" in page and len(images) >= 3
+    for image in images:
+        assert (out / image).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # Trial checkpoints went to the off-node store and were cleaned up after each trial.
     assert not any((out / "store").glob("*/*.pt"))
 
