@@ -34,7 +34,7 @@ class GradStats(Detector):
         self.running_max = -math.inf
 
     def on_loss(self, step: int, loss: torch.Tensor) -> None:
-        self.loss += loss.item() / self.ctx.workload.cfg.micro_batches
+        self.loss += loss.item() / len(self.ctx.batches(self.info.rank))
         return None
 
     def rider(self, step: int, bucket: Bucket) -> torch.Tensor:

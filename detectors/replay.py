@@ -78,7 +78,7 @@ class Replay(Detector):
 
     def on_loss(self, step: int, loss: torch.Tensor) -> None:
         if self._audited(step):
-            self.own_loss += loss.item() / self.workload.cfg.micro_batches
+            self.own_loss += loss.item() / len(self.ctx.batches(self.info.rank))
         return None
 
     def on_local_grad(self, step: int, bucket: Bucket) -> None:
@@ -94,15 +94,15 @@ class Replay(Detector):
         rng = torch.get_rng_state()
         params = [p for _, p in self.model.named_parameters()]
         names = [n for n, _ in self.model.named_parameters()]
-        micro = self.workload.cfg.micro_batches
+        batches = self.ctx.batches(rank)
         total_loss, grads = 0.0, None
-        for m in range(micro):
-            loss = self.workload.loss(self.model, self.workload.batch(step, rank, m))
-            part = torch.autograd.grad(loss / micro, params)
+        for source, m in batches:
+            loss = self.workload.loss(self.model, self.workload.batch(step, source, m))
+            part = torch.autograd.grad(loss / self.ctx.divisor, params)
             grads = (
                 list(part) if grads is None else [a + b for a, b in zip(grads, part, strict=True)]
             )
-            total_loss += loss.item() / micro
+            total_loss += loss.item() / len(batches)
         torch.set_rng_state(rng)
         dots, sq = {}, 0.0
         for name, g in zip(names, grads, strict=True):

@@ -15,6 +15,7 @@ from tqdm import tqdm
 from harness.config import ConfigError, RunConfig, TopologyConfig, TrialSpec
 from harness.outcome import golden_from, noise_band, trial_row
 from harness.records import Records
+from harness.recovery import run_with_recovery, scratch_folders
 from harness.world import Outcome, World
 
 CAMPAIGN_FILE = "campaign.json"
@@ -68,8 +69,11 @@ class SpawnExecutor:
         self.world: World | None = None
 
     def run(self, run: RunConfig, spec: TrialSpec) -> Outcome:
+        """Run a trial (or a recovery segment, whose world may be smaller) in a live world."""
+        if self.world is not None and self.world.alive and self.world.topology != run.topology:
+            self.world.close()
         if self.world is None or not self.world.alive:
-            self.world = World(self.topology, self.workdir, self.store)
+            self.world = World(run.topology, self.workdir, self.store)
         return self.world.run(run, spec)
 
     def kill(self) -> None:
@@ -111,7 +115,9 @@ class Campaign:
             return None
         band = noise_band(list(self.goldens.values()))
         golden = self.goldens[spec.seed]
-        row, events = trial_row(self.run, spec, outcome.parts, outcome.crash, golden, band)
+        row, events = trial_row(
+            self.run, spec, outcome.parts, outcome.crash, golden, band, outcome.recovery
+        )
         self.records.add_trial(row, events)
         return row
 
@@ -119,13 +125,18 @@ class Campaign:
 def run_campaign(run: RunConfig, out: Path) -> Path:
     """Run every pending trial of `run` into `out` in spawned worlds; return trials.csv."""
     campaign = Campaign(run, out)
+    if run.recovery.enabled:
+        scratch_folders(out, run)
     executor = SpawnExecutor(run.topology, out / "world", out / "store")
     bar = tqdm(total=len(campaign.pending), unit="trial", mininterval=1.0)
     alerts = crashes = 0
     try:
         for spec in campaign.pending:
             bar.set_description(spec.trial_id)
-            outcome = executor.run(run, spec)
+            if run.recovery.enabled and not spec.golden:
+                outcome = run_with_recovery(run, spec, executor.run, out)
+            else:
+                outcome = executor.run(run, spec)
             try:
                 row = campaign.record(spec, outcome)
             except OSError as exc:

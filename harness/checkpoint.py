@@ -39,11 +39,25 @@ def save(path: Path, state: dict[str, Any]) -> None:
         os.close(dir_fd)
 
 
-def load(path: Path) -> dict[str, Any]:
+def _verified_bytes(path: Path) -> bytes:
     data = path.read_bytes()
     digest_file = path.with_name(path.name + ".sha256")
     if not digest_file.exists():
         raise CorruptCheckpoint(f"{path}: no checksum file")
     if hashlib.sha256(data).hexdigest() != digest_file.read_text().strip():
         raise CorruptCheckpoint(f"{path}: checksum mismatch")
-    return torch.load(io.BytesIO(data), weights_only=True)
+    return data
+
+
+def verify(path: Path) -> bool:
+    """Whether the file matches the checksum written with it."""
+    try:
+        _verified_bytes(path)
+    except (CorruptCheckpoint, OSError):
+        return False
+    return True
+
+
+def load(path: Path) -> dict[str, Any]:
+    """The checkpoint, after its checksum verifies; tensors only (weights_only=True)."""
+    return torch.load(io.BytesIO(_verified_bytes(path)), weights_only=True)

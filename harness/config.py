@@ -71,6 +71,7 @@ class FaultConfig:
     ber: float | None = None
     schedule: tuple[dict[str, Any], ...] = ()
     bucket: int | None = None
+    follows: str = "hardware"
 
     @property
     def clean(self) -> bool:
@@ -110,11 +111,33 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class Segment:
+    """Where a trial resumes after a recovery, and on which hardware.
+
+    `hardware[r]` is the original rank whose machine new rank r runs on (-1: a healthy spare);
+    `data[r]` lists the original ranks whose micro-batches new rank r trains on, so the global
+    batch stays the same when the world shrinks.
+    """
+
+    start_step: int
+    checkpoint: str
+    hardware: tuple[int, ...]
+    data: tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
 class TrialSpec:
     trial_id: str
     seed: int
     fault: FaultConfig
     golden: bool = False
+    segment: Segment | None = None
+
+
+@dataclass(frozen=True)
+class RecoveryConfig:
+    enabled: bool = False
+    max_recoveries: int = 3
 
 
 @dataclass(frozen=True)
@@ -128,7 +151,7 @@ class RunConfig:
     noise_seeds: int
     scenarios: tuple[FaultConfig, ...]
     launcher: str = "spawn"
-    recovery: bool = False
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     trials: tuple[TrialSpec, ...] = field(default=())
 
     def golden_specs(self) -> list[TrialSpec]:
@@ -264,6 +287,7 @@ def fault_config(
         values["ranks"], values["steps"] = (), ()
     _choice(f"{key}.persistence", values.get("persistence", "transient"), PERSISTENCE)
     _choice(f"{key}.select", values.get("select", "random"), SELECT)
+    _choice(f"{key}.follows", values.get("follows", "hardware"), ("hardware", "data"))
     if values.get("bucket") is not None:
         _int(f"{key}.bucket", values["bucket"], 0)
         if site not in ("grad", "allreduce"):
@@ -362,6 +386,14 @@ def expand_scenarios(raw: list[dict[str, Any]]) -> list[tuple[int, dict[str, Any
     return expanded
 
 
+def recovery_config(raw: dict[str, Any]) -> RecoveryConfig:
+    enabled = raw.get("enabled", False)
+    if not isinstance(enabled, bool):
+        raise ConfigError("recovery.enabled", f"'{enabled}' is not allowed; allowed: true, false")
+    limit = _int("recovery.max_recoveries", raw.get("max_recoveries", 3), 1)
+    return RecoveryConfig(enabled=enabled, max_recoveries=limit)
+
+
 def detector_configs(
     raw: dict[str, Any] | None, topology: TopologyConfig
 ) -> dict[str, dict[str, Any]]:
@@ -380,22 +412,25 @@ def run_config(raw: dict[str, Any]) -> RunConfig:
     _known_keys("", raw, TOP_KEYS)
     _known_keys("campaign.", raw["campaign"], ["name", "seeds", "noise_seeds", "scenarios"])
     _known_keys("checkpoint.", raw["checkpoint"], ["interval", "keep"])
-    _known_keys("recovery.", raw.get("recovery") or {}, ["enabled"])
+    _known_keys("recovery.", raw.get("recovery") or {}, ["enabled", "max_recoveries"])
     workload = workload_config(dict(raw["workload"]))
     topology = topology_config(dict(raw["topology"]))
     campaign = dict(raw["campaign"])
     launcher = _choice("launcher", raw.get("launcher", "spawn"), LAUNCHERS)
     if topology.backend == "nccl":
         raise ConfigError("topology.backend", "'nccl' is not supported yet; allowed: gloo")
-    recovery = dict(raw.get("recovery") or {})
-    if recovery.get("enabled", False) is not False:
-        raise ConfigError("recovery.enabled", "recovery is not built yet; allowed: false")
+    recovery = recovery_config(dict(raw.get("recovery") or {}))
     checkpoint = dict(raw["checkpoint"])
     checkpoint_cfg = CheckpointConfig(
         interval=_int("checkpoint.interval", checkpoint.get("interval"), 1),
         keep=bool(checkpoint.get("keep", False)),
     )
     checks = detector_configs(raw.get("detectors"), topology)
+    if recovery.enabled:
+        if not checks:
+            raise ConfigError("recovery.enabled", "recovery acts on alerts: choose detectors")
+        # Recovery acts on alerts: every check stops the step that it alarms on.
+        checks = {name: dict(params, mode="act") for name, params in checks.items()}
     seeds = _int("campaign.seeds", campaign.get("seeds"), 1)
     noise_seeds = _int("campaign.noise_seeds", campaign.get("noise_seeds"), 2)
     if campaign.get("name") == "single":
@@ -424,5 +459,6 @@ def run_config(raw: dict[str, Any]) -> RunConfig:
         noise_seeds=noise_seeds,
         scenarios=tuple(scenarios),
         launcher=launcher,
+        recovery=recovery,
         trials=tuple(trials),
     )

@@ -40,7 +40,7 @@ def catch_rate_by_detector(df: pd.DataFrame, detectors: list[str], wilson, path:
     ):
         rates, errors = [], [[], []]
         for d in detectors:
-            k = int(subset["detected_by"].map(lambda s, d=d: d in s.split(";")).sum())
+            k = int(subset["detected_by"].map(lambda s, d=d: d in s.split(";")).astype(bool).sum())
             n = len(subset)
             lo, hi = wilson(k, n) if n else (0.0, 0.0)
             rate = k / n if n else 0.0

@@ -30,7 +30,8 @@ CONTRACT_COLUMNS = [
 EXTRA_COLUMNS = [
     "campaign", "detectors", "detected_by", "alert_detectors", "fault_ranks", "fault_steps",
     "golden_match", "replicas_agree", "divergent_ranks", "noise_band", "stopped_step",
-    "crash_cause",
+    "recoveries", "restore_step", "steps_lost", "recovery_s", "quarantined_nodes", "final_nodes",
+    "recovery_verdict", "crash_cause",
 ]  # fmt: skip
 COLUMNS = CONTRACT_COLUMNS + EXTRA_COLUMNS
 
@@ -99,8 +100,10 @@ def trial_row(
     crash: str | None,
     golden: Golden,
     band: float,
+    recovery: dict[str, Any] | None = None,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """The trial's row for trials.csv and its events for events.jsonl."""
+    """The trial's row for trials.csv and its events for events.jsonl; `recovery` holds what
+    harness.recovery did (None: recovery was off)."""
     fault: FaultConfig = spec.fault
     events = [e for p in parts or [] for e in p.events]
     events.sort(key=lambda e: (e.get("step", -1), e["time"]))
@@ -150,7 +153,7 @@ def trial_row(
         "suspect_ranks": _join(first["suspect_ranks"]) if first else "",
         "suspect_nodes": _join(first["suspect_nodes"]) if first else "",
         "attribution_correct": attribution(first, injected_ranks, run) if first else "",
-        "recovered": "",
+        "recovered": recovery["recovered"] if recovery else "",
         "final_loss": _blank_if_nan(final_loss),
         "golden_final_loss": golden.final_loss,
         "loss_delta": _blank_if_nan(final_loss - golden.final_loss),
@@ -170,6 +173,9 @@ def trial_row(
         ),
         "crash_cause": crash or "",
     }
+    for key in ("recoveries", "restore_step", "steps_lost", "recovery_s", "quarantined_nodes",
+                "final_nodes", "recovery_verdict"):  # fmt: skip
+        row[key] = recovery[key] if recovery else ""
     if crash:
         events.append({"kind": "crash", "cause": crash, "time": 0.0})
     for alert in alerts:

@@ -110,6 +110,19 @@ class DetectorContext:
     model: nn.Module
     workload: Any  # harness.workloads.Workload: regenerates any rank's micro-batch
     steps: int
+    data: tuple[tuple[int, ...], ...]  # whose micro-batches each rank trains on
+
+    def batches(self, rank: int) -> list[tuple[int, int]]:
+        """(source rank, micro-batch) pairs that `rank` computes each step."""
+        micro = self.workload.cfg.micro_batches
+        return [(source, m) for source in self.data[rank] for m in range(micro)]
+
+    @property
+    def divisor(self) -> float:
+        """What each micro-batch loss is divided by, so that DDP's average over the ranks is
+        the mean over every micro-batch of the global batch, whatever the world's size."""
+        sources = sum(len(d) for d in self.data)
+        return self.workload.cfg.micro_batches * sources / self.info.world_size
 
 
 class Detector(Plugin):

@@ -152,12 +152,43 @@ def sees_and_misses(df: pd.DataFrame) -> list[dict[str, object]]:
     for key, g in fired.fillna({"scope": ""}).groupby(keys, dropna=False):
         row: dict[str, object] = dict(zip(keys, (k or "-" for k in key), strict=True))
         for d in _detectors(df):
-            on = g[g["detectors"].map(lambda s, d=d: d in s.split(";"))]
+            on = g[g["detectors"].map(lambda s, d=d: d in s.split(";")).astype(bool)]
             caught = on["detected_by"].map(lambda s, d=d: d in s.split(";")).astype(bool)
             row[d] = f"{int(caught.sum())}/{len(on)}" if len(on) else "-"
         row["harmful"] = int((g["effect"] == "harmful").sum())
         rows.append(row)
     return rows
+
+
+def recovery(df: pd.DataFrame) -> str:
+    """What recovery did: trials recovered, steps lost, time, nodes that left, verdicts."""
+    tried = df[pd.to_numeric(df["recoveries"], errors="coerce").fillna(0) > 0]
+    verdicts = df[df["recovery_verdict"].fillna("") != ""]
+    if tried.empty and verdicts.empty:
+        return ""
+    rows = []
+    for _, r in pd.concat([tried, verdicts]).drop_duplicates("trial_id").iterrows():
+        shrunk = pd.notna(r["final_nodes"]) and int(r["final_nodes"]) < int(r["nodes"])
+        rows.append(
+            {
+                "trial": r["trial_id"],
+                "recovered": r["recovered"],
+                "quarantined nodes": r["quarantined_nodes"] if pd.notna(r["quarantined_nodes"])
+                else "-",
+                "world after": f"{int(r['final_nodes'])} nodes" + (" (shrunk)" if shrunk else "")
+                if pd.notna(r["final_nodes"]) else "-",
+                "restored from step": r["restore_step"],
+                "steps lost": r["steps_lost"],
+                "recovery s": r["recovery_s"],
+                "matches golden": r["golden_match"],
+                "effect": r["effect"],
+                "verdict": r["recovery_verdict"] if pd.notna(r["recovery_verdict"]) else "-",
+            }
+        )  # fmt: skip
+    same = int(tried["golden_match"].fillna(False).astype(bool).sum())
+    head = (f"{len(tried)} trials recovered at least once; {same} of them ended bit-identical to "
+            "their golden run. A restore step of -1 means from the initial weights.")  # fmt: skip
+    return "## Recovery\n\n" + head + "\n\n" + _table(rows)
 
 
 def false_positives(df: pd.DataFrame) -> list[dict[str, object]]:
@@ -249,6 +280,9 @@ def write_report(df: pd.DataFrame, out: Path, dirs: list[Path] | None = None) ->
         + _table(false_positives(df)),
         "## Time to detection, containment and attribution\n\n" + _table(detection_times(df)),
     ]
+    recovered = recovery(df)
+    if recovered:
+        sections.append(recovered)
     extra = sensitivity(dirs or [out])
     if extra:
         sections.append(extra)

@@ -50,8 +50,9 @@ class RankResult:
 
 def rider_slots(world_size: int) -> int:
     """Float32 slots appended to every float32 bucket's allreduce, whether or not a check rides
-    on them: gloo's ring sums an element in an order that depends on the buffer's length, so a
-    buffer that grew only when a detector is on would change the trajectory."""
+    on them: gloo's ring sums an element in an order that depends on the buffer's length and on
+    its position, so a buffer that grew only when a detector is on would change the
+    trajectory."""
     return 8 + 4 * world_size
 
 
@@ -96,26 +97,27 @@ def _comm_hook(state: _HookState, bucket: dist.GradBucket) -> torch.futures.Futu
     buffer = view.buffer
     buffer.div_(state.world_size)
     slot, spans = state.pack(state.bus.riders(step, view))
-    n = buffer.numel()
-    if buffer.dtype == torch.float32:
-        combined = torch.cat([buffer, slot])
-        future = dist.all_reduce(combined, async_op=True).get_future()
-    else:
+    # The collective sees the bucket in name order, whatever order DDP laid it out in: DDP
+    # rebuilds its buckets after the first step, and a world resumed from a checkpoint starts
+    # again with the initial layout. gloo's rounding depends on positions, so only a canonical
+    # layout lets a recovered run end bit-identical to an uninterrupted one.
+    ordered = sorted(view.tensors, key=lambda named: named[0])
+    riding = buffer.dtype == torch.float32
+    canonical = torch.cat([t.reshape(-1) for _, t in ordered] + ([slot] if riding else []))
+    futures = [dist.all_reduce(canonical, async_op=True).get_future()]
+    if spans and not riding:
         # A float32 payload cannot share a bucket of another dtype: it pays a collective.
-        futures = [dist.all_reduce(buffer, async_op=True).get_future()]
-        if spans:
-            futures.append(dist.all_reduce(slot, async_op=True).get_future())
-        future = torch.futures.collect_all(futures)
+        futures.append(dist.all_reduce(slot, async_op=True).get_future())
+    future = torch.futures.collect_all(futures)
 
     def reduced(fut: torch.futures.Future) -> torch.Tensor:
-        if buffer.dtype == torch.float32:
-            result = fut.value()[0]
-            buffer.copy_(result[:n])
-            summed = result[n:]
-        else:
-            done = fut.value()
-            summed = done[1].value()[0] if spans else slot
-        view.riders = {owner: summed[at : at + k] for owner, at, k in spans}
+        done = [f.value()[0] for f in fut.value()]
+        at = 0
+        for _, t in ordered:
+            t.copy_(done[0][at : at + t.numel()].view_as(t))
+            at += t.numel()
+        summed = done[0][at:] if riding else (done[1] if spans else slot)
+        view.riders = {owner: summed[a : a + k] for owner, a, k in spans}
         state.bus.reduced_grad(step, view)
         return buffer
 
@@ -149,39 +151,58 @@ def _stop_point(bus: PluginBus, acting: bool, step: int, result: RankResult) -> 
         raise TrialStopped
 
 
+def data_plan(spec: TrialSpec, info: RankInfo) -> tuple[tuple[int, ...], ...]:
+    """Whose micro-batches each rank trains on: its own, unless a shrunk world took over the
+    data of a quarantined node's ranks."""
+    if spec.segment is not None:
+        return spec.segment.data
+    return tuple((r,) for r in range(info.world_size))
+
+
 def run_trial(run: RunConfig, spec: TrialSpec, info: RankInfo, store: Path) -> RankResult:
-    """Train one trial from step 0 on this rank; every rank of the world calls this together."""
+    """Train one trial on this rank, from step 0 or from a recovery checkpoint; every rank of
+    the world calls this together."""
     cfg = replace(run.workload, seed=spec.seed)
     workload = Workload(cfg)
     model = workload.build_model()
     log = EventLog(info.rank, info.node)
-    plugins = injector.build(spec.fault, spec.seed, info, log, model)
+    plan = data_plan(spec, info)
+    hardware = spec.segment.hardware if spec.segment else tuple(range(info.world_size))
+    plugins = injector.build(spec.fault, spec.seed, info, log, model, hardware, plan)
     checks = {} if spec.golden else run.detectors
-    ctx = DetectorContext(info, model, workload, cfg.steps)
+    ctx = DetectorContext(info, model, workload, cfg.steps, plan)
     plugins += detectors.build(checks, ctx, log)
     acting = any(p.get("mode") == "act" for p in checks.values())
     bus = PluginBus(plugins)
 
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    first = 0
+    if spec.segment is not None:
+        first = spec.segment.start_step
+        if spec.segment.checkpoint:
+            state_dict = checkpoint.load(Path(spec.segment.checkpoint))
+            model.load_state_dict(state_dict["model"])
+            optimizer.load_state_dict(state_dict["optimizer"])
     ddp = DDP(model)
     state = _HookState(bus, model, info.world_size)
     ddp.register_comm_hook(state, _comm_hook)
     bus.install_forward_hooks(model, lambda: state.step)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     result = RankResult(spec.trial_id, info.rank, log.events)
+    batches = ctx.batches(info.rank)
 
     try:
-        for step in range(cfg.steps):
+        for step in range(first, cfg.steps):
             state.step = step
             started = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
             step_loss = 0.0
-            for micro in range(cfg.micro_batches):
-                last = micro == cfg.micro_batches - 1
+            for i, (source, micro) in enumerate(batches):
+                last = i == len(batches) - 1
                 with nullcontext() if last else ddp.no_sync():
-                    loss = workload.loss(ddp, workload.batch(step, info.rank, micro))
+                    loss = workload.loss(ddp, workload.batch(step, source, micro))
                     loss = bus.loss(step, loss)
-                    (loss / cfg.micro_batches).backward()
-                step_loss += loss.item() / cfg.micro_batches
+                    (loss / ctx.divisor).backward()
+                step_loss += loss.item() / len(batches)
             bus.audit(step)
             _stop_point(bus, acting, step, result)
             optimizer.step()

@@ -37,6 +37,7 @@ class Outcome:
 
     parts: list[RankResult] | None = None
     crash: str | None = None
+    recovery: dict | None = None  # what harness.recovery did, when it ran
 
 
 def loopback_interface() -> str:

@@ -73,7 +73,14 @@ class FaultInjector(Plugin):
     """
 
     def __init__(
-        self, fault: FaultConfig, seed: int, info: RankInfo, log: EventLog, model: nn.Module
+        self,
+        fault: FaultConfig,
+        seed: int,
+        info: RankInfo,
+        log: EventLog,
+        model: nn.Module,
+        hardware: tuple[int, ...] | None = None,
+        data: tuple[tuple[int, ...], ...] | None = None,
     ):
         self.fault = fault
         self.seed = seed
@@ -82,11 +89,20 @@ class FaultInjector(Plugin):
         self.model = model_class(fault.model)(fault, random.Random(f"fault-model:{seed}"))
         self.rng = random.Random(f"fault-elements:{seed}")
         self.ber_rng = np.random.default_rng([seed, 0xBE7])
-        self.schedule = [e for e in fault.schedule if e["rank"] == info.rank]
+        # The fault lives on the machine that held the rank when the trial started (a spare that
+        # took over after a recovery is healthy), or, with `follows: data`, on the micro-batches.
+        hardware = hardware or tuple(range(info.world_size))
+        if fault.follows == "data":
+            mine = set((data or tuple((r,) for r in range(info.world_size)))[info.rank])
+        else:
+            mine = {hardware[info.rank]}
+        self.schedule = [e for e in fault.schedule if e["rank"] in mine]
         if fault.schedule:
             self.active = bool(self.schedule)
+        elif fault.scope == "reduction":
+            self.active = fault.ranks[0] in hardware
         else:
-            self.active = fault.scope == "reduction" or info.rank in fault.ranks
+            self.active = bool(mine & set(fault.ranks))
         self.names = {p: n for n, p in model.named_parameters()}
         # With a bucket named, positions are drawn over that bucket's tensors when it first shows.
         matched = [] if fault.bucket is not None else matching(fault, model)
@@ -250,8 +266,14 @@ class FaultInjector(Plugin):
 
 
 def build(
-    fault: FaultConfig, seed: int, info: RankInfo, log: EventLog, model: nn.Module
+    fault: FaultConfig,
+    seed: int,
+    info: RankInfo,
+    log: EventLog,
+    model: nn.Module,
+    hardware: tuple[int, ...],
+    data: tuple[tuple[int, ...], ...],
 ) -> list[Plugin]:
     if fault.clean:
         return []
-    return [FaultInjector(fault, seed, info, log, model)]
+    return [FaultInjector(fault, seed, info, log, model, hardware, data)]
