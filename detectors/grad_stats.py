@@ -30,11 +30,11 @@ class GradStats(Detector):
 
     def __init__(self, params, ctx, log):
         super().__init__(params, ctx, log)
-        self.loss = 0.0
+        self.losses: list[float] = []
         self.running_max = -math.inf
 
     def on_loss(self, step: int, loss: torch.Tensor) -> None:
-        self.loss += loss.item() / len(self.ctx.batches(self.info.rank))
+        self.losses.append(loss.item())
         return None
 
     def rider(self, step: int, bucket: Bucket) -> torch.Tensor:
@@ -42,14 +42,14 @@ class GradStats(Detector):
         slot = torch.zeros(world, 2)
         flat = bucket.buffer.float()
         slot[rank, 0] = torch.dot(flat, flat).sqrt()
-        slot[rank, 1] = self.loss
+        slot[rank, 1] = sum(self.losses) / len(self.losses) if self.losses else 0.0
         return slot.reshape(-1)
 
     def on_reduced_grad(self, step: int, bucket: Bucket) -> None:
         table = bucket.riders[id(self)].reshape(self.info.world_size, 2)
         norms, losses = table[:, 0].double(), table[:, 1].double()
         if bucket.is_last:
-            self.loss = 0.0
+            self.losses = []
         suspects = self._outliers(norms)
         if suspects:
             evidence = {"bucket": bucket.index, "norms": norms.tolist()}

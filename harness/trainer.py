@@ -26,8 +26,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import detectors
 from harness import checkpoint
+from harness.comm import HookState, comm_hook
 from harness.config import RunConfig, TrialSpec
-from harness.plugins import Bucket, DetectorContext, EventLog, PluginBus, RankInfo
+from harness.plugins import DetectorContext, EventLog, PluginBus, RankInfo
 from harness.workloads import Workload
 from injectors import injector
 
@@ -46,82 +47,6 @@ class RankResult:
     weights_finite: bool = True
     stopped_step: int | None = None
     stopped_by: str = ""
-
-
-def rider_slots(world_size: int) -> int:
-    """Float32 slots appended to every float32 bucket's allreduce, whether or not a check rides
-    on them: gloo's ring sums an element in an order that depends on the buffer's length and on
-    its position, so a buffer that grew only when a detector is on would change the
-    trajectory."""
-    return 8 + 4 * world_size
-
-
-class _HookState:
-    """What the comm hook needs; the trainer sets `step` before each backward."""
-
-    def __init__(self, bus: PluginBus, model: nn.Module, world_size: int):
-        self.bus = bus
-        self.names = {id(p): n for n, p in model.named_parameters()}
-        self.world_size = world_size
-        self.slots = rider_slots(world_size)
-        self.step = 0
-
-    def pack(self, riders: list[tuple[int, torch.Tensor]]) -> tuple[torch.Tensor, list]:
-        slot = torch.zeros(self.slots, dtype=torch.float32)
-        spans, at = [], 0
-        for owner, payload in riders:
-            n = payload.numel()
-            if at + n > self.slots:
-                raise RuntimeError(f"riders need more than {self.slots} slots")
-            slot[at : at + n] = payload.reshape(-1)
-            spans.append((owner, at, n))
-            at += n
-        return slot, spans
-
-
-def _comm_hook(state: _HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Sites 2-5 around the one allreduce DDP allows: local checks, collective, reduced checks.
-
-    DDP checks the parameter names and the `dist.GradBucket` annotation itself (so this module
-    must not use postponed annotations).
-    """
-    step = state.step
-    names = [state.names[id(p)] for p in bucket.parameters()]
-    view = Bucket(
-        index=bucket.index(),
-        buffer=bucket.buffer(),
-        tensors=list(zip(names, bucket.gradients(), strict=True)),
-        is_last=bucket.is_last(),
-    )
-    state.bus.local_grad(step, view)
-    buffer = view.buffer
-    buffer.div_(state.world_size)
-    slot, spans = state.pack(state.bus.riders(step, view))
-    # The collective sees the bucket in name order, whatever order DDP laid it out in: DDP
-    # rebuilds its buckets after the first step, and a world resumed from a checkpoint starts
-    # again with the initial layout. gloo's rounding depends on positions, so only a canonical
-    # layout lets a recovered run end bit-identical to an uninterrupted one.
-    ordered = sorted(view.tensors, key=lambda named: named[0])
-    riding = buffer.dtype == torch.float32
-    canonical = torch.cat([t.reshape(-1) for _, t in ordered] + ([slot] if riding else []))
-    futures = [dist.all_reduce(canonical, async_op=True).get_future()]
-    if spans and not riding:
-        # A float32 payload cannot share a bucket of another dtype: it pays a collective.
-        futures.append(dist.all_reduce(slot, async_op=True).get_future())
-    future = torch.futures.collect_all(futures)
-
-    def reduced(fut: torch.futures.Future) -> torch.Tensor:
-        done = [f.value()[0] for f in fut.value()]
-        at = 0
-        for _, t in ordered:
-            t.copy_(done[0][at : at + t.numel()].view_as(t))
-            at += t.numel()
-        summed = done[0][at:] if riding else (done[1] if spans else slot)
-        view.riders = {owner: summed[a : a + k] for owner, a, k in spans}
-        state.bus.reduced_grad(step, view)
-        return buffer
-
-    return future.then(reduced)
 
 
 def weights_digest(model: nn.Module) -> str:
@@ -184,8 +109,8 @@ def run_trial(run: RunConfig, spec: TrialSpec, info: RankInfo, store: Path) -> R
             model.load_state_dict(state_dict["model"])
             optimizer.load_state_dict(state_dict["optimizer"])
     ddp = DDP(model)
-    state = _HookState(bus, model, info.world_size)
-    ddp.register_comm_hook(state, _comm_hook)
+    state = HookState(bus, model, info.world_size)
+    ddp.register_comm_hook(state, comm_hook)
     bus.install_forward_hooks(model, lambda: state.step)
     result = RankResult(spec.trial_id, info.rank, log.events)
     batches = ctx.batches(info.rank)

@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from harness.comm import HookState, comm_hook
 from harness.config import FaultConfig
 from harness.plugins import EventLog, PluginBus, RankInfo
-from harness.trainer import _comm_hook, _HookState
 from injectors.injector import FaultInjector
 from tests.conftest import events, rows
 
@@ -208,7 +208,7 @@ def _published_example(rank: int, store: str, results) -> None:
     fault = FaultConfig(site="grad", model="scale", factor=10.0, ranks=(1,), steps=(0,))
     bus = PluginBus([FaultInjector(fault, 0, info, log, w)])
     ddp = DDP(w)
-    ddp.register_comm_hook(_HookState(bus, w, 3), _comm_hook)
+    ddp.register_comm_hook(HookState(bus, w, 3), comm_hook)
     grad = (0.20, 0.40, 0.30)[rank]
     ddp(torch.tensor([[grad]])).sum().backward()
     results.put((rank, float(w.weight.grad), [e["new"] for e in log.events]))
