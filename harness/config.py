@@ -7,6 +7,7 @@ Ranks only ever receive the dataclasses below, never an OmegaConf object.
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import math
 from dataclasses import dataclass, field, fields
@@ -23,7 +24,8 @@ from injectors import bits, injector
 SITES_WITH_SCOPE = {"allreduce": ("rank", "reduction")}
 PERSISTENCE = ("transient", "intermittent", "permanent")
 SELECT = ("random", "largest")
-WORKLOADS = ("mlp", "gpt")
+WORKLOADS = ("mlp", "gpt", "custom")
+CUSTOM_TARGETS = ("model", "data", "loss", "optimizer")
 BACKENDS = ("gloo", "nccl")
 LAUNCHERS = ("spawn", "torchrun")
 BIT_WIDTH = {"float32": 32, "bfloat16": 16, "float16": 16}
@@ -218,10 +220,56 @@ def workload_config(raw: dict[str, Any]) -> WorkloadConfig:
     _int("workload.micro_batches", raw.get("micro_batches"), 1)
     _int("workload.micro_batch_size", raw.get("micro_batch_size"), 1)
     _positive("workload.lr", raw.get("lr"))
+    if raw["name"] == "custom":
+        _custom_targets(raw)
     cfg = WorkloadConfig(**raw)
+    if cfg.name == "custom":
+        _deterministic_data(cfg)
     if cfg.name == "gpt" and cfg.d_model % cfg.heads:
         raise ConfigError("workload.heads", f"{cfg.heads} must divide d_model={cfg.d_model}")
     return cfg
+
+
+def _custom_targets(raw: dict[str, Any]) -> None:
+    """Every target must name something importable; nothing is instantiated here but what the
+    user wrote in their config."""
+    for part in CUSTOM_TARGETS:
+        spec = raw.get(part)
+        if not isinstance(spec, dict) or "_target_" not in spec:
+            raise ConfigError(f"workload.{part}", "needs a Hydra target: {_target_: module.name}")
+        reason = _import_problem(str(spec["_target_"]))
+        if reason:
+            raise ConfigError(
+                f"workload.{part}._target_", f"'{spec['_target_']}' does not import ({reason})"
+            )
+
+
+def _import_problem(path: str) -> str:
+    """Why `module.attribute` cannot be found, or "" when it can (imports the module only)."""
+    parts = path.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError as exc:
+            problem = str(exc)
+            continue
+        for name in parts[cut:]:
+            if not hasattr(obj, name):
+                return f"no {name} in {obj.__name__}"
+            obj = getattr(obj, name)
+        return ""
+    return problem if len(parts) > 1 else "not a dotted path"
+
+
+def _deterministic_data(cfg: WorkloadConfig) -> None:
+    """Replay and golden runs need data that is a pure function of its arguments."""
+    workload = Workload(cfg)
+    first, second = workload.batch(1, 1, 0), workload.batch(1, 1, 0)
+    if not all(torch.equal(a, b) for a, b in zip(first, second, strict=True)):
+        raise ConfigError(
+            "workload.data", "is not deterministic: two calls with the same (seed, step, rank, "
+            "micro-batch) returned different batches"
+        )  # fmt: skip
 
 
 def topology_config(raw: dict[str, Any]) -> TopologyConfig:

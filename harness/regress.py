@@ -47,32 +47,38 @@ CELL_RATES = ("catch rate (fired)", "catch rate (harmful)")
 class Run:
     """One folder's tables: its trials, and its overhead when it measured one."""
 
-    folder: Path
     trials: pd.DataFrame
     overhead: pd.DataFrame | None
 
 
 def load(folder: Path) -> Run:
     """Read a run or sweep folder; any problem raises ReportError naming the folder or file."""
+    return Run(_trials(folder), _overhead(folder / OVERHEAD_FILE))
+
+
+def _trials(folder: Path) -> pd.DataFrame:
     try:
-        trials = load_trials([folder])
+        return load_trials([folder])
     except ReportError:
         raise
     except (ValueError, OSError) as exc:  # pandas: an empty or malformed trials.csv
         raise ReportError(f"{folder}: unreadable trials.csv: {exc}") from None
-    path = folder / OVERHEAD_FILE
+
+
+def _overhead(path: Path) -> pd.DataFrame | None:
     if not path.exists():
-        return Run(folder, trials, None)
+        return None
     try:
-        overhead = pd.read_csv(
-            path, dtype={"detector": str, "interval": str}, keep_default_na=False
-        )
+        table = pd.read_csv(path, dtype={"detector": str, "interval": str}, keep_default_na=False)
+        missing = [c for c in OVERHEAD_COLUMNS if c not in table.columns]
+        if missing:
+            raise ReportError(f"{path}: missing columns: {', '.join(missing)}")
+        table["overhead_pct"] = pd.to_numeric(table["overhead_pct"])
+    except ReportError:
+        raise
     except (ValueError, OSError) as exc:
         raise ReportError(f"{path}: unreadable: {exc}") from None
-    missing = [c for c in OVERHEAD_COLUMNS if c not in overhead.columns]
-    if missing:
-        raise ReportError(f"{path}: missing columns: {', '.join(missing)}")
-    return Run(folder, trials, overhead)
+    return table
 
 
 def counts(rate: str) -> tuple[int, int]:
@@ -170,7 +176,7 @@ def overhead_growth(base: pd.DataFrame | None, cur: pd.DataFrame | None) -> list
     joined = base.merge(cur, on=["detector", "interval"], suffixes=("_base", "_cur"))
     found = []
     for row in joined.itertuples(index=False):
-        was, now = float(row.overhead_pct_base), float(row.overhead_pct_cur)
+        was, now = row.overhead_pct_base, row.overhead_pct_cur
         if now - was > OVERHEAD_GROWTH * abs(was):
             where = f"{row.detector}, interval {row.interval or '-'}"
             found.append(_finding("overhead grew", where, f"{was:.2f}%", f"{now:.2f}%"))

@@ -30,6 +30,7 @@ PLAN = "plan.json"
 
 def command(run: RunConfig, out: Path) -> str:
     topo = run.topology
+    trust = " --trust-plan" if run.workload.name == "custom" else ""
     rendezvous = (
         "--standalone"
         if topo.nodes == 1
@@ -37,7 +38,7 @@ def command(run: RunConfig, out: Path) -> str:
     )
     return (
         f"torchrun {rendezvous} --nproc-per-node={topo.ranks_per_node} "
-        f"-m harness.torchrun_worker {out}"
+        f"-m harness.torchrun_worker {out}{trust}"
     )
 
 
@@ -65,9 +66,15 @@ def rank_info(run: RunConfig) -> RankInfo:
 
 
 def main(argv: list[str] | None = None) -> None:
-    out = Path((argv or sys.argv[1:])[0])
+    args = argv or sys.argv[1:]
+    out = Path(args[0])
     try:
-        run = run_config(json.loads((out / PLAN).read_text()))
+        raw = json.loads((out / PLAN).read_text())
+        if raw["workload"]["name"] == "custom" and "--trust-plan" not in args:
+            # Targets are instantiated only from the user's own config, never from a file in a
+            # results folder, unless the user says the plan is theirs.
+            raise ConfigError("workload", "a custom plan names code to run; add --trust-plan")
+        run = run_config(raw)
         info = rank_info(run)
     except (ConfigError, OSError) as exc:
         print(f"harness.torchrun_worker: error: {exc}", file=sys.stderr)

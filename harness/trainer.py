@@ -100,7 +100,7 @@ def run_trial(run: RunConfig, spec: TrialSpec, info: RankInfo, store: Path) -> R
     acting = any(p.get("mode") == "act" for p in checks.values())
     bus = PluginBus(plugins)
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    optimizer = workload.build_optimizer(model)
     first = 0
     if spec.segment is not None:
         first = spec.segment.start_step

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from hydra.utils import instantiate
 from torch import nn
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -45,6 +46,11 @@ class WorkloadConfig:
     d_model: int = 128
     layers: int = 2
     heads: int = 4
+    # custom: Hydra targets the user names (instantiated from their config, never from results)
+    model: dict | None = None  # the nn.Module
+    data: dict | None = None  # (seed, step, rank, micro_batch, size) -> (inputs, targets)
+    loss: dict | None = None  # (outputs, targets) -> scalar
+    optimizer: dict | None = None  # partial: (params) -> optimizer
 
 
 class MLP(nn.Module):
@@ -103,7 +109,10 @@ class Workload:
         self.cfg = cfg
         self.dtype = DTYPES[cfg.dtype]
         teacher = generator(cfg.seed, _STREAM_TEACHER)
-        if cfg.name == "mlp":
+        if cfg.name == "custom":
+            self._data = instantiate(cfg.data)
+            self._loss = instantiate(cfg.loss)
+        elif cfg.name == "mlp":
             self._teacher = torch.randn(cfg.in_dim, cfg.classes, generator=teacher)
         else:
             # A sparse random Markov chain: learnable structure, so the loss falls visibly.
@@ -112,15 +121,31 @@ class Workload:
 
     def build_model(self) -> nn.Module:
         torch.manual_seed(self.cfg.seed)
-        model = MLP(self.cfg) if self.cfg.name == "mlp" else GPT(self.cfg)
+        if self.cfg.name == "custom":
+            model = instantiate(self.cfg.model)
+        else:
+            model = MLP(self.cfg) if self.cfg.name == "mlp" else GPT(self.cfg)
         return model.to(self.dtype)
 
+    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        if self.cfg.name == "custom":
+            return instantiate(self.cfg.optimizer)(model.parameters())
+        return torch.optim.AdamW(model.parameters(), lr=self.cfg.lr)
+
     def batch(self, step: int, rank: int, micro_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.cfg.name == "custom":
+            return self._custom(step, rank, micro_batch, self.cfg.micro_batch_size)
         gen = generator(self.cfg.seed, _STREAM_TRAIN, step, rank, micro_batch)
         return self._sample(gen, self.cfg.micro_batch_size)
 
     def eval_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.cfg.name == "custom":  # a held-out batch: a step no training run reaches
+            return self._custom(-1, 0, 0, 4 * self.cfg.micro_batch_size)
         return self._sample(generator(self.cfg.seed, _STREAM_EVAL), 4 * self.cfg.micro_batch_size)
+
+    def _custom(self, step: int, rank: int, micro: int, size: int) -> tuple[torch.Tensor, ...]:
+        inputs, targets = self._data(self.cfg.seed, step, rank, micro, size)
+        return (inputs.to(self.dtype) if inputs.is_floating_point() else inputs), targets
 
     def _sample(self, gen: torch.Generator, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
@@ -136,5 +161,7 @@ class Workload:
 
     def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         inputs, targets = batch
+        if self.cfg.name == "custom":
+            return self._loss(model(inputs).float(), targets)
         logits = model(inputs)
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))

@@ -1,0 +1,37 @@
+"""A bring-your-own-model example that the tests and the README use: a small convolutional net
+on synthetic 28x28 "digits", written as a user would write their own (`workload=custom`)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SmallConvNet(nn.Module):
+    def __init__(self, classes: int = 10):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 8, 3, padding=1)
+        self.conv2 = nn.Conv2d(8, 16, 3, padding=1)
+        self.head = nn.Linear(16 * 7 * 7, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        return self.head(x.flatten(1))
+
+
+def synthetic_digits(
+    seed: int, step: int, rank: int, micro: int, size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch that is a pure function of its arguments: class-dependent blobs plus noise."""
+    gen = torch.Generator().manual_seed(hash((seed, step, rank, micro)) & 0x7FFFFFFF)
+    labels = torch.randint(10, (size,), generator=gen)
+    grid = torch.linspace(-1, 1, 28)
+    yy, xx = torch.meshgrid(grid, grid, indexing="ij")
+    centers = torch.stack([torch.cos(labels * 0.63), torch.sin(labels * 0.63)], dim=1) * 0.5
+    blobs = torch.exp(
+        -((xx - centers[:, 0, None, None]) ** 2 + (yy - centers[:, 1, None, None]) ** 2) * 8
+    )
+    images = blobs + 0.3 * torch.randn(size, 28, 28, generator=gen)
+    return images.unsqueeze(1), labels
