@@ -1,0 +1,162 @@
+"""The standard campaigns (experiments/campaign/): each composes and validates as `sdc-bench
+campaign=NAME` would run it, holds the structure its study needs, and smoke runs end to end."""
+
+from __future__ import annotations
+
+import csv
+import itertools
+from pathlib import Path
+
+import pytest
+
+import detectors
+import injectors
+from harness.cli import CONFIG_DIR
+from harness.config import ConfigError, RunConfig
+from tests.conftest import compose_run, rows
+
+CAMPAIGNS = sorted(p.stem for p in Path(CONFIG_DIR, "campaign").glob("*.yaml"))
+EVERY_DETECTOR = set(detectors.available())
+PUBLISHED = {"nan_inf", "replay", "weight_consensus"}
+INTERVALS = (1, 2, 5, 10, 20, 50)
+BASELINE = Path(CONFIG_DIR).parent / "results" / "baseline"
+# bit_sensitivity's documented command for the 16-bit dtypes.
+BITS_16 = "campaign.scenarios.0.grid.bit=[" + ",".join(map(str, range(16))) + "]"
+
+
+def keys(run: RunConfig) -> set[tuple]:
+    """(site, scope, model, persistence) of every fault scenario."""
+    return {(f.site, f.scope, f.model, f.persistence) for f in run.scenarios if not f.clean}
+
+
+@pytest.mark.parametrize("name", CAMPAIGNS)
+def test_every_campaign_composes_and_validates(name):
+    run = compose_run(f"campaign={name}")
+    assert run.campaign == name
+    assert run.trials and len(run.trials) == len(run.scenarios) * run.seeds
+    assert len({t.trial_id for t in run.trials}) == len(run.trials)
+
+
+def test_smoke_is_small_and_exercises_every_detector():
+    run = compose_run("campaign=smoke")
+    assert set(run.detectors) == EVERY_DETECTOR
+    assert len(run.trials) + max(run.seeds, run.noise_seeds) <= 8
+    assert run.workload.steps <= 12
+    assert any(f.clean for f in run.scenarios)
+
+
+@pytest.mark.parametrize("name, nodes", [("aws_reference", 4), ("aws_reference_3node", 3)])
+def test_aws_reference_is_the_published_setup(name, nodes):
+    run = compose_run(f"campaign={name}")
+    assert run.topology.nodes == nodes and run.topology.ranks_per_node == 1
+    assert set(run.detectors) == PUBLISHED
+    # The published intervals: consensus at the checkpoint interval, replay twice within it.
+    assert run.detectors["replay"]["interval"] == 5
+    assert run.detectors["weight_consensus"]["interval"] == run.checkpoint.interval == 10
+    faults = [f for f in run.scenarios if not f.clean]
+    assert {f.site for f in faults} == {"grad", "weight", "allreduce"}
+    assert {f.value for f in faults if f.model == "value"} == {"nan", "inf"}
+    assert all(f.factor is not None and f.factor > 1 for f in faults if f.model == "scale")
+    assert {f.scope for f in faults if f.site == "allreduce"} == {"rank", "reduction"}
+    # On an audit step of replay and between its audits.
+    assert {f.steps for f in faults} == {(10,), (12,)}
+    assert keys(run) == keys(compose_run("campaign=aws_reference"))
+
+
+def test_command_line_detectors_win_over_a_campaigns_choice():
+    run = compose_run("campaign=aws_reference", "detectors=[nan_inf]")
+    assert set(run.detectors) == {"nan_inf"}
+
+
+def test_blind_spots_cover_site_model_persistence_and_scope_against_every_detector():
+    run = compose_run("campaign=blind_spots")
+    assert set(run.detectors) == EVERY_DETECTOR
+    # Every model of a wrong value; `crash` takes a process down instead (effect crash).
+    models = set(injectors.available_models()) - {"crash"}
+    persistence = ("transient", "intermittent", "permanent")
+    places = [(s, None) for s in injectors.SITES if s != "allreduce"]
+    places += [("allreduce", "rank"), ("allreduce", "reduction")]
+    expected = {
+        (site, scope, model, p)
+        for (site, scope), model, p in itertools.product(places, models, persistence)
+    }
+    assert keys(run) == expected
+
+
+@pytest.mark.parametrize(
+    "dtype, overrides, width", [("float32", [], 32), ("bfloat16", [BITS_16], 16)]
+)
+def test_bit_sensitivity_flips_every_bit_of_the_dtype_at_each_site(dtype, overrides, width):
+    run = compose_run("campaign=bit_sensitivity", f"workload.dtype={dtype}", *overrides)
+    assert run.workload.dtype == dtype
+    flips = {(f.site, f.bit) for f in run.scenarios if f.model == "bitflip"}
+    assert flips == set(itertools.product(injectors.SITES, range(width)))
+
+
+def test_bit_sensitivity_names_the_bit_a_16_bit_dtype_lacks():
+    with pytest.raises(ConfigError, match=r"bit: 16 is out of range; allowed: 0\.\.15"):
+        compose_run("campaign=bit_sensitivity", "workload.dtype=bfloat16")
+
+
+@pytest.mark.parametrize("interval", INTERVALS)
+def test_audit_frequency_sweep_composes_at_every_interval(interval):
+    replay = compose_run(
+        "campaign=audit_frequency", "detectors=[replay]", f"detectors.replay.interval={interval}"
+    )
+    assert replay.detectors == {"replay": {**replay.detectors["replay"], "interval": interval}}
+    consensus = compose_run(
+        "campaign=audit_frequency",
+        "detectors=[weight_consensus]",
+        f"detectors.weight_consensus.interval={interval}",
+        "checkpoint.interval=60",
+    )
+    assert consensus.detectors["weight_consensus"]["interval"] == interval
+    # The only checkpoint comes after the last step, so consensus runs at its own interval.
+    assert consensus.checkpoint.interval == consensus.workload.steps >= max(INTERVALS)
+
+
+def test_audit_frequency_mixes_persistence_over_consecutive_steps():
+    run = compose_run("campaign=audit_frequency")
+    assert set(run.detectors) == {"replay", "weight_consensus"}
+    assert {p for _, _, _, p in keys(run)} == {"transient", "intermittent", "permanent"}
+    for site in ("grad", "weight"):
+        steps = sorted(
+            f.steps[0] for f in run.scenarios if f.site == site and f.persistence == "transient"
+        )
+        assert steps == list(range(steps[0], steps[0] + 10))
+
+
+def test_nightly_is_a_fixed_mix_against_every_detector():
+    run = compose_run("campaign=nightly")
+    assert set(run.detectors) == EVERY_DETECTOR
+    assert any(f.clean for f in run.scenarios)
+    assert {f.site for f in run.scenarios if not f.clean} == set(injectors.SITES)
+    # From 4 seeds on, n/n and 0/n have disjoint Wilson intervals: a lost catch shows.
+    assert run.seeds >= 4
+
+
+def test_committed_baseline_is_a_run_of_nightly_as_it_stands():
+    """sdc-regress compares cell by cell: the baseline must hold exactly nightly's trials."""
+    with open(BASELINE / "trials.csv", newline="") as f:
+        table = list(csv.DictReader(f))
+    run = compose_run("campaign=nightly")
+    assert [r["trial_id"] for r in table] == [t.trial_id for t in run.trials]
+    assert {r["campaign"] for r in table} == {"nightly"}
+    assert {r["detectors"] for r in table} == {";".join(sorted(run.detectors))}
+
+
+def test_smoke_runs_end_to_end_and_each_check_catches_its_fault(tmp_path, run_ok):
+    out = tmp_path / "smoke"
+    proc = run_ok("campaign=smoke", f"out={out}", cwd=tmp_path, timeout=120)
+    assert f"report: {out / 'report.md'}" in proc.stdout
+    table = {r["trial_id"].split("-", 1)[1].rsplit("-s", 1)[0]: r for r in rows(out)}
+    assert table["clean"]["alerts"] == "0"
+    expected = {
+        "grad-value-nan": "nan_inf",
+        "grad-scale-x1000": "replay",
+        "allreduce-scale-x1000-reduction": "allreduce_sketch",
+        "weight-bitflip-exponent_msb": "weight_consensus",
+    }
+    for label, detector in expected.items():
+        assert table[label]["fired"] == "True"
+        assert detector in table[label]["detected_by"].split(";"), table[label]

@@ -1,0 +1,142 @@
+"""`sdc-regress` through the real command, on real runs: the same small campaign with its one
+detector on (the baseline) and switched off (a planted regression)."""
+
+from __future__ import annotations
+
+import csv
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from harness.regress import load, regressions
+from tests.conftest import BIN
+
+# Clean trials and a NaN in rank 3's local gradient, 4 seeds each: the fewest for which a catch
+# rate of 4/4 and one of 0/4 have disjoint Wilson intervals (and 0/4 is a blind spot).
+CAMPAIGN = [
+    "campaign.scenarios=[{site:none},{site:grad,model:value,value:nan,ranks:[3],steps:[2]}]",
+    "workload.steps=4",
+    "campaign.seeds=4",
+    "campaign.noise_seeds=2",
+]
+OVERHEAD = (
+    "detector,interval,overhead_pct,floor_pct\nreplay,5,{replay},18.0\nnan_inf,,{nan_inf},0.0\n"
+)
+
+
+def sdc_regress(*args: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(BIN / "sdc-regress"), *map(str, args)], capture_output=True, text=True, timeout=60
+    )
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """Both campaigns at once: each leaves a core idle between trials that the other can use."""
+    root = tmp_path_factory.mktemp("regress")
+    checks = {"baseline": "[nan_inf]", "switched_off": "[]"}
+    procs = {}
+    for name, detectors in checks.items():
+        with open(root / f"{name}.log", "w") as log:
+            procs[name] = subprocess.Popen(
+                [str(BIN / "sdc-bench"), *CAMPAIGN, f"detectors={detectors}", f"out={root / name}"],
+                cwd=root,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+    for name, proc in procs.items():
+        assert proc.wait(timeout=300) == 0, (root / f"{name}.log").read_text()[-3000:]
+    return {name: root / name for name in checks}
+
+
+def copy(run: Path, to: Path) -> Path:
+    to.mkdir()
+    shutil.copy(run / "trials.csv", to / "trials.csv")
+    return to
+
+
+def edit_rows(folder: Path, change) -> None:
+    with open(folder / "trials.csv", newline="") as f:
+        table = list(csv.DictReader(f))
+    change(table)
+    with open(folder / "trials.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(table[0]))
+        writer.writeheader()
+        writer.writerows(table)
+
+
+def regression_rows(stdout: str) -> list[list[str]]:
+    lines = [line for line in stdout.splitlines() if line.startswith("| ")][1:]
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines]
+
+
+def test_identical_runs_do_not_regress(runs):
+    proc = sdc_regress(runs["baseline"], runs["baseline"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "no regression (8 baseline trials, 8 current trials)" in proc.stdout
+
+
+def test_committed_baseline_reads_and_does_not_regress_against_itself():
+    baseline = load(Path(__file__).resolve().parent.parent / "results" / "baseline")
+    assert regressions(baseline, baseline) == []
+
+
+def test_a_detector_switched_off_is_a_regression_with_its_table(runs):
+    proc = sdc_regress(runs["baseline"], runs["switched_off"])
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    found = regression_rows(proc.stdout)
+    kinds = {(kind, where) for kind, where, _, _ in found}
+    for trials in ("all fired", "non-masked", "harmful"):
+        assert ("catch rate fell", f"nan_inf, {trials} trials") in kinds
+        assert ("catch rate fell", f"any detector, {trials} trials") in kinds
+    assert ("catch rate fell", "grad / value / -, catch rate (harmful)") in kinds
+    assert ("new blind spot", "grad / value / -, harmful trials") in kinds
+    switched_off = next(row for row in found if row[1] == "nan_inf, harmful trials")
+    assert switched_off[2].startswith("4/4 = 100%")
+    assert switched_off[3] == "0/4 = 0% [0%, 49%] (not run)"
+    assert f"{len(found)} regressions" in proc.stderr
+    # Switching the detector back on is not a regression.
+    assert sdc_regress(runs["switched_off"], runs["baseline"]).returncode == 0
+
+
+def test_a_new_false_positive_and_an_overhead_a_quarter_above_baseline_regress(runs, tmp_path):
+    baseline = copy(runs["baseline"], tmp_path / "a")
+    current = copy(runs["baseline"], tmp_path / "b")
+
+    def alert_on_first_clean_trial(table):
+        clean = next(r for r in table if r["site"] == "none")
+        clean.update(alerts="1", alert_detectors="nan_inf")
+
+    edit_rows(current, alert_on_first_clean_trial)
+    (baseline / "overhead.csv").write_text(OVERHEAD.format(replay=10.0, nan_inf=0.5))
+    # replay +26%, nan_inf +24%: only replay is past the limit.
+    (current / "overhead.csv").write_text(OVERHEAD.format(replay=12.6, nan_inf=0.62))
+    proc = sdc_regress(baseline, current)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert regression_rows(proc.stdout) == [
+        ["new false positive", "nan_inf", "0/4 = 0% [0%, 49%]", "1/4 = 25% [5%, 70%]"],
+        ["overhead grew", "replay, interval 5", "10.00%", "12.60%"],
+    ]
+
+
+def test_bad_input_exits_2_with_one_line_before_comparing(runs, tmp_path):
+    no_trials = tmp_path / "empty"
+    no_trials.mkdir()
+    no_columns = copy(runs["baseline"], tmp_path / "cut")
+    edit_rows(no_columns, lambda table: [row.pop("detected") for row in table])
+    bad_overhead = copy(runs["baseline"], tmp_path / "overhead")
+    (bad_overhead / "overhead.csv").write_text("detector,overhead_pct\nreplay,3.0\n")
+    # Both folders are read before anything is compared: a bad one fails in either place.
+    calls = [
+        ((tmp_path / "missing", runs["baseline"]), "missing: not a folder"),
+        ((runs["baseline"], no_trials), "no trials.csv"),
+        ((runs["baseline"], no_columns), "missing columns: detected"),
+        ((runs["baseline"], bad_overhead), "overhead.csv: missing columns: interval, floor_pct"),
+    ]
+    for args, message in calls:
+        proc = sdc_regress(*args)
+        assert proc.returncode == 2, (args, proc.stdout, proc.stderr)
+        assert proc.stdout == ""
+        assert len(proc.stderr.splitlines()) == 1 and message in proc.stderr
