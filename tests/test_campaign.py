@@ -7,6 +7,8 @@ import io
 import json
 import re
 
+import pytest
+
 from tests.conftest import FAST, events, rows, sdc_bench, without_timing
 
 NAN_FAULT = ["fault=grad_nan", "fault.steps=[5]", "campaign.seeds=2"]
@@ -71,6 +73,8 @@ def test_bitflip_event_records_the_exact_bits(tmp_path, run_ok):
     assert row["effect"] in {"masked", "benign", "harmful"}
 
 
+# tests/test_detectors.py checks the same with every detector on, in the default run.
+@pytest.mark.slow
 def test_detectors_only_observe(tmp_path, run_ok):
     """Golden runs have no detector; clean trials run nan_inf. Same weights, bit for bit."""
     for workload, dtype in (("mlp", "float32"), ("gpt", "bfloat16")):
