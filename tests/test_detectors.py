@@ -123,8 +123,7 @@ def test_a_nan_in_a_local_gradient_is_caught_by_nan_inf_in_its_step_and_containe
 )
 def test_clean_trials_raise_no_alert_and_end_bit_identical(tmp_path, run_ok, workload, dtype):
     """Eight clean seeds per workload and dtype (24 per detector by default, 32 with the slow
-    case), ranks on 1 and 2
-    threads, every detector in its default mode, every step audited."""
+    case), ranks on 1 and 2 threads, every detector in its default mode, every step audited."""
     out = tmp_path / "run"
     run_ok(
         ALL,
