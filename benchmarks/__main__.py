@@ -1,0 +1,119 @@
+"""`python -m benchmarks`: run every benchmark of issue 7 and print each figure next to its target.
+
+    .venv/bin/python -m benchmarks                      # all, into results/runs/bench-<time>
+    .venv/bin/python -m benchmarks --out DIR --only kernels,overhead
+    .venv/bin/python -m benchmarks --quick              # tiny sizes: checks that all of it runs
+
+Writes into the output folder: figures.csv and figures.md (the table), overhead.csv (DESIGN
+section 4), step_times.csv, growth_size.csv, growth_ranks.csv, profile_*.txt (where the time of
+the checks goes) and environment.txt (the load on the machine while it ran: numbers from a busy
+machine are noisier, not biased, since every ratio is taken between interleaved runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+
+from benchmarks import growth, kernels, step_overhead, throughput
+from benchmarks.timing import Figure
+from benchmarks.worlds import Worlds
+
+PARTS = ("kernels", "overhead", "throughput", "growth")
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    summary = __doc__.split("\n")[0]
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=summary)
+    stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
+    parser.add_argument("--out", type=Path, default=Path("results/runs") / f"bench-{stamp}")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, one round each")
+    parser.add_argument("--only", default=",".join(PARTS), help=f"comma-separated: {PARTS}")
+    parser.add_argument("--rounds", type=int, default=None, help="rounds of the world benchmarks")
+    args = parser.parse_args(argv)
+    args.only = [p.strip() for p in args.only.split(",") if p.strip()]
+    unknown = set(args.only) - set(PARTS)
+    if unknown:
+        parser.error(f"--only: unknown {sorted(unknown)}; allowed: {', '.join(PARTS)}")
+    return args
+
+
+def run_all(out: Path, quick: bool, only: list[str], rounds: int | None = None) -> list[Figure]:
+    """Run the chosen benchmarks into `out`; the figures, in the issue's order."""
+    out.mkdir(parents=True, exist_ok=True)
+    figures: list[Figure] = []
+    if "kernels" in only:
+        figures += kernels.run(rounds=2 if quick else 31, quick=quick)
+        kernels.profile(out, quick=quick)
+        kernels.size_sweep(out, quick=quick)
+    with Worlds() as worlds:
+        if "overhead" in only:
+            plan = step_overhead.Plan.quick() if quick else step_overhead.Plan()
+            plan = _with_rounds(plan, "rounds", rounds)
+            figures += step_overhead.run(worlds, out, plan)
+        if "throughput" in only:
+            plan = throughput.Plan.quick() if quick else throughput.Plan()
+            figures += throughput.run(worlds.tmp, plan)
+        if "growth" in only:
+            plan = growth.Plan.quick() if quick else growth.Plan()
+            figures += growth.run(worlds, out, _with_rounds(plan, "world_rounds", rounds))
+    return figures
+
+
+def _with_rounds(plan, key: str, rounds: int | None):
+    return plan if rounds is None else replace(plan, **{key: rounds})
+
+
+def table(figures: list[Figure]) -> str:
+    """A markdown table: figure, measured, target, verdict, note."""
+    lines = ["| figure | measured | target | | note |", "|---|---:|---|---|---|"]
+    for f in figures:
+        lines.append(
+            f"| {f.label} | {f.value_text()} | {f.target_text()} | {f.verdict()} | {f.note} |"
+        )
+    return "\n".join(lines)
+
+
+def environment() -> str:
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    return (
+        f"time: {time.strftime('%Y-%m-%d %H:%M:%S')}\nhost: {platform.node()}\n"
+        f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores\n"
+        f"python: {platform.python_version()}, torch: {torch.__version__}\n"
+        f"load average (1, 5, 15 min): {load}\n"
+    )
+
+
+def write(out: Path, figures: list[Figure], started_env: str) -> None:
+    with open(out / "figures.csv", "w", newline="") as f:
+        fields = [*asdict(figures[0]), "verdict"] if figures else ["key"]
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(asdict(fig) | {"verdict": fig.verdict()} for fig in figures)
+    (out / "figures.md").write_text(table(figures) + "\n")
+    (out / "environment.txt").write_text(f"at start\n{started_env}\nat end\n{environment()}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    started_env = environment()
+    started = time.perf_counter()
+    figures = run_all(args.out, args.quick, args.only, args.rounds)
+    write(args.out, figures, started_env)
+    print(table(figures))
+    missed = [f.key for f in figures if f.met is False]
+    print(f"\n{len(figures)} figures in {time.perf_counter() - started:.0f} s; "
+          f"missed: {', '.join(missed) or 'none'}; results: {args.out}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":  # the guard matters: worlds spawn processes that import this module
+    sys.exit(main())

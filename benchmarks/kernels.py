@@ -1,0 +1,191 @@
+"""Benchmarks 1-3: each check's arithmetic against one read pass (`torch.sum`) over its bytes.
+
+1. `nan_inf` over a gradient bucket (the detector's hook, as the comm hook calls it).
+2. The weight fingerprint table over a model's parameters (what `weight_consensus` gathers),
+   and the peer method: Megatron-LM's copy to the CPU and SHA-1 per tensor.
+3. `allreduce_sketch` per bucket: its rider before the allreduce, its projection after.
+
+The reference bucket is DDP's default (25 MiB); the reference model is the `gpt` workload
+widened to about 59M parameters, so that both, like real ones, are read from memory rather
+than from the cache. The tiny workload's own sizes and bfloat16 are shown for information.
+Runs on one thread, like a rank (`topology.threads_per_rank=1`).
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from benchmarks.common import Rotation, bucket, detector, gpt, params_of
+from benchmarks.timing import Figure, interleaved, paired_ratio
+from detectors.fingerprint import bits_fingerprint
+from harness.plugins import Bucket
+
+BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
+# The gpt workload at width 512 and 16 layers, vocabulary 8192: about 59M parameters.
+BIG_MODEL = {"width": 512, "layers": 16, "vocab": 8192}
+STEP = 1  # any step but 0, where the sketch also logs its sensitivity once
+
+
+def read_pass(tensors: list[torch.Tensor]) -> None:
+    for t in tensors:
+        t.sum()
+
+
+def fingerprint_table(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """What weight_consensus gathers: two words per tensor (its `_consensus`, before the
+    all_gather)."""
+    return torch.tensor([w for t in tensors for w in bits_fingerprint(t)], dtype=torch.int64)
+
+
+def sha1_table(tensors: list[torch.Tensor]) -> list[bytes]:
+    """The peer method, as Megatron-LM's check_param_hashes_across_dp_replicas computes it.
+    On the CPU its copy to the CPU is free, which only flatters it."""
+    return [hashlib.sha1(t.data.to("cpu").float().numpy(force=True)).digest() for t in tensors]
+
+
+def sketch_work(sketch, b: Bucket) -> None:
+    """The sketch's per-bucket work: rider before the collective, projection after. A world of
+    one: the reduced rider is the rider itself."""
+    b.riders = {id(sketch): sketch.rider(STEP, b)}
+    sketch.on_reduced_grad(STEP, b)
+
+
+def bucket_ratio(kind: str, numel: int, dtype: torch.dtype, rounds: int) -> float:
+    """Time of one check (`nan_inf` or `allreduce_sketch`) over a bucket / `torch.sum` of it."""
+    check = detector(kind, dtype)
+    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    buckets = Rotation(lambda: bucket(numel, dtype), nbytes)
+    work: Callable[[Bucket], None] = (
+        (lambda b: check.on_local_grad(STEP, b))
+        if kind == "nan_inf"
+        else (lambda b: sketch_work(check, b))
+    )
+    fns = {"read": lambda: buckets.next().buffer.sum(), "check": lambda: work(buckets.next())}
+    return paired_ratio(interleaved(fns, rounds), "check", "read")
+
+
+def model_times(model: nn.Module, rounds: int, peer: bool) -> dict[str, list[float]]:
+    params = [p.detach() for p in model.parameters()]
+    models = Rotation(lambda: [p.clone() for p in params], sum(p.nbytes for p in params))
+    fns = {
+        "read": lambda: read_pass(models.next()),
+        "fingerprint": lambda: fingerprint_table(models.next()),
+    }
+    if peer:
+        fns["sha1"] = lambda: sha1_table(models.next())
+    return interleaved(fns, rounds)
+
+
+def fingerprint_figures(model: nn.Module, rounds: int, tag: str, targets: bool) -> list[Figure]:
+    n = params_of(model)
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    times = model_times(model, rounds, peer=targets)
+    what = f"{n / 1e6:.3g}M params, {dtype}"
+    figures = [
+        Figure(
+            f"fingerprint_vs_read{tag}",
+            f"weight fingerprint / one read pass ({what})",
+            paired_ratio(times, "fingerprint", "read"),
+            target=1.25 if targets else None,
+        )
+    ]
+    if targets:
+        speedup = paired_ratio(times, "sha1", "fingerprint")
+        label = f"speed-up over copy to CPU + SHA-1 per tensor ({what})"
+        figures.append(Figure(f"fingerprint_vs_sha1{tag}", label, speedup, target=10, op=">="))
+        # The most any fingerprint that reads its data once could gain over SHA-1 here.
+        label = f"SHA-1 per tensor / one read pass ({what}): the bound on that speed-up"
+        figures.append(Figure(f"sha1_vs_read{tag}", label, paired_ratio(times, "sha1", "read")))
+    return figures
+
+
+def run(rounds: int = 15, quick: bool = False) -> list[Figure]:
+    """Figures 1-3. `quick`: tiny sizes, one code path each, no meaningful numbers."""
+    torch.set_num_threads(1)
+    big = BUCKET_BYTES // 4 if not quick else 2**16
+    bf16 = BUCKET_BYTES // 2 if not quick else 2**16
+    tiny = params_of(gpt())
+    size = f"{big * 4 / 2**20:.3g} MiB"
+    figures = [
+        Figure("nan_inf_vs_sum", f"nan_inf / torch.sum, {size} float32 bucket",
+               bucket_ratio("nan_inf", big, torch.float32, rounds), target=1.25),
+        Figure("nan_inf_vs_sum_bf16", f"nan_inf / torch.sum, {size} bfloat16 bucket",
+               bucket_ratio("nan_inf", bf16, torch.bfloat16, rounds)),
+        Figure("nan_inf_vs_sum_tiny", f"nan_inf / torch.sum, gpt workload gradient ({tiny})",
+               bucket_ratio("nan_inf", tiny, torch.float32, rounds)),
+    ]  # fmt: skip
+    model = gpt(**BIG_MODEL) if not quick else gpt()
+    figures += fingerprint_figures(model, rounds, "", targets=True)
+    figures += fingerprint_figures(model.to(torch.bfloat16), rounds, "_bf16", targets=False)
+    if not quick:
+        figures += fingerprint_figures(gpt(), rounds, "_tiny", targets=False)
+    del model
+    figures += [
+        Figure("sketch_vs_read", f"allreduce_sketch rider + check / torch.sum, {size} float32",
+               bucket_ratio("allreduce_sketch", big, torch.float32, rounds), target=2.0),
+        Figure("sketch_vs_read_bf16", f"allreduce_sketch / torch.sum, {size} bfloat16",
+               bucket_ratio("allreduce_sketch", bf16, torch.bfloat16, rounds)),
+        Figure("sketch_vs_read_tiny", f"allreduce_sketch / torch.sum, gpt workload ({tiny})",
+               bucket_ratio("allreduce_sketch", tiny, torch.float32, rounds)),
+    ]  # fmt: skip
+    return figures
+
+
+def profile(out: Path, quick: bool = False) -> None:
+    """Where the time of the checks that miss their target goes: torch.profiler tables of one
+    fingerprint table over the reference model (float32 and bfloat16) and of the sketch's
+    per-bucket work, written to `out/profile_*.txt`."""
+    torch.set_num_threads(1)
+    model = gpt(**BIG_MODEL) if not quick else gpt()
+    for dtype in (torch.float32, torch.bfloat16):
+        params = [p.detach() for p in model.to(dtype).parameters()]
+        name = str(dtype).removeprefix("torch.")
+        _profile(out / f"profile_fingerprint_{name}.txt", fingerprint_table, params)
+    numel = BUCKET_BYTES // 4 if not quick else 2**16
+    sketch, b = detector("allreduce_sketch"), bucket(numel, torch.float32)
+    _profile(out / "profile_sketch_float32.txt", sketch_work, sketch, b)
+
+
+def size_sweep(out: Path, quick: bool = False, rounds: int = 9) -> None:
+    """Each check over one read pass, by tensor size and dtype (cold data): where a check's
+    fixed costs stop mattering. Written to `out/profile_sizes.csv`."""
+    torch.set_num_threads(1)
+    sizes = [4**k for k in (range(6, 13) if not quick else (6, 7))]  # 4 Ki .. 16 Mi elements
+    rows = [size_row(d, n, rounds) for d in (torch.float32, torch.bfloat16) for n in sizes]
+    with open(out / "profile_sizes.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def size_row(dtype: torch.dtype, numel: int, rounds: int) -> dict:
+    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    tensors = Rotation(lambda: bucket(numel, dtype, tensors=1), nbytes)
+    nan_inf, sketch = detector("nan_inf", dtype), detector("allreduce_sketch", dtype)
+    fns = {
+        "read": lambda: tensors.next().buffer.sum(),
+        "nan_inf": lambda: nan_inf.on_local_grad(STEP, tensors.next()),
+        "fingerprint": lambda: bits_fingerprint(tensors.next().buffer),
+        "sketch": lambda: sketch_work(sketch, tensors.next()),
+    }
+    times = interleaved(fns, rounds)
+    row = {"dtype": str(dtype).removeprefix("torch."), "numel": numel,
+           "read_us": round(1e6 * statistics.median(times["read"]), 2)}  # fmt: skip
+    checks = [name for name in fns if name != "read"]
+    return row | {f"{name}_x": round(paired_ratio(times, name, "read"), 2) for name in checks}
+
+
+def _profile(path: Path, fn: Callable[..., object], *args: object, calls: int = 3) -> None:
+    fn(*args)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            fn(*args)
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
+    path.write_text(f"{calls} calls\n{table}\n")

@@ -1,0 +1,185 @@
+"""Benchmark 4: what each detector adds to a training step of the reference workload (`gpt`,
+1024 tokens per rank per step) in a 4-rank gloo world; writes overhead.csv (DESIGN section 4).
+
+overhead = amortized step time with the detector / without - 1 (see worlds.py for the
+amortization over the detector's interval): overhead.csv. The same by the ranks' CPU time, which
+a loaded machine barely moves but which misses the latency of collectives: overhead_cpu.csv.
+The floors:
+
+- replay: one micro-batch forward and backward per interval. Measured in the same world under
+  the same load, as the extra step time of a trial with two micro-batches per step instead of
+  one (the extra micro-batch is exactly one more forward and backward), divided by the interval.
+- nan_inf, allreduce_sketch, weight_consensus: the read passes over their data that they cannot
+  avoid (two over the gradient for nan_inf and for the sketch, one over the weights per
+  consensus), timed in this process on one thread as `torch.sum`, relative to the same step.
+"""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import Rotation, params_of
+from benchmarks.timing import Figure, interleaved, median
+from benchmarks.worlds import Timings, Worlds, base_run, steps_for, time_configs, with_detectors
+from harness.config import RunConfig
+from harness.workloads import Workload
+
+CHECKS = ("nan_inf", "weight_consensus", "allreduce_sketch")
+OVERHEAD_COLUMNS = ["detector", "interval", "overhead_pct", "floor_pct"]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Cadences and sizes; `quick` shrinks them to exercise the code in seconds."""
+
+    replay_intervals: tuple[int, ...] = (1, 5, 20)
+    consensus_interval: int = 10
+    cycle: int = 20  # a multiple of every interval above
+    cycles: int = 2  # per trial (see worlds.steps_for)
+    rounds: int = 5
+    workload: tuple[str, ...] = ()  # extra overrides, e.g. a smaller batch for quick runs
+    nodes: int = 4
+
+    @classmethod
+    def quick(cls) -> Plan:
+        """The smallest world replay and consensus accept (3 nodes), a tiny batch."""
+        small = ("workload.micro_batch_size=2", "workload.context=16")
+        return cls((1, 2), 2, cycle=2, cycles=2, rounds=1, workload=small, nodes=3)
+
+
+def configs(plan: Plan) -> dict[str, RunConfig]:
+    """Every configuration timed, by name: none, the floor, each check, replay per interval."""
+    base = base_run(steps_for(plan.cycle, plan.cycles), plan.nodes, *plan.workload)
+    consensus = {"weight_consensus": {"interval": plan.consensus_interval}}
+    runs = {
+        "none": base,
+        "floor": with_detectors(base, {}, micro_batches=2 * base.workload.micro_batches),
+        "nan_inf": with_detectors(base, {"nan_inf": {}}),
+        "weight_consensus": with_detectors(base, consensus),
+        "allreduce_sketch": with_detectors(base, {"allreduce_sketch": {}}),
+        "checks": with_detectors(base, {"nan_inf": {}, **consensus, "allreduce_sketch": {}}),
+    }
+    for k in plan.replay_intervals:
+        runs[f"replay@{k}"] = with_detectors(base, {"replay": {"interval": k}})
+    return runs
+
+
+def read_pass_s(numel: int) -> float:
+    """One thread's `torch.sum` over `numel` float32 values read from memory, in seconds."""
+    torch.set_num_threads(1)
+    data = Rotation(lambda: torch.randn(numel), numel * 4)
+    return median(interleaved({"read": lambda: data.next().sum()}, 15)["read"])
+
+
+@dataclass
+class Overheads:
+    """overhead.csv rows by wall time (DESIGN's definition) and by CPU time, and the trials."""
+
+    wall: list[dict]
+    cpu: list[dict]
+    timings: Timings
+    step_s: float  # wall time of a step without detectors
+    cpu_step_s: float  # CPU time of one rank's step without detectors
+
+
+def measure(worlds: Worlds, plan: Plan) -> Overheads:
+    runs = configs(plan)
+    base = runs.pop("none")
+    timings = time_configs(worlds, base, runs, plan.rounds, plan.cycle)
+    step_s = timings.seconds("none", plan.cycle)
+    cpu_step_s = timings.cpu_step(base)
+    read_s = read_pass_s(params_of(Workload(base.workload).build_model()))
+    wall = _rows(timings.ratio, plan, 100 * read_s / step_s)
+    cpu = _rows(timings.cpu_ratio, plan, 100 * read_s / cpu_step_s)
+    return Overheads(wall, cpu, timings, step_s, cpu_step_s)
+
+
+def _rows(ratio, plan: Plan, read_pct: float) -> list[dict]:
+    """overhead.csv rows from `ratio(config)` (a step cost over that of the bare step)."""
+
+    def overhead(name: str) -> float:
+        return 100.0 * (ratio(name) - 1)
+
+    intervals = {"nan_inf": 1, "weight_consensus": plan.consensus_interval, "allreduce_sketch": 1}
+    # The read passes a check cannot avoid: the gradient before and after the allreduce; the
+    # weights once per consensus.
+    passes = {"nan_inf": 2.0, "weight_consensus": 1.0 / plan.consensus_interval,
+              "allreduce_sketch": 2.0}  # fmt: skip
+    rows = [_row(n, intervals[n], overhead(n), passes[n] * read_pct) for n in CHECKS]
+    rows.append(_row("+".join(CHECKS), "", overhead("checks"), sum(passes.values()) * read_pct))
+    for k in plan.replay_intervals:
+        rows.append(_row("replay", k, overhead(f"replay@{k}"), overhead("floor") / k))
+    return rows
+
+
+def _row(detector: str, interval: int | str, overhead: float, floor: float) -> dict:
+    return {"detector": detector, "interval": interval,
+            "overhead_pct": round(overhead, 3), "floor_pct": round(floor, 4)}  # fmt: skip
+
+
+def write(out: Path, result: Overheads) -> None:
+    for name, rows in (("overhead.csv", result.wall), ("overhead_cpu.csv", result.cpu)):
+        with open(out / name, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=OVERHEAD_COLUMNS)
+            writer.writeheader()
+            writer.writerows(rows)
+    with open(out / "step_times.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["config", "round", "trial", "trial_cpu_s", "step", "seconds"])
+        for i, t in enumerate(result.timings.trials):
+            writer.writerows(
+                [t.name, t.round, i, f"{t.cpu_s:.2f}", s, f"{x:.6f}"]
+                for s, x in enumerate(t.series)
+            )
+
+
+def _spread(values: list[float]) -> str:
+    """The range of the per-round overheads: how far to trust the median on this machine."""
+    pcts = [100.0 * (x - 1) for x in values]
+    return f"rounds {min(pcts):.3g}..{max(pcts):.3g}%"
+
+
+def figures(result: Overheads, plan: Plan) -> list[Figure]:
+    label = f"gpt step without detectors ({plan.nodes} ranks, gloo)"
+    out = [Figure("step_ms", label, 1e3 * result.step_s, "ms",
+                  note=f"CPU {1e3 * result.cpu_step_s:.3g} ms per rank")]  # fmt: skip
+    timings = result.timings
+    for measure, rows, ratios in (("", result.wall, timings.wall),
+                                  ("_cpu", result.cpu, timings.cpu)):  # fmt: skip
+        by = " (CPU time)" if measure else ""
+        for row in rows:
+            out.append(_figure(row, measure, by, ratios, plan))
+    return out
+
+
+def _figure(row: dict, measure: str, by: str, ratios: dict, plan: Plan) -> Figure:
+    name, k, pct = row["detector"], row["interval"], row["overhead_pct"]
+    # Targets belong to the wall-time figures (DESIGN's definition); CPU time is the cross-check.
+    wall = not measure
+    if name == "replay":
+        floor = row["floor_pct"]
+        ratio = pct / floor if floor > 0 else float("nan")
+        note = f"{pct:.3g}% vs floor {floor:.3g}%; {_spread(ratios[f'replay@{k}'])}"
+        label = f"replay every {k} steps / its floor{by}"
+        return Figure(f"replay{k}_vs_floor{measure}", label, ratio,
+                      target=1.2 if wall else None, note=note)  # fmt: skip
+    if "+" in name:
+        label = (
+            f"nan_inf + weight_consensus (every {plan.consensus_interval}) + "
+            f"allreduce_sketch, step overhead{by}"
+        )
+        return Figure(f"checks_overhead_pct{measure}", label, pct, "%",
+                      target=3.0 if wall else None, note=_spread(ratios["checks"]))  # fmt: skip
+    label = f"{name} (every {k}), step overhead{by}"
+    return Figure(f"{name}_overhead_pct{measure}", label, pct, "%", note=_spread(ratios[name]))
+
+
+def run(worlds: Worlds, out: Path, plan: Plan) -> list[Figure]:
+    """Figure 4; writes overhead.csv, overhead_cpu.csv and step_times.csv into `out`."""
+    result = measure(worlds, plan)
+    write(out, result)
+    return figures(result, plan)

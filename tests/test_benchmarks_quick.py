@@ -1,0 +1,92 @@
+"""Every benchmark of issue 7 runs once at tiny sizes, so none can rot unnoticed.
+
+Only that they run and produce sane numbers (positive, finite, the contract's overhead.csv
+columns): their targets are checked by `python -m benchmarks` alone, since a shared CPU is
+too noisy for timing assertions in unit tests.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+from benchmarks.__main__ import main
+
+ROOT = Path(__file__).resolve().parent.parent
+OVERHEAD_COLUMNS = ["detector", "interval", "overhead_pct", "floor_pct"]
+# Figures that must come out as positive numbers (times, ratios of times, rates).
+POSITIVE = [
+    "nan_inf_vs_sum", "fingerprint_vs_read", "fingerprint_vs_sha1", "sketch_vs_read", "step_ms",
+    "throughput_speedup", "throughput_served", "throughput_naive",
+]  # fmt: skip
+# Overheads are differences of noisy step times: finite, of either sign at tiny sizes (and
+# replay's ratio to its floor is undefined when noise makes the floor negative).
+FINITE = [
+    "checks_overhead_pct", "nan_inf_overhead_pct", "weight_consensus_overhead_pct",
+    "allreduce_sketch_overhead_pct", "checks_overhead_pct_cpu",
+    "growth_params_nan_inf", "growth_params_allreduce_sketch", "growth_params_weight_consensus",
+    "growth_params_replay",
+]  # fmt: skip
+
+
+def _csv(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _gpu_check_on_cpu(out: Path) -> subprocess.Popen:
+    """Started first and collected last: it is a process of its own, as on a GPU machine."""
+    command = [sys.executable, "-m", "benchmarks.gpu_check", "--device", "cpu", "--quick"]
+    return subprocess.Popen(
+        [*command, "--out", str(out)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True,
+    )  # fmt: skip
+
+
+def test_every_benchmark_runs_once_and_reports_sane_numbers(tmp_path, capsys):
+    gpu = _gpu_check_on_cpu(tmp_path / "gpu")
+    out = tmp_path / "bench"
+    assert main(["--quick", "--out", str(out)]) == 0
+
+    figures = {row["key"]: row for row in _csv(out / "figures.csv")}
+    for key in POSITIVE:
+        value = float(figures[key]["value"])
+        assert math.isfinite(value) and value > 0, (key, value)
+    for key in FINITE:
+        assert math.isfinite(float(figures[key]["value"])), key
+    assert {"met", "MISSED", "info"} >= {row["verdict"] for row in figures.values()}
+    printed = capsys.readouterr().out
+    assert "| figure | measured | target |" in printed and str(out) in printed
+
+    for name in ("overhead.csv", "overhead_cpu.csv"):  # by wall time (the contract), CPU time
+        with open(out / name, newline="") as f:
+            assert next(csv.reader(f)) == OVERHEAD_COLUMNS
+        overhead = _csv(out / name)
+        assert [r["interval"] for r in overhead if r["detector"] == "replay"] == ["1", "2"]
+        for row in overhead:
+            assert math.isfinite(float(row["overhead_pct"])), row
+            assert math.isfinite(float(row["floor_pct"])), row
+
+    for row in _csv(out / "growth_size.csv"):
+        assert float(row["ms_per_call"]) > 0 and int(row["params"]) > 0
+    for row in _csv(out / "growth_ranks.csv"):
+        assert float(row["step_ms"]) > 0 and math.isfinite(float(row["overhead_ms"]))
+    assert all(p.stat().st_size > 0 for p in out.glob("profile_*.txt"))
+
+    output, _ = gpu.communicate(timeout=120)
+    assert gpu.returncode == 0, output[-3000:]
+    result = json.loads((tmp_path / "gpu" / "gpu_check.json").read_text())
+    assert result["bandwidth"]["copy_Bps"] > 0
+    assert {(r["dtype"], r["check"]) for r in result["kernels"]} == {
+        (d, c) for d in ("float32", "bfloat16")
+        for c in ("read (torch.sum)", "nan_inf", "fingerprint", "sketch rider + check")
+    }  # fmt: skip
+    assert all(r["ms"] > 0 for r in result["kernels"])
+    assert result["step"]["step_ms"] > 0 and result["step"]["forward_backward_ms"] > 0
+    with open(tmp_path / "gpu" / "overhead.csv", newline="") as f:
+        assert next(csv.reader(f)) == OVERHEAD_COLUMNS
+    assert len(_csv(tmp_path / "gpu" / "overhead.csv")) == 7
