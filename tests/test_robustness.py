@@ -214,6 +214,7 @@ def test_sdc_report_refuses_folders_without_a_usable_table(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # about 15 minutes on an idle 2-core machine
 def test_soak_200_trials_of_faults_crashes_and_hangs_end_with_200_rows(tmp_path):
     out = tmp_path / "soak"
     scenarios = _scenarios(
