@@ -33,6 +33,12 @@ class GradStats(Detector):
         self.losses: list[float] = []
         self.running_max = -math.inf
 
+    def state_dict(self) -> dict[str, Any]:
+        return {"running_max": self.running_max}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.running_max = state["running_max"]
+
     def on_loss(self, step: int, loss: torch.Tensor) -> None:
         self.losses.append(loss.item())
         return None

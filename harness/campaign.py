@@ -13,6 +13,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from harness.config import ConfigError, RunConfig, TopologyConfig, TrialSpec
+from harness.fastforward import drop_snapshots, fast_forwarded
 from harness.outcome import golden_from, noise_band, trial_row
 from harness.records import Records
 from harness.recovery import run_with_recovery, scratch_folders
@@ -102,9 +103,13 @@ class Campaign:
         self.pending = [g for g in run.golden_specs() if g.seed not in self.goldens]
         self.pending += [t for t in run.trials if t.trial_id not in done]
 
+    def prepared(self, spec: TrialSpec) -> TrialSpec:
+        """The spec to run: a trial fast-forwards from its golden run's snapshot."""
+        return fast_forwarded(self.run, spec, self.out / "store")
+
     def record(self, spec: TrialSpec, outcome: Outcome) -> dict | None:
         """Store a golden result, or append a trial's row; return the row."""
-        if not self.run.checkpoint.keep:
+        if not self.run.checkpoint.keep and not spec.golden:
             shutil.rmtree(self.out / "store" / spec.trial_id, ignore_errors=True)
         if spec.golden:
             if outcome.parts is None:
@@ -121,6 +126,10 @@ class Campaign:
         self.records.add_trial(row, events)
         return row
 
+    def finish(self) -> None:
+        """Every trial has a row: drop the golden runs' snapshots (unless checkpoints are kept)."""
+        drop_snapshots(self.out / "store", self.run)
+
 
 def run_campaign(run: RunConfig, out: Path) -> Path:
     """Run every pending trial of `run` into `out` in spawned worlds; return trials.csv."""
@@ -131,8 +140,9 @@ def run_campaign(run: RunConfig, out: Path) -> Path:
     bar = tqdm(total=len(campaign.pending), unit="trial", mininterval=1.0)
     alerts = crashes = 0
     try:
-        for spec in campaign.pending:
-            bar.set_description(spec.trial_id)
+        for pending in campaign.pending:
+            bar.set_description(pending.trial_id)
+            spec = campaign.prepared(pending)
             if run.recovery.enabled and not spec.golden:
                 outcome = run_with_recovery(run, spec, executor.run, out)
             else:
@@ -149,6 +159,7 @@ def run_campaign(run: RunConfig, out: Path) -> Path:
                 crashes += row["effect"] == "crash"
                 bar.set_postfix(alerts=alerts, crashes=crashes, refresh=False)
             bar.update()
+        campaign.finish()
     except KeyboardInterrupt:
         executor.kill()
         raise

@@ -79,6 +79,15 @@ class FaultConfig:
     def clean(self) -> bool:
         return self.site == "none"
 
+    @property
+    def first_step(self) -> int:
+        """The first step at which this fault can strike (0 for a clean trial): until then a
+        trial is its golden run."""
+        if self.clean:
+            return 0
+        steps = [e["step"] for e in self.schedule] or list(self.steps)
+        return min(steps, default=0)
+
     def label(self) -> str:
         if self.clean:
             return "clean"
@@ -127,6 +136,10 @@ class Segment:
     data: tuple[tuple[int, ...], ...]
 
 
+def golden_id(seed: int) -> str:
+    return f"golden-s{seed}"
+
+
 @dataclass(frozen=True)
 class TrialSpec:
     trial_id: str
@@ -134,6 +147,16 @@ class TrialSpec:
     fault: FaultConfig
     golden: bool = False
     segment: Segment | None = None
+    # Golden runs only: the steps after which to save a fast-forward snapshot.
+    snapshots: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class OverheadConfig:
+    """`campaign.overhead`: clean timed runs after the trials (harness/overhead.py)."""
+
+    steps: int  # timed steps per run, after the warm-up
+    rounds: int = 1  # reference/detector sandwiches; overhead.csv keeps the median over rounds
 
 
 @dataclass(frozen=True)
@@ -155,10 +178,23 @@ class RunConfig:
     launcher: str = "spawn"
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     trials: tuple[TrialSpec, ...] = field(default=())
+    fast_forward: bool = True
+    overhead: OverheadConfig | None = None
 
     def golden_specs(self) -> list[TrialSpec]:
         seeds = range(self.workload.seed, self.workload.seed + max(self.seeds, self.noise_seeds))
-        return [TrialSpec(f"golden-s{s}", s, FaultConfig(), golden=True) for s in seeds]
+        return [
+            TrialSpec(golden_id(s), s, FaultConfig(), golden=True, snapshots=self.snapshots(s))
+            for s in seeds
+        ]
+
+    def snapshots(self, seed: int) -> tuple[int, ...]:
+        """The steps whose end state the golden run of `seed` saves for its trials to start from
+        (a trial whose fault first strikes at step s starts from the snapshot after s - 1)."""
+        if not self.fast_forward:
+            return ()
+        starts = {t.fault.first_step for t in self.trials if t.seed == seed}
+        return tuple(sorted(s - 1 for s in starts if s > 0))
 
 
 def _choice(key: str, value: Any, allowed: tuple[str, ...] | list[str]) -> str:
@@ -434,6 +470,19 @@ def expand_scenarios(raw: list[dict[str, Any]]) -> list[tuple[int, dict[str, Any
     return expanded
 
 
+def overhead_config(raw: Any) -> OverheadConfig | None:
+    """Off (null) or {steps: N, rounds: R}."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise ConfigError("campaign.overhead", f"'{raw}' must be null or {{steps: N, rounds: R}}")
+    _known_keys("campaign.overhead.", raw, ["steps", "rounds"])
+    return OverheadConfig(
+        steps=_int("campaign.overhead.steps", raw.get("steps"), 1),
+        rounds=_int("campaign.overhead.rounds", raw.get("rounds", 1), 1),
+    )
+
+
 def recovery_config(raw: dict[str, Any]) -> RecoveryConfig:
     enabled = raw.get("enabled", False)
     if not isinstance(enabled, bool):
@@ -458,7 +507,11 @@ def detector_configs(
 def run_config(raw: dict[str, Any]) -> RunConfig:
     """Validate a composed config (as a plain dict) and expand its campaign into trials."""
     _known_keys("", raw, TOP_KEYS)
-    _known_keys("campaign.", raw["campaign"], ["name", "seeds", "noise_seeds", "scenarios"])
+    _known_keys(
+        "campaign.",
+        raw["campaign"],
+        ["name", "seeds", "noise_seeds", "scenarios", "fast_forward", "overhead"],
+    )
     _known_keys("checkpoint.", raw["checkpoint"], ["interval", "keep"])
     _known_keys("recovery.", raw.get("recovery") or {}, ["enabled", "max_recoveries"])
     workload = workload_config(dict(raw["workload"]))
@@ -481,6 +534,15 @@ def run_config(raw: dict[str, Any]) -> RunConfig:
         checks = {name: dict(params, mode="act") for name, params in checks.items()}
     seeds = _int("campaign.seeds", campaign.get("seeds"), 1)
     noise_seeds = _int("campaign.noise_seeds", campaign.get("noise_seeds"), 2)
+    fast_forward = campaign.get("fast_forward", True)
+    if not isinstance(fast_forward, bool):
+        raise ConfigError(
+            "campaign.fast_forward", f"'{fast_forward}' is not allowed; allowed: true, false"
+        )
+    # A check that carries state it cannot hand over makes every trial train from step 0.
+    fast_forward = fast_forward and all(
+        detectors.detector_class(name).fast_forward for name in checks
+    )
     if campaign.get("name") == "single":
         scenario_raw = [(0, dict(raw["fault"]))]
     else:
@@ -509,4 +571,6 @@ def run_config(raw: dict[str, Any]) -> RunConfig:
         launcher=launcher,
         recovery=recovery,
         trials=tuple(trials),
+        fast_forward=fast_forward,
+        overhead=overhead_config(campaign.get("overhead")),
     )

@@ -31,7 +31,7 @@ EXTRA_COLUMNS = [
     "campaign", "detectors", "detected_by", "alert_detectors", "fault_ranks", "fault_steps",
     "golden_match", "replicas_agree", "divergent_ranks", "noise_band", "stopped_step",
     "recoveries", "restore_step", "steps_lost", "recovery_s", "quarantined_nodes", "final_nodes",
-    "recovery_verdict", "crash_cause",
+    "recovery_verdict", "crash_cause", "start_step",
 ]  # fmt: skip
 COLUMNS = CONTRACT_COLUMNS + EXTRA_COLUMNS
 
@@ -172,6 +172,8 @@ def trial_row(
             (p.stopped_step for p in parts or [] if p.stopped_step is not None), ""
         ),
         "crash_cause": crash or "",
+        # Where training began: a fast-forwarded trial starts from its golden run's snapshot.
+        "start_step": spec.segment.start_step if spec.segment else 0,
     }
     for key in ("recoveries", "restore_step", "steps_lost", "recovery_s", "quarantined_nodes",
                 "final_nodes", "recovery_verdict"):  # fmt: skip

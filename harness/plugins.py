@@ -136,6 +136,10 @@ class Detector(Plugin):
 
     name = "detector"
     defaults: dict[str, Any] = {}
+    # A trial fast-forwards from its golden run's snapshot just before the fault's first step,
+    # handing each check the state it held there (`state_dict`). A check whose verdicts depend
+    # on earlier steps in a way it cannot hand over sets this False: trials then run from 0.
+    fast_forward = True
 
     def __init__(self, params: dict[str, Any], ctx: DetectorContext, log: EventLog):
         self.params = params
@@ -162,6 +166,13 @@ class Detector(Plugin):
     @classmethod
     def check(cls, key: str, params: dict[str, Any], topology: Any) -> None:
         """A check's own rules for its parameters (raise ConfigError)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What this check carries from one step to the next (plain numbers and lists)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take over the state a golden run's check held at a snapshot."""
 
     def alert(self, step: int, phase: str, suspect_ranks: Iterable[int], evidence: Any) -> None:
         assert phase in PHASE_ORDER, phase

@@ -86,15 +86,19 @@ def main(argv: list[str] | None = None) -> None:
         timeout=timedelta(seconds=run.topology.collective_timeout_s),
     )
     campaign = Campaign(run, out) if info.rank == 0 else None
-    pending = [campaign.pending if campaign else None]
-    dist.broadcast_object_list(pending, src=0)
-    for spec in pending[0]:
-        part = run_trial(run, spec, info, out / "store")
+    count = [len(campaign.pending) if campaign else None]
+    dist.broadcast_object_list(count, src=0)
+    for i in range(count[0]):
+        # Rank 0 prepares each trial once the golden runs before it have saved their snapshots.
+        spec = [campaign.prepared(campaign.pending[i]) if campaign else None]
+        dist.broadcast_object_list(spec, src=0)
+        part = run_trial(run, spec[0], info, out / "store")
         parts = [None] * info.world_size if campaign else None
         dist.gather_object(part, parts, dst=0)
         if campaign:
-            campaign.record(spec, Outcome(parts=parts))
+            campaign.record(spec[0], Outcome(parts=parts))
     if campaign:
+        campaign.finish()
         df = report.load_trials([out])
         print(report.summary(df))
         print(f"report: {report.write_report(df, out)}")

@@ -25,7 +25,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import detectors
-from harness import checkpoint
+from harness import checkpoint, fastforward
 from harness.comm import HookState, comm_hook
 from harness.config import RunConfig, TrialSpec
 from harness.plugins import DetectorContext, EventLog, PluginBus, RankInfo
@@ -94,11 +94,15 @@ def run_trial(run: RunConfig, spec: TrialSpec, info: RankInfo, store: Path) -> R
     plan = data_plan(spec, info)
     hardware = spec.segment.hardware if spec.segment else tuple(range(info.world_size))
     plugins = injector.build(spec.fault, spec.seed, info, log, model, hardware, plan)
-    checks = {} if spec.golden else run.detectors
+    # DESIGN 5: the golden run carries the same checks, observing only; its snapshots hand
+    # their state to fast-forwarded trials.
+    checks = run.detectors
+    if spec.golden:
+        checks = {name: dict(params, mode="observe") for name, params in checks.items()}
     ctx = DetectorContext(info, model, workload, cfg.steps, plan)
-    plugins += detectors.build(checks, ctx, log)
+    built = detectors.build(checks, ctx, log)
     acting = any(p.get("mode") == "act" for p in checks.values())
-    bus = PluginBus(plugins)
+    bus = PluginBus(plugins + built)
 
     optimizer = workload.build_optimizer(model)
     first = 0
@@ -108,6 +112,7 @@ def run_trial(run: RunConfig, spec: TrialSpec, info: RankInfo, store: Path) -> R
             state_dict = checkpoint.load(Path(spec.segment.checkpoint))
             model.load_state_dict(state_dict["model"])
             optimizer.load_state_dict(state_dict["optimizer"])
+            fastforward.load_checks(Path(spec.segment.checkpoint), built, info)
     ddp = DDP(model)
     state = HookState(bus, model, info.world_size)
     ddp.register_comm_hook(state, comm_hook)
@@ -138,6 +143,9 @@ def run_trial(run: RunConfig, spec: TrialSpec, info: RankInfo, store: Path) -> R
                 _stop_point(bus, acting, step, result)
                 if approved:
                     _checkpoint(store / spec.trial_id, step, model, optimizer, info, log)
+            if step in spec.snapshots:
+                snapshot = fastforward.snapshot_path(store, spec.seed, step)
+                fastforward.save_snapshot(snapshot, model, optimizer, built, info)
             result.step_times.append(time.perf_counter() - started)
             result.losses.append(step_loss)
     except TrialStopped:
