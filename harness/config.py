@@ -458,12 +458,24 @@ def _value_name(value: Any) -> str:
     return str(value).strip().lower()
 
 
-def expand_scenarios(raw: list[dict[str, Any]]) -> list[tuple[int, dict[str, Any]]]:
-    """Each scenario may carry `grid: {key: [values]}`; it expands to the cross product."""
+def expand_scenarios(
+    raw: list[dict[str, Any]], dtype: torch.dtype
+) -> list[tuple[int, dict[str, Any]]]:
+    """Each scenario may carry `grid: {key: [values]}`; it expands to the cross product.
+    `grid: {bit: all}` is every bit of the workload's dtype, so one campaign file serves every
+    dtype."""
     expanded = []
     for i, scenario in enumerate(raw):
         scenario = dict(scenario)
-        grid = scenario.pop("grid", None) or {}
+        grid = dict(scenario.pop("grid", None) or {})
+        if grid.get("bit") == "all":
+            grid["bit"] = list(range(bits.width(dtype)))
+        for key, values in grid.items():
+            if not isinstance(values, list | tuple):
+                raise ConfigError(
+                    f"campaign.scenarios[{i}].grid.{key}",
+                    f"'{values}' is not a list of values" + ("; or 'all'" if key == "bit" else ""),
+                )
         keys = list(grid)
         for combo in itertools.product(*(grid[k] for k in keys)):
             expanded.append((i, {**scenario, **dict(zip(keys, combo, strict=True))}))
@@ -546,7 +558,8 @@ def run_config(raw: dict[str, Any]) -> RunConfig:
     if campaign.get("name") == "single":
         scenario_raw = [(0, dict(raw["fault"]))]
     else:
-        scenario_raw = expand_scenarios(list(campaign.get("scenarios") or []))
+        scenarios_raw = list(campaign.get("scenarios") or [])
+        scenario_raw = expand_scenarios(scenarios_raw, DTYPES[workload.dtype])
         if not scenario_raw:
             raise ConfigError("campaign.scenarios", "a campaign needs at least one scenario")
     model = Workload(workload).build_model()

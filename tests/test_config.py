@@ -29,6 +29,22 @@ def test_single_campaign_runs_the_fault_keys_seeds_times():
     assert {t.fault.factor for t in run.trials} == {1000.0}
 
 
+@pytest.mark.parametrize("dtype, width", [("float32", 32), ("bfloat16", 16)])
+def test_bit_sensitivity_grids_every_bit_of_the_workload_dtype(dtype, width):
+    run = compose_run("campaign=bit_sensitivity", f"workload.dtype={dtype}")
+    cells = {(t.fault.site, t.fault.bit) for t in run.trials}
+    sites = {"grad", "allreduce", "weight", "optimizer", "activation", "loss"}
+    assert cells == {(site, bit) for site in sites for bit in range(width)}
+
+
+def test_golden_runs_snapshot_the_step_before_each_fault_first_strikes():
+    run = compose_run("campaign=smoke")
+    assert {t.fault.first_step for t in run.trials} == {0, 5}
+    assert [g.snapshots for g in run.golden_specs()] == [(4,), ()]
+    off = compose_run("campaign=smoke", "campaign.fast_forward=false")
+    assert [g.snapshots for g in off.golden_specs()] == [(), ()]
+
+
 def test_detectors_can_be_empty():
     assert compose_run("detectors=[]").detectors == {}
 

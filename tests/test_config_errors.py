@@ -27,6 +27,12 @@ CASES = [
         "matches nothing at site grad",
     ),
     (["fault.model=stuck", "fault.site=grad"], "fault.stuck_at", "allowed: 0, 1"),
+    (
+        ["campaign.scenarios=[{site:grad,model:bitflip,ranks:[0],steps:[1],grid:{bit:7}}]"],
+        "campaign.scenarios[0].grid.bit",
+        "not a list of values; or 'all'",
+    ),
+    (["campaign.fast_forward=sometimes"], "campaign.fast_forward", "allowed: true, false"),
     (["fault=grad_scale", "fault.ber=0.001"], "fault.ber", "needs model bitflip"),
     (["fault=grad_bitflip", "fault.select=smallest"], "fault.select", "allowed: random, largest"),
     (["fault=grad_bitflip", "fault.nbits=40"], "fault.nbits", "1..32"),
