@@ -12,6 +12,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from harness import overhead
 from harness.config import ConfigError, RunConfig, TopologyConfig, TrialSpec
 from harness.fastforward import drop_snapshots, fast_forwarded
 from harness.outcome import golden_from, noise_band, trial_row
@@ -160,6 +161,10 @@ def run_campaign(run: RunConfig, out: Path) -> Path:
                 bar.set_postfix(alerts=alerts, crashes=crashes, refresh=False)
             bar.update()
         campaign.finish()
+        try:
+            overhead.measure(run, out, executor.run)
+        except overhead.OverheadError as exc:
+            raise CampaignError(f"{exc}; every trial row is intact") from exc
     except KeyboardInterrupt:
         executor.kill()
         raise

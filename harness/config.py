@@ -149,6 +149,8 @@ class TrialSpec:
     segment: Segment | None = None
     # Golden runs only: the steps after which to save a fast-forward snapshot.
     snapshots: tuple[int, ...] = ()
+    # The checks with this trial's parameters, when its scenario changes them (None: the run's).
+    checks: dict[str, dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True)
@@ -187,6 +189,10 @@ class RunConfig:
             TrialSpec(golden_id(s), s, FaultConfig(), golden=True, snapshots=self.snapshots(s))
             for s in seeds
         ]
+
+    def checks(self, spec: TrialSpec) -> dict[str, dict[str, Any]]:
+        """The checks of one trial: the run's, with its scenario's parameters."""
+        return self.detectors if spec.checks is None else spec.checks
 
     def snapshots(self, seed: int) -> tuple[int, ...]:
         """The steps whose end state the golden run of `seed` saves for its trials to start from
@@ -516,6 +522,37 @@ def detector_configs(
     return out
 
 
+def check_interval(params: dict[str, Any]) -> int | None:
+    """A check's interval in steps, or None for one without (every step, or explicit steps)."""
+    if params.get("steps") is not None:
+        return None
+    value = params.get("interval")
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def scenario_checks(
+    key: str, raw: Any, base: dict[str, dict[str, Any]], topology: TopologyConfig
+) -> dict[str, dict[str, Any]] | None:
+    """A scenario's `checks: {NAME: {param: value}}` sets parameters of the run's own checks for
+    its trials (audit_frequency grids the audit interval this way, so one run compares them)."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise ConfigError(key, f"'{raw}' must be a mapping {{detector: {{param: value}}}}")
+    checks = dict(base)
+    for name, params in raw.items():
+        if name not in base:
+            allowed = ", ".join(base) or "none (detectors=[])"
+            raise ConfigError(
+                f"{key}.{name}", f"not one of the run's detectors; allowed: {allowed}"
+            )
+        if not isinstance(params, dict):
+            raise ConfigError(f"{key}.{name}", f"'{params}' must be a mapping {{param: value}}")
+        merged = {**base[name], **params}
+        checks[name] = detectors.detector_class(name).validate(f"{key}.{name}", merged, topology)
+    return checks
+
+
 def run_config(raw: dict[str, Any]) -> RunConfig:
     """Validate a composed config (as a plain dict) and expand its campaign into trials."""
     _known_keys("", raw, TOP_KEYS)
@@ -566,12 +603,17 @@ def run_config(raw: dict[str, Any]) -> RunConfig:
     scenarios, trials = [], []
     for n, (i, scenario) in enumerate(scenario_raw):
         key = "fault" if campaign.get("name") == "single" else f"campaign.scenarios[{i}]"
+        scenario = dict(scenario)
+        trial_checks = scenario_checks(
+            f"{key}.checks", scenario.pop("checks", None), checks, topology
+        )
         fault = fault_config(key, scenario, workload, topology)
         _check_target(key, fault, model)
         scenarios.append(fault)
         for s in range(seeds):
             seed = workload.seed + s
-            trials.append(TrialSpec(f"{n:03d}-{fault.label()}-s{seed}", seed, fault))
+            trial_id = f"{n:03d}-{fault.label()}-s{seed}"
+            trials.append(TrialSpec(trial_id, seed, fault, checks=trial_checks))
     return RunConfig(
         campaign=str(campaign.get("name")),
         workload=workload,

@@ -101,3 +101,51 @@ def detection_delay(df: pd.DataFrame, path: Path) -> Path | None:
     ax.set_ylabel("trials")
     ax.legend(fontsize=8)
     return _save(fig, path)
+
+
+def escape_impact(escaped: pd.DataFrame, cell: list[str], path: Path) -> Path:
+    """|loss_delta| of each harmful trial no detector caught, one row per scenario cell; a final
+    loss that is not a number is drawn as a cross at the right edge."""
+    groups = list(escaped.groupby(cell, dropna=False))
+    fig, ax = plt.subplots(figsize=(7, 0.4 * len(groups) + 1.5))
+    deltas = pd.to_numeric(escaped["loss_delta"], errors="coerce").abs()
+    finite = deltas[np.isfinite(deltas) & (deltas > 0)]
+    edge = 10 * finite.max() if len(finite) else 1.0
+    lost = False
+    for y, (_, g) in enumerate(groups):
+        delta = pd.to_numeric(g["loss_delta"], errors="coerce").abs().to_numpy()
+        shown = np.isfinite(delta) & (delta > 0)
+        jitter = np.linspace(-0.15, 0.15, len(delta)) if len(delta) > 1 else np.zeros(1)
+        ax.scatter(delta[shown], y + jitter[shown], s=14, color=EFFECT_COLORS["harmful"],
+                   edgecolor="black", linewidth=0.3)  # fmt: skip
+        if (~np.isfinite(delta)).any():
+            lost = True
+            ax.scatter(np.full((~np.isfinite(delta)).sum(), edge), y + jitter[~np.isfinite(delta)],
+                       marker="x", color="black", s=20)  # fmt: skip
+    ax.set_xscale("log")
+    ax.set_yticks(range(len(groups)), [" / ".join(str(k) or "-" for k in key) for key, _ in groups])
+    ax.set_xlabel("|final loss - golden final loss|" + ("  (x: NaN/Inf)" if lost else ""))
+    return _save(fig, path)
+
+
+def overhead_vs_interval(table: pd.DataFrame, path: Path) -> Path | None:
+    """Overhead (solid) and its floor (dashed) against the interval, per check with one."""
+    periodic = table.dropna(subset=["steps"])
+    if periodic.empty:
+        return None
+    fig, ax = plt.subplots(figsize=(5.5, 3.5))
+    for detector, g in periodic.groupby("detector"):
+        (line,) = ax.plot(g["steps"], g["overhead_pct"], marker="o", label=f"{detector}")
+        floor = g.dropna(subset=["floor_pct"])
+        if not floor.empty:
+            ax.plot(floor["steps"], floor["floor_pct"], marker="s", linestyle="--",
+                    color=line.get_color(), label=f"{detector} floor")  # fmt: skip
+    ax.set_xscale("log")
+    intervals = sorted(periodic["steps"].unique())
+    ax.set_xticks(intervals, [f"{k:g}" for k in intervals])
+    ax.minorticks_off()  # log-scale minor labels (2x10^0 ...) would hide the measured intervals
+    ax.axhline(0, color="grey", linewidth=0.5)
+    ax.set_xlabel("interval (steps)")
+    ax.set_ylabel("step overhead (%)")
+    ax.legend(fontsize=8)
+    return _save(fig, path)

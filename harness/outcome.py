@@ -11,7 +11,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from harness.config import FaultConfig, RunConfig, TrialSpec
+from harness.config import FaultConfig, RunConfig, TrialSpec, check_interval
 from harness.plugins import PHASE_ORDER
 from harness.trainer import RankResult
 
@@ -31,7 +31,7 @@ EXTRA_COLUMNS = [
     "campaign", "detectors", "detected_by", "alert_detectors", "fault_ranks", "fault_steps",
     "golden_match", "replicas_agree", "divergent_ranks", "noise_band", "stopped_step",
     "recoveries", "restore_step", "steps_lost", "recovery_s", "quarantined_nodes", "final_nodes",
-    "recovery_verdict", "crash_cause", "start_step",
+    "recovery_verdict", "crash_cause", "start_step", "check_intervals", "detect_steps",
 ]  # fmt: skip
 COLUMNS = CONTRACT_COLUMNS + EXTRA_COLUMNS
 
@@ -174,6 +174,17 @@ def trial_row(
         "crash_cause": crash or "",
         # Where training began: a fast-forwarded trial starts from its golden run's snapshot.
         "start_step": spec.segment.start_step if spec.segment else 0,
+        # Each check's own first alert at or after the injection: its time to detection even
+        # when another check alerted first.
+        "detect_steps": _join(
+            f"{name}={step}" for name, step in _first_alert_by_check(caught).items()
+        ),
+        # The audit interval of each periodic check in this trial (a scenario may set them).
+        "check_intervals": _join(
+            f"{name}={every}"
+            for name, params in run.checks(spec).items()
+            if (every := check_interval(params)) is not None
+        ),
     }
     for key in ("recoveries", "restore_step", "steps_lost", "recovery_s", "quarantined_nodes",
                 "final_nodes", "recovery_verdict"):  # fmt: skip
@@ -191,6 +202,13 @@ def trial_row(
             }
         )
     return row, [{"trial_id": spec.trial_id, **e} for e in events]
+
+
+def _first_alert_by_check(caught: list[dict[str, Any]]) -> dict[str, int]:
+    first: dict[str, int] = {}
+    for alert in caught:
+        first.setdefault(alert["detector"], alert["step"])
+    return first
 
 
 def classify(

@@ -65,10 +65,10 @@ class Machines:
             self.data[target] = (*self.data[target], source)
 
 
-def first_suspect_step(run: RunConfig, detector: str, stop_step: int) -> int:
+def first_suspect_step(run: RunConfig, spec: TrialSpec, detector: str, stop_step: int) -> int:
     """The earliest step the fault could have entered, given when the alarming check last
     looked: a check that audits every k steps vouches only for the steps it saw."""
-    params = run.detectors.get(detector, {})
+    params = run.checks(spec).get(detector, {})
     if detector == "replay":
         audits = params["steps"] or range(0, stop_step, params["interval"])
         earlier = [s for s in audits if s < stop_step]
@@ -128,7 +128,9 @@ def run_with_recovery(run: RunConfig, spec: TrialSpec, execute, out: Path) -> Ou
             verdict = _verdict(history)
             break
         first = (
-            min(first_suspect_step(run, a["detector"], stop) for a in alerts) if alerts else stop
+            min(first_suspect_step(run, spec, a["detector"], stop) for a in alerts)
+            if alerts
+            else stop
         )
         restore, path = restore_point(store, first, extra_events)
         for node in suspects:

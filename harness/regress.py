@@ -7,18 +7,17 @@ folder, no trials.csv, missing columns), before anything is compared. A regressi
   (site, model, bit class), the current 95% Wilson upper bound below the baseline's lower bound,
   so that the seed-to-seed noise of two runs of the same code is never one;
 - a new false positive: a detector with no alert in the baseline's clean trials has one now;
-- an overhead more than 25% above the baseline's, per (detector, interval) in overhead.csv,
-  when both folders have one;
+- an overhead more than 25% above the baseline's, per (detector, interval) in the overhead.csv
+  files that a campaign with `campaign.overhead` writes, when both folders have them;
 - a new blind spot (DESIGN section 5): a cell that is one now and was not in the baseline.
 
-Every rate comes from the report's own tables (harness.report), so a regression is judged on
+Every count comes from the report's own functions (harness.report), so a regression is judged on
 exactly the numbers the report shows.
 """
 
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,21 +25,21 @@ from pathlib import Path
 import pandas as pd
 
 from harness.report import (
+    ANY,
+    Cell,
+    Counts,
     ReportError,
-    _rate,
-    _table,
-    catch_rates,
-    cells,
-    false_positives,
+    catch_counts,
+    cell_stats,
+    false_positive_counts,
+    load_overhead,
     load_trials,
+    markdown_table,
+    rate_text,
     wilson,
 )
 
-OVERHEAD_FILE = "overhead.csv"
-OVERHEAD_COLUMNS = ["detector", "interval", "overhead_pct", "floor_pct"]
 OVERHEAD_GROWTH = 0.25
-CELL_KEYS = ("site", "model", "bit class")
-CELL_RATES = ("catch rate (fired)", "catch rate (harmful)")
 
 
 @dataclass(frozen=True)
@@ -53,7 +52,7 @@ class Run:
 
 def load(folder: Path) -> Run:
     """Read a run or sweep folder; any problem raises ReportError naming the folder or file."""
-    return Run(_trials(folder), _overhead(folder / OVERHEAD_FILE))
+    return Run(_trials(folder), load_overhead([folder]))
 
 
 def _trials(folder: Path) -> pd.DataFrame:
@@ -65,32 +64,10 @@ def _trials(folder: Path) -> pd.DataFrame:
         raise ReportError(f"{folder}: unreadable trials.csv: {exc}") from None
 
 
-def _overhead(path: Path) -> pd.DataFrame | None:
-    if not path.exists():
-        return None
-    try:
-        table = pd.read_csv(path, dtype={"detector": str, "interval": str}, keep_default_na=False)
-        missing = [c for c in OVERHEAD_COLUMNS if c not in table.columns]
-        if missing:
-            raise ReportError(f"{path}: missing columns: {', '.join(missing)}")
-        table["overhead_pct"] = pd.to_numeric(table["overhead_pct"])
-    except ReportError:
-        raise
-    except (ValueError, OSError) as exc:
-        raise ReportError(f"{path}: unreadable: {exc}") from None
-    return table
-
-
-def counts(rate: str) -> tuple[int, int]:
-    """(k, n) back from a rate as the report writes it: "k/n = ..." or "n=0"."""
-    match = re.match(r"(\d+)/(\d+)", rate)
-    return (int(match[1]), int(match[2])) if match else (0, 0)
-
-
-def fell(baseline: str, current: str) -> bool:
+def fell(baseline: Counts, current: Counts) -> bool:
     """The current upper bound below the baseline's lower bound (False when either n is 0)."""
-    low, _ = wilson(*counts(baseline))
-    _, high = wilson(*counts(current))
+    low, _ = wilson(*baseline)
+    _, high = wilson(*current)
     return high < low
 
 
@@ -102,24 +79,22 @@ def detector_drops(base: pd.DataFrame, cur: pd.DataFrame) -> list[dict[str, str]
     """Per detector and per trial set (all fired, non-masked, harmful). A detector the baseline
     ran and the current run lacks caught nothing in it: switching a check off is a regression."""
     found = []
-    current = {row["trials"]: row for row in catch_rates(cur)}
-    for row in catch_rates(base):
-        now = current.get(row["trials"])
-        if now is None:
-            continue
-        _, n = counts(now["any detector"])
-        for detector, rate in row.items():
-            if detector == "trials":
-                continue
-            rate_now = now.get(detector, f"{_rate(0, n)} (not run)")
-            if fell(rate, rate_now):
-                where = f"{detector}, {row['trials']} trials"
-                found.append(_finding("catch rate fell", where, rate, rate_now))
+    current = catch_counts(cur)
+    for trials, by in catch_counts(base).items():
+        now = current[trials]
+        _, n = now[ANY]
+        for detector, was in by.items():
+            ran = detector in now
+            counted = now[detector] if ran else (0, n)
+            if fell(was, counted):
+                text = rate_text(*counted) + ("" if ran else " (not run)")
+                where = f"{detector}, {trials} trials"
+                found.append(_finding("catch rate fell", where, rate_text(*was), text))
     return found
 
 
-def _cells(df: pd.DataFrame) -> dict[tuple, dict[str, object]]:
-    return {tuple(row[k] for k in CELL_KEYS): row for row in cells(df)}
+def _cells(df: pd.DataFrame) -> dict[tuple[str, str, str], Cell]:
+    return {cell.key: cell for cell in cell_stats(df)}
 
 
 def _cell_name(key: tuple) -> str:
@@ -129,42 +104,42 @@ def _cell_name(key: tuple) -> str:
 def cell_drops(base: pd.DataFrame, cur: pd.DataFrame) -> list[dict[str, str]]:
     found = []
     current = _cells(cur)
-    for key, row in _cells(base).items():
+    for key, cell in _cells(base).items():
         now = current.get(key)
         if now is None:
             continue
-        for column in CELL_RATES:
-            if fell(row[column], now[column]):
-                where = f"{_cell_name(key)}, {column}"
-                found.append(_finding("catch rate fell", where, row[column], now[column]))
+        for label, was, counted in (
+            ("catch rate (fired)", cell.fired, now.fired),
+            ("catch rate (harmful)", cell.harmful, now.harmful),
+        ):
+            if fell(was, counted):
+                where = f"{_cell_name(key)}, {label}"
+                found.append(
+                    _finding("catch rate fell", where, rate_text(*was), rate_text(*counted))
+                )
     return found
-
-
-def _blind(row: dict[str, object] | None) -> bool:
-    return row is not None and "yes" in str(row["blind spot"])
 
 
 def new_blind_spots(base: pd.DataFrame, cur: pd.DataFrame) -> list[dict[str, str]]:
     found = []
     before = _cells(base)
-    for key, row in _cells(cur).items():
-        if _blind(row) and not _blind(before.get(key)):
-            was = before[key]["catch rate (harmful)"] if key in before else "not in baseline"
+    for key, cell in _cells(cur).items():
+        was = before.get(key)
+        if cell.blind and not (was is not None and was.blind):
+            text = rate_text(*was.harmful) if was is not None else "not in baseline"
             where = f"{_cell_name(key)}, harmful trials"
-            found.append(
-                _finding("new blind spot", where, str(was), str(row["catch rate (harmful)"]))
-            )
+            found.append(_finding("new blind spot", where, text, rate_text(*cell.harmful)))
     return found
 
 
 def new_false_positives(base: pd.DataFrame, cur: pd.DataFrame) -> list[dict[str, str]]:
-    column = "clean trials with an alert"
-    before = {row["detector"]: row[column] for row in false_positives(base)}
+    before = false_positive_counts(base)
     found = []
-    for row in false_positives(cur):
-        was = before.get(row["detector"], "not run")
-        if counts(row[column])[0] > 0 and counts(was)[0] == 0:
-            found.append(_finding("new false positive", row["detector"], was, row[column]))
+    for detector, now in false_positive_counts(cur).items():
+        was = before.get(detector)
+        if now[0] > 0 and (was is None or was[0] == 0):
+            text = rate_text(*was) if was is not None else "not run"
+            found.append(_finding("new false positive", detector, text, rate_text(*now)))
     return found
 
 
@@ -208,6 +183,6 @@ def main(argv: list[str] | None = None) -> None:
     if not found:
         print(f"sdc-regress: no regression ({sizes})")
         return
-    print(_table(found), end="")
+    print(markdown_table(found), end="")
     print(f"sdc-regress: {len(found)} regressions ({sizes})", file=sys.stderr)
     sys.exit(1)

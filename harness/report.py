@@ -12,17 +12,23 @@ import html
 import json
 import math
 import re
+import statistics
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 
-from harness import figures
+from harness import figures, overhead
 from harness.outcome import CONTRACT_COLUMNS, EXTRA_COLUMNS
 from harness.workloads import DTYPES
 from injectors import bits
 
 Z95 = 1.959963984540054
+TRIAL_SETS = ("all fired", "non-masked", "harmful")
+ANY = "any detector"
+
+Counts = tuple[int, int]  # (k, n): k successes in n trials
 
 
 class ReportError(ValueError):
@@ -38,6 +44,12 @@ def wilson(k: int, n: int) -> tuple[float, float]:
     center = (p + Z95**2 / (2 * n)) / denom
     half = Z95 * math.sqrt(p * (1 - p) / n + Z95**2 / (4 * n * n)) / denom
     return (max(0.0, center - half), min(1.0, center + half))
+
+
+def blind_spot(harmful: Counts) -> bool:
+    """DESIGN section 5: harmful trials whose catch rate's upper bound is below 50%."""
+    k, n = harmful
+    return n > 0 and wilson(k, n)[1] < 0.5
 
 
 def bit_class(dtype: str, bit: object) -> str:
@@ -85,14 +97,14 @@ def load_trials(dirs: list[Path]) -> pd.DataFrame:
     return df
 
 
-def _rate(k: int, n: int) -> str:
+def rate_text(k: int, n: int) -> str:
     if n == 0:
         return "n=0"
     lo, hi = wilson(k, n)
     return f"{k}/{n} = {k / n:.0%} [{lo:.0%}, {hi:.0%}]"
 
 
-def _table(rows: list[dict[str, object]]) -> str:
+def markdown_table(rows: list[dict[str, object]]) -> str:
     if not rows:
         return "_none_\n"
     cols = list(rows[0])
@@ -105,41 +117,114 @@ def _detectors(df: pd.DataFrame) -> list[str]:
     return sorted({d for ds in df["detectors"] for d in ds.split(";") if d})
 
 
-def catch_rates(df: pd.DataFrame) -> list[dict[str, object]]:
+def _names(column: pd.Series, name: str) -> pd.Series:
+    """Whether each `;`-joined entry of `column` names `name`."""
+    return column.map(lambda s: name in s.split(";")).astype(bool)
+
+
+def catch_counts(df: pd.DataFrame) -> dict[str, dict[str, Counts]]:
+    """(k, n) caught per trial set (TRIAL_SETS) and per column (ANY, then each detector)."""
     fired = df[df["fired"] == True]  # noqa: E712 (a column of booleans)
-    rows = []
-    for label, subset in (
-        ("all fired", fired),
-        ("non-masked", fired[fired["effect"] != "masked"]),
-        ("harmful", fired[fired["effect"] == "harmful"]),
-    ):
-        row = {"trials": label, "any detector": _rate(int(subset["detected"].sum()), len(subset))}
+    subsets = (fired, fired[fired["effect"] != "masked"], fired[fired["effect"] == "harmful"])
+    found = {}
+    for label, subset in zip(TRIAL_SETS, subsets, strict=True):
+        n = len(subset)
+        found[label] = {ANY: (int(subset["detected"].sum()), n)}
         for d in _detectors(df):
-            caught = subset["detected_by"].map(lambda s, d=d: d in s.split(";")).astype(bool)
-            row[d] = _rate(int(caught.sum()), len(subset))
-        rows.append(row)
-    return rows
+            found[label][d] = (int(_names(subset["detected_by"], d).sum()), n)
+    return found
+
+
+def catch_rates(df: pd.DataFrame) -> list[dict[str, object]]:
+    return [
+        {"trials": label, **{column: rate_text(*kn) for column, kn in by.items()}}
+        for label, by in catch_counts(df).items()
+    ]
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One scenario cell (site, model, bit class) of fired trials, as numbers."""
+
+    site: str
+    model: str
+    bit_class: str  # "-" for a fault without a bit
+    fired: Counts
+    harmful: Counts
+    effects: str
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return (self.site, self.model, self.bit_class)
+
+    @property
+    def blind(self) -> bool:
+        return blind_spot(self.harmful)
+
+
+def cell_stats(df: pd.DataFrame) -> list[Cell]:
+    """Catch counts per (site, model, bit class), among fired and among harmful trials."""
+    fired = df[df["fired"] == True]  # noqa: E712
+    found = []
+    for (site, model, klass), g in fired.groupby(["site", "model", "bit_class"], dropna=False):
+        harmful = g[g["effect"] == "harmful"]
+        effects = ", ".join(f"{e} {c}" for e, c in g["effect"].value_counts().items())
+        found.append(
+            Cell(
+                site=site,
+                model=model,
+                bit_class=klass or "-",
+                fired=(int(g["detected"].sum()), len(g)),
+                harmful=(int(harmful["detected"].sum()), len(harmful)),
+                effects=effects,
+            )
+        )
+    return found
 
 
 def cells(df: pd.DataFrame) -> list[dict[str, object]]:
     """Catch rate per (site, model, bit class), and whether the cell is a blind spot."""
-    fired = df[df["fired"] == True]  # noqa: E712
+    return [
+        {
+            "site": c.site,
+            "model": c.model,
+            "bit class": c.bit_class,
+            "catch rate (fired)": rate_text(*c.fired),
+            "catch rate (harmful)": rate_text(*c.harmful),
+            "effects": c.effects,
+            "blind spot": "**yes**" if c.blind else "no",
+        }
+        for c in cell_stats(df)
+    ]
+
+
+ESCAPE_CELL = ["site", "model", "persistence", "bit_class"]
+
+
+def harmful_escapes(df: pd.DataFrame) -> pd.DataFrame:
+    """Harmful trials that no detector caught, with their scenario cell's columns filled."""
+    harmful = df[(df["fired"] == True) & (df["effect"] == "harmful")]  # noqa: E712
+    missed = harmful[harmful["detected"] != True]  # noqa: E712
+    return missed.fillna({"persistence": ""})
+
+
+def escapes(df: pd.DataFrame) -> list[dict[str, object]]:
+    """The loss damage (loss_delta, final loss minus its golden run's) of harmful trials that no
+    detector caught, per scenario cell (ESCAPE_CELL). A blank loss_delta is a final loss that is
+    not a number: the damage has no size, and is counted apart."""
+    harmful = df[(df["fired"] == True) & (df["effect"] == "harmful")]  # noqa: E712
+    totals = harmful.fillna({"persistence": ""}).groupby(ESCAPE_CELL, dropna=False).size()
     rows = []
-    for (site, model, klass), g in fired.groupby(["site", "model", "bit_class"], dropna=False):
-        harmful = g[g["effect"] == "harmful"]
-        k_h, n_h = int(harmful["detected"].sum()), len(harmful)
-        blind = n_h > 0 and wilson(k_h, n_h)[1] < 0.5
-        rows.append(
-            {
-                "site": site,
-                "model": model,
-                "bit class": klass or "-",
-                "catch rate (fired)": _rate(int(g["detected"].sum()), len(g)),
-                "catch rate (harmful)": _rate(k_h, n_h),
-                "effects": ", ".join(f"{e} {c}" for e, c in g["effect"].value_counts().items()),
-                "blind spot": "**yes**" if blind else "no",
-            }
-        )
+    for key, missed in harmful_escapes(df).groupby(ESCAPE_CELL, dropna=False):
+        delta = pd.to_numeric(missed["loss_delta"], errors="coerce")
+        finite = delta[delta.map(math.isfinite)]
+        labels = (c.replace("_", " ") for c in ESCAPE_CELL)
+        row: dict[str, object] = dict(zip(labels, (k or "-" for k in key), strict=True))
+        row["escaped / harmful"] = f"{len(missed)}/{totals[key]}"
+        row["loss_delta median"] = f"{finite.median():.4g}" if len(finite) else "-"
+        row["largest abs loss_delta"] = f"{finite.abs().max():.4g}" if len(finite) else "-"
+        row["final loss NaN/Inf"] = len(missed) - len(finite)
+        rows.append(row)
     return rows
 
 
@@ -152,8 +237,8 @@ def sees_and_misses(df: pd.DataFrame) -> list[dict[str, object]]:
     for key, g in fired.fillna({"scope": ""}).groupby(keys, dropna=False):
         row: dict[str, object] = dict(zip(keys, (k or "-" for k in key), strict=True))
         for d in _detectors(df):
-            on = g[g["detectors"].map(lambda s, d=d: d in s.split(";")).astype(bool)]
-            caught = on["detected_by"].map(lambda s, d=d: d in s.split(";")).astype(bool)
+            on = g[_names(g["detectors"], d)]
+            caught = _names(on["detected_by"], d)
             row[d] = f"{int(caught.sum())}/{len(on)}" if len(on) else "-"
         row["harmful"] = int((g["effect"] == "harmful").sum())
         rows.append(row)
@@ -163,7 +248,7 @@ def sees_and_misses(df: pd.DataFrame) -> list[dict[str, object]]:
 def recovery(df: pd.DataFrame) -> str:
     """What recovery did: trials recovered, steps lost, time, nodes that left, verdicts."""
     tried = df[pd.to_numeric(df["recoveries"], errors="coerce").fillna(0) > 0]
-    verdicts = df[df["recovery_verdict"].fillna("") != ""]
+    verdicts = df[df["recovery_verdict"].notna() & (df["recovery_verdict"] != "")]
     if tried.empty and verdicts.empty:
         return ""
     rows = []
@@ -188,21 +273,20 @@ def recovery(df: pd.DataFrame) -> str:
     same = int(tried["golden_match"].fillna(False).astype(bool).sum())
     head = (f"{len(tried)} trials recovered at least once; {same} of them ended bit-identical to "
             "their golden run. A restore step of -1 means from the initial weights.")  # fmt: skip
-    return "## Recovery\n\n" + head + "\n\n" + _table(rows)
+    return "## Recovery\n\n" + head + "\n\n" + markdown_table(rows)
+
+
+def false_positive_counts(df: pd.DataFrame) -> dict[str, Counts]:
+    """Per detector: (clean trials it alerted in, clean trials)."""
+    clean = df[df["site"] == "none"]
+    return {d: (int(_names(clean["alert_detectors"], d).sum()), len(clean)) for d in _detectors(df)}
 
 
 def false_positives(df: pd.DataFrame) -> list[dict[str, object]]:
-    clean = df[df["site"] == "none"]
-    rows = []
-    for d in _detectors(df):
-        flagged = clean["alert_detectors"].map(lambda s, d=d: d in s.split(";")).astype(bool)
-        rows.append(
-            {
-                "detector": d,
-                "clean trials with an alert": _rate(int(flagged.sum()), len(clean)),
-            }
-        )
-    return rows
+    return [
+        {"detector": d, "clean trials with an alert": rate_text(*kn)}
+        for d, kn in false_positive_counts(df).items()
+    ]
 
 
 def _per_trial(df: pd.DataFrame) -> str:
@@ -221,18 +305,136 @@ def detection_times(df: pd.DataFrame) -> list[dict[str, object]]:
                 "n": len(g),
                 "ttd steps (median / max)": f"{ttd.median():g} / {ttd.max():g}",
                 "ttd seconds (median)": f"{g['ttd_seconds'].median():.4f}",
-                "contained": _rate(int(g["contained"].sum()), len(g)),
-                "attribution correct": _rate(int(g["attribution_correct"].sum()), len(g)),
+                "contained": rate_text(int(g["contained"].sum()), len(g)),
+                "attribution correct": rate_text(int(g["attribution_correct"].sum()), len(g)),
             }
         )
     return rows
+
+
+def load_overhead(dirs: list[Path]) -> pd.DataFrame | None:
+    """Every overhead.csv under the given folders (a sweep holds one per job), one row per
+    (detector, interval) with the medians over the runs that measured it and their number;
+    None when no run measured overhead."""
+    files = [f for d in dirs for f in sorted(d.rglob(overhead.OVERHEAD_FILE))]
+    if not files:
+        return None
+    frames = []
+    for f in files:
+        try:
+            table = pd.read_csv(f, dtype=str, keep_default_na=False)
+        except (ValueError, OSError) as exc:  # pandas: an empty or malformed file
+            raise ReportError(f"{f}: unreadable: {exc}") from None
+        missing = [c for c in overhead.COLUMNS if c not in table.columns]
+        if missing:
+            raise ReportError(f"{f}: missing columns: {', '.join(missing)}")
+        try:
+            for column in ("overhead_pct", "floor_pct"):
+                table[column] = pd.to_numeric(table[column].replace("", math.nan))
+        except ValueError as exc:
+            raise ReportError(f"{f}: unreadable: {exc}") from None
+        frames.append(table[overhead.COLUMNS])
+    table = pd.concat(frames, ignore_index=True)
+    merged = table.groupby(["detector", "interval"], as_index=False).agg(
+        overhead_pct=("overhead_pct", "median"),
+        floor_pct=("floor_pct", "median"),
+        runs=("overhead_pct", "size"),
+    )
+    merged["steps"] = pd.to_numeric(merged["interval"].replace("", math.nan))
+    return merged.sort_values(["detector", "steps"], ignore_index=True)
+
+
+def _pairs(text: str) -> dict[str, int]:
+    """`name=value;...` (check_intervals, detect_steps) as a mapping."""
+    return {k: int(v) for k, v in (item.split("=") for item in text.split(";") if item)}
+
+
+def audit_intervals(df: pd.DataFrame) -> list[dict[str, object]]:
+    """Catch rate and time to detection of each periodic check at each interval it ran at, per
+    persistence: what an audit interval buys. Empty unless trials ran a check at several."""
+    intervals = df["check_intervals"].fillna("").astype(str).map(_pairs)
+    found = df["detect_steps"].fillna("").astype(str).map(_pairs)
+    checks = sorted({name for pairs in intervals for name in pairs})
+    if all(len({p.get(c) for p in intervals} - {None}) < 2 for c in checks):
+        return []
+    fired = df["fired"] == True  # noqa: E712
+    rows = []
+    for check in checks:
+        every = intervals.map(lambda p, c=check: p.get(c))
+        for (k, persistence), g in df[fired & every.notna()].groupby(
+            [every[fired & every.notna()], "persistence"]
+        ):
+            steps = [found[i][check] - int(g.at[i, "inject_step"]) for i in g.index
+                     if check in found[i]]  # fmt: skip
+            rows.append(
+                {
+                    "check": check,
+                    "interval": int(k),
+                    "persistence": persistence,
+                    "caught": rate_text(len(steps), len(g)),
+                    "ttd steps (median / max)": (
+                        f"{statistics.median(steps):g} / {max(steps)}" if steps else "-"
+                    ),
+                }
+            )
+    return rows
+
+
+def _pct(x: float) -> str:
+    return "-" if math.isnan(x) else f"{x:.2f}%"
+
+
+def overhead_section(table: pd.DataFrame, folder: Path) -> str:
+    """The overhead table and, for checks with an interval, overhead and floor against it."""
+    rows = [
+        {
+            "detector": r.detector,
+            "interval": r.interval or "-",
+            "overhead": _pct(r.overhead_pct),
+            "floor": _pct(r.floor_pct),
+            "overhead / floor": "-"
+            if math.isnan(r.floor_pct) or r.floor_pct <= 0
+            else f"{r.overhead_pct / r.floor_pct:.2f}x",
+            "runs": r.runs,
+        }
+        for r in table.itertuples(index=False)
+    ]
+    text = (
+        "## Overhead against audit interval\n\nStep time with the check alone over the step "
+        "time without checks, minus 1 (DESIGN §5): the median over steps, amortized over the "
+        "check's interval, measured on this run's workload and world after its trials "
+        "(harness/overhead.py). Floor: the least the check could cost; for replay one forward "
+        "and backward of the audited micro-batches per interval, measured in the same world. "
+        "With several runs, the median over them. A tiny model on a loaded machine makes these "
+        "noisy: read the trend, not the digits.\n\n" + markdown_table(rows)
+    )
+    path = figures.overhead_vs_interval(table, folder / "overhead.png")
+    if path is not None:
+        text += f"\n![Overhead and its floor against the interval](figures/{path.name})"
+    return text
+
+
+def escape_section(df: pd.DataFrame, folder: Path) -> str:
+    text = (
+        "## Escape impact\n\nThe loss damage of harmful faults that no detector caught: "
+        "`loss_delta` = final loss minus the golden run's, per scenario cell; the largest by "
+        "size. A final loss that is NaN or Inf has no size and is counted apart.\n\n"
+    )
+    rows = escapes(df)
+    if not rows:
+        return text + "No harmful fault escaped every detector.\n"
+    text += markdown_table(rows)
+    path = figures.escape_impact(harmful_escapes(df), ESCAPE_CELL, folder / "escapes.png")
+    return text + f"\n![Loss damage of the harmful faults no detector caught](figures/{path.name})"
 
 
 def summary(df: pd.DataFrame) -> str:
     """The short table printed at the end of a campaign."""
     effects = df["effect"].value_counts()
     head = f"{len(df)} trials: " + ", ".join(f"{e} {effects[e]}" for e in sorted(effects.index))
-    return head + "\n\n" + _table(catch_rates(df)) + "\n" + _table(false_positives(df))
+    return (
+        head + "\n\n" + markdown_table(catch_rates(df)) + "\n" + markdown_table(false_positives(df))
+    )
 
 
 def sensitivity(dirs: list[Path]) -> str:
@@ -261,6 +463,8 @@ def sensitivity(dirs: list[Path]) -> str:
 
 def write_report(df: pd.DataFrame, out: Path, dirs: list[Path] | None = None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
+    folder = out / "figures"
+    folder.mkdir(exist_ok=True)
     sections = [
         "# SDC detection coverage report",
         f"Runs: {', '.join(sorted(df['run'].unique()))}  ",
@@ -270,29 +474,41 @@ def write_report(df: pd.DataFrame, out: Path, dirs: list[Path] | None = None) ->
         "Rates are k/n with a 95% Wilson interval. Catch rate = detected / fired (DESIGN §5); "
         "`detected` means an alert at or after the first step in which the injection changed a "
         "value.",
-        "## Catch rate by detector\n\n" + _table(catch_rates(df)),
+        "## Catch rate by detector\n\n" + markdown_table(catch_rates(df)),
         "## Catch rate by scenario cell\n\nA blind spot is a cell with harmful trials whose catch "
-        "rate's upper bound is below 50%.\n\n" + _table(cells(df)),
+        "rate's upper bound is below 50%.\n\n" + markdown_table(cells(df)),
         "## What each detector sees and misses\n\nFired trials caught by each detector, per "
-        "scenario (k/n).\n\n" + _table(sees_and_misses(df)),
+        "scenario (k/n).\n\n" + markdown_table(sees_and_misses(df)),
         "## False positives (clean trials)\n\n"
         f"Alerts per clean trial, all detectors: {_per_trial(df)}\n\n"
-        + _table(false_positives(df)),
-        "## Time to detection, containment and attribution\n\n" + _table(detection_times(df)),
+        + markdown_table(false_positives(df)),
+        "## Time to detection, containment and attribution\n\n"
+        + markdown_table(detection_times(df)),
+        escape_section(df, folder),
     ]
+    by_interval = audit_intervals(df)
+    if by_interval:
+        sections.append(
+            "## Catch rate against audit interval\n\nFired trials each periodic check caught at "
+            "each interval it ran at (its own first alert, whichever check alerted first), and "
+            "its time to detection.\n\n" + markdown_table(by_interval)
+        )
+    measured = load_overhead(dirs or [out])
+    if measured is not None:
+        sections.append(overhead_section(measured, folder))
     recovered = recovery(df)
     if recovered:
         sections.append(recovered)
     extra = sensitivity(dirs or [out])
     if extra:
         sections.append(extra)
-    sections.append(_figures(df, out))
+    sections.append(_figures(df, folder))
     clean = df[df["site"] == "none"]
     if len(clean):
         same = int(clean["golden_match"].sum())
         sections.append(
             "## Detectors observe only\n\nClean trials whose final weights are bit-identical to "
-            f"their golden run (detectors off): {same}/{len(clean)}."
+            f"their golden run (same seed, checks observing): {same}/{len(clean)}."
         )
     markdown = "\n\n".join(sections) + "\n"
     _write(out / "report.html", to_html(markdown))
@@ -306,9 +522,7 @@ def _write(path: Path, text: str) -> Path:
     return path
 
 
-def _figures(df: pd.DataFrame, out: Path) -> str:
-    folder = out / "figures"
-    folder.mkdir(exist_ok=True)
+def _figures(df: pd.DataFrame, folder: Path) -> str:
     rates = figures.catch_rate_by_detector(df, _detectors(df), wilson, folder / "catch_rate.png")
     drawn = [
         ("Catch rate by detector (95% Wilson intervals)", rates),

@@ -96,7 +96,7 @@ def run_trial(run: RunConfig, spec: TrialSpec, info: RankInfo, store: Path) -> R
     plugins = injector.build(spec.fault, spec.seed, info, log, model, hardware, plan)
     # DESIGN 5: the golden run carries the same checks, observing only; its snapshots hand
     # their state to fast-forwarded trials.
-    checks = run.detectors
+    checks = run.checks(spec)
     if spec.golden:
         checks = {name: dict(params, mode="observe") for name, params in checks.items()}
     ctx = DetectorContext(info, model, workload, cfg.steps, plan)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from harness import overhead
 from harness.regress import load, regressions
 from tests.conftest import BIN
 
@@ -119,6 +120,29 @@ def test_a_new_false_positive_and_an_overhead_a_quarter_above_baseline_regress(r
         ["new false positive", "nan_inf", "0/4 = 0% [0%, 49%]", "1/4 = 25% [5%, 70%]"],
         ["overhead grew", "replay, interval 5", "10.00%", "12.60%"],
     ]
+
+
+def test_overhead_as_campaigns_write_it_30_percent_above_baseline_regresses(runs, tmp_path):
+    """overhead.csv as harness/overhead.py writes it: a blank interval and a blank floor for a
+    check without them, and one file per job of a sweep (the medians over jobs count)."""
+    measured = [
+        {"detector": "nan_inf", "interval": "", "overhead_pct": 2.0, "floor_pct": ""},
+        {"detector": "replay", "interval": 5, "overhead_pct": 10.0, "floor_pct": 8.0},
+    ]
+    baseline = copy(runs["baseline"], tmp_path / "a")
+    current = copy(runs["baseline"], tmp_path / "b")
+    overhead.write(baseline / overhead.OVERHEAD_FILE, measured)
+    for job, scale in (("0", 1.3), ("1", 1.3)):
+        (current / job).mkdir()
+        grown = [dict(row, overhead_pct=scale * row["overhead_pct"]) for row in measured]
+        overhead.write(current / job / overhead.OVERHEAD_FILE, grown)
+    proc = sdc_regress(baseline, current)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert regression_rows(proc.stdout) == [
+        ["overhead grew", "nan_inf, interval -", "2.00%", "2.60%"],
+        ["overhead grew", "replay, interval 5", "10.00%", "13.00%"],
+    ]
+    assert sdc_regress(current, baseline).returncode == 0  # an overhead that fell is no regression
 
 
 def test_bad_input_exits_2_with_one_line_before_comparing(runs, tmp_path):

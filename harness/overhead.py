@@ -1,0 +1,180 @@
+"""overhead.csv: what each configured detector adds to a training step of the campaign's own
+workload and world, measured after its trials (`campaign.overhead`, DESIGN sections 4-6).
+
+overhead = step time with the detector alone / step time without detectors - 1, in percent.
+A step's time is its slowest rank's (the ranks wait for each other in the allreduce). A check
+that runs every k steps makes the series periodic, and a plain median over steps would return
+the steps it skips: the median is taken at each position of the cycle (step mod k) and the
+positions are averaged, so the cost is amortized over the interval (k = 1: the plain median).
+
+The load of a shared machine drifts over seconds, so each detector's run sits between two runs
+without detectors and is compared with their mean (a sandwich); with several rounds, the order
+alternates and the median ratio over rounds is kept.
+
+floor = the least a check could cost. For replay, one forward and backward of the audited
+rank's micro-batches per interval: measured in the same world, as the extra step time of a run
+with FLOOR_SETS more sets of micro-batches per step (each extra set is exactly that work), per
+set, divided by the interval. Other checks have no floor defined here: the column is blank.
+
+Timed runs are clean, start at step 0 and write no checkpoint (consensus also runs before every
+checkpoint, and writing one is rank 0's I/O, not a check's cost): each check runs at its own
+interval only.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import statistics
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tqdm import tqdm
+
+from harness.config import FaultConfig, RunConfig, TrialSpec, check_interval
+
+if TYPE_CHECKING:  # the world imports the trainer: not needed to read the result tables
+    from harness.world import Outcome
+
+OVERHEAD_FILE = "overhead.csv"
+COLUMNS = ["detector", "interval", "overhead_pct", "floor_pct"]
+WARMUP_STEPS = 2  # the first steps allocate, and DDP rebuilds its buckets after step 0
+REFERENCE = "none"
+FLOOR = "floor"  # more micro-batches per step, no detectors: replay's floor
+# A difference of two step times carries the noise of both: on a loaded machine one extra
+# forward and backward of a small model can drown in it, four of them stand well clear.
+FLOOR_SETS = 4
+
+Execute = Callable[[RunConfig, TrialSpec], "Outcome"]
+
+
+class OverheadError(RuntimeError):
+    """A timed run crashed: no overhead.csv is written (the campaign's trials are intact)."""
+
+
+def timed_checks(run: RunConfig) -> dict[tuple[str, int | None], dict[str, Any]]:
+    """Every (check, interval) that the campaign's trials run, with its parameters (a scenario
+    may set them: audit_frequency times each interval)."""
+    found: dict[tuple[str, int | None], dict[str, Any]] = {}
+    for checks in [run.checks(t) for t in run.trials] or [run.detectors]:
+        for name, params in checks.items():
+            found.setdefault((name, check_interval(params)), params)
+    return dict(sorted(found.items(), key=lambda item: (item[0][0], item[0][1] or 0)))
+
+
+def timed_runs(run: RunConfig) -> dict[Any, tuple[RunConfig, int]]:
+    """Every timed configuration by key ((check, interval), REFERENCE or FLOOR), with the cycle
+    its steps are amortized over."""
+    checks = timed_checks(run)
+    cycles = {key: key[1] or 1 for key in checks}
+    steps = WARMUP_STEPS + max(run.overhead.steps, *cycles.values(), 1)
+    base = replace(
+        run,
+        detectors={},
+        workload=replace(run.workload, steps=steps),
+        checkpoint=replace(run.checkpoint, interval=steps + 1),
+        scenarios=(),
+        trials=(),
+    )
+    runs: dict[Any, tuple[RunConfig, int]] = {REFERENCE: (base, 1)}
+    if any(name == "replay" for name, _ in checks):
+        more = replace(base.workload, micro_batches=(1 + FLOOR_SETS) * base.workload.micro_batches)
+        runs[FLOOR] = (replace(base, workload=more), 1)
+    for (name, k), params in checks.items():
+        runs[(name, k)] = (replace(base, detectors={name: params}), cycles[(name, k)])
+    return runs
+
+
+def step_series(outcome: Outcome, trial_id: str) -> list[float]:
+    """Seconds per step of the slowest rank."""
+    if outcome.parts is None:
+        raise OverheadError(f"timed run {trial_id} crashed: {outcome.crash}")
+    per_rank = [part.step_times for part in outcome.parts]
+    return [max(times) for times in zip(*per_rank, strict=True)]
+
+
+def amortized_step(series: list[list[float]], cycle: int) -> float:
+    """Seconds per step of one or more runs' step series: the median at each position of the
+    cycle, averaged over positions; NaN when too few steps to see every position."""
+    at: dict[int, list[float]] = defaultdict(list)
+    for times in series:
+        for step, seconds in enumerate(times):
+            if step >= WARMUP_STEPS:
+                at[step % cycle].append(seconds)
+    if len(at) < cycle:
+        return math.nan
+    return statistics.fmean(statistics.median(v) for v in at.values())
+
+
+def ratios(run: RunConfig, execute: Execute) -> dict[Any, float]:
+    """Each configuration's step time over that of the reference runs on either side of it, the
+    median over rounds."""
+    runs = timed_runs(run)
+    reference = runs.pop(REFERENCE)[0]
+    rounds = run.overhead.rounds
+    found: dict[Any, list[float]] = {key: [] for key in runs}
+    bar = tqdm(total=rounds * (2 * len(runs) + 1), desc="overhead", unit="run", mininterval=1.0)
+
+    def timed(key: Any, config: RunConfig, r: int) -> list[float]:
+        label = key if isinstance(key, str) else "-".join(str(part) for part in key)
+        trial_id = f"overhead-{label}-r{r}-{bar.n}"
+        outcome = execute(config, TrialSpec(trial_id, run.workload.seed, FaultConfig()))
+        bar.update()
+        return step_series(outcome, trial_id)
+
+    try:
+        for r in range(rounds):
+            before = timed(REFERENCE, reference, r)
+            for key in list(runs) if r % 2 == 0 else reversed(list(runs)):
+                config, cycle = runs[key]
+                mine, after = timed(key, config, r), timed(REFERENCE, reference, r)
+                bare = (amortized_step([before], cycle) + amortized_step([after], cycle)) / 2
+                found[key].append(amortized_step([mine], cycle) / bare)
+                before = after
+    finally:
+        bar.close()
+    return {name: statistics.median(values) for name, values in found.items()}
+
+
+def rows(run: RunConfig, ratio: dict[Any, float]) -> list[dict[str, object]]:
+    """overhead.csv's rows, one per (check, interval) the trials ran, from `ratios`."""
+    out = []
+    for name, k in timed_checks(run):
+        floor: float | str = ""
+        if name == "replay" and k is not None:
+            floor = round(100 * (ratio[FLOOR] - 1) / FLOOR_SETS / k, 4)
+        out.append(
+            {
+                "detector": name,
+                "interval": "" if k is None else k,
+                "overhead_pct": round(100 * (ratio[(name, k)] - 1), 3),
+                "floor_pct": floor,
+            }
+        )
+    return out
+
+
+def write(path: Path, table: list[dict[str, object]]) -> Path:
+    """Whole or not at all: a reader never sees half a table."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(table)
+    tmp.replace(path)
+    return path
+
+
+def measure(run: RunConfig, out: Path, execute: Execute) -> Path | None:
+    """Time the campaign's detectors in the world `execute` runs trials in, and write
+    out/overhead.csv. Nothing when the campaign does not ask (`campaign.overhead` null) or has
+    no detector; a resumed campaign keeps the table it already wrote."""
+    if run.overhead is None or not run.detectors:
+        return None
+    path = out / OVERHEAD_FILE
+    if path.exists():
+        return path
+    return write(path, rows(run, ratios(run, execute)))

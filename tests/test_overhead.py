@@ -1,0 +1,103 @@
+"""`campaign.overhead`: timed clean runs in the campaign's own world write overhead.csv
+(DESIGN section 4). Timings on this loaded machine are noise around small numbers, so the tests
+hold the table's structure and the signs that cannot flip, not its digits."""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+
+import pytest
+
+from harness import overhead
+from harness.campaign import SpawnExecutor
+from harness.config import ConfigError
+from harness.regress import load, regressions
+from tests.conftest import compose_run, sdc_bench
+
+BASELINE = Path(__file__).resolve().parent.parent / "results" / "baseline"
+# The smallest world replay accepts (3 nodes); each check at an interval of its own.
+TINY = [
+    "campaign=single",
+    "fault=none",
+    "topology.nodes=3",
+    "detectors=[nan_inf,replay,weight_consensus]",
+    "detectors.replay.interval=2",
+    "detectors.weight_consensus.interval=3",
+]
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("overhead")
+    run = compose_run(*TINY, "++campaign.overhead={steps:4}")
+    executor = SpawnExecutor(run.topology, out / "world", out / "store")
+    try:
+        assert overhead.measure(run, out, executor.run) == out / overhead.OVERHEAD_FILE
+    finally:
+        executor.close()
+    return out
+
+
+def test_one_row_per_detector_with_its_interval_and_replays_floor(measured):
+    with open(measured / overhead.OVERHEAD_FILE, newline="") as f:
+        reader = csv.DictReader(f)
+        table = list(reader)
+    assert reader.fieldnames == overhead.COLUMNS
+    assert [(r["detector"], r["interval"]) for r in table] == [
+        ("nan_inf", ""),
+        ("replay", "2"),
+        ("weight_consensus", "3"),
+    ]
+    assert all(math.isfinite(float(r["overhead_pct"])) for r in table)
+    replay = table[1]
+    # Five times the micro-batches per step cost more than once, whatever the load.
+    assert float(replay["floor_pct"]) > 0
+    assert table[0]["floor_pct"] == table[2]["floor_pct"] == ""
+
+
+def test_a_resumed_campaign_keeps_its_table_and_one_without_overhead_times_nothing(
+    measured, tmp_path
+):
+    def never(run, spec):
+        raise AssertionError(f"timed {spec.trial_id} again")
+
+    run = compose_run(*TINY, "++campaign.overhead={steps:4}")
+    assert overhead.measure(run, measured, never) == measured / overhead.OVERHEAD_FILE
+    # A campaign that does not ask for overhead times nothing.
+    assert overhead.measure(compose_run(*TINY), tmp_path, never) is None
+    assert not (tmp_path / overhead.OVERHEAD_FILE).exists()
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("{steps:0}", "campaign.overhead.steps: 0 is out of range; allowed: 1..inf"),
+        ("{steps:5,rounds:x}", "campaign.overhead.rounds: 'x' is not an integer"),
+        ("{step:5}", "campaign.overhead.step: unknown key; allowed: steps, rounds"),
+        ("yes", "campaign.overhead: 'yes' must be null or {steps: N, rounds: R}"),
+    ],
+)
+def test_a_bad_overhead_setting_is_one_config_error_naming_the_key(value, message):
+    with pytest.raises(ConfigError) as error:
+        compose_run(*TINY, f"++campaign.overhead={value}")
+    assert str(error.value) == message
+
+
+def test_the_command_refuses_it_with_one_line_and_exit_2(tmp_path):
+    proc = sdc_bench(*TINY, "++campaign.overhead={steps:0}", f"out={tmp_path / 'o'}", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "sdc-bench: error: campaign.overhead.steps: 0 is out of range; allowed: 1..inf"
+    ]
+    assert not (tmp_path / "o").exists()
+
+
+def test_regress_reads_the_table_a_campaign_writes(measured, tmp_path):
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        for source in (BASELINE / "trials.csv", measured / overhead.OVERHEAD_FILE):
+            (tmp_path / name / source.name).write_bytes(source.read_bytes())
+    assert load(tmp_path / "a").overhead is not None
+    assert regressions(load(tmp_path / "a"), load(tmp_path / "b")) == []

@@ -1,0 +1,109 @@
+"""The report built from result tables alone (no world is spawned): the escape impact and the
+overhead sections, and a page whose every image is a PNG next to it."""
+
+from __future__ import annotations
+
+import csv
+import math
+import re
+from pathlib import Path
+
+from harness import overhead, report
+
+BASELINE = Path(__file__).resolve().parent.parent / "results" / "baseline"
+# Two jobs of an audit_frequency sweep, one replay interval each; both timed nan_inf as well.
+JOBS = {
+    "0": [("replay", 1, 30.0, 25.0), ("nan_inf", "", 1.0, "")],
+    "1": [("replay", 5, 7.0, 5.0), ("nan_inf", "", 3.0, "")],
+}
+
+
+def escaped_trials(folder: Path) -> Path:
+    """Real nightly rows (every fifth), with three harmful faults made to escape every detector:
+    two with a finite loss damage, one whose final loss is not a number (a blank loss_delta)."""
+    with open(BASELINE / "trials.csv", newline="") as f:
+        table = list(csv.DictReader(f))[::5]
+    harmful = [r for r in table if r["effect"] == "harmful"]
+    sized = [r for r in harmful if r["loss_delta"]][:2]
+    escaped = [*sized, next(r for r in harmful if not r["loss_delta"])]
+    assert len(escaped) == 3
+    for row in escaped:
+        row.update(detected="False", detected_by="", first_detector="", alert_detectors="")
+    folder.mkdir(parents=True)
+    with open(folder / "trials.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(table[0]))
+        writer.writeheader()
+        writer.writerows(table)
+    return folder
+
+
+def sweep(root: Path) -> Path:
+    escaped_trials(root / "0")
+    (root / "1").mkdir()
+    for job, measured in JOBS.items():
+        rows = [dict(zip(overhead.COLUMNS, values, strict=True)) for values in measured]
+        overhead.write(root / job / overhead.OVERHEAD_FILE, rows)
+    return root
+
+
+def images_render_from_disk(out: Path) -> list[str]:
+    page = (out / "report.html").read_text()
+    images = re.findall(r'<img src="([^"]+)"', page)
+    for src in images:
+        assert not src.startswith(("/", "file:")), src  # relative: the folder opens anywhere
+        assert (out / src).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", src
+    return images
+
+
+def test_escape_impact_counts_the_damage_of_harmful_faults_no_detector_caught(tmp_path):
+    df = report.load_trials([escaped_trials(tmp_path / "run")])
+    rows = report.escapes(df)
+    assert sum(int(r["escaped / harmful"].split("/")[0]) for r in rows) == 3
+    assert sum(r["final loss NaN/Inf"] for r in rows) == 1
+    for row in rows:
+        assert row["persistence"] != ""
+        escaped, harmful = map(int, row["escaped / harmful"].split("/"))
+        assert 0 < escaped <= harmful
+        if row["final loss NaN/Inf"] < escaped:
+            assert float(row["largest abs loss_delta"]) > 0
+
+
+def test_report_without_overhead_has_escapes_and_no_overhead_section(tmp_path):
+    out = escaped_trials(tmp_path / "run")
+    report.write_report(report.load_trials([out]), out)
+    text = (out / "report.md").read_text()
+    assert "## Escape impact" in text and "(figures/escapes.png)" in text
+    assert "Overhead" not in text
+    assert "figures/escapes.png" in images_render_from_disk(out)
+
+
+def test_sweep_report_merges_every_jobs_overhead_next_to_its_floor(tmp_path):
+    root = sweep(tmp_path / "sweep")
+    merged = report.load_overhead([root])
+    assert list(merged["detector"]) == ["nan_inf", "replay", "replay"]
+    assert list(merged["interval"]) == ["", "1", "5"]
+    nan_inf = merged.iloc[0]
+    assert nan_inf["overhead_pct"] == 2.0 and nan_inf["runs"] == 2  # the median of two jobs
+    assert math.isnan(nan_inf["floor_pct"])
+
+    report.write_report(report.load_trials([root]), root, [root])
+    text = (root / "report.md").read_text()
+    section = text.split("## Overhead against audit interval")[1].split("\n## ")[0]
+    assert "| nan_inf | - | 2.00% | - | - | 2 |" in section
+    assert "| replay | 1 | 30.00% | 25.00% | 1.20x | 1 |" in section
+    assert "| replay | 5 | 7.00% | 5.00% | 1.40x | 1 |" in section
+    assert "(figures/overhead.png)" in section
+    assert "figures/overhead.png" in images_render_from_disk(root)
+
+
+def test_blind_spot_and_counts_are_numbers(tmp_path):
+    df = report.load_trials([escaped_trials(tmp_path / "run")])
+    cells = {c.key: c for c in report.cell_stats(df)}
+    assert all(isinstance(c.blind, bool) for c in cells.values())
+    assert report.blind_spot((0, 4)) and not report.blind_spot((4, 4))
+    assert not report.blind_spot((0, 0))  # no harmful trials: nothing to be blind to
+    counts = report.catch_counts(df)
+    assert set(counts) == set(report.TRIAL_SETS)
+    k, n = counts["harmful"][report.ANY]
+    assert n - k == 3  # exactly the three escapes
+    assert report.false_positive_counts(df)["nan_inf"][1] == (df["site"] == "none").sum()
