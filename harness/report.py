@@ -12,7 +12,6 @@ import html
 import json
 import math
 import re
-import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -344,39 +343,49 @@ def load_overhead(dirs: list[Path]) -> pd.DataFrame | None:
     return merged.sort_values(["detector", "steps"], ignore_index=True)
 
 
-def _pairs(text: str) -> dict[str, int]:
-    """`name=value;...` (check_intervals, detect_steps) as a mapping."""
+def _pairs(text: object) -> dict[str, int]:
+    """`name=value;...` (check_intervals, detect_steps) as a mapping; blank: empty."""
+    if not isinstance(text, str):
+        return {}
     return {k: int(v) for k, v in (item.split("=") for item in text.split(";") if item)}
+
+
+INTERVAL_COLUMNS = ["check", "interval", "persistence", "caught", "ttd_steps"]
+
+
+def interval_outcomes(df: pd.DataFrame) -> pd.DataFrame:
+    """One row per fired trial and periodic check in it: the check's interval there, whether the
+    check itself caught the fault (whichever alerted first) and its time to detection."""
+    rows = []
+    for r in df[df["fired"] == True].itertuples(index=False):  # noqa: E712
+        found = _pairs(r.detect_steps)
+        for check, k in _pairs(r.check_intervals).items():
+            step = found.get(check)
+            ttd = math.nan if step is None else step - int(r.inject_step)
+            rows.append((check, k, r.persistence, step is not None, ttd))
+    return pd.DataFrame(rows, columns=INTERVAL_COLUMNS)
 
 
 def audit_intervals(df: pd.DataFrame) -> list[dict[str, object]]:
     """Catch rate and time to detection of each periodic check at each interval it ran at, per
-    persistence: what an audit interval buys. Empty unless trials ran a check at several."""
-    intervals = df["check_intervals"].fillna("").astype(str).map(_pairs)
-    found = df["detect_steps"].fillna("").astype(str).map(_pairs)
-    checks = sorted({name for pairs in intervals for name in pairs})
-    if all(len({p.get(c) for p in intervals} - {None}) < 2 for c in checks):
+    persistence: what an audit interval buys. Empty unless a check ran at several intervals."""
+    outcomes = interval_outcomes(df)
+    if outcomes.empty or outcomes.groupby("check")["interval"].nunique().max() < 2:
         return []
-    fired = df["fired"] == True  # noqa: E712
     rows = []
-    for check in checks:
-        every = intervals.map(lambda p, c=check: p.get(c))
-        for (k, persistence), g in df[fired & every.notna()].groupby(
-            [every[fired & every.notna()], "persistence"]
-        ):
-            steps = [found[i][check] - int(g.at[i, "inject_step"]) for i in g.index
-                     if check in found[i]]  # fmt: skip
-            rows.append(
-                {
-                    "check": check,
-                    "interval": int(k),
-                    "persistence": persistence,
-                    "caught": rate_text(len(steps), len(g)),
-                    "ttd steps (median / max)": (
-                        f"{statistics.median(steps):g} / {max(steps)}" if steps else "-"
-                    ),
-                }
-            )
+    for (check, k, persistence), g in outcomes.groupby(["check", "interval", "persistence"]):
+        ttd = g["ttd_steps"].dropna()
+        rows.append(
+            {
+                "check": check,
+                "interval": k,
+                "persistence": persistence,
+                "caught": rate_text(int(g["caught"].sum()), len(g)),
+                "ttd steps (median / max)": f"{ttd.median():g} / {ttd.max():g}"
+                if len(ttd)
+                else "-",
+            }
+        )
     return rows
 
 

@@ -107,3 +107,19 @@ def test_blind_spot_and_counts_are_numbers(tmp_path):
     k, n = counts["harmful"][report.ANY]
     assert n - k == 3  # exactly the three escapes
     assert report.false_positive_counts(df)["nan_inf"][1] == (df["site"] == "none").sum()
+
+
+def test_catch_rate_against_audit_interval_counts_each_checks_own_alerts(tmp_path):
+    """The notebook fixture: a replay sweep at intervals 1, 5 and 20 over the same faults at step
+    10; replay catches the audited step's faults at intervals 1 and 5 (10 is a multiple of
+    both) and none at 20."""
+    df = report.load_trials([Path(__file__).resolve().parent / "fixtures" / "sweep"])
+    outcomes = report.interval_outcomes(df)
+    per_interval = outcomes.groupby("interval")["caught"].agg(["sum", "size"])
+    fired = int(df["fired"].sum())
+    assert per_interval["size"].sum() == fired
+    assert per_interval.loc[20, "sum"] == 0 < per_interval.loc[5, "sum"]
+    assert set(outcomes.loc[outcomes["caught"], "ttd_steps"]) == {0}
+    rows = report.audit_intervals(df)
+    assert {(r["check"], r["interval"]) for r in rows} == {("replay", k) for k in (1, 5, 20)}
+    assert "## Catch rate against audit interval" in report.write_report(df, tmp_path).read_text()
