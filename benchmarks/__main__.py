@@ -47,24 +47,37 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def run_all(out: Path, quick: bool, only: list[str], rounds: int | None = None) -> list[Figure]:
-    """Run the chosen benchmarks into `out`; the figures, in the issue's order."""
+    """Run the chosen benchmarks into `out`; the figures, in the issue's order. Each part's
+    duration goes to `out/durations.txt`."""
     out.mkdir(parents=True, exist_ok=True)
     figures: list[Figure] = []
+    durations: list[str] = []
+
+    def part(name: str, fn, *args) -> None:
+        started = time.perf_counter()
+        figures.extend(fn(*args))
+        durations.append(f"{name}: {time.perf_counter() - started:.1f} s")
+
     if "kernels" in only:
-        figures += kernels.run(rounds=2 if quick else 31, quick=quick)
-        kernels.profile(out, quick=quick)
-        kernels.size_sweep(out, quick=quick)
+        part("kernels", _kernels, out, quick)
     with Worlds() as worlds:
         if "overhead" in only:
             plan = step_overhead.Plan.quick() if quick else step_overhead.Plan()
-            plan = _with_rounds(plan, "rounds", rounds)
-            figures += step_overhead.run(worlds, out, plan)
+            part("overhead", step_overhead.run, worlds, out, _with_rounds(plan, "rounds", rounds))
         if "throughput" in only:
             plan = throughput.Plan.quick() if quick else throughput.Plan()
-            figures += throughput.run(worlds.tmp, plan)
+            part("throughput", throughput.run, worlds.tmp, plan)
         if "growth" in only:
             plan = growth.Plan.quick() if quick else growth.Plan()
-            figures += growth.run(worlds, out, _with_rounds(plan, "world_rounds", rounds))
+            part("growth", growth.run, worlds, out, _with_rounds(plan, "world_rounds", rounds))
+    (out / "durations.txt").write_text("\n".join(durations) + "\n")
+    return figures
+
+
+def _kernels(out: Path, quick: bool) -> list[Figure]:
+    figures = kernels.run(rounds=2 if quick else 31, quick=quick)
+    kernels.profile(out, quick=quick)
+    kernels.size_sweep(out, quick=quick)
     return figures
 
 

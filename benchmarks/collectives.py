@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import socket
 import statistics
 import tempfile
 import time
@@ -24,9 +25,14 @@ import torch
 import torch.distributed as dist
 
 from harness.comm import rider_slots
-from harness.world import loopback_interface
 
 TIMEOUT_S = 120
+
+
+def _loopback() -> str:
+    """harness.world.loopback_interface, without importing the trainer into every process."""
+    names = [name for _, name in socket.if_nameindex()]
+    return next((n for n in names if n in ("lo", "lo0")), names[0])
 
 
 def _collective(name: str, world: int, numel: int, dtype: torch.dtype):
@@ -41,7 +47,7 @@ def _collective(name: str, world: int, numel: int, dtype: torch.dtype):
 
 def _rank(rank: int, world: int, init: str, cases: dict, reps: int, results) -> None:
     """One rank: every case `reps` times after a warm-up; rank 0 reports the medians."""
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", _loopback())
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
                             timeout=timedelta(seconds=TIMEOUT_S))  # fmt: skip

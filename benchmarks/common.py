@@ -2,7 +2,7 @@
 
 Configs come from experiments/ through Hydra's compose API (as `sdc-bench` would compose them),
 so a benchmark measures exactly what a campaign runs. Detectors are the real classes, built
-with a one-rank context, so their per-bucket work is timed as the trainer calls it.
+on the context of rank 0, so their per-bucket work is timed as the trainer calls it.
 """
 
 from __future__ import annotations
@@ -92,10 +92,17 @@ def bucket(numel: int, dtype: torch.dtype, tensors: int = 16, index: int = 0) ->
 
 class Rotation:
     """Hands out copies of one thing in turn, enough of them to exceed the cache: every call
-    then reads its data from memory, not from what the previous call left in the cache."""
+    then reads its data from memory, not from what the previous call left in the cache.
+
+    At most MAX_COPIES: the smallest tensors then stay partly cached, as small gradients fresh
+    from the backward pass are, and building thousands of copies would take longer than
+    timing them.
+    """
+
+    MAX_COPIES = 512
 
     def __init__(self, make, nbytes: int, min_copies: int = 2):
-        copies = max(min_copies, -(-COLD_BYTES // max(1, nbytes)))
+        copies = max(min_copies, min(self.MAX_COPIES, -(-COLD_BYTES // max(1, nbytes))))
         self.items = [make() for _ in range(copies)]
         self.at = 0
 

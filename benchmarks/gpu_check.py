@@ -7,7 +7,8 @@
    one read pass (`torch.sum`) for reference.
 2. `nan_inf` (first_non_finite), the weight fingerprint (bits_fingerprint) and the sketch's
    per-bucket arithmetic (rider before the allreduce, projection after) on 2^30-element
-   float32 (4 GiB) and bfloat16 (2 GiB) buffers, each as a fraction of the copy bandwidth.
+   float32 (4 GiB) and bfloat16 (2 GiB) buffers, each as a fraction of the copy bandwidth; and
+   the peer method for the fingerprint (copy to the CPU, SHA-1), for the >= 10x target.
 3. Per-detector step overhead on a GPT of about 110M parameters in bfloat16, world size 1 over
    NCCL (replay against itself), next to replay's floor (one forward and backward per audit).
 
@@ -15,11 +16,14 @@ The harness trainer runs on the CPU only (harness/workloads.py builds position i
 CPU, detectors/fingerprint.signs builds signs on the CPU, weight_consensus gathers a CPU tensor),
 so part 3 is built here, self-contained: the same step order as harness/trainer.py and the
 same arithmetic as each detector, with the detectors' own functions where they run on any
-device (first_non_finite, bits_fingerprint) and the signs generated on the device.
+device (first_non_finite, bits_fingerprint, the sketch's project and rider_of) and replay's
+signs generated on the device.
 """
 
 import argparse
 import csv
+import functools
+import hashlib
 import json
 import math
 import statistics
@@ -36,6 +40,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from detectors import fingerprint
+from detectors.allreduce_sketch import BLOCKS, AllreduceSketch, project, rider_of
 from detectors.fingerprint import bits_fingerprint
 from detectors.nan_inf import first_non_finite
 
@@ -59,7 +65,8 @@ class Plan:
 
     @classmethod
     def quick(cls) -> "Plan":
-        return cls(2**20, 3, width=64, layers=2, vocab=128, context=32, batch=2, rounds=1)
+        return cls(2**20, 3, width=64, layers=2, vocab=128, context=32, batch=2,
+                   replay_intervals=(1, 2, 4), consensus_interval=2, cycle=4, rounds=1)  # fmt: skip
 
 
 # ---------------------------------------------------------------- timing
@@ -93,15 +100,15 @@ def device_signs(numel: int, device: torch.device, seed: int = 0) -> torch.Tenso
     return bits.float().mul_(2).sub_(1)
 
 
-def sketch_rider(buf: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
-    """allreduce_sketch.rider: the projection and the L2 norm of the local bucket."""
-    flat = buf.float()
-    return torch.stack([torch.dot(flat, signs), torch.dot(flat, flat).sqrt()])
+@functools.cache
+def sketch_signs(device: torch.device) -> torch.Tensor:
+    """allreduce_sketch's signs (one per block of a bucket), on the device."""
+    return fingerprint.signs(AllreduceSketch.name, BLOCKS).to(device)
 
 
 def sketch_check(buf: torch.Tensor, signs: torch.Tensor, rider: torch.Tensor) -> bool:
     """allreduce_sketch.on_reduced_grad: project what was received, compare within the bound."""
-    got = float(torch.dot(buf.float(), signs))
+    got = float(project(buf, signs))
     expected, norm = (float(x) for x in rider)
     return abs(got - expected) <= 1e-3 * math.sqrt(buf.numel()) * norm
 
@@ -115,29 +122,37 @@ def bandwidth(plan: Plan, device: torch.device) -> dict[str, float]:
     return {"copy_Bps": 2 * src.nbytes / copy_s, "read_Bps": src.nbytes / read_s}
 
 
+def peer_hash(buf: torch.Tensor) -> bytes:
+    """Megatron-LM's weight check for one tensor: copy to the CPU, SHA-1 (as kernels.sha1_table)."""
+    return hashlib.sha1(buf.data.to("cpu").float().numpy(force=True)).digest()
+
+
 def kernel_rows(plan: Plan, device: torch.device, copy_bps: float) -> list[dict]:
+    """Each check on a float32 and a bfloat16 buffer: time, bytes per second, and that as a
+    fraction of the copy bandwidth. The peer method takes seconds per call: 3 calls."""
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
         buf = (torch.randn(plan.buffer_numel, device=device) * 1e-3).to(dtype)
-        signs = device_signs(buf.numel(), device)
-        rider = sketch_rider(buf, signs)
+        signs = sketch_signs(device)
+        rider = rider_of(buf, signs)
         checks = {
-            "read (torch.sum)": lambda b=buf: b.sum(),
-            "nan_inf": lambda b=buf: first_non_finite(b),
-            "fingerprint": lambda b=buf: bits_fingerprint(b),
-            "sketch rider + check": lambda b=buf, s=signs, r=rider: (
-                sketch_rider(b, s),
-                sketch_check(b, s, r),
+            "read (torch.sum)": (lambda b=buf: b.sum(), plan.reps),
+            "nan_inf": (lambda b=buf: first_non_finite(b), plan.reps),
+            "fingerprint": (lambda b=buf: bits_fingerprint(b), plan.reps),
+            "sketch rider + check": (
+                lambda b=buf, s=signs, r=rider: (rider_of(b, s), sketch_check(b, s, r)),
+                plan.reps,
             ),
+            "peer: copy to CPU + SHA-1": (lambda b=buf: peer_hash(b), min(3, plan.reps)),
         }
-        for name, fn in checks.items():
-            seconds = timed(fn, device, plan.reps)
+        for name, (fn, reps) in checks.items():
+            seconds = timed(fn, device, reps)
             bps = buf.nbytes / seconds
             rows.append({"dtype": str(dtype).removeprefix("torch."), "check": name,
                          "GiB": round(buf.nbytes / GIB, 3), "ms": round(1e3 * seconds, 3),
                          "GBps": round(bps / 1e9, 1),
                          "fraction_of_copy": round(bps / copy_bps, 3)})  # fmt: skip
-        del buf, signs
+        del buf, signs, checks
     return rows
 
 
@@ -203,7 +218,6 @@ class Checks:
     consensus: int = 0  # every N steps; 0: off
     replay: int = 0  # every N steps; 0: off
     step: int = 0
-    signs: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)
     param_signs: dict[str, torch.Tensor] = field(default_factory=dict)
     own: dict[str, float] = field(default_factory=dict)
     alerts: int = 0
@@ -216,13 +230,6 @@ class Checks:
         return self.replay > 0 and self.step % self.replay == 0
 
 
-def _bucket_signs(checks: Checks, bucket) -> torch.Tensor:
-    key = tuple(id(p) for p in bucket.parameters())
-    if key not in checks.signs:
-        checks.signs[key] = device_signs(bucket.buffer().numel(), bucket.buffer().device, len(key))
-    return checks.signs[key]
-
-
 def comm_hook(checks: Checks, bucket):
     """Sites 3-5 of harness/trainer.py's hook: local checks, one allreduce (riders appended to
     float32 buckets, a collective of their own otherwise), checks on the average."""
@@ -233,7 +240,7 @@ def comm_hook(checks: Checks, bucket):
         for p, g in zip(bucket.parameters(), bucket.gradients(), strict=True):
             checks.own[str(id(p))] = _projection(checks, str(id(p)), g)
     buffer.div_(dist.get_world_size())
-    rider = sketch_rider(buffer, _bucket_signs(checks, bucket)) if checks.sketch else None
+    rider = rider_of(buffer, sketch_signs(buffer.device)) if checks.sketch else None
     n = buffer.numel()
     if buffer.dtype == torch.float32:
         slot = torch.zeros(8, device=buffer.device)  # the trainer always appends its slots
@@ -256,7 +263,7 @@ def comm_hook(checks: Checks, bucket):
             summed = fut.value()[1].value()[0]
         if checks.nan_inf and first_non_finite(buffer) is not None:
             checks.alerts += 1
-        if rider is not None and not sketch_check(buffer, _bucket_signs(checks, bucket), summed):
+        if rider is not None and not sketch_check(buffer, sketch_signs(buffer.device), summed):
             checks.alerts += 1
         return buffer
 
@@ -413,6 +420,10 @@ def print_table(result: dict) -> None:
         print(
             f"| {r['dtype']} | {r['check']} | {r['ms']} | {r['GBps']} | {r['fraction_of_copy']} |"
         )
+    ms = {(r["dtype"], r["check"]): r["ms"] for r in result["kernels"]}
+    for dtype in ("float32", "bfloat16"):
+        speedup = ms[dtype, "peer: copy to CPU + SHA-1"] / ms[dtype, "fingerprint"]
+        print(f"fingerprint speed-up over the peer method, {dtype}: {speedup:.3g}x (target >= 10x)")
     step = result["step"]
     print(f"\nGPT {step['params'] / 1e6:.3g}M bfloat16: step {step['step_ms']:.1f} ms, "
           f"forward+backward {step['forward_backward_ms']:.1f} ms")  # fmt: skip

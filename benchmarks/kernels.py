@@ -139,7 +139,7 @@ def run(rounds: int = 15, quick: bool = False) -> list[Figure]:
 
 
 def profile(out: Path, quick: bool = False) -> None:
-    """Where the time of the checks that miss their target goes: torch.profiler tables of one
+    """Where the time of the fingerprint and the sketch goes: torch.profiler tables of one
     fingerprint table over the reference model (float32 and bfloat16) and of the sketch's
     per-bucket work, written to `out/profile_*.txt`."""
     torch.set_num_threads(1)

@@ -3,7 +3,7 @@
 
 overhead = amortized step time with the detector / without - 1 (see worlds.py for the
 amortization over the detector's interval): overhead.csv. The same by the ranks' CPU time, which
-a loaded machine barely moves but which misses the latency of collectives: overhead_cpu.csv.
+a loaded machine moves much less but which misses the latency of collectives: overhead_cpu.csv.
 The floors:
 
 - replay: one micro-batch forward and backward per interval. Measured in the same world under
@@ -87,6 +87,7 @@ class Overheads:
 
 
 def measure(worlds: Worlds, plan: Plan) -> Overheads:
+    """Time every configuration in `worlds`; the overhead rows by both measures."""
     runs = configs(plan)
     base = runs.pop("none")
     timings = time_configs(worlds, base, runs, plan.rounds, plan.cycle)

@@ -13,9 +13,9 @@ Two measures of each trial:
   cycle), each position's median taken, and the positions averaged: the amortized step.
 - CPU time of the rank processes over the whole trial (from /proc), less the trial's fixed
   cost (building the model, DDP, the final evaluation; measured as a one-step trial). Waiting
-  costs no CPU time, so this measure barely moves when other programs load the machine, but it
-  misses the latency of a collective. Trials span whole cycles from step 0, so each check runs
-  exactly steps / interval times.
+  costs no CPU time, so this measure moves much less when other programs load the machine,
+  but it misses the latency of a collective. Trials span whole cycles from step 0, so each
+  check runs exactly steps / interval times.
 """
 
 from __future__ import annotations

@@ -264,7 +264,8 @@ def divergent_ranks(parts: list[RankResult] | None) -> list[int]:
 
 
 def step_time(parts: list[RankResult] | None) -> float | str:
-    """Median over steps of the slowest rank's step time: the world moves at its slowest rank."""
-    if not parts:
+    """Median over steps of the slowest rank's step time: the world moves at its slowest rank.
+    Blank when no step completed (a fast-forwarded trial stopped in its first step)."""
+    if not parts or not parts[0].step_times:
         return ""
     return statistics.median(max(ts) for ts in zip(*(p.step_times for p in parts), strict=True))

@@ -75,7 +75,11 @@ def test_every_benchmark_runs_once_and_reports_sane_numbers(tmp_path, capsys):
         assert float(row["ms_per_call"]) > 0 and int(row["params"]) > 0
     for row in _csv(out / "growth_ranks.csv"):
         assert float(row["step_ms"]) > 0 and math.isfinite(float(row["overhead_ms"]))
-    assert all(p.stat().st_size > 0 for p in out.glob("profile_*.txt"))
+    for row in _csv(out / "growth_collectives.csv"):
+        assert float(row["ms"]) > 0
+    for row in _csv(out / "profile_sizes.csv"):
+        assert all(float(row[k]) > 0 for k in ("read_us", "nan_inf_x", "fingerprint_x", "sketch_x"))
+    assert len(list(out.glob("profile_*.txt"))) == 3
 
     output, _ = gpu.communicate(timeout=120)
     assert gpu.returncode == 0, output[-3000:]
@@ -83,7 +87,8 @@ def test_every_benchmark_runs_once_and_reports_sane_numbers(tmp_path, capsys):
     assert result["bandwidth"]["copy_Bps"] > 0
     assert {(r["dtype"], r["check"]) for r in result["kernels"]} == {
         (d, c) for d in ("float32", "bfloat16")
-        for c in ("read (torch.sum)", "nan_inf", "fingerprint", "sketch rider + check")
+        for c in ("read (torch.sum)", "nan_inf", "fingerprint", "sketch rider + check",
+                  "peer: copy to CPU + SHA-1")
     }  # fmt: skip
     assert all(r["ms"] > 0 for r in result["kernels"])
     assert result["step"]["step_ms"] > 0 and result["step"]["forward_backward_ms"] > 0
