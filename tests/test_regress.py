@@ -126,7 +126,7 @@ def test_overhead_as_campaigns_write_it_30_percent_above_baseline_regresses(runs
     """overhead.csv as harness/overhead.py writes it: a blank interval and a blank floor for a
     check without them, and one file per job of a sweep (the medians over jobs count)."""
     measured = [
-        {"detector": "nan_inf", "interval": "", "overhead_pct": 2.0, "floor_pct": ""},
+        {"detector": "nan_inf", "interval": "", "overhead_pct": 8.0, "floor_pct": ""},
         {"detector": "replay", "interval": 5, "overhead_pct": 10.0, "floor_pct": 8.0},
     ]
     baseline = copy(runs["baseline"], tmp_path / "a")
@@ -139,7 +139,7 @@ def test_overhead_as_campaigns_write_it_30_percent_above_baseline_regresses(runs
     proc = sdc_regress(baseline, current)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert regression_rows(proc.stdout) == [
-        ["overhead grew", "nan_inf, interval -", "2.00%", "2.60%"],
+        ["overhead grew", "nan_inf, interval -", "8.00%", "10.40%"],
         ["overhead grew", "replay, interval 5", "10.00%", "13.00%"],
     ]
     assert sdc_regress(current, baseline).returncode == 0  # an overhead that fell is no regression
@@ -164,3 +164,14 @@ def test_bad_input_exits_2_with_one_line_before_comparing(runs, tmp_path):
         assert proc.returncode == 2, (args, proc.stdout, proc.stderr)
         assert proc.stdout == ""
         assert len(proc.stderr.splitlines()) == 1 and message in proc.stderr
+
+
+def test_an_overhead_growth_within_measurement_noise_is_no_regression(runs, tmp_path):
+    """+50% of a 1% overhead is half a percentage point: two timings differ by that much."""
+    measured = [{"detector": "replay", "interval": 5, "overhead_pct": 1.0, "floor_pct": 0.5}]
+    baseline = copy(runs["baseline"], tmp_path / "a")
+    current = copy(runs["baseline"], tmp_path / "b")
+    overhead.write(baseline / overhead.OVERHEAD_FILE, measured)
+    overhead.write(current / overhead.OVERHEAD_FILE, [dict(measured[0], overhead_pct=1.5)])
+    proc = sdc_regress(baseline, current)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
