@@ -229,7 +229,7 @@ def escapes(df: pd.DataFrame) -> list[dict[str, object]]:
 
 def sees_and_misses(df: pd.DataFrame) -> list[dict[str, object]]:
     """Per scenario (site, model, scope, persistence): what share of fired trials each detector
-    caught, as measured. A dash: the detector was not on in those trials."""
+    caught, with n and a 95% Wilson interval. A dash: the detector was not on in those trials."""
     fired = df[df["fired"] == True]  # noqa: E712
     keys = ["site", "model", "scope", "persistence"]
     rows = []
@@ -238,7 +238,7 @@ def sees_and_misses(df: pd.DataFrame) -> list[dict[str, object]]:
         for d in _detectors(df):
             on = g[_names(g["detectors"], d)]
             caught = _names(on["detected_by"], d)
-            row[d] = f"{int(caught.sum())}/{len(on)}" if len(on) else "-"
+            row[d] = rate_text(int(caught.sum()), len(on)) if len(on) else "-"
         row["harmful"] = int((g["effect"] == "harmful").sum())
         rows.append(row)
     return rows
@@ -487,7 +487,7 @@ def write_report(df: pd.DataFrame, out: Path, dirs: list[Path] | None = None) ->
         "## Catch rate by scenario cell\n\nA blind spot is a cell with harmful trials whose catch "
         "rate's upper bound is below 50%.\n\n" + markdown_table(cells(df)),
         "## What each detector sees and misses\n\nFired trials caught by each detector, per "
-        "scenario (k/n).\n\n" + markdown_table(sees_and_misses(df)),
+        "scenario (k/n, 95% Wilson interval).\n\n" + markdown_table(sees_and_misses(df)),
         "## False positives (clean trials)\n\n"
         f"Alerts per clean trial, all detectors: {_per_trial(df)}\n\n"
         + markdown_table(false_positives(df)),
