@@ -105,6 +105,28 @@ def describe_exit(code: int) -> str:
     return f"exited with code {code}"
 
 
+# What a rank reports when a peer, not the rank itself, failed: its collective lost the peer.
+PEER_FAILURE = ("Connection closed by peer", "Timed out waiting", "Connection reset by peer")
+
+
+def crash_cause(codes: list[int | None], finished: set[int], errors: dict[int, str]) -> str:
+    """Why a trial crashed, root cause first: ranks that died, ranks that raised an error of
+    their own, ranks that went silent (hung), then ranks whose collective lost a peer."""
+    dead, raised, hung, fallout = [], [], [], []
+    for rank, code in enumerate(codes):
+        if rank in errors:
+            error = errors[rank]
+            secondary = any(marker in error for marker in PEER_FAILURE)
+            (fallout if secondary else raised).append(f"rank {rank} raised {error}")
+        elif rank in finished:
+            continue
+        elif code is not None:
+            dead.append(f"rank {rank} {describe_exit(code)}")
+        else:
+            hung.append(f"rank {rank} hung")
+    return "; ".join(dead + raised + hung + fallout)
+
+
 class World:
     """The rank processes of one simulated world, and the watchdog around each trial."""
 
@@ -167,18 +189,8 @@ class World:
         return Outcome(crash=cause)
 
     def _cause(self, parts: dict[int, RankResult], errors: dict[int, str]) -> str:
-        """Dead ranks first (usually the root cause), then ranks that raised, then silent ones."""
-        dead, raised, hung = [], [], []
-        for r, proc in enumerate(self.procs):
-            if r in errors:
-                raised.append(f"rank {r} raised {errors[r]}")
-            elif r in parts:
-                continue
-            elif proc.exitcode is not None:
-                dead.append(f"rank {r} {describe_exit(proc.exitcode)}")
-            else:
-                hung.append(f"rank {r} hung")
-        return "; ".join(dead + raised + hung)
+        codes = [proc.exitcode for proc in self.procs]
+        return crash_cause(codes, set(parts), errors)
 
     def kill(self) -> None:
         for proc in self.procs:
