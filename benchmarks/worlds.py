@@ -25,15 +25,14 @@ import os
 import shutil
 import statistics
 import tempfile
-from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from benchmarks.common import compose_run
 from harness.config import FaultConfig, RunConfig, TrialSpec, detector_configs
+from harness.overhead import WARMUP_STEPS, amortized_step
 from harness.world import World
 
-WARMUP_STEPS = 2  # the first steps allocate, and DDP rebuilds its buckets after step 0
 # No checkpoint in a timed trial: writing one is I/O on rank 0, not a detector's cost.
 NO_CHECKPOINT = "checkpoint.interval=1000000"
 
@@ -189,15 +188,3 @@ def time_configs(
             timings.cpu[name].append((mine.cpu_s - fixed) / bare if bare > 0 else math.nan)
             before = after
     return timings
-
-
-def amortized_step(series: list[list[float]], cycle: int) -> float:
-    """Seconds per step: the median at each position of the cycle, averaged over positions."""
-    at: dict[int, list[float]] = defaultdict(list)
-    for times in series:
-        for step, seconds in enumerate(times):
-            if step >= WARMUP_STEPS:
-                at[step % cycle].append(seconds)
-    if len(at) < cycle:
-        return math.nan  # too few steps to see every position of the cycle
-    return statistics.fmean(statistics.median(v) for v in at.values())
