@@ -111,14 +111,14 @@ def test_a_new_false_positive_and_an_overhead_a_quarter_above_baseline_regress(r
         clean.update(alerts="1", alert_detectors="nan_inf")
 
     edit_rows(current, alert_on_first_clean_trial)
-    (baseline / "overhead.csv").write_text(OVERHEAD.format(replay=10.0, nan_inf=0.5))
-    # replay +26%, nan_inf +24%: only replay is past the limit.
-    (current / "overhead.csv").write_text(OVERHEAD.format(replay=12.6, nan_inf=0.62))
+    (baseline / "overhead.csv").write_text(OVERHEAD.format(replay=24.0, nan_inf=24.0))
+    # replay +26% (6.2 points), nan_inf +24%: only replay is past the limit.
+    (current / "overhead.csv").write_text(OVERHEAD.format(replay=30.24, nan_inf=29.76))
     proc = sdc_regress(baseline, current)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert regression_rows(proc.stdout) == [
         ["new false positive", "nan_inf", "0/4 = 0% [0%, 49%]", "1/4 = 25% [5%, 70%]"],
-        ["overhead grew", "replay, interval 5", "10.00%", "12.60%"],
+        ["overhead grew", "replay, interval 5", "24.00%", "30.24%"],
     ]
 
 
@@ -126,8 +126,8 @@ def test_overhead_as_campaigns_write_it_30_percent_above_baseline_regresses(runs
     """overhead.csv as harness/overhead.py writes it: a blank interval and a blank floor for a
     check without them, and one file per job of a sweep (the medians over jobs count)."""
     measured = [
-        {"detector": "nan_inf", "interval": "", "overhead_pct": 8.0, "floor_pct": ""},
-        {"detector": "replay", "interval": 5, "overhead_pct": 10.0, "floor_pct": 8.0},
+        {"detector": "nan_inf", "interval": "", "overhead_pct": 20.0, "floor_pct": ""},
+        {"detector": "replay", "interval": 5, "overhead_pct": 30.0, "floor_pct": 8.0},
     ]
     baseline = copy(runs["baseline"], tmp_path / "a")
     current = copy(runs["baseline"], tmp_path / "b")
@@ -139,8 +139,8 @@ def test_overhead_as_campaigns_write_it_30_percent_above_baseline_regresses(runs
     proc = sdc_regress(baseline, current)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert regression_rows(proc.stdout) == [
-        ["overhead grew", "nan_inf, interval -", "8.00%", "10.40%"],
-        ["overhead grew", "replay, interval 5", "10.00%", "13.00%"],
+        ["overhead grew", "nan_inf, interval -", "20.00%", "26.00%"],
+        ["overhead grew", "replay, interval 5", "30.00%", "39.00%"],
     ]
     assert sdc_regress(current, baseline).returncode == 0  # an overhead that fell is no regression
 
@@ -167,11 +167,11 @@ def test_bad_input_exits_2_with_one_line_before_comparing(runs, tmp_path):
 
 
 def test_an_overhead_growth_within_measurement_noise_is_no_regression(runs, tmp_path):
-    """+50% of a 1% overhead is half a percentage point: two timings differ by that much."""
-    measured = [{"detector": "replay", "interval": 5, "overhead_pct": 1.0, "floor_pct": 0.5}]
+    """Twice a 4% overhead is 4 percentage points more: two timings differ by that much."""
+    measured = [{"detector": "replay", "interval": 5, "overhead_pct": 4.0, "floor_pct": 0.5}]
     baseline = copy(runs["baseline"], tmp_path / "a")
     current = copy(runs["baseline"], tmp_path / "b")
     overhead.write(baseline / overhead.OVERHEAD_FILE, measured)
-    overhead.write(current / overhead.OVERHEAD_FILE, [dict(measured[0], overhead_pct=1.5)])
+    overhead.write(current / overhead.OVERHEAD_FILE, [dict(measured[0], overhead_pct=8.0)])
     proc = sdc_regress(baseline, current)
     assert proc.returncode == 0, proc.stdout + proc.stderr
