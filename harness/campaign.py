@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from harness import overhead
 from harness.config import ConfigError, RunConfig, TopologyConfig, TrialSpec
-from harness.fastforward import drop_snapshots, fast_forwarded
+from harness.fastforward import drop_snapshots, fast_forwarded, has_snapshots
 from harness.outcome import golden_from, noise_band, trial_row
 from harness.records import Records
 from harness.recovery import run_with_recovery, scratch_folders
@@ -101,8 +101,18 @@ class Campaign:
         self.records = Records(out)
         done = self.records.resume()
         self.goldens = self.records.goldens()
-        self.pending = [g for g in run.golden_specs() if g.seed not in self.goldens]
-        self.pending += [t for t in run.trials if t.trial_id not in done]
+        trials = [t for t in run.trials if t.trial_id not in done]
+        # A golden run whose result is recorded runs again when trials still to run need the
+        # snapshots it saves and they are gone (a finished campaign drops them): the trials
+        # then start where an uninterrupted campaign's did, and give the same rows.
+        starting = {t.seed for t in trials if t.fault.first_step > 0}
+        self.pending = [
+            g
+            for g in run.golden_specs()
+            if g.seed not in self.goldens
+            or (g.seed in starting and not has_snapshots(out / "store", g, run))
+        ]
+        self.pending += trials
 
     def prepared(self, spec: TrialSpec) -> TrialSpec:
         """The spec to run: a trial fast-forwards from its golden run's snapshot."""
@@ -116,8 +126,15 @@ class Campaign:
             if outcome.parts is None:
                 raise CampaignError(f"golden run {spec.trial_id} crashed: {outcome.crash}")
             golden = golden_from(spec, outcome.parts)
-            self.records.add_golden(golden)
-            self.goldens[golden.seed] = golden
+            known = self.goldens.get(golden.seed)
+            if known is None:
+                self.records.add_golden(golden)
+                self.goldens[golden.seed] = golden
+            elif known != golden:
+                raise CampaignError(
+                    f"golden run {spec.trial_id} did not reproduce its recorded result "
+                    f"({known} then {golden}): the run is not deterministic"
+                )
             return None
         band = noise_band(list(self.goldens.values()))
         golden = self.goldens[spec.seed]

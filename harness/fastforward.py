@@ -35,13 +35,16 @@ def save_snapshot(
     snapshot: Path, model: nn.Module, optimizer, checks: list[Detector], info: RankInfo
 ) -> None:
     """Rank 0 saves the weights and optimizer state (the replicas are identical); every rank
-    saves its own checks' state."""
-    if info.rank == 0:
-        checkpoint.save(
-            snapshot, {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
-        )
-    states = {check.name: check.state_dict() for check in checks}
-    checkpoint.save(_checks_path(snapshot, info.rank), states)
+    saves its own checks' state. A snapshot is only a shortcut: one that cannot be written (a
+    full disk) is skipped, and its trials train from step 0."""
+    try:
+        if info.rank == 0:
+            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+            checkpoint.save(snapshot, state)
+        states = {check.name: check.state_dict() for check in checks}
+        checkpoint.save(_checks_path(snapshot, info.rank), states)
+    except OSError:
+        return
 
 
 def load_checks(snapshot: Path, checks: list[Detector], info: RankInfo) -> None:
@@ -55,16 +58,29 @@ def load_checks(snapshot: Path, checks: list[Detector], info: RankInfo) -> None:
         check.load_state_dict(states[check.name])
 
 
+def _verified(store: Path, seed: int, step: int, world: int) -> Path | None:
+    """The snapshot after `step` of the golden run of `seed`, if it and every rank's check
+    state match their checksums."""
+    snapshot = snapshot_path(store, seed, step)
+    files = [snapshot, *(_checks_path(snapshot, r) for r in range(world))]
+    return snapshot if all(checkpoint.verify(f) for f in files) else None
+
+
+def has_snapshots(store: Path, golden: TrialSpec, run: RunConfig) -> bool:
+    """Whether every snapshot the golden run saves is in the store and verifies."""
+    world = run.topology.world_size
+    return all(_verified(store, golden.seed, step, world) for step in golden.snapshots)
+
+
 def fast_forwarded(run: RunConfig, spec: TrialSpec, store: Path) -> TrialSpec:
     """`spec`, starting from its golden snapshot when one verifies; else `spec` as it is (it then
     trains from step 0, with the same result, only slower)."""
     start = spec.fault.first_step
     if spec.golden or spec.segment is not None or not run.fast_forward or start == 0:
         return spec
-    snapshot = snapshot_path(store, spec.seed, start - 1)
     world = run.topology.world_size
-    files = [snapshot, *(_checks_path(snapshot, r) for r in range(world))]
-    if not all(checkpoint.verify(f) for f in files):
+    snapshot = _verified(store, spec.seed, start - 1, world)
+    if snapshot is None:
         return spec
     if run.recovery.enabled:
         _inherit_checkpoints(store, spec, start)

@@ -104,7 +104,11 @@ def test_rerun_resumes_without_duplicates_and_refuses_another_campaign(tmp_path,
     run_ok(*args, f"out={out}", cwd=tmp_path)
     expected = list(csv.DictReader(io.StringIO("".join(complete))))
     assert len(expected) == 3
+    # The finished campaign had dropped its golden snapshots: the golden runs ran again (same
+    # result, recorded once) so that the two trials start where they did the first time.
     assert without_timing(rows(out)) == without_timing(expected)
+    assert {r["start_step"] for r in expected} == {"5"}
+    assert len((out / "golden.jsonl").read_text().splitlines()) == 3
     ids = [r["trial_id"] for r in rows(out)]
     per_trial = {json.loads(line)["trial_id"] for line in (out / "events.jsonl").open()}
     assert per_trial == set(ids)
