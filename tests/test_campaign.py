@@ -9,7 +9,6 @@ import re
 
 import pytest
 
-from harness import checkpoint
 from tests.conftest import FAST, events, rows, sdc_bench, without_timing
 
 NAN_FAULT = ["fault=grad_nan", "fault.steps=[5]", "campaign.seeds=2"]
@@ -117,23 +116,3 @@ def test_rerun_resumes_without_duplicates_and_refuses_another_campaign(tmp_path,
     proc = sdc_bench(*args, "workload.lr=0.01", f"out={out}", cwd=tmp_path, timeout=60)
     assert proc.returncode == 2 and "out:" in proc.stderr and "different campaign" in proc.stderr
     assert (out / "trials.csv").read_bytes() == before
-
-
-def test_fast_forwarded_trials_give_the_rows_of_trials_trained_from_step_0(tmp_path, run_ok):
-    """The smoke mix (every detector, grad_stats' running loss maximum included) once from the
-    golden snapshots and once from step 0: the same rows, timing and start step aside."""
-    forward, full = tmp_path / "forward", tmp_path / "full"
-    run_ok("campaign=smoke", "checkpoint.keep=true", f"out={forward}", cwd=tmp_path)
-    run_ok("campaign=smoke", "campaign.fast_forward=false", f"out={full}", cwd=tmp_path)
-    fast, slow = rows(forward), rows(full)
-    assert [r["start_step"] for r in fast] == ["0", "5", "5", "5", "5"]
-    assert {r["start_step"] for r in slow} == {"0"}
-
-    def same(table):
-        return [{k: v for k, v in r.items() if k != "start_step"} for r in without_timing(table)]
-
-    assert same(fast) == same(slow)
-    # What grad_stats carried into the trials: the golden run's running maximum of the loss.
-    state = checkpoint.load(forward / "store" / "golden-s0" / "ff_000004.rank1.pt")
-    assert set(state) == {"nan_inf", "replay", "weight_consensus", "allreduce_sketch", "grad_stats"}
-    assert state["grad_stats"]["running_max"] > 0

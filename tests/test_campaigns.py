@@ -12,9 +12,10 @@ import pytest
 
 import detectors
 import injectors
+from harness import checkpoint
 from harness.cli import CONFIG_DIR
 from harness.config import RunConfig
-from tests.conftest import compose_run, rows
+from tests.conftest import compose_run, rows, sdc_bench, without_timing
 
 CAMPAIGNS = sorted(p.stem for p in Path(CONFIG_DIR, "campaign").glob("*.yaml"))
 EVERY_DETECTOR = set(detectors.available())
@@ -131,10 +132,20 @@ def test_committed_baseline_is_a_run_of_nightly_as_it_stands():
     assert {r["detectors"] for r in table} == {";".join(sorted(run.detectors))}
 
 
-def test_smoke_runs_end_to_end_and_each_check_catches_its_fault(tmp_path, run_ok):
-    out = tmp_path / "smoke"
-    proc = run_ok("campaign=smoke", f"out={out}", cwd=tmp_path, timeout=120)
-    assert f"report: {out / 'report.md'}" in proc.stdout
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory) -> tuple[Path, str]:
+    """The smoke campaign as a user runs it (fast-forwarded), its golden snapshots kept; and
+    what it printed."""
+    cwd = tmp_path_factory.mktemp("smoke")
+    out = cwd / "smoke"
+    proc = sdc_bench("campaign=smoke", "checkpoint.keep=true", f"out={out}", cwd=cwd, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, proc.stdout
+
+
+def test_smoke_runs_end_to_end_and_each_check_catches_its_fault(smoke):
+    out, printed = smoke
+    assert f"report: {out / 'report.md'}" in printed
     table = {r["trial_id"].split("-", 1)[1].rsplit("-s", 1)[0]: r for r in rows(out)}
     assert table["clean"]["alerts"] == "0"
     expected = {
@@ -146,3 +157,22 @@ def test_smoke_runs_end_to_end_and_each_check_catches_its_fault(tmp_path, run_ok
     for label, detector in expected.items():
         assert table[label]["fired"] == "True"
         assert detector in table[label]["detected_by"].split(";"), table[label]
+
+
+def test_fast_forwarded_trials_give_the_rows_of_trials_trained_from_step_0(smoke, tmp_path, run_ok):
+    """The smoke mix (every detector, grad_stats' running loss maximum included) once from the
+    golden snapshots and once from step 0: the same rows, timing and start step aside."""
+    forward, full = smoke[0], tmp_path / "full"
+    run_ok("campaign=smoke", "campaign.fast_forward=false", f"out={full}", cwd=tmp_path)
+    fast, slow = rows(forward), rows(full)
+    assert [r["start_step"] for r in fast] == ["0", "5", "5", "5", "5"]
+    assert {r["start_step"] for r in slow} == {"0"}
+
+    def same(table):
+        return [{k: v for k, v in r.items() if k != "start_step"} for r in without_timing(table)]
+
+    assert same(fast) == same(slow)
+    # What grad_stats carried into the trials: the golden run's running maximum of the loss.
+    state = checkpoint.load(forward / "store" / "golden-s0" / "ff_000004.rank1.pt")
+    assert set(state) == {"nan_inf", "replay", "weight_consensus", "allreduce_sketch", "grad_stats"}
+    assert state["grad_stats"]["running_max"] > 0

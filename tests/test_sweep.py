@@ -23,10 +23,29 @@ def sweep(*args: str, cwd) -> subprocess.CompletedProcess:
     return sdc_bench("-m", *TINY, *args, cwd=cwd)
 
 
-def test_sweep_writes_a_merged_report_that_sdc_report_rebuilds(tmp_path):
-    proc = sweep("fault.bit=0,30", cwd=tmp_path)
+def test_a_failed_job_ends_the_sweep_but_not_the_merged_report(tmp_path):
+    # Job 1 asks for bit 99 of a float32: sdc-bench exits 2 in that job, which ends the sweep.
+    proc = sweep("fault.bit=30,99", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "fault.bit: 99 is out of range" in proc.stderr
+    assert "jobs without trials.csv: 1" in proc.stderr
+    top = tmp_path / "sweep"
+    assert "Runs: sweep/0" in (top / "report.md").read_text()
+    jobs = (top / "sweep.md").read_text()
+    assert "1 trials from 1 of 2 jobs" in jobs
+    assert "| 1 | `fault.bit=99` | 0 | **no trials.csv** |" in jobs
+
+
+def test_a_sweep_writes_a_merged_report_that_sdc_report_rebuilds(tmp_path):
+    """Through submitit_local (each job its own process; the Slurm launcher's path), so that
+    one sweep covers the launcher and the merged report."""
+    proc = sweep("hydra/launcher=submitit_local", "fault.bit=0,30", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     top = tmp_path / "sweep"
+    assert "Submitit 'local' sweep output dir" in proc.stderr + proc.stdout
+    # Each job's output went to submitit's own log, not to this process.
+    assert "trials: " not in proc.stdout
+    assert len(list((top / ".submitit").rglob("*_log.out"))) == 2
     assert "merged report: sweep/report.md (2 trials from 2 jobs)" in proc.stdout
     merged = (top / "report.md").read_text()
     assert "Runs: sweep/0, sweep/1" in merged and "Trials: 2;" in merged
@@ -41,28 +60,3 @@ def test_sweep_writes_a_merged_report_that_sdc_report_rebuilds(tmp_path):
     )
     assert rebuilt.returncode == 0, rebuilt.stderr
     assert (top / "report.md").read_text() == merged
-
-
-def test_a_failed_job_ends_the_sweep_but_not_the_merged_report(tmp_path):
-    # Job 1 asks for bit 99 of a float32: sdc-bench exits 2 in that job, which ends the sweep.
-    proc = sweep("fault.bit=30,99", cwd=tmp_path)
-    assert proc.returncode == 2
-    assert "fault.bit: 99 is out of range" in proc.stderr
-    assert "jobs without trials.csv: 1" in proc.stderr
-    top = tmp_path / "sweep"
-    assert "Runs: sweep/0" in (top / "report.md").read_text()
-    jobs = (top / "sweep.md").read_text()
-    assert "1 trials from 1 of 2 jobs" in jobs
-    assert "| 1 | `fault.bit=99` | 0 | **no trials.csv** |" in jobs
-
-
-def test_submitit_local_launcher_runs_each_job_in_its_own_process(tmp_path):
-    proc = sweep("hydra/launcher=submitit_local", "fault.bit=0,30", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    top = tmp_path / "sweep"
-    assert "Submitit 'local' sweep output dir" in proc.stderr + proc.stdout
-    # Each job's output went to submitit's own log, not to this process.
-    assert "trials: " not in proc.stdout
-    assert len(list((top / ".submitit").rglob("*_log.out"))) == 2
-    assert "Trials: 2;" in (top / "report.md").read_text()
-    assert all(len(rows(top / job)) == 1 for job in ("0", "1"))
