@@ -17,7 +17,6 @@ from hydra.errors import HydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from harness import report, torchrun_worker
 from harness.campaign import CampaignError, check_out, run_campaign
 from harness.config import ConfigError, RunConfig, run_config
 
@@ -103,6 +102,10 @@ def plain(cfg: DictConfig) -> dict:
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
 def app(cfg: DictConfig) -> None:
+    # Imported here: every rank of a spawned world re-imports this module (spawn reruns the
+    # main module's imports), and a rank needs neither pandas nor matplotlib.
+    from harness import report, torchrun_worker
+
     run = validated(cfg)
     out = resolve_out(cfg)
     if run.launcher == "torchrun":

@@ -89,6 +89,11 @@ def _rank_main(
             results.join_thread()
             os._exit(1)
     shutdown()
+    # Every result is delivered; skip the interpreter's teardown of torch, which costs every
+    # campaign about two seconds of closing its world on 2 cores.
+    results.close()
+    results.join_thread()
+    os._exit(0)
 
 
 def shutdown() -> None:
