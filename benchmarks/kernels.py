@@ -113,28 +113,28 @@ def run(rounds: int = 15, quick: bool = False) -> list[Figure]:
     bf16 = BUCKET_BYTES // 2 if not quick else 2**16
     tiny = params_of(gpt())
     size = f"{big * 4 / 2**20:.3g} MiB"
-    figures = [
-        Figure("nan_inf_vs_sum", f"nan_inf / torch.sum, {size} float32 bucket",
-               bucket_ratio("nan_inf", big, torch.float32, rounds), target=1.25),
-        Figure("nan_inf_vs_sum_bf16", f"nan_inf / torch.sum, {size} bfloat16 bucket",
-               bucket_ratio("nan_inf", bf16, torch.bfloat16, rounds)),
-        Figure("nan_inf_vs_sum_tiny", f"nan_inf / torch.sum, gpt workload gradient ({tiny})",
-               bucket_ratio("nan_inf", tiny, torch.float32, rounds)),
-    ]  # fmt: skip
+
+    def bucket_figures(check: str, key: str, label: str, target: float) -> list[Figure]:
+        """The check on a float32 bucket (against its target), a bfloat16 one and the tiny
+        model's gradient (for information)."""
+        return [
+            Figure(key, f"{label}, {size} float32 bucket",
+                   bucket_ratio(check, big, torch.float32, rounds), target=target),
+            Figure(f"{key}_bf16", f"{label}, {size} bfloat16 bucket",
+                   bucket_ratio(check, bf16, torch.bfloat16, rounds)),
+            Figure(f"{key}_tiny", f"{label}, gpt workload gradient ({tiny})",
+                   bucket_ratio(check, tiny, torch.float32, rounds)),
+        ]  # fmt: skip
+
+    figures = bucket_figures("nan_inf", "nan_inf_vs_sum", "nan_inf / torch.sum", 1.25)
     model = gpt(**BIG_MODEL) if not quick else gpt()
     figures += fingerprint_figures(model, rounds, "", targets=True)
     figures += fingerprint_figures(model.to(torch.bfloat16), rounds, "_bf16", targets=False)
     if not quick:
         figures += fingerprint_figures(gpt(), rounds, "_tiny", targets=False)
     del model
-    figures += [
-        Figure("sketch_vs_read", f"allreduce_sketch rider + check / torch.sum, {size} float32",
-               bucket_ratio("allreduce_sketch", big, torch.float32, rounds), target=2.0),
-        Figure("sketch_vs_read_bf16", f"allreduce_sketch / torch.sum, {size} bfloat16",
-               bucket_ratio("allreduce_sketch", bf16, torch.bfloat16, rounds)),
-        Figure("sketch_vs_read_tiny", f"allreduce_sketch / torch.sum, gpt workload ({tiny})",
-               bucket_ratio("allreduce_sketch", tiny, torch.float32, rounds)),
-    ]  # fmt: skip
+    label = "allreduce_sketch rider + check / torch.sum"
+    figures += bucket_figures("allreduce_sketch", "sketch_vs_read", label, 2.0)
     return figures
 
 
