@@ -8,6 +8,7 @@ import dataclasses
 import json
 import os
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 from tqdm import tqdm
@@ -15,7 +16,7 @@ from tqdm import tqdm
 from harness import overhead
 from harness.config import ConfigError, RunConfig, TopologyConfig, TrialSpec
 from harness.fastforward import drop_snapshots, fast_forwarded, has_snapshots
-from harness.outcome import golden_from, noise_band, trial_row
+from harness.outcome import Judged, golden_from, noise_band, trial_row
 from harness.records import Records
 from harness.recovery import run_with_recovery, scratch_folders
 from harness.world import Outcome, World
@@ -118,10 +119,22 @@ class Campaign:
         """The spec to run: a trial fast-forwards from its golden run's snapshot."""
         return fast_forwarded(self.run, spec, self.out / "store")
 
-    def record(self, spec: TrialSpec, outcome: Outcome) -> dict | None:
-        """Store a golden result, or append a trial's row; return the row."""
+    def observe_twin(self, spec: TrialSpec) -> TrialSpec | None:
+        """The same scenario and seed with every check observing, for a trial that a check may
+        stop (act mode, recovery): its effect is judged on the twin, so it describes the fault,
+        not how early training stopped (docs/design.md, section 5)."""
+        checks = self.run.checks(spec)
+        if spec.golden or spec.fault.clean or all(p["mode"] != "act" for p in checks.values()):
+            return None
+        observing = {name: dict(params, mode="observe") for name, params in checks.items()}
+        return replace(spec, trial_id=f"{spec.trial_id}~observe", checks=observing)
+
+    def record(self, spec: TrialSpec, outcome: Outcome, twin: Outcome | None = None) -> dict | None:
+        """Store a golden result, or append a trial's row; return the row. `twin` is the
+        outcome of `observe_twin(spec)`, when it has one."""
         if not self.run.checkpoint.keep and not spec.golden:
-            shutil.rmtree(self.out / "store" / spec.trial_id, ignore_errors=True)
+            for trial_id in (spec.trial_id, f"{spec.trial_id}~observe"):
+                shutil.rmtree(self.out / "store" / trial_id, ignore_errors=True)
         if spec.golden:
             if outcome.parts is None:
                 raise CampaignError(f"golden run {spec.trial_id} crashed: {outcome.crash}")
@@ -136,10 +149,11 @@ class Campaign:
                     f"({known} then {golden}): the run is not deterministic"
                 )
             return None
-        band = noise_band(list(self.goldens.values()))
+        band = noise_band([self.goldens[s] for s in self.run.reference_seeds])
         golden = self.goldens[spec.seed]
+        judged = None if twin is None else Judged(twin.parts, twin.crash, "observe twin")
         row, events = trial_row(
-            self.run, spec, outcome.parts, outcome.crash, golden, band, outcome.recovery
+            self.run, spec, outcome.parts, outcome.crash, golden, band, outcome.recovery, judged
         )
         self.records.add_trial(row, events)
         return row
@@ -165,8 +179,11 @@ def run_campaign(run: RunConfig, out: Path) -> Path:
                 outcome = run_with_recovery(run, spec, executor.run, out)
             else:
                 outcome = executor.run(run, spec)
+            twin = campaign.observe_twin(pending)
+            if twin is not None:
+                twin = executor.run(run, campaign.prepared(twin))
             try:
-                row = campaign.record(spec, outcome)
+                row = campaign.record(spec, outcome, twin)
             except OSError as exc:
                 raise CampaignError(
                     f"cannot write results in {out}: {exc.strerror or exc}; every row written "

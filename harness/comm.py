@@ -1,16 +1,29 @@
-"""The one DDP comm hook: the sites around the collective (DESIGN section 3, steps 2-5).
+"""The one DDP comm hook: the sites around the collective (docs/design.md, section 3, steps 2-5).
 
     local gradients (grad site, local checks) -> allreduce -> averaged gradients (allreduce
     site, checks on the result)
 
 Plug-ins may append a few float32 numbers (`Plugin.rider`) that are summed with the bucket.
 Three ways to reduce:
-- harness (default): the bucket in a canonical (name) order with a fixed rider slot appended,
-  whether or not a check rides, so detectors and recovery never change the trajectory;
+- harness (the campaigns' trainer): gradients reduced in a fixed layout of the harness's own,
+  whatever DDP's buckets are at the time (below), with a fixed rider slot appended, whether or
+  not a check rides, so detectors and recovery never change the trajectory;
 - transparent: exactly what DDP's default allreduce does to the bucket, so a user's own loop
   with the guard attached trains bit-identically to the loop without it (riders then pay for a
   small collective of their own);
 - wrapped: a comm hook the user already has (say, compression) does the reduction.
+
+Why a fixed layout: gloo and NCCL round a sum in an order that depends on the buffer's length
+and on each element's position in it. A fresh DDP puts every parameter in one bucket and
+rebuilds to a 1 MiB bucket plus 25 MiB buckets, in the order gradients became ready, after its
+first step; a run that starts mid-way (fast-forward, recovery, resume) would reduce its first
+step in another layout than the run it must match bit for bit. So the trainer's DDP keeps one
+bucket per dtype for its whole life (`harness_ddp`) and the hook reduces it in `fixed_layout`'s
+chunks: parameters in reverse definition order (roughly the order backward produces them), a
+first chunk up to 1 MiB, then up to 25 MiB, never splitting a parameter. A chunk is what a
+plug-in sees as a bucket, and `fault.bucket` indexes chunks. The price: the reduction starts
+when backward ends, instead of overlapping with it; overhead.csv measures the hook against
+plain DDP.
 
 DDP checks the hook's parameter names and its `dist.GradBucket` annotation, so this module must
 not use postponed annotations.
@@ -22,16 +35,48 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from harness.plugins import Bucket, PluginBus
 
+FIRST_CHUNK_BYTES = 1 << 20
+CHUNK_BYTES = 25 << 20
+# DDP's bucket cap in MiB: above any model's size, so DDP never splits a dtype's gradients.
+_ONE_BUCKET_MB = 1 << 30
+
 
 def rider_slots(world_size: int) -> int:
-    """Float32 slots appended to every float32 bucket's allreduce, whether or not a check rides
-    on them: gloo's ring sums an element in an order that depends on the buffer's length and on
-    its position, so a buffer that grew only when a detector is on would change the
-    trajectory."""
+    """Float32 slots appended to every float32 chunk's allreduce, whether or not a check rides
+    on them: a buffer that grew only when a detector is on would change the trajectory."""
     return 8 + 4 * world_size
+
+
+def fixed_layout(model: nn.Module) -> list[tuple[str, ...]]:
+    """The harness's reduction chunks: parameter names, per dtype, in reverse definition order,
+    closed at FIRST_CHUNK_BYTES (a dtype's first chunk) or CHUNK_BYTES."""
+    chunks: list[tuple[str, ...]] = []
+    open_: dict[torch.dtype, list[str]] = {}
+    size: dict[torch.dtype, int] = {}
+    closed: dict[torch.dtype, int] = {}
+    for name, p in reversed(list(model.named_parameters())):
+        if not p.requires_grad:
+            continue
+        open_.setdefault(p.dtype, []).append(name)
+        size[p.dtype] = size.get(p.dtype, 0) + p.numel() * p.element_size()
+        cap = FIRST_CHUNK_BYTES if closed.get(p.dtype, 0) == 0 else CHUNK_BYTES
+        if size[p.dtype] >= cap:
+            chunks.append(tuple(open_.pop(p.dtype)))
+            size[p.dtype] = 0
+            closed[p.dtype] = closed.get(p.dtype, 0) + 1
+    chunks += [tuple(names) for names in open_.values()]
+    return chunks
+
+
+def harness_ddp(model: nn.Module, state: "HookState") -> DDP:
+    """DDP with one bucket per dtype for its whole life, reduced by the harness's hook."""
+    ddp = DDP(model, bucket_cap_mb=_ONE_BUCKET_MB)
+    ddp.register_comm_hook(state, comm_hook)
+    return ddp
 
 
 class HookState:
@@ -51,6 +96,7 @@ class HookState:
         self.slots = rider_slots(world_size)
         self.transparent = transparent
         self.inner = inner
+        self.layout = fixed_layout(model)
         self.step = 0
 
     def pack(self, riders: list[tuple[int, torch.Tensor]]) -> tuple[torch.Tensor, list]:
@@ -68,6 +114,76 @@ class HookState:
 
 def comm_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Local plug-ins, the collective, then the plug-ins on the averaged result."""
+    if state.transparent or state.inner is not None:
+        return _user_layout(state, bucket)
+    return _fixed_layout(state, bucket)
+
+
+def _fixed_layout(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future:
+    """Every chunk of the bucket's parameters, each one collective, launched together; the
+    plug-ins on the results run in chunk order once all have arrived."""
+    step = state.step
+    grads = {
+        state.names[id(p)]: g for p, g in zip(bucket.parameters(), bucket.gradients(), strict=True)
+    }
+    mine = [(i, names) for i, names in enumerate(state.layout) if names[0] in grads]
+    assert sum(len(names) for _, names in mine) == len(grads), "a DDP bucket split a dtype"
+    launched = []
+    for k, (index, names) in enumerate(mine):
+        sizes = [grads[n].numel() for n in names]
+        dtype = grads[names[0]].dtype
+        flat = torch.cat([grads[n].reshape(-1) for n in names])
+        view = Bucket(
+            index=index,
+            buffer=flat,
+            tensors=_named_views(flat, names, sizes, grads),
+            is_last=bucket.is_last() and k == len(mine) - 1,
+        )
+        state.bus.local_grad(step, view)
+        view.buffer.div_(state.world_size)
+        slot, spans = state.pack(state.bus.riders(step, view))
+        shared = dtype == torch.float32
+        payload = torch.cat([view.buffer, slot]) if shared else view.buffer
+        futures = [dist.all_reduce(payload, async_op=True).get_future()]
+        if spans and not shared:
+            # A payload that cannot share the chunk's own collective pays for one.
+            futures.append(dist.all_reduce(slot, async_op=True).get_future())
+        launched.append((view, names, sizes, spans, shared, slot, futures))
+    everything = [f for *_, futures in launched for f in futures]
+
+    def reduced(_: torch.futures.Future) -> torch.Tensor:
+        for view, names, sizes, spans, shared, slot, futures in launched:
+            result = _value(futures[0])
+            n = sum(sizes)
+            view.buffer = result[:n]
+            view.tensors = _named_views(view.buffer, names, sizes, grads)
+            summed = result[n:] if shared else (_value(futures[1]) if spans else slot)
+            view.riders = {owner: summed[a : a + k] for owner, a, k in spans}
+            state.bus.reduced_grad(step, view)
+            for name, reduced_view in view.tensors:
+                grads[name].copy_(reduced_view)
+        return bucket.buffer()
+
+    return torch.futures.collect_all(everything).then(reduced)
+
+
+def _value(future: torch.futures.Future) -> torch.Tensor:
+    value = future.value()
+    return value[0] if isinstance(value, list) else value
+
+
+def _named_views(
+    flat: torch.Tensor, names: tuple[str, ...], sizes: list[int], like: dict[str, torch.Tensor]
+) -> list[tuple[str, torch.Tensor]]:
+    views, at = [], 0
+    for name, n in zip(names, sizes, strict=True):
+        views.append((name, flat[at : at + n].view_as(like[name])))
+        at += n
+    return views
+
+
+def _user_layout(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future:
+    """The guard's hook: DDP's own bucket, reduced as DDP or the user's hook would."""
     step = state.step
     names = [state.names[id(p)] for p in bucket.parameters()]
     view = Bucket(
@@ -80,44 +196,26 @@ def comm_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future
     buffer = view.buffer
     if state.inner is not None:
         inner_state, inner_hook = state.inner
-        reduction = inner_hook(inner_state, bucket)  # it divides by the world size itself
+        futures = [inner_hook(inner_state, bucket)]  # it divides by the world size itself
+        slot, spans = state.pack(state.bus.riders(step, view))
     else:
         buffer.div_(state.world_size)
-    slot, spans = state.pack(state.bus.riders(step, view))
-    shared = not (state.transparent or state.inner) and buffer.dtype == torch.float32
-    if state.inner is not None:
-        futures = [reduction]
-    elif state.transparent:
+        slot, spans = state.pack(state.bus.riders(step, view))
         futures = [dist.all_reduce(buffer, async_op=True).get_future()]
-    else:
-        # The collective sees the bucket in name order, whatever order DDP laid it out in: DDP
-        # rebuilds its buckets after the first step, and a world resumed from a checkpoint
-        # starts again with the initial layout. gloo's rounding depends on positions, so only
-        # a canonical layout lets a recovered run end bit-identical to an uninterrupted one.
-        ordered = sorted(view.tensors, key=lambda named: named[0])
-        flat = [t.reshape(-1) for _, t in ordered] + ([slot] if shared else [])
-        futures = [dist.all_reduce(torch.cat(flat), async_op=True).get_future()]
-    if spans and not shared:
+    if spans:
         # A payload that cannot share the bucket's own collective pays for one.
         futures.append(dist.all_reduce(slot, async_op=True).get_future())
-    future = torch.futures.collect_all(futures)
 
     def reduced(fut: torch.futures.Future) -> torch.Tensor:
-        done = [f.value()[0] if isinstance(f.value(), list) else f.value() for f in fut.value()]
-        result, at = done[0], 0
-        if state.inner is None and not state.transparent:
-            for _, t in ordered:
-                t.copy_(result[at : at + t.numel()].view_as(t))
-                at += t.numel()
-            result = buffer
+        done = [_value(f) for f in fut.value()]
+        result = done[0]
         view.buffer = result
         view.tensors = _views(result, buffer, view.tensors)
-        summed = done[0][at:] if shared else (done[1] if spans else slot)
-        view.riders = {owner: summed[a : a + k] for owner, a, k in spans}
+        view.riders = {owner: done[1][a : a + k] for owner, a, k in spans}
         state.bus.reduced_grad(step, view)
         return result
 
-    return future.then(reduced)
+    return torch.futures.collect_all(futures).then(reduced)
 
 
 def _views(

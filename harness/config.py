@@ -151,6 +151,8 @@ class TrialSpec:
     snapshots: tuple[int, ...] = ()
     # The checks with this trial's parameters, when its scenario changes them (None: the run's).
     checks: dict[str, dict[str, Any]] | None = None
+    # False: plain DDP without the harness's comm hook (overhead's outermost reference).
+    hook: bool = True
 
 
 @dataclass(frozen=True)
@@ -189,6 +191,11 @@ class RunConfig:
             TrialSpec(golden_id(s), s, FaultConfig(), golden=True, snapshots=self.snapshots(s))
             for s in seeds
         ]
+
+    @property
+    def reference_seeds(self) -> range:
+        """The golden runs whose spread is the harm threshold: a fixed set, not the trial seeds."""
+        return range(self.workload.seed, self.workload.seed + self.noise_seeds)
 
     def checks(self, spec: TrialSpec) -> dict[str, dict[str, Any]]:
         """The checks of one trial: the run's, with its scenario's parameters."""

@@ -15,6 +15,7 @@ import pandas as pd  # noqa: E402
 EFFECT_COLORS = {
     "masked": "#9ecae1",
     "benign": "#a1d99b",
+    "latent": "#fdd0a2",
     "harmful": "#fc9272",
     "crash": "#636363",
     "none": "#ffffff",
@@ -57,19 +58,19 @@ def catch_rate_by_detector(df: pd.DataFrame, detectors: list[str], wilson, path:
 
 
 def effects_by_scenario(df: pd.DataFrame, path: Path) -> Path:
-    """Masked / benign / harmful / crash shares per (site, model)."""
+    """Masked / benign / latent / harmful / crash shares per (site, model)."""
     faulty = df[df["site"] != "none"]
     table = pd.crosstab([faulty["site"], faulty["model"]], faulty["effect"], normalize="index")
     fig, ax = plt.subplots(figsize=(7, 0.35 * len(table) + 1.5))
     left = np.zeros(len(table))
-    for effect in ("masked", "benign", "harmful", "crash"):
+    for effect in ("masked", "benign", "latent", "harmful", "crash"):
         if effect in table:
             ax.barh(range(len(table)), table[effect], left=left, color=EFFECT_COLORS[effect],
                     label=effect, edgecolor="black", linewidth=0.3)  # fmt: skip
             left += table[effect].to_numpy()
     ax.set_yticks(range(len(table)), [f"{s} / {m}" for s, m in table.index])
     ax.set_xlabel("share of trials")
-    ax.legend(fontsize=8, ncols=4, loc="lower center", bbox_to_anchor=(0.5, 1.0))
+    ax.legend(fontsize=8, ncols=5, loc="lower center", bbox_to_anchor=(0.5, 1.0))
     return _save(fig, path)
 
 

@@ -31,7 +31,8 @@ EXTRA_COLUMNS = [
     "campaign", "detectors", "detected_by", "alert_detectors", "fault_ranks", "fault_steps",
     "golden_match", "replicas_agree", "divergent_ranks", "noise_band", "stopped_step",
     "recoveries", "restore_step", "steps_lost", "recovery_s", "quarantined_nodes", "final_nodes",
-    "recovery_verdict", "crash_cause", "start_step", "check_intervals", "detect_steps",
+    "recovery_verdict", "crash_cause", "start_step", "check_intervals", "detect_steps", "damage",
+    "effect_from",
 ]  # fmt: skip
 COLUMNS = CONTRACT_COLUMNS + EXTRA_COLUMNS
 
@@ -46,7 +47,9 @@ class Golden:
 
 
 def noise_band(goldens: list[Golden]) -> float:
-    """Seed-to-seed spread of the golden final loss: max minus min over the noise seeds."""
+    """Seed-to-seed spread of the golden final loss: max minus min over the reference seeds
+    (`RunConfig.reference_seeds`, a fixed set: a range only widens with more runs, so a
+    threshold over every seed a campaign runs would relabel trials as campaigns grow)."""
     losses = [g.final_loss for g in goldens]
     return max(losses) - min(losses)
 
@@ -93,6 +96,16 @@ def _blank_if_nan(x: float) -> float | str:
     return "" if x is None or math.isnan(x) else x
 
 
+@dataclass(frozen=True)
+class Judged:
+    """The run an effect is judged on: the trial itself, or its observe twin when a check
+    stopped the trial (docs/design.md, section 5: the effect describes the fault)."""
+
+    parts: list[RankResult] | None
+    crash: str | None
+    source: str = "run"
+
+
 def trial_row(
     run: RunConfig,
     spec: TrialSpec,
@@ -101,9 +114,12 @@ def trial_row(
     golden: Golden,
     band: float,
     recovery: dict[str, Any] | None = None,
+    judged: Judged | None = None,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The trial's row for trials.csv and its events for events.jsonl; `recovery` holds what
-    harness.recovery did (None: recovery was off)."""
+    harness.recovery did (None: recovery was off); `judged` the observe twin's result when a
+    check stopped this trial."""
+    judged = judged or Judged(parts, crash)
     fault: FaultConfig = spec.fault
     events = [e for p in parts or [] for e in p.events]
     events.sort(key=lambda e: (e.get("step", -1), e["time"]))
@@ -117,14 +133,8 @@ def trial_row(
     caught = [a for a in alerts if fired and a["step"] >= inject_step]
     first = caught[0] if caught else None
 
-    if parts is None:
-        final_loss = math.nan
-    else:
-        losses = [p.final_loss for p in parts]
-        final_loss = math.nan if any(math.isnan(x) for x in losses) else max(losses)
-    golden_match = parts is not None and all(
-        p.weights_digest == golden.weights_digest for p in parts
-    )
+    final_loss = worst_loss(parts)
+    golden_match = matches_golden(parts, golden)
     row: dict[str, Any] = {
         "trial_id": spec.trial_id,
         "seed": spec.seed,
@@ -142,7 +152,7 @@ def trial_row(
         "fired": fired,
         "inject_step": "" if inject_step is None else inject_step,
         "injected_ranks": _join(injected_ranks),
-        "effect": classify(fault, parts, crash, golden_match, final_loss, golden.final_loss, band),
+        "effect": classify(fault, judged.parts, judged.crash, golden, band),
         "detected": bool(first),
         "first_detector": first["detector"] if first else "",
         "detect_step": first["step"] if first else "",
@@ -176,6 +186,8 @@ def trial_row(
         "start_step": spec.segment.start_step if spec.segment else 0,
         # Each check's own first alert at or after the injection: its time to detection even
         # when another check alerted first.
+        "damage": _join(damage(judged.parts)),
+        "effect_from": judged.source,
         "detect_steps": _join(
             f"{name}={step}" for name, step in _first_alert_by_check(caught).items()
         ),
@@ -211,24 +223,52 @@ def _first_alert_by_check(caught: list[dict[str, Any]]) -> dict[str, int]:
     return first
 
 
+def worst_loss(parts: list[RankResult] | None) -> float:
+    """The highest final loss over the replicas (NaN when any is NaN or the trial crashed)."""
+    if parts is None:
+        return math.nan
+    losses = [p.final_loss for p in parts]
+    return math.nan if any(math.isnan(x) for x in losses) else max(losses)
+
+
+def matches_golden(parts: list[RankResult] | None, golden: Golden) -> bool:
+    return parts is not None and all(p.weights_digest == golden.weights_digest for p in parts)
+
+
+def damage(parts: list[RankResult] | None) -> list[str]:
+    """What is wrong with the final state whatever the loss says: a broken data-parallel
+    invariant, or values that can no longer train."""
+    if not parts:
+        return []
+    found = []
+    if len({p.weights_digest for p in parts}) > 1:
+        found.append("replicas diverged")
+    if not all(p.weights_finite for p in parts):
+        found.append("non-finite weights")
+    frozen = max(p.optimizer_nonfinite for p in parts)
+    if frozen:
+        found.append(f"non-finite optimizer state ({frozen} elements)")
+    return found
+
+
 def classify(
     fault: FaultConfig,
     parts: list[RankResult] | None,
     crash: str | None,
-    golden_match: bool,
-    final_loss: float,
-    golden_loss: float,
+    golden: Golden,
     band: float,
 ) -> str:
+    """The effect (docs/design.md, section 5): crash, none, masked, harmful, latent, benign."""
     if crash or parts is None:
         return "crash"
     if fault.clean:
         return "none"
-    if golden_match:
+    if matches_golden(parts, golden):
         return "masked"
-    if not math.isfinite(final_loss) or not all(p.weights_finite for p in parts):
+    final_loss = worst_loss(parts)
+    if not math.isfinite(final_loss) or abs(final_loss - golden.final_loss) > band:
         return "harmful"
-    return "benign" if abs(final_loss - golden_loss) <= band else "harmful"
+    return "latent" if damage(parts) else "benign"
 
 
 def contained(

@@ -1,7 +1,11 @@
 """overhead.csv: what each configured detector adds to a training step of the campaign's own
 workload and world, measured after its trials (`campaign.overhead`, DESIGN sections 4-6).
 
-overhead = step time with the detector alone / step time without detectors - 1, in percent.
+overhead = step time with the detector alone / step time without detectors - 1, in percent,
+against two references: the harness's comm hook without checks (`overhead_pct`: what the check
+itself costs) and plain DDP without the harness's hook (`overhead_vs_ddp_pct`: what a job
+pays). The `hook` row is the hook's own cost against plain DDP (its fixed layout reduces after
+backward instead of overlapping with it, and copies each chunk; harness/comm.py).
 A step's time is its slowest rank's (the ranks wait for each other in the allreduce). A check
 that runs every k steps makes the series periodic, and a plain median over steps would return
 the steps it skips: the median is taken at each position of the cycle (step mod k) and the
@@ -40,10 +44,13 @@ if TYPE_CHECKING:  # the world imports the trainer: not needed to read the resul
     from harness.world import Outcome
 
 OVERHEAD_FILE = "overhead.csv"
-COLUMNS = ["detector", "interval", "overhead_pct", "floor_pct"]
+COLUMNS = ["detector", "interval", "overhead_pct", "floor_pct", "overhead_vs_ddp_pct"]
+REQUIRED = COLUMNS[:4]  # the contract's (docs/design.md, section 4); older tables lack the last
 WARMUP_STEPS = 2  # the first steps allocate, and DDP rebuilds its buckets after step 0
 REFERENCE = "none"
 FLOOR = "floor"  # more micro-batches per step, no detectors: replay's floor
+PLAIN = "plain_ddp"  # DDP's own allreduce, no harness hook
+HOOK = "hook"  # overhead.csv's row for the hook itself
 # A difference of two step times carries the noise of both: on a loaded machine one extra
 # forward and backward of a small model can drown in it, four of them stand well clear.
 FLOOR_SETS = 4
@@ -79,7 +86,7 @@ def timed_runs(run: RunConfig) -> dict[Any, tuple[RunConfig, int]]:
         scenarios=(),
         trials=(),
     )
-    runs: dict[Any, tuple[RunConfig, int]] = {REFERENCE: (base, 1)}
+    runs: dict[Any, tuple[RunConfig, int]] = {REFERENCE: (base, 1), PLAIN: (base, 1)}
     if any(name == "replay" for name, _ in checks):
         more = replace(base.workload, micro_batches=(1 + FLOOR_SETS) * base.workload.micro_batches)
         runs[FLOOR] = (replace(base, workload=more), 1)
@@ -121,7 +128,8 @@ def ratios(run: RunConfig, execute: Execute) -> dict[Any, float]:
     def timed(key: Any, config: RunConfig, r: int) -> list[float]:
         label = key if isinstance(key, str) else "-".join(str(part) for part in key)
         trial_id = f"overhead-{label}-r{r}-{bar.n}"
-        outcome = execute(config, TrialSpec(trial_id, run.workload.seed, FaultConfig()))
+        spec = TrialSpec(trial_id, run.workload.seed, FaultConfig(), hook=key != PLAIN)
+        outcome = execute(config, spec)
         bar.update()
         return step_series(outcome, trial_id)
 
@@ -140,8 +148,18 @@ def ratios(run: RunConfig, execute: Execute) -> dict[Any, float]:
 
 
 def rows(run: RunConfig, ratio: dict[Any, float]) -> list[dict[str, object]]:
-    """overhead.csv's rows, one per (check, interval) the trials ran, from `ratios`."""
-    out = []
+    """overhead.csv's rows: the hook's own, then one per (check, interval) the trials ran, from
+    `ratios` (each against the hook reference; plain DDP's ratio converts them)."""
+    hook = 1 / ratio[PLAIN]
+    out: list[dict[str, object]] = [
+        {
+            "detector": HOOK,
+            "interval": "",
+            "overhead_pct": "",
+            "floor_pct": "",
+            "overhead_vs_ddp_pct": round(100 * (hook - 1), 3),
+        }
+    ]
     for name, k in timed_checks(run):
         floor: float | str = ""
         if name == "replay" and k is not None:
@@ -152,6 +170,7 @@ def rows(run: RunConfig, ratio: dict[Any, float]) -> list[dict[str, object]]:
                 "interval": "" if k is None else k,
                 "overhead_pct": round(100 * (ratio[(name, k)] - 1), 3),
                 "floor_pct": floor,
+                "overhead_vs_ddp_pct": round(100 * (ratio[(name, k)] * hook - 1), 3),
             }
         )
     return out

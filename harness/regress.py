@@ -114,7 +114,7 @@ def cell_drops(base: pd.DataFrame, cur: pd.DataFrame) -> list[dict[str, str]]:
             continue
         for label, was, counted in (
             ("catch rate (fired)", cell.fired, now.fired),
-            ("catch rate (harmful)", cell.harmful, now.harmful),
+            ("catch rate (harmful or latent)", cell.harmful, now.harmful),
         ):
             if fell(was, counted):
                 where = f"{_cell_name(key)}, {label}"
@@ -131,7 +131,7 @@ def new_blind_spots(base: pd.DataFrame, cur: pd.DataFrame) -> list[dict[str, str
         was = before.get(key)
         if cell.blind and not (was is not None and was.blind):
             text = rate_text(*was.harmful) if was is not None else "not in baseline"
-            where = f"{_cell_name(key)}, harmful trials"
+            where = f"{_cell_name(key)}, harmful or latent trials"
             found.append(_finding("new blind spot", where, text, rate_text(*cell.harmful)))
     return found
 

@@ -25,6 +25,7 @@ from injectors import bits
 
 Z95 = 1.959963984540054
 TRIAL_SETS = ("all fired", "non-masked", "harmful")
+DAMAGING = ("harmful", "latent")
 ANY = "any detector"
 
 Counts = tuple[int, int]  # (k, n): k successes in n trials
@@ -127,10 +128,11 @@ def catch_counts(df: pd.DataFrame) -> dict[str, dict[str, Counts]]:
     subsets = (fired, fired[fired["effect"] != "masked"], fired[fired["effect"] == "harmful"])
     found = {}
     for label, subset in zip(TRIAL_SETS, subsets, strict=True):
-        n = len(subset)
-        found[label] = {ANY: (int(subset["detected"].sum()), n)}
+        found[label] = {ANY: (int(subset["detected"].sum()), len(subset))}
         for d in _detectors(df):
-            found[label][d] = (int(_names(subset["detected_by"], d).sum()), n)
+            # Over the trials in which the detector ran: a merged sweep mixes detector sets.
+            on = subset[_names(subset["detectors"], d)]
+            found[label][d] = (int(_names(on["detected_by"], d).sum()), len(on))
     return found
 
 
@@ -162,11 +164,12 @@ class Cell:
 
 
 def cell_stats(df: pd.DataFrame) -> list[Cell]:
-    """Catch counts per (site, model, bit class), among fired and among harmful trials."""
+    """Catch counts per (site, model, bit class), among fired and among harmful or latent
+    trials (the damage a blind spot lets through)."""
     fired = df[df["fired"] == True]  # noqa: E712
     found = []
     for (site, model, klass), g in fired.groupby(["site", "model", "bit_class"], dropna=False):
-        harmful = g[g["effect"] == "harmful"]
+        harmful = g[g["effect"].isin(DAMAGING)]
         effects = ", ".join(f"{e} {c}" for e, c in g["effect"].value_counts().items())
         found.append(
             Cell(
@@ -189,7 +192,7 @@ def cells(df: pd.DataFrame) -> list[dict[str, object]]:
             "model": c.model,
             "bit class": c.bit_class,
             "catch rate (fired)": rate_text(*c.fired),
-            "catch rate (harmful)": rate_text(*c.harmful),
+            "catch rate (harmful or latent)": rate_text(*c.harmful),
             "effects": c.effects,
             "blind spot": "**yes**" if c.blind else "no",
         }
@@ -278,7 +281,11 @@ def recovery(df: pd.DataFrame) -> str:
 def false_positive_counts(df: pd.DataFrame) -> dict[str, Counts]:
     """Per detector: (clean trials it alerted in, clean trials)."""
     clean = df[df["site"] == "none"]
-    return {d: (int(_names(clean["alert_detectors"], d).sum()), len(clean)) for d in _detectors(df)}
+    found = {}
+    for d in _detectors(df):
+        on = clean[_names(clean["detectors"], d)]
+        found[d] = (int(_names(on["alert_detectors"], d).sum()), len(on))
+    return found
 
 
 def false_positives(df: pd.DataFrame) -> list[dict[str, object]]:
@@ -324,11 +331,13 @@ def load_overhead(dirs: list[Path]) -> pd.DataFrame | None:
             table = pd.read_csv(f, dtype=str, keep_default_na=False)
         except (ValueError, OSError) as exc:  # pandas: an empty or malformed file
             raise ReportError(f"{f}: unreadable: {exc}") from None
-        missing = [c for c in overhead.COLUMNS if c not in table.columns]
+        missing = [c for c in overhead.REQUIRED if c not in table.columns]
         if missing:
             raise ReportError(f"{f}: missing columns: {', '.join(missing)}")
+        if "overhead_vs_ddp_pct" not in table.columns:  # measured before plain DDP was
+            table["overhead_vs_ddp_pct"] = ""
         try:
-            for column in ("overhead_pct", "floor_pct"):
+            for column in ("overhead_pct", "floor_pct", "overhead_vs_ddp_pct"):
                 table[column] = pd.to_numeric(table[column].replace("", math.nan))
         except ValueError as exc:
             raise ReportError(f"{f}: unreadable: {exc}") from None
@@ -337,6 +346,7 @@ def load_overhead(dirs: list[Path]) -> pd.DataFrame | None:
     merged = table.groupby(["detector", "interval"], as_index=False).agg(
         overhead_pct=("overhead_pct", "median"),
         floor_pct=("floor_pct", "median"),
+        overhead_vs_ddp_pct=("overhead_vs_ddp_pct", "median"),
         runs=("overhead_pct", "size"),
     )
     merged["steps"] = pd.to_numeric(merged["interval"].replace("", math.nan))
@@ -399,7 +409,8 @@ def overhead_section(table: pd.DataFrame, folder: Path) -> str:
         {
             "detector": r.detector,
             "interval": r.interval or "-",
-            "overhead": _pct(r.overhead_pct),
+            "overhead (vs hook)": _pct(r.overhead_pct),
+            "overhead (vs plain DDP)": _pct(r.overhead_vs_ddp_pct),
             "floor": _pct(r.floor_pct),
             "overhead / floor": "-"
             if math.isnan(r.floor_pct) or r.floor_pct <= 0
@@ -410,10 +421,13 @@ def overhead_section(table: pd.DataFrame, folder: Path) -> str:
     ]
     text = (
         "## Overhead against audit interval\n\nStep time with the check alone over the step "
-        "time without checks, minus 1 (DESIGN §5): the median over steps, amortized over the "
-        "check's interval, measured on this run's workload and world after its trials "
-        "(harness/overhead.py). Floor: the least the check could cost; for replay one forward "
-        "and backward of the audited micro-batches per interval, measured in the same world. "
+        "time without checks, minus 1 (docs/design.md, section 5): the median over steps, "
+        "amortized over the check's interval, measured on this run's workload and world after "
+        "its trials (harness/overhead.py), against two references: the harness's comm hook "
+        "without checks (the check's own cost) and plain DDP without the hook (what a job "
+        "pays). The `hook` row is the hook's own cost against plain DDP. Floor: the least the "
+        "check could cost; for replay one forward and backward of the audited micro-batches "
+        "per interval, measured in the same world. "
         "With several runs, the median over them. A tiny model on a loaded machine makes these "
         "noisy: read the trend, not the digits.\n\n" + markdown_table(rows)
     )
@@ -470,6 +484,25 @@ def sensitivity(dirs: list[Path]) -> str:
     return "\n".join(lines) + "\n"
 
 
+DEFINITIONS = """## Definitions (docs/design.md, section 5)
+
+- **effect**, judged against the golden run (fault-free, same seed, checks observing):
+  `masked` final weights bit-identical to golden; `benign` not masked, replicas equal, no
+  non-finite state, final loss within the harm threshold; `latent` loss within the threshold
+  but the state damaged (replicas diverged, non-finite weights or optimizer state, weights
+  frozen by an overflowed Adam moment; column `damage` says which); `harmful` NaN/Inf loss or
+  loss outside the threshold; `crash` a rank died or hung; `none` a clean trial.
+- **harm threshold** (`noise_band`): max - min of the golden final loss over the fixed
+  reference seeds (`campaign.noise_seeds`), never over a campaign's trial seeds, so the same
+  scenario and seed get the same effect in any campaign on the same workload.
+- A trial that a check stopped (act mode, recovery) takes the effect of its **observe twin**,
+  the same scenario and seed with every check observing (`effect_from`); `contained` and
+  `recovered` say what the check achieved.
+- **catch rate** = detected / fired; per detector over the trials in which it ran.
+- **blind spot**: a scenario cell with harmful or latent trials whose catch rate among them has
+  a 95% Wilson upper bound below 50%."""
+
+
 def write_report(df: pd.DataFrame, out: Path, dirs: list[Path] | None = None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     folder = out / "figures"
@@ -483,9 +516,12 @@ def write_report(df: pd.DataFrame, out: Path, dirs: list[Path] | None = None) ->
         "Rates are k/n with a 95% Wilson interval. Catch rate = detected / fired (DESIGN §5); "
         "`detected` means an alert at or after the first step in which the injection changed a "
         "value.",
-        "## Catch rate by detector\n\n" + markdown_table(catch_rates(df)),
-        "## Catch rate by scenario cell\n\nA blind spot is a cell with harmful trials whose catch "
-        "rate's upper bound is below 50%.\n\n" + markdown_table(cells(df)),
+        DEFINITIONS,
+        "## Catch rate by detector\n\nEach detector's n counts the trials in which it ran.\n\n"
+        + markdown_table(catch_rates(df)),
+        "## Catch rate by scenario cell\n\nA blind spot is a cell with harmful or latent trials "
+        "whose catch rate among them has a 95% upper bound below 50%.\n\n"
+        + markdown_table(cells(df)),
         "## What each detector sees and misses\n\nFired trials caught by each detector, per "
         "scenario (k/n, 95% Wilson interval).\n\n" + markdown_table(sees_and_misses(df)),
         "## False positives (clean trials)\n\n"

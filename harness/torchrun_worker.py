@@ -65,6 +65,14 @@ def rank_info(run: RunConfig) -> RankInfo:
     return RankInfo(rank, world, per_node)
 
 
+def _run(run: RunConfig, spec, info: RankInfo, out: Path) -> Outcome:
+    """Every rank trains the trial; rank 0 gathers the parts."""
+    part = run_trial(run, spec, info, out / "store")
+    parts = [None] * info.world_size if info.rank == 0 else None
+    dist.gather_object(part, parts, dst=0)
+    return Outcome(parts=parts)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = argv or sys.argv[1:]
     out = Path(args[0])
@@ -92,11 +100,15 @@ def main(argv: list[str] | None = None) -> None:
         # Rank 0 prepares each trial once the golden runs before it have saved their snapshots.
         spec = [campaign.prepared(campaign.pending[i]) if campaign else None]
         dist.broadcast_object_list(spec, src=0)
-        part = run_trial(run, spec[0], info, out / "store")
-        parts = [None] * info.world_size if campaign else None
-        dist.gather_object(part, parts, dst=0)
+        outcome = _run(run, spec[0], info, out)
+        twin = [campaign.observe_twin(campaign.pending[i]) if campaign else None]
+        dist.broadcast_object_list(twin, src=0)
+        if twin[0] is not None:
+            twin = [campaign.prepared(twin[0]) if campaign else None]
+            dist.broadcast_object_list(twin, src=0)
+            twin_outcome = _run(run, twin[0], info, out)
         if campaign:
-            campaign.record(spec[0], Outcome(parts=parts))
+            campaign.record(spec[0], outcome, twin_outcome if twin[0] is not None else None)
     if campaign:
         campaign.finish()
         df = report.load_trials([out])

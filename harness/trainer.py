@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import detectors
 from harness import checkpoint, fastforward
-from harness.comm import HookState, comm_hook
+from harness.comm import HookState, harness_ddp
 from harness.config import RunConfig, TrialSpec
 from harness.plugins import DetectorContext, EventLog, PluginBus, RankInfo
 from harness.workloads import Workload
@@ -45,6 +45,9 @@ class RankResult:
     final_loss: float = math.nan
     weights_digest: str = ""
     weights_finite: bool = True
+    # Non-finite elements in the optimizer state: an Adam moment that overflowed to inf freezes
+    # its weight for the rest of the run (its update is m / inf = 0).
+    optimizer_nonfinite: int = 0
     stopped_step: int | None = None
     stopped_by: str = ""
 
@@ -113,9 +116,8 @@ def run_trial(run: RunConfig, spec: TrialSpec, info: RankInfo, store: Path) -> R
             model.load_state_dict(state_dict["model"])
             optimizer.load_state_dict(state_dict["optimizer"])
             fastforward.load_checks(Path(spec.segment.checkpoint), built, info)
-    ddp = DDP(model)
     state = HookState(bus, model, info.world_size)
-    ddp.register_comm_hook(state, comm_hook)
+    ddp = harness_ddp(model, state) if spec.hook else DDP(model)
     bus.install_forward_hooks(model, lambda: state.step)
     result = RankResult(spec.trial_id, info.rank, log.events)
     batches = ctx.batches(info.rank)
@@ -155,6 +157,12 @@ def run_trial(run: RunConfig, spec: TrialSpec, info: RankInfo, store: Path) -> R
         result.final_loss = float(workload.loss(model, workload.eval_batch()))
     result.weights_digest = weights_digest(model)
     result.weights_finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    result.optimizer_nonfinite = sum(
+        int((~torch.isfinite(t)).sum())
+        for state in optimizer.state.values()
+        for t in state.values()
+        if torch.is_tensor(t) and t.is_floating_point()
+    )
     return result
 
 

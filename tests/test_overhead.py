@@ -46,15 +46,26 @@ def test_one_row_per_detector_with_its_interval_and_replays_floor(measured):
         table = list(reader)
     assert reader.fieldnames == overhead.COLUMNS
     assert [(r["detector"], r["interval"]) for r in table] == [
+        ("hook", ""),
         ("nan_inf", ""),
         ("replay", "2"),
         ("weight_consensus", "3"),
     ]
-    assert all(math.isfinite(float(r["overhead_pct"])) for r in table)
-    replay = table[1]
+    hook, *checks = table
+    # The hook is the reference of overhead_pct; its own cost is against plain DDP only.
+    assert hook["overhead_pct"] == hook["floor_pct"] == ""
+    assert math.isfinite(float(hook["overhead_vs_ddp_pct"]))
+    for row in checks:
+        assert math.isfinite(float(row["overhead_pct"]))
+        # Against plain DDP a check pays for the hook too: (1 + check) (1 + hook) - 1.
+        both = (1 + float(row["overhead_pct"]) / 100) * (
+            1 + float(hook["overhead_vs_ddp_pct"]) / 100
+        )
+        assert float(row["overhead_vs_ddp_pct"]) == pytest.approx(100 * (both - 1), abs=0.01)
+    replay = checks[1]
     # Five times the micro-batches per step cost more than once, whatever the load.
     assert float(replay["floor_pct"]) > 0
-    assert table[0]["floor_pct"] == table[2]["floor_pct"] == ""
+    assert checks[0]["floor_pct"] == checks[2]["floor_pct"] == ""
 
 
 def test_a_resumed_campaign_keeps_its_table_and_one_without_overhead_times_nothing(
