@@ -35,3 +35,21 @@ def synthetic_digits(
     )
     images = blobs + 0.3 * torch.randn(size, 28, 28, generator=gen)
     return images.unsqueeze(1), labels
+
+
+class WideMLP(nn.Module):
+    """The same task as `SmallConvNet` through wide linear layers: about 57 MB of float32
+    parameters, so its gradients span several reduction chunks (harness/comm.py), as a real
+    model's do."""
+
+    def __init__(self, width: int = 2048, depth: int = 4, classes: int = 10):
+        super().__init__()
+        sizes = [28 * 28] + [width] * depth
+        self.hidden = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes, sizes[1:], strict=False))
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.flatten(1)
+        for layer in self.hidden:
+            x = F.relu(layer(x))
+        return self.head(x)

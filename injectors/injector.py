@@ -2,7 +2,7 @@
 
 Sites and what they reach (DESIGN section 3):
     grad       a rank's local gradients before the collective (parameter names; `fault.bucket`
-               narrows it to one DDP bucket, indexed as DDP orders them after the first step)
+               narrows it to one chunk of the harness's fixed reduction layout, harness/comm.py)
     allreduce  the averaged gradients after it; scope `rank` on the listed ranks, scope
                `reduction` on every receiver alike (the reduction itself was wrong)
     weight     parameters right after the optimizer step (parameter names)

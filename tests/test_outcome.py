@@ -104,6 +104,21 @@ def test_effects():
     assert _row(FaultConfig(), same)["effect"] == "none"
 
 
+def test_damaged_state_inside_the_band_is_latent_not_benign():
+    diverged = [_part(r, loss=1.05, digest="x" if r == 2 else "y") for r in range(4)]
+    row = _row(WEIGHT, diverged, band=0.1)
+    assert (row["effect"], row["damage"]) == ("latent", "replicas diverged")
+    frozen = [_part(r, loss=1.05, digest="x") for r in range(4)]
+    frozen[1].optimizer_nonfinite = 3  # an Adam moment overflowed: those weights stop moving
+    row = _row(GRAD_NAN, frozen, band=0.1)
+    assert (row["effect"], row["damage"]) == ("latent", "non-finite optimizer state (3 elements)")
+    nan_weight = [_part(r, loss=1.05, digest="x", finite=r != 0) for r in range(4)]
+    assert _row(GRAD_NAN, nan_weight, band=0.1)["effect"] == "latent"
+    # Outside the band the loss decides: harmful, whatever else is damaged.
+    far = [_part(r, loss=1.5, digest="x" if r == 2 else "y") for r in range(4)]
+    assert _row(WEIGHT, far, band=0.1)["effect"] == "harmful"
+
+
 def test_an_injection_that_changed_nothing_has_not_fired():
     quiet = {**_inject(1, 3), "fired": False}
     row = _row(GRAD_NAN, [_part(0), _part(1, [quiet]), _part(2), _part(3)])
