@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import overhead
+from harness import overhead, report
 from harness.campaign import SpawnExecutor
 from harness.config import ConfigError
 from harness.regress import load, regressions
@@ -66,6 +66,16 @@ def test_one_row_per_detector_with_its_interval_and_replays_floor(measured):
     # Five times the micro-batches per step cost more than once, whatever the load.
     assert float(replay["floor_pct"]) > 0
     assert checks[0]["floor_pct"] == checks[2]["floor_pct"] == ""
+
+
+def test_the_report_shows_each_check_against_the_hook_and_plain_ddp(measured, tmp_path):
+    section = report.overhead_section(report.load_overhead([measured]), tmp_path)
+    header, _, *lines = [line for line in section.splitlines() if line.startswith("|")]
+    assert "overhead (vs hook)" in header and "overhead (vs plain DDP)" in header
+    by_name = {line.split("|")[1].strip(): line.split("|")[3:5] for line in lines}
+    assert set(by_name) == {"hook", "nan_inf", "replay", "weight_consensus"}
+    assert by_name["hook"][0].strip() == "-" and by_name["hook"][1].strip().endswith("%")
+    assert all(cells[1].strip().endswith("%") for cells in by_name.values())
 
 
 def test_a_resumed_campaign_keeps_its_table_and_one_without_overhead_times_nothing(
