@@ -11,7 +11,11 @@ two chunks), in bfloat16, and (slow) on a 57 MB model.
 from __future__ import annotations
 
 import pytest
+import torch
+from torch import nn
 
+from harness.comm import fixed_layout
+from harness.examples import WideMLP
 from tests.conftest import rows, without_timing
 
 # A loss-value fault is always masked (backward never reads the loss value); a gradient bit
@@ -120,3 +124,17 @@ def test_a_trial_stopped_in_act_mode_takes_the_effect_of_its_observe_run(tmp_pat
         assert act["effect_from"] == "observe twin" and observe["effect_from"] == "run"
         assert act["effect"] == observe["effect"] != "masked"
         assert act["contained"] == "True"
+
+
+def test_the_reduction_layout_is_a_function_of_the_model_alone():
+    """Chunks close at 1 MiB (the first of a dtype) and 25 MiB, in reverse definition order,
+    never splitting a parameter: what DDP's rebuilt buckets look like, fixed from step 0."""
+    wide = WideMLP()  # 2048-wide: 16 MiB per hidden weight
+    assert fixed_layout(wide) == [
+        ("head.bias", "head.weight", "hidden.3.bias", "hidden.3.weight"),
+        ("hidden.2.bias", "hidden.2.weight", "hidden.1.bias", "hidden.1.weight"),
+        ("hidden.0.bias", "hidden.0.weight"),
+    ]
+    mixed = nn.ModuleDict({"a": nn.Linear(600, 600), "b": nn.Linear(600, 600).to(torch.bfloat16)})
+    # float32 "a" (1.4 MB) and bfloat16 "b" (0.7 MB, under 1 MiB) reduce apart.
+    assert fixed_layout(mixed) == [("a.bias", "a.weight"), ("b.bias", "b.weight")]
