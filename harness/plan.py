@@ -165,7 +165,8 @@ def loss(option: Option, job: Job) -> Loss:
     )
 
 
-def _fired(trials: pd.DataFrame) -> pd.DataFrame:
+def fired_faults(trials: pd.DataFrame) -> pd.DataFrame:
+    """The fired trials, with the columns `measured` reads as sets and mappings."""
     fired = trials[trials["fired"] == True].copy()  # noqa: E712 (a column of booleans)
     fired["on"] = fired["detectors"].map(lambda s: frozenset(d for d in s.split(";") if d))
     fired["every"] = fired["check_intervals"].map(pairs)
@@ -176,11 +177,11 @@ def _fired(trials: pd.DataFrame) -> pd.DataFrame:
 
 
 def measured(
-    trials: pd.DataFrame, checks: tuple[str, ...], cost: dict[tuple[str, str], float]
+    fired: pd.DataFrame, checks: tuple[str, ...], cost: dict[tuple[str, str], float]
 ) -> list[Option]:
     """One Option per interval (or mix of intervals) at which every member of `checks` ran in
-    fired trials and had its overhead measured; none for a check set not run together."""
-    fired = _fired(trials)
+    fired trials (`fired_faults`) and had its overhead measured; none for a set not run
+    together. A fault is caught when any member caught it, at the first member's alert."""
     fired = fired[fired["on"].map(lambda on: on.issuperset(checks))]
     fired["key"] = fired["every"].map(lambda e: tuple((c, e[c]) for c in checks if c in e))
     options = []
@@ -207,24 +208,27 @@ def measured(
     return options
 
 
-def overhead_costs(table: pd.DataFrame) -> dict[tuple[str, str], float]:
-    """(detector, interval) -> overhead in percent of a step. A measurement below the check's
-    floor or below zero is noise (the floor is the least it can cost): it counts as the floor."""
-    found = {}
+def overhead_costs(table: pd.DataFrame) -> tuple[dict[tuple[str, str], float], list[str]]:
+    """(detector, interval) -> overhead in percent of a step, and the measurements below the
+    check's floor or below zero: timing noise (the floor is the least a check can cost), which
+    count as the floor or zero."""
+    found, noise = {}, []
     for r in table.itertuples(index=False):
         least = 0.0 if math.isnan(r.floor_pct) else max(0.0, r.floor_pct)
         found[(r.detector, r.interval)] = max(least, r.overhead_pct)
-    return found
+        if r.overhead_pct < least:
+            noise.append(f"{r.detector}@{r.interval or '-'} {r.overhead_pct:.2f}%")
+    return found, noise
 
 
-def options(trials: pd.DataFrame, table: pd.DataFrame) -> list[Option]:
+def options(trials: pd.DataFrame, cost: dict[tuple[str, str], float]) -> list[Option]:
     """Every set of the checks the run ran (each at each interval it ran at), and no checks."""
     names = sorted({d for ds in trials["detectors"] for d in ds.split(";") if d})
-    cost = overhead_costs(table)
-    found = measured(trials, (), cost)  # no checks: every fired fault, each once
+    fired = fired_faults(trials)
+    found = measured(fired, (), cost)  # no checks: every fired fault, each once
     for size in range(1, len(names) + 1):
         for checks in itertools.combinations(names, size):
-            found += measured(trials, checks, cost)
+            found += measured(fired, checks, cost)
     return found
 
 
@@ -232,6 +236,7 @@ def options(trials: pd.DataFrame, table: pd.DataFrame) -> list[Option]:
 class Plan:
     job: Job
     ranked: list[tuple[Option, Loss]]  # best first
+    noise: list[str]  # overhead measurements below their floor or zero (`overhead_costs`)
 
     @property
     def best(self) -> tuple[Option, Loss]:
@@ -239,14 +244,15 @@ class Plan:
 
 
 def plan(trials: pd.DataFrame, table: pd.DataFrame, job: Job) -> Plan:
-    found = options(trials, table)
+    cost, noise = overhead_costs(table)
+    found = options(trials, cost)
     if not found:
         raise PlanError("no fired trials with measured overheads: nothing to plan from")
     ranked = sorted(
         ((o, loss(o, job)) for o in found),
         key=lambda ol: (ol[1].expected, ol[0].overhead_pct, len(ol[0].checks), ol[0].name),
     )
-    return Plan(job, ranked)
+    return Plan(job, ranked, noise)
 
 
 def load(dirs: list[Path]) -> tuple[pd.DataFrame, pd.DataFrame]:

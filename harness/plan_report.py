@@ -129,6 +129,13 @@ def recommendation(result: Plan) -> str:
             " At these figures every option loses more GPU-hours a day than the job has: the "
             "job would not progress (the model is linear in the rate, with no cap)."
         )
+    if result.noise:
+        text += (
+            f"\n\nTiming noise: {len(result.noise)} overhead measurements are below zero or "
+            f"below their floor ({'; '.join(result.noise)}); they count as zero or the floor, so "
+            "the plan takes those checks as cheaper than they are. Time them on a quiet machine "
+            "(more `campaign.overhead` steps and rounds), or on your own workload."
+        )
     return text + f"\n\nSet it with:\n\n    {option.overrides()}"
 
 

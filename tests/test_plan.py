@@ -125,6 +125,23 @@ def test_auditing_more_often_costs_more_than_it_saves(tmp_path):
     assert best.overrides() == "detectors=[replay] detectors.replay.interval=10"
 
 
+def test_an_overhead_below_its_floor_counts_as_the_floor_and_is_named(tmp_path):
+    trials = [
+        trial(20, 0, True, "replay;weight_consensus", "replay=10;weight_consensus=10", "replay=20")
+    ]
+    costs = [("replay", 10, 1.0, 3.8), ("weight_consensus", 10, -2.5, "")]
+    result = plan(*load([write_run(tmp_path / "run", trials, costs)]), HAND)
+    cost = {o.name: o.overhead_pct for o, _ in result.ranked}
+    assert cost == {
+        "no checks": 0.0,
+        "replay": 3.8,
+        "weight_consensus": 0.0,
+        "replay + weight_consensus": 3.8,
+    }
+    assert result.noise == ["replay@10 1.00%", "weight_consensus@10 -2.50%"]
+    assert "Timing noise: 2 overhead measurements" in plan_report.recommendation(result)
+
+
 def test_the_range_is_the_wilson_bounds_carried_through(tmp_path):
     result = plan(*load([every_step_run(tmp_path / "run")]), HAND)
     option, found = result.best
