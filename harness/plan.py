@@ -12,11 +12,11 @@ into expected GPU-hours lost per day of the job, for each set of checks and inte
 with G GPUs, events = rate x G x 24 h SDC events a day, time to detection = mean ttd steps x
 step time, rollback = half a checkpoint interval of steps (the fault lands anywhere between two
 checkpoints), escape cost = the hours a damaging fault that no check caught costs the job before
-other means find it. A fired trial of the run stands for one event; damaged: its effect is
-harmful or latent (DESIGN section 5), or its replicas no longer agree at the end (a fault the
-loss does not show yet). The range (low, high) puts each probability at its 95% Wilson bounds
-and the time to detection at the least and most seen, each term at its own extreme: wider than
-the joint interval, never narrower.
+other means find it. A fired trial of the run stands for one event. Damaged: its effect is
+harmful or latent (docs/design.md, section 5), or its replicas no longer agree at the end (a
+fault the loss does not show yet). The range (low, high) puts each probability at its 95% Wilson
+bounds and the time to detection at the least and most seen, each term at its own extreme: the
+loss at any mix of those bounds lies inside it.
 """
 
 from __future__ import annotations
@@ -171,7 +171,8 @@ def fired_faults(trials: pd.DataFrame) -> pd.DataFrame:
     fired["on"] = fired["detectors"].map(lambda s: frozenset(d for d in s.split(";") if d))
     fired["every"] = fired["check_intervals"].map(pairs)
     fired["found"] = fired["detect_steps"].map(pairs)
-    # Damage (DESIGN section 5): harmful, latent (the loss hides it), or replicas left apart.
+    # Damage (docs/design.md, section 5): harmful, latent (the loss hides it), or replicas
+    # left apart.
     fired["damaged"] = fired["effect"].isin(DAMAGE) | (fired["replicas_agree"] == False)  # noqa: E712
     return fired
 
