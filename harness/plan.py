@@ -209,17 +209,42 @@ def measured(
     return options
 
 
-def overhead_costs(table: pd.DataFrame) -> tuple[dict[tuple[str, str], float], list[str]]:
-    """(detector, interval) -> overhead in percent of a step, and the measurements below the
-    check's floor or below zero: timing noise (the floor is the least a check can cost), which
-    count as the floor or zero."""
-    found, noise = {}, []
-    for r in table.itertuples(index=False):
-        least = 0.0 if math.isnan(r.floor_pct) else max(0.0, r.floor_pct)
-        found[(r.detector, r.interval)] = max(least, r.overhead_pct)
-        if r.overhead_pct < least:
-            noise.append(f"{r.detector}@{r.interval or '-'} {r.overhead_pct:.2f}%")
-    return found, noise
+@dataclass(frozen=True)
+class Overheads:
+    """What a check costs in percent of a step, as the plan uses it."""
+
+    at: dict[tuple[str, str], float]  # (detector, interval as in overhead.csv) -> percent
+    per_run: dict[str, float]  # a periodic check's fitted cost of one run (percent of a step)
+    noise: list[str]  # measurements below zero or below the check's floor
+
+
+def amortized(intervals: list[int], measured: list[float]) -> float:
+    """c >= 0 of the least-squares fit overhead(k) = c / k: a check that runs every k steps
+    costs one run's cost over k, and nothing between its runs. The timing noise of a loaded
+    machine is the same size at every interval (points of a step, not a share of the cost), so
+    the fit leans on the short intervals, where the cost stands out of it."""
+    x = [1 / k for k in intervals]
+    fit = sum(xi * y for xi, y in zip(x, measured, strict=True)) / sum(xi * xi for xi in x)
+    return max(0.0, fit)
+
+
+def overheads(table: pd.DataFrame) -> Overheads:
+    """Each (check, interval)'s overhead: for a check timed at several intervals, its amortized
+    fit over all of them; otherwise its measurement. Never below zero or the check's floor (the
+    least it can cost): one timing on a loaded machine can be off by ten points either way."""
+    at, per_run, noise = {}, {}, []
+    for detector, rows in table.groupby("detector"):
+        timed = rows[rows["steps"].notna()]
+        if timed["steps"].nunique() > 1:
+            ks = timed["steps"].astype(int).tolist()
+            per_run[detector] = amortized(ks, timed["overhead_pct"].tolist())
+        for r in rows.itertuples(index=False):
+            least = 0.0 if math.isnan(r.floor_pct) else max(0.0, r.floor_pct)
+            value = per_run[detector] / r.steps if detector in per_run else r.overhead_pct
+            at[(detector, r.interval)] = max(least, value)
+            if r.overhead_pct < least:
+                noise.append(f"{r.detector}@{r.interval or '-'} {r.overhead_pct:.2f}%")
+    return Overheads(at, per_run, noise)
 
 
 def options(trials: pd.DataFrame, cost: dict[tuple[str, str], float]) -> list[Option]:
@@ -237,7 +262,7 @@ def options(trials: pd.DataFrame, cost: dict[tuple[str, str], float]) -> list[Op
 class Plan:
     job: Job
     ranked: list[tuple[Option, Loss]]  # best first
-    noise: list[str]  # overhead measurements below their floor or zero (`overhead_costs`)
+    overheads: Overheads
 
     @property
     def best(self) -> tuple[Option, Loss]:
@@ -245,15 +270,15 @@ class Plan:
 
 
 def plan(trials: pd.DataFrame, table: pd.DataFrame, job: Job) -> Plan:
-    cost, noise = overhead_costs(table)
-    found = options(trials, cost)
+    cost = overheads(table)
+    found = options(trials, cost.at)
     if not found:
         raise PlanError("no fired trials with measured overheads: nothing to plan from")
     ranked = sorted(
         ((o, loss(o, job)) for o in found),
         key=lambda ol: (ol[1].expected, ol[0].overhead_pct, len(ol[0].checks), ol[0].name),
     )
-    return Plan(job, ranked, noise)
+    return Plan(job, ranked, cost)
 
 
 def load(dirs: list[Path]) -> tuple[pd.DataFrame, pd.DataFrame]:

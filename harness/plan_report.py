@@ -44,11 +44,12 @@ MODEL = (
     "once per set and interval (damaged: harmful or latent, or replicas that no longer agree). "
     "Time to detection: the mean ttd in steps x step time. Rollback: half a checkpoint "
     "interval of steps (back to the last approved checkpoint before the fault). The overhead "
-    "of a set is the sum of its members' measured overheads (each timed alone; checks that "
-    "share a collective could cost less together), a measurement below the check's floor or "
-    "zero counting as that. Range: each share at its 95% Wilson bounds and the time to "
-    "detection at the least and most seen. False alarms are not in the model. The shares are "
-    "those of the run's fault mix: a fault the run did not inject is not planned for."
+    "of a set is the sum of its members' (each timed alone; checks that share a collective "
+    "could cost less together); a check timed at several intervals k costs c/k, c fitted to "
+    "all of its timings; never less than zero or the check's floor. Range: each share at its "
+    "95% Wilson bounds and the time to detection at the least and most seen. False alarms are "
+    "not in the model. The shares are those of the run's fault mix: a fault the run did not "
+    "inject is not planned for."
 )
 FLAGS = {
     "gpus": ("--gpus", "GPUs in the job", "the Llama 3 405B run"),
@@ -65,7 +66,8 @@ FLAGS = {
 TOP = 12  # rows in the printed table and the report's section; plan.md has them all
 
 
-def header(job: Job) -> str:
+def header(job: Job, per_run: dict[str, float]) -> str:
+    """The model and the job's figures, each with its source; the overhead fits."""
     default = Job()
     lines = ["Job figures (flag: value):", ""]
     for f in fields(Job):
@@ -74,6 +76,9 @@ def header(job: Job) -> str:
         note = f"default, {source}" if value == getattr(default, f.name) else "given"
         lines.append(f"- `{flag} {value:g}`: {what} ({note})")
     lines.append(f"- so {job.events_per_day:.3g} SDC events a day")
+    fits = [f"{name} {c:.3g}%/k" for name, c in sorted(per_run.items())]
+    if fits:
+        lines.append(f"- overhead fits (k: the interval): {', '.join(fits)}")
     return MODEL + "\n\n" + "\n".join(lines)
 
 
@@ -129,12 +134,13 @@ def recommendation(result: Plan) -> str:
             " At these figures every option loses more GPU-hours a day than the job has: the "
             "job would not progress (the model is linear in the rate, with no cap)."
         )
-    if result.noise:
+    noise = result.overheads.noise
+    if noise:
         text += (
-            f"\n\nTiming noise: {len(result.noise)} overhead measurements are below zero or "
-            f"below their floor ({'; '.join(result.noise)}); they count as zero or the floor, so "
-            "the plan takes those checks as cheaper than they are. Time them on a quiet machine "
-            "(more `campaign.overhead` steps and rounds), or on your own workload."
+            f"\n\nTiming noise: {len(noise)} overhead measurements are below zero or below "
+            f"their floor ({'; '.join(noise)}): the overheads are uncertain by about that much. "
+            "Time the checks on a quiet machine (more `campaign.overhead` steps and rounds), or "
+            "on your own workload."
         )
     return text + f"\n\nSet it with:\n\n    {option.overrides()}"
 
@@ -185,7 +191,7 @@ def figure(result: Plan, path: Path) -> Path:
 def markdown(result: Plan, image: str, limit: int | None = None) -> str:
     return "\n\n".join(
         [
-            header(result.job),
+            header(result.job, result.overheads.per_run),
             recommendation(result),
             markdown_table(rows(result, limit)),
             f"![Expected loss against the audit interval]({image})",
@@ -235,7 +241,7 @@ def main(argv: list[str] | None = None) -> None:
     path = figure(result, out / FIGURE_FILE)
     written = out / PLAN_FILE
     written.write_text("# How often to audit\n\n" + markdown(result, path.name) + "\n")
-    print(header(job) + "\n")
+    print(header(job, result.overheads.per_run) + "\n")
     print(markdown_table(rows(result, TOP)))
     print(recommendation(result) + "\n")
     print(f"plan: {written}\nfigure: {path}")

@@ -17,7 +17,7 @@ import pytest
 
 from harness import overhead, plan_report, report
 from harness.outcome import COLUMNS
-from harness.plan import LLAMA3_RATE, Job, load, plan
+from harness.plan import LLAMA3_RATE, Job, amortized, load, overheads, plan
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "sweep"
 HAND = Job(
@@ -138,8 +138,33 @@ def test_an_overhead_below_its_floor_counts_as_the_floor_and_is_named(tmp_path):
         "weight_consensus": 0.0,
         "replay + weight_consensus": 3.8,
     }
-    assert result.noise == ["replay@10 1.00%", "weight_consensus@10 -2.50%"]
+    assert result.overheads.noise == ["replay@10 1.00%", "weight_consensus@10 -2.50%"]
     assert "Timing noise: 2 overhead measurements" in plan_report.recommendation(result)
+
+
+def test_a_check_timed_at_several_intervals_costs_its_fitted_run_over_k():
+    # Least squares of y = c / k: c = sum(y / k) / sum(1 / k^2).
+    assert amortized([1, 5, 20], [41.5, 9.1, 2.4]) == pytest.approx(
+        (41.5 + 9.1 / 5 + 2.4 / 20) / (1 + 1 / 25 + 1 / 400)
+    )
+    # Noise that drives the fit below zero: the check costs nothing, not less.
+    assert amortized([1, 2, 10], [2.0, -8.0, -30.0]) == 0.0
+    table = report.pd.DataFrame(
+        {
+            "detector": ["replay"] * 3 + ["nan_inf"],
+            "interval": ["1", "5", "20", ""],
+            "overhead_pct": [40.0, 30.0, -1.0, -3.0],
+            "floor_pct": [10.0, 2.0, 0.5, float("nan")],
+            "steps": [1.0, 5.0, 20.0, float("nan")],
+        }
+    )
+    c = (40 + 30 / 5 - 1 / 20) / (1 + 1 / 25 + 1 / 400)
+    found = overheads(table)
+    assert found.per_run == pytest.approx({"replay": c})
+    assert found.at == pytest.approx(
+        {("replay", "1"): c, ("replay", "5"): c / 5, ("replay", "20"): c / 20, ("nan_inf", ""): 0}
+    )
+    assert found.noise == ["nan_inf@- -3.00%", "replay@20 -1.00%"]
 
 
 def test_the_range_is_the_wilson_bounds_carried_through(tmp_path):
@@ -193,10 +218,10 @@ def test_a_higher_sdc_rate_audits_more_often(tmp_path):
 
 def test_defaults_are_the_llama3_rate_and_stated():
     assert pytest.approx(6) == LLAMA3_RATE * 16384 * 24 * 54
-    text = plan_report.header(Job())
+    text = plan_report.header(Job(), {})
     assert "--sdc-rate 2.8257e-07" in text and "Llama 3" in text and "54 days" in text
     assert text.count("(default") == 6
-    assert "`--gpus 8`: GPUs in the job (given)" in plan_report.header(Job(gpus=8))
+    assert "`--gpus 8`: GPUs in the job (given)" in plan_report.header(Job(gpus=8), {})
 
 
 def test_sdc_plan_on_the_notebook_fixture_writes_its_plan_and_figure(tmp_path, capsys):
