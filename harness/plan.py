@@ -52,7 +52,10 @@ LLAMA3_SOURCE = (
 DAMAGE = ("harmful", "latent")
 PUBLISHED = ("nan_inf", "replay", "weight_consensus")
 # Sets drawn against the interval (every single check is drawn too).
-NAMED_SETS = (("replay", "weight_consensus"), PUBLISHED, (*PUBLISHED, "allreduce_sketch"))
+NAMED_SETS = {
+    frozenset(s)
+    for s in (("replay", "weight_consensus"), PUBLISHED, (*PUBLISHED, "allreduce_sketch"))
+}
 # Columns that name a fault and its seed: the same fault run at several intervals of a check
 # that is not in a set counts once for that set.
 FAULT_COLUMNS = [

@@ -147,7 +147,11 @@ def recommendation(result: Plan) -> str:
 
 def _drawn(result: Plan) -> list[tuple[str, ...]]:
     """The sets drawn: each check alone, the named sets, no checks, and the recommended."""
-    sets = {o.checks for o, _ in result.ranked if len(o.checks) <= 1 or o.checks in NAMED_SETS}
+    sets = {
+        o.checks
+        for o, _ in result.ranked
+        if len(o.checks) <= 1 or frozenset(o.checks) in NAMED_SETS
+    }
     return sorted(sets | {result.best[0].checks}, key=lambda s: (len(s), s))
 
 
@@ -174,11 +178,11 @@ def draw(ax: plt.Axes, result: Plan) -> None:
     ax.plot([at], [found.expected], "*", color="black", markersize=14, label="recommended")
     ax.set(xscale="log", yscale="log", xlabel="audit interval (steps)")
     ax.set_ylabel("expected GPU-hours lost per day")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
 
 
 def figure(result: Plan, path: Path) -> Path:
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, ax = plt.subplots(figsize=(10, 4.5))
     draw(ax, result)
     job = result.job
     ax.set_title(f"{job.gpus:,} GPUs, {job.sdc_rate:.3g} SDC events per GPU-hour", fontsize=9)
