@@ -209,8 +209,8 @@ def report_section(trials: pd.DataFrame, table: pd.DataFrame, folder: Path) -> s
     path = figure(result, folder / FIGURE_FILE)
     text = markdown(result, f"figures/{path.name}", TOP)
     return (
-        "## How often to audit\n\nAt the default job figures; `sdc-plan RUN_DIR --gpus N ...` "
-        f"plans for another job. The {TOP} best options:\n\n" + text
+        "## How often to audit\n\nAt the default job figures (`sdc-plan RUN_DIR --gpus N ...` "
+        f"plans for another job); the table holds the {TOP} best options.\n\n" + text
     )
 
 
@@ -221,13 +221,14 @@ class _Parser(argparse.ArgumentParser):
 
 def parse(argv: list[str] | None) -> tuple[list[Path], Path | None, Job]:
     default = Job()
-    parser = _Parser(prog="sdc-plan", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="sdc-plan", description=MODEL.split(":")[0] + ".")
     parser.add_argument("dirs", nargs="+", type=Path, help="run or sweep folders")
     parser.add_argument("--out", type=Path, help="where plan.md goes (default: the first folder)")
     for f in fields(Job):
         flag, what, _ = FLAGS[f.name]
         kind = int if f.type in ("int", int) else float
-        parser.add_argument(flag, type=kind, default=getattr(default, f.name), help=what)
+        value = getattr(default, f.name)
+        parser.add_argument(flag, type=kind, default=value, help=f"{what} (default {value:g})")
     args = parser.parse_args(argv)
     job = Job(**{f.name: getattr(args, f.name) for f in fields(Job)})
     return args.dirs, args.out, job
