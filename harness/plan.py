@@ -111,7 +111,7 @@ class Option:
 
     checks: tuple[str, ...]  # sorted; () is no checks at all
     intervals: tuple[tuple[str, int], ...]  # the periodic members' intervals
-    overhead_pct: float  # the members' measured overheads summed
+    overhead_pct: float  # the members' overheads (`overheads`) summed
     caught: Counts  # fired faults that any member caught
     escaped: Counts  # fired faults that did damage and that no member caught
     ttd: tuple[float, float, float]  # steps to detection: mean, least, most (NaN: none caught)
