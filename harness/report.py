@@ -353,7 +353,7 @@ def load_overhead(dirs: list[Path]) -> pd.DataFrame | None:
     return merged.sort_values(["detector", "steps"], ignore_index=True)
 
 
-def _pairs(text: object) -> dict[str, int]:
+def pairs(text: object) -> dict[str, int]:
     """`name=value;...` (check_intervals, detect_steps) as a mapping; blank: empty."""
     if not isinstance(text, str):
         return {}
@@ -368,8 +368,8 @@ def interval_outcomes(df: pd.DataFrame) -> pd.DataFrame:
     check itself caught the fault (whichever alerted first) and its time to detection."""
     rows = []
     for r in df[df["fired"] == True].itertuples(index=False):  # noqa: E712
-        found = _pairs(r.detect_steps)
-        for check, k in _pairs(r.check_intervals).items():
+        found = pairs(r.detect_steps)
+        for check, k in pairs(r.check_intervals).items():
             step = found.get(check)
             ttd = math.nan if step is None else step - int(r.inject_step)
             rows.append((check, k, r.persistence, step is not None, ttd))
@@ -541,6 +541,10 @@ def write_report(df: pd.DataFrame, out: Path, dirs: list[Path] | None = None) ->
     measured = load_overhead(dirs or [out])
     if measured is not None:
         sections.append(overhead_section(measured, folder))
+    if measured is not None and by_interval:
+        from harness import plan_report  # it builds on this module's tables
+
+        sections.append(plan_report.report_section(df, measured, folder))
     recovered = recovery(df)
     if recovered:
         sections.append(recovered)

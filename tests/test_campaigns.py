@@ -104,7 +104,7 @@ def test_audit_frequency_runs_every_scenario_at_every_interval():
 
 def test_audit_frequency_mixes_persistence_over_consecutive_steps():
     run = compose_run("campaign=audit_frequency")
-    assert set(run.detectors) == {"replay", "weight_consensus"}
+    assert set(run.detectors) == PUBLISHED | {"allreduce_sketch"}
     assert {p for _, _, _, p in keys(run)} == {"transient", "intermittent", "permanent"}
     for site in ("grad", "weight"):
         steps = sorted(

@@ -1,0 +1,304 @@
+"""`sdc-plan RUN_DIR [RUN_DIR ...]`: which checks to turn on, and how often to audit, for a job.
+
+The run measured what the decision needs (overhead.csv: each check's overhead at each interval;
+trials.csv: which faults each check caught, how fast, and which faults did damage). This turns it
+into expected GPU-hours lost per day of the job, for each set of checks and interval:
+
+    loss = overhead x 24 h x G
+         + events x P(caught) x G x (time to detection + rollback to the last approved
+                                     checkpoint + restart)
+         + events x P(damaged and not caught) x G x escape cost
+
+with G GPUs, events = rate x G x 24 h SDC events a day, time to detection = mean ttd steps x
+step time, rollback = half a checkpoint interval of steps (the fault lands anywhere between two
+checkpoints), escape cost = the hours a damaging fault that no check caught costs the job before
+other means find it. A fired trial of the run stands for one event. Damaged: its effect is
+harmful or latent (docs/design.md, section 5), or its replicas no longer agree at the end (a
+fault the loss does not show yet). The range (low, high) puts each probability at its 95% Wilson
+bounds and the time to detection at the least and most seen, each term at its own extreme: the
+loss at any mix of those bounds lies inside it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from harness.report import (
+    Counts,
+    ReportError,
+    load_overhead,
+    load_trials,
+    pairs,
+    wilson,
+)
+
+PLAN_FILE = "plan.md"
+FIGURE_FILE = "plan.png"
+LLAMA3_GPUS = 16384
+# 6 of the 419 unexpected interruptions in a 54-day snapshot of Llama 3 405B pre-training on
+# 16,384 H100s were attributed to silent data corruption. Those are the SDC events that were
+# noticed: the true rate is at least this.
+LLAMA3_RATE = 6 / (54 * 24 * LLAMA3_GPUS)
+LLAMA3_SOURCE = (
+    "Llama 3 405B pre-training: 6 of 419 unexpected interruptions in 54 days on 16,384 H100s "
+    "attributed to silent data corruption (Llama Team, The Llama 3 Herd of Models, 2024, "
+    "section 3.3.4, table 5)"
+)
+DAMAGE = ("harmful", "latent")
+PUBLISHED = ("nan_inf", "replay", "weight_consensus")
+# Sets drawn against the interval (every single check is drawn too).
+NAMED_SETS = {
+    frozenset(s)
+    for s in (("replay", "weight_consensus"), PUBLISHED, (*PUBLISHED, "allreduce_sketch"))
+}
+# Columns that name a fault and its seed: the same fault run at several intervals of a check
+# that is not in a set counts once for that set.
+FAULT_COLUMNS = [
+    "workload", "dtype", "nodes", "ranks_per_node", "site", "model", "bit", "factor", "value",
+    "scope", "persistence", "fault_ranks", "fault_steps", "seed", "inject_step",
+]  # fmt: skip
+
+
+class PlanError(ValueError):
+    """Bad input: one line, exit 2."""
+
+
+@dataclass(frozen=True)
+class Job:
+    """The job the plan is for. Defaults: the Llama 3 405B run where the report gives a figure."""
+
+    gpus: int = LLAMA3_GPUS
+    # About one Llama 3 405B step: 6 x 405e9 parameters x 16M tokens / (16,384 x 400 TFLOP/s).
+    step_seconds: float = 6.0
+    checkpoint_every: int = 500  # steps (50 minutes at 6 s)
+    restart_minutes: float = 30.0
+    sdc_rate: float = LLAMA3_RATE  # events per GPU-hour
+    escape_hours: float = 24.0  # a day of the whole job: a loss spike or a bad eval, then back
+
+    def __post_init__(self) -> None:
+        for flag, value, least in (
+            ("--gpus", self.gpus, 1),
+            ("--step-seconds", self.step_seconds, 0),
+            ("--checkpoint-every", self.checkpoint_every, 1),
+            ("--restart-minutes", self.restart_minutes, 0),
+            ("--sdc-rate", self.sdc_rate, 0),
+            ("--escape-hours", self.escape_hours, 0),
+        ):
+            if not math.isfinite(value) or value < least:
+                raise PlanError(f"{flag}: must be a number >= {least}, got {value}")
+        if self.step_seconds == 0:
+            raise PlanError("--step-seconds: must be > 0, got 0")
+
+    @property
+    def events_per_day(self) -> float:
+        return self.sdc_rate * self.gpus * 24
+
+    def detected_hours(self, ttd_steps: float) -> float:
+        """Wall hours one detected event costs the job: the steps since the last checkpoint
+        before the fault (half an interval on average) and until detection, then a restart."""
+        steps = self.checkpoint_every / 2 + ttd_steps
+        return steps * self.step_seconds / 3600 + self.restart_minutes / 60
+
+
+@dataclass(frozen=True)
+class Option:
+    """One set of checks at its intervals, with what the run measured for it."""
+
+    checks: tuple[str, ...]  # sorted; () is no checks at all
+    intervals: tuple[tuple[str, int], ...]  # the periodic members' intervals
+    overhead_pct: float  # the members' overheads (`overheads`) summed
+    caught: Counts  # fired faults that any member caught
+    escaped: Counts  # fired faults that did damage and that no member caught
+    ttd: tuple[float, float, float]  # steps to detection: mean, least, most (NaN: none caught)
+
+    @property
+    def name(self) -> str:
+        return " + ".join(self.checks) or "no checks"
+
+    @property
+    def interval(self) -> str:
+        """The audit interval in steps ("-": every step); a mix names each check's."""
+        ks = {k for _, k in self.intervals}
+        if not ks:
+            return "-"
+        if len(ks) == 1:
+            return str(ks.pop())
+        return ", ".join(f"{c}={k}" for c, k in self.intervals)
+
+    def overrides(self) -> str:
+        """The Hydra overrides (sdc-bench, or your training config) that set this option."""
+        parts = [f"detectors=[{','.join(self.checks)}]"]
+        parts += [f"detectors.{c}.interval={k}" for c, k in self.intervals]
+        return " ".join(parts)
+
+
+@dataclass(frozen=True)
+class Loss:
+    """Expected GPU-hours lost per day, and its range."""
+
+    expected: float
+    low: float
+    high: float
+
+
+def loss(option: Option, job: Job) -> Loss:
+    """The model of the module docstring, at the point estimates and at either extreme."""
+    overhead = option.overhead_pct / 100 * 24 * job.gpus
+    per_event = job.events_per_day * job.gpus  # GPU-hours per wall hour lost, per day
+    (kc, nc), (ke, ne) = option.caught, option.escaped
+    caught_lo, caught_hi = wilson(kc, nc)
+    escaped_lo, escaped_hi = wilson(ke, ne)
+    mean, least, most = option.ttd
+    if math.isnan(mean):  # nothing caught: a catch that the bounds allow comes at the next audit
+        mean, least, most = 0.0, 0.0, float(max((k for _, k in option.intervals), default=1))
+
+    def total(caught: float, ttd: float, escaped: float) -> float:
+        hours = caught * job.detected_hours(ttd) + escaped * job.escape_hours
+        return overhead + per_event * hours
+
+    return Loss(
+        expected=total(kc / nc, mean, ke / ne),
+        low=total(caught_lo, least, escaped_lo),
+        high=total(caught_hi, most, escaped_hi),
+    )
+
+
+def fired_faults(trials: pd.DataFrame) -> pd.DataFrame:
+    """The fired trials, with the columns `measured` reads as sets and mappings."""
+    fired = trials[trials["fired"] == True].copy()  # noqa: E712 (a column of booleans)
+    fired["on"] = fired["detectors"].map(lambda s: frozenset(d for d in s.split(";") if d))
+    fired["every"] = fired["check_intervals"].map(pairs)
+    fired["found"] = fired["detect_steps"].map(pairs)
+    # Damage (docs/design.md, section 5): harmful, latent (the loss hides it), or replicas
+    # left apart.
+    fired["damaged"] = fired["effect"].isin(DAMAGE) | (fired["replicas_agree"] == False)  # noqa: E712
+    return fired
+
+
+def measured(
+    fired: pd.DataFrame, checks: tuple[str, ...], cost: dict[tuple[str, str], float]
+) -> list[Option]:
+    """One Option per interval (or mix of intervals) at which every member of `checks` ran in
+    fired trials (`fired_faults`) and had its overhead measured; none for a set not run
+    together. A fault is caught when any member caught it, at the first member's alert."""
+    fired = fired[fired["on"].map(lambda on: on.issuperset(checks))]
+    fired["key"] = fired["every"].map(lambda e: tuple((c, e[c]) for c in checks if c in e))
+    options = []
+    for key, group in fired.groupby("key", sort=True):
+        costs = [cost.get((c, str(dict(key).get(c, "")))) for c in checks]
+        if any(c is None for c in costs):
+            continue
+        # The same fault at intervals of checks outside the set is one trial for this set.
+        group = group.drop_duplicates(subset=FAULT_COLUMNS)
+        first = group["found"].map(lambda f: min((f[c] for c in checks if c in f), default=None))
+        hit = first.notna()
+        ttd = (first[hit].astype(float) - group.loc[hit, "inject_step"].astype(float)).tolist()
+        n = len(group)
+        options.append(
+            Option(
+                checks=checks,
+                intervals=key,
+                overhead_pct=sum(costs),
+                caught=(int(hit.sum()), n),
+                escaped=(int((group["damaged"] & ~hit).sum()), n),
+                ttd=(sum(ttd) / len(ttd), min(ttd), max(ttd)) if ttd else (math.nan,) * 3,
+            )
+        )
+    return options
+
+
+@dataclass(frozen=True)
+class Overheads:
+    """What a check costs in percent of a step, as the plan uses it."""
+
+    at: dict[tuple[str, str], float]  # (detector, interval as in overhead.csv) -> percent
+    per_run: dict[str, float]  # a periodic check's fitted cost of one run (percent of a step)
+    noise: list[str]  # measurements below zero or below the check's floor
+
+
+def amortized(intervals: list[int], measured: list[float]) -> float:
+    """c >= 0 of the least-squares fit overhead(k) = c / k: a check that runs every k steps
+    costs one run's cost over k, and nothing between its runs. The timing noise of a loaded
+    machine is the same size at every interval (points of a step, not a share of the cost), so
+    the fit leans on the short intervals, where the cost stands out of it."""
+    x = [1 / k for k in intervals]
+    fit = sum(xi * y for xi, y in zip(x, measured, strict=True)) / sum(xi * xi for xi in x)
+    return max(0.0, fit)
+
+
+def overheads(table: pd.DataFrame) -> Overheads:
+    """Each (check, interval)'s overhead: for a check timed at several intervals, its amortized
+    fit over all of them; otherwise its measurement. Never below zero or the check's floor (the
+    least it can cost): one timing on a loaded machine can be off by ten points either way."""
+    at, per_run, noise = {}, {}, []
+    for detector, rows in table.groupby("detector"):
+        timed = rows[rows["steps"].notna()]
+        if timed["steps"].nunique() > 1:
+            ks = timed["steps"].astype(int).tolist()
+            per_run[detector] = amortized(ks, timed["overhead_pct"].tolist())
+        for r in rows.itertuples(index=False):
+            least = 0.0 if math.isnan(r.floor_pct) else max(0.0, r.floor_pct)
+            value = per_run[detector] / r.steps if detector in per_run else r.overhead_pct
+            at[(detector, r.interval)] = max(least, value)
+            if r.overhead_pct < least:
+                noise.append(f"{r.detector}@{r.interval or '-'} {r.overhead_pct:.2f}%")
+    return Overheads(at, per_run, noise)
+
+
+def options(trials: pd.DataFrame, cost: dict[tuple[str, str], float]) -> list[Option]:
+    """Every set of the checks the run ran (each at each interval it ran at), and no checks."""
+    names = sorted({d for ds in trials["detectors"] for d in ds.split(";") if d})
+    fired = fired_faults(trials)
+    found = measured(fired, (), cost)  # no checks: every fired fault, each once
+    for size in range(1, len(names) + 1):
+        for checks in itertools.combinations(names, size):
+            found += measured(fired, checks, cost)
+    return found
+
+
+@dataclass(frozen=True)
+class Plan:
+    job: Job
+    ranked: list[tuple[Option, Loss]]  # best first
+    overheads: Overheads
+
+    @property
+    def best(self) -> tuple[Option, Loss]:
+        return self.ranked[0]
+
+
+def plan(trials: pd.DataFrame, table: pd.DataFrame, job: Job) -> Plan:
+    cost = overheads(table)
+    found = options(trials, cost.at)
+    if not found:
+        raise PlanError("no fired trials with measured overheads: nothing to plan from")
+    ranked = sorted(
+        ((o, loss(o, job)) for o in found),
+        key=lambda ol: (ol[1].expected, ol[0].overhead_pct, len(ol[0].checks), ol[0].name),
+    )
+    return Plan(job, ranked, cost)
+
+
+def load(dirs: list[Path]) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The trials and overhead tables of the given run or sweep folders."""
+    for d in dirs:
+        if not d.is_dir():
+            raise PlanError(f"{d}: not a folder")
+    try:
+        trials = load_trials(dirs)
+        table = load_overhead(dirs)
+    except ReportError as exc:
+        raise PlanError(str(exc)) from None
+    except (ValueError, OSError) as exc:  # pandas: an empty or malformed trials.csv
+        raise PlanError(f"unreadable trials.csv: {exc}") from None
+    if table is None:
+        raise PlanError(
+            f"{', '.join(map(str, dirs))}: no overhead.csv in it or below it (run a campaign "
+            "that measures overhead, such as campaign=audit_frequency)"
+        )
+    return trials, table

@@ -1,0 +1,252 @@
+"""The plan (harness/plan.py) as text and figure: `sdc-plan`'s output, plan.md, plan.png, and the
+section that the report of a run with overhead.csv and several audit intervals includes.
+
+Bad input (a missing folder, no trials.csv or overhead.csv, a negative rate) exits 2 with one
+line, before anything is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import pandas as pd
+
+# harness.plan imports harness.report, whose figures module picks the Agg backend on its first
+# import (a batch job has no display) and leaves a notebook's backend alone after that.
+from harness.plan import (
+    FIGURE_FILE,
+    LLAMA3_SOURCE,
+    NAMED_SETS,
+    PLAN_FILE,
+    Job,
+    Loss,
+    Option,
+    Plan,
+    PlanError,
+    load,
+    plan,
+)
+from harness.report import markdown_table, rate_text
+
+MODEL = (
+    "Expected GPU-hours lost per day of the job, for each set of checks at each audit interval "
+    "the run measured (harness/plan.py):\n\n"
+    "    loss = overhead x 24 h x GPUs\n"
+    "         + events/day x P(caught) x GPUs x (time to detection + rollback + restart)\n"
+    "         + events/day x P(damaged, not caught) x GPUs x escape cost\n\n"
+    "events/day = SDC rate x GPUs x 24 h; a fired trial of the run stands for one event. "
+    "P(caught) and P(damaged, not caught) are shares of the run's fired faults, each fault "
+    "once per set and interval (damaged: harmful or latent, or replicas that no longer agree). "
+    "Time to detection: the mean ttd in steps x step time. Rollback: half a checkpoint "
+    "interval of steps (back to the last approved checkpoint before the fault). The overhead "
+    "of a set is the sum of its members' (each timed alone; checks that share a collective "
+    "could cost less together); a check timed at several intervals k costs c/k, c fitted to "
+    "all of its timings; never less than zero or the check's floor. Range: each share at its "
+    "95% Wilson bounds and the time to detection at the least and most seen. False alarms are "
+    "not in the model. The shares are those of the run's fault mix: a fault the run did not "
+    "inject is not planned for."
+)
+FLAGS = {
+    "gpus": ("--gpus", "GPUs in the job", "the Llama 3 405B run"),
+    "step_seconds": ("--step-seconds", "seconds per training step", "about a Llama 3 405B step"),
+    "checkpoint_every": ("--checkpoint-every", "steps between checkpoints", "assumed"),
+    "restart_minutes": ("--restart-minutes", "minutes to restart after an alert", "assumed"),
+    "sdc_rate": ("--sdc-rate", "SDC events per GPU-hour", LLAMA3_SOURCE),
+    "escape_hours": (
+        "--escape-hours",
+        "wall hours a damaging fault that no check caught costs the job",
+        "assumed: a day, until a loss spike or a bad eval shows it",
+    ),
+}
+TOP = 12  # rows in the printed table and the report's section; plan.md has them all
+
+
+def header(job: Job, per_run: dict[str, float]) -> str:
+    """The model and the job's figures, each with its source; the overhead fits."""
+    default = Job()
+    lines = ["Job figures (flag: value):", ""]
+    for f in fields(Job):
+        flag, what, source = FLAGS[f.name]
+        value = getattr(job, f.name)
+        note = f"default, {source}" if value == getattr(default, f.name) else "given"
+        lines.append(f"- `{flag} {value:g}`: {what} ({note})")
+    lines.append(f"- so {job.events_per_day:.3g} SDC events a day")
+    fits = [f"{name} {c:.3g}%/k" for name, c in sorted(per_run.items())]
+    if fits:
+        lines.append(f"- overhead fits (k: the interval): {', '.join(fits)}")
+    return MODEL + "\n\n" + "\n".join(lines)
+
+
+def _gpu_hours(x: float) -> str:
+    return f"{x:,.0f}"
+
+
+def _range(found: Loss) -> str:
+    return f"[{_gpu_hours(found.low)}, {_gpu_hours(found.high)}]"
+
+
+def rows(result: Plan, limit: int | None = None) -> list[dict[str, object]]:
+    """The table, best first."""
+    return [
+        {
+            "rank": i + 1,
+            "checks": option.name,
+            "interval": option.interval,
+            "overhead": f"{option.overhead_pct:.2f}%",
+            "caught": rate_text(*option.caught),
+            "damaged, not caught": rate_text(*option.escaped),
+            "ttd steps": "-" if math.isnan(option.ttd[0]) else f"{option.ttd[0]:.3g}",
+            "GPU-h/day": _gpu_hours(found.expected),
+            "range": _range(found),
+        }
+        for i, (option, found) in enumerate(result.ranked[:limit])
+    ]
+
+
+def _find(result: Plan, checks: tuple[str, ...]) -> tuple[Option, Loss] | None:
+    return next(((o, f) for o, f in result.ranked if o.checks == checks), None)
+
+
+def recommendation(result: Plan) -> str:
+    option, found = result.best
+    every = "" if option.interval == "-" else f", interval {option.interval}"
+    text = (
+        f"Recommended: **{option.name}{every}**: {_gpu_hours(found.expected)} GPU-hours lost "
+        f"per day, range {_range(found)}."
+    )
+    nothing = _find(result, ())
+    if nothing is not None and nothing[0] is not option:
+        text += f" No checks: {_gpu_hours(nothing[1].expected)} {_range(nothing[1])}."
+    close = [o for o, f in result.ranked[1:] if f.expected <= found.high]
+    if close:
+        some = "1 other option expects" if len(close) == 1 else f"{len(close)} other options expect"
+        text += (
+            f" {some} a loss within the recommendation's range (the run cannot tell them "
+            "apart; more seeds narrow it)."
+        )
+    if found.expected > 24 * result.job.gpus:
+        text += (
+            " At these figures every option loses more GPU-hours a day than the job has: the "
+            "job would not progress (the model is linear in the rate, with no cap)."
+        )
+    noise = result.overheads.noise
+    if noise:
+        text += (
+            f"\n\nTiming noise: {len(noise)} overhead measurements are below zero or below "
+            f"their floor ({'; '.join(noise)}): the overheads are uncertain by about that much. "
+            "Time the checks on a quiet machine (more `campaign.overhead` steps and rounds), or "
+            "on your own workload."
+        )
+    return text + f"\n\nSet it with:\n\n    {option.overrides()}"
+
+
+def _drawn(result: Plan) -> list[tuple[str, ...]]:
+    """The sets drawn: each check alone, the named sets, no checks, and the recommended."""
+    sets = {
+        o.checks
+        for o, _ in result.ranked
+        if len(o.checks) <= 1 or frozenset(o.checks) in NAMED_SETS
+    }
+    return sorted(sets | {result.best[0].checks}, key=lambda s: (len(s), s))
+
+
+def draw(ax: plt.Axes, result: Plan) -> None:
+    """Expected loss (and its range) against the audit interval, one line per set of checks; a
+    set without an interval (every step) is a flat dashed line."""
+    ranked = result.ranked
+    steps = sorted({k for o, _ in ranked for _, k in o.intervals}) or [1]
+    for checks in _drawn(result):
+        mine = [(o, f) for o, f in ranked if o.checks == checks and "," not in o.interval]
+        label = " + ".join(checks) or "no checks"
+        if mine and mine[0][0].interval == "-":
+            found = mine[0][1]
+            (line,) = ax.plot(steps, [found.expected] * len(steps), "--", label=label)
+            ax.fill_between(steps, found.low, found.high, color=line.get_color(), alpha=0.08)
+            continue
+        mine.sort(key=lambda of: int(of[0].interval))
+        x = [int(o.interval) for o, _ in mine]
+        (line,) = ax.plot(x, [f.expected for _, f in mine], "o-", label=label)
+        lows, highs = [f.low for _, f in mine], [f.high for _, f in mine]
+        ax.fill_between(x, lows, highs, color=line.get_color(), alpha=0.12)
+    option, found = result.best
+    at = int(option.interval) if option.interval.isdigit() else steps[0]
+    ax.plot([at], [found.expected], "*", color="black", markersize=14, label="recommended")
+    ax.set(xscale="log", yscale="log", xlabel="audit interval (steps)")
+    ax.set_ylabel("expected GPU-hours lost per day")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+
+
+def figure(result: Plan, path: Path) -> Path:
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    draw(ax, result)
+    job = result.job
+    ax.set_title(f"{job.gpus:,} GPUs, {job.sdc_rate:.3g} SDC events per GPU-hour", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def markdown(result: Plan, image: str, limit: int | None = None) -> str:
+    return "\n\n".join(
+        [
+            header(result.job, result.overheads.per_run),
+            recommendation(result),
+            markdown_table(rows(result, limit)),
+            f"![Expected loss against the audit interval]({image})",
+        ]
+    )
+
+
+def report_section(trials: pd.DataFrame, table: pd.DataFrame, folder: Path) -> str:
+    """The report's section, at the default job figures."""
+    result = plan(trials, table, Job())
+    path = figure(result, folder / FIGURE_FILE)
+    text = markdown(result, f"figures/{path.name}", TOP)
+    return (
+        "## How often to audit\n\nAt the default job figures (`sdc-plan RUN_DIR --gpus N ...` "
+        f"plans for another job); the table holds the {TOP} best options.\n\n" + text
+    )
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, not argparse's usage block
+        raise PlanError(message)
+
+
+def parse(argv: list[str] | None) -> tuple[list[Path], Path | None, Job]:
+    default = Job()
+    parser = _Parser(prog="sdc-plan", description=MODEL.split(":")[0] + ".")
+    parser.add_argument("dirs", nargs="+", type=Path, help="run or sweep folders")
+    parser.add_argument("--out", type=Path, help="where plan.md goes (default: the first folder)")
+    for f in fields(Job):
+        flag, what, _ = FLAGS[f.name]
+        kind = int if f.type in ("int", int) else float
+        value = getattr(default, f.name)
+        parser.add_argument(flag, type=kind, default=value, help=f"{what} (default {value:g})")
+    args = parser.parse_args(argv)
+    job = Job(**{f.name: getattr(args, f.name) for f in fields(Job)})
+    return args.dirs, args.out, job
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        dirs, out, job = parse(argv)
+        result = plan(*load(dirs), job)
+    except PlanError as exc:
+        print(f"sdc-plan: {exc}", file=sys.stderr)
+        sys.exit(2)
+    out = out or dirs[0]
+    out.mkdir(parents=True, exist_ok=True)
+    path = figure(result, out / FIGURE_FILE)
+    written = out / PLAN_FILE
+    written.write_text("# How often to audit\n\n" + markdown(result, path.name) + "\n")
+    print(header(job, result.overheads.per_run) + "\n")
+    print(markdown_table(rows(result, TOP)))
+    print(recommendation(result) + "\n")
+    print(f"plan: {written}\nfigure: {path}")

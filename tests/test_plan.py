@@ -1,0 +1,281 @@
+"""The planner (harness/plan.py, `sdc-plan`) on small tables written here: no world is spawned.
+
+Most cases use a job whose arithmetic is done by hand: 1 GPU, one-hour steps, a checkpoint every
+2 steps (a detected fault redoes 1 step from the last checkpoint, plus its time to detection),
+a one-hour restart, one SDC event a day and 20 hours for a harmful fault no check caught:
+
+    loss = 24 x overhead + P(caught) x (ttd + 2) + P(harmful, not caught) x 20
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness import overhead, plan_report, report
+from harness.outcome import COLUMNS
+from harness.plan import LLAMA3_RATE, Job, amortized, load, overheads, plan
+
+FIXTURE = Path(__file__).resolve().parent / "fixtures" / "sweep"
+HAND = Job(
+    gpus=1,
+    step_seconds=3600,
+    checkpoint_every=2,
+    restart_minutes=60,
+    sdc_rate=1 / 24,
+    escape_hours=20,
+)
+
+
+def trial(step: int, seed: int, harmful: bool, on: str, every: str = "", found: str = "") -> dict:
+    """A fired transient gradient fault at `step`; `found` is `check=step;...` (detect_steps)."""
+    row = dict.fromkeys(COLUMNS, "")
+    caught = ";".join(sorted(p.split("=")[0] for p in found.split(";") if p))
+    row.update(
+        trial_id=f"t{step}-s{seed}-{every}",
+        seed=seed,
+        workload="mlp",
+        dtype="float32",
+        nodes=4,
+        ranks_per_node=1,
+        site="grad",
+        model="scale",
+        factor=1000.0,
+        persistence="transient",
+        fired=True,
+        inject_step=step,
+        effect="harmful" if harmful else "benign",
+        detected=bool(found),
+        fault_steps=step,
+        detectors=on,
+        detected_by=caught,
+        alert_detectors=caught,
+        check_intervals=every,
+        detect_steps=found,
+    )
+    return row
+
+
+def write_run(folder: Path, trials: list[dict], costs: list[tuple]) -> Path:
+    folder.mkdir(parents=True)
+    report.pd.DataFrame(trials, columns=COLUMNS).to_csv(folder / "trials.csv", index=False)
+    measured = ["detector", "interval", "overhead_pct", "floor_pct"]  # other columns blank
+    rows = [dict(zip(measured, c, strict=True)) for c in costs]
+    overhead.write(folder / overhead.OVERHEAD_FILE, rows)
+    return folder
+
+
+def ranked(folder: Path, job: Job) -> dict[tuple[str, str], float]:
+    """(checks, interval) -> expected loss, in the plan's order."""
+    result = plan(*load([folder]), job)
+    return {(o.name, o.interval): found.expected for o, found in result.ranked}
+
+
+def every_step_run(folder: Path, seeds: int = 1) -> Path:
+    """Four harmful faults: the sketch (5% a step) catches each in its step, nan_inf (1%)
+    none."""
+    on = "allreduce_sketch;nan_inf"
+    trials = [
+        trial(20 + i, s, True, on, found=f"allreduce_sketch={20 + i}")
+        for i in range(4)
+        for s in range(seeds)
+    ]
+    return write_run(folder, trials, [("nan_inf", "", 1.0, ""), ("allreduce_sketch", "", 5.0, "")])
+
+
+def test_the_cheapest_check_is_not_the_best(tmp_path):
+    found = ranked(every_step_run(tmp_path / "run"), HAND)
+    assert found == pytest.approx(
+        {
+            ("allreduce_sketch", "-"): 24 * 0.05 + 1 * (0 + 2),  # 3.2
+            ("allreduce_sketch + nan_inf", "-"): 24 * 0.06 + 2,  # 3.44
+            ("no checks", "-"): 1 * 20,
+            ("nan_inf", "-"): 24 * 0.01 + 20,  # 20.24: cheapest check, and worse than none
+        }
+    )
+    assert list(found)[0] == ("allreduce_sketch", "-")
+
+
+def replay_run(folder: Path, seeds: int = 1) -> Path:
+    """Four faults at steps 20-23, the first two harmful. Replay every step (40% overhead)
+    catches all four in their step; every 10 steps (4%) only the one at step 20, at step 25."""
+    trials = []
+    for s in range(seeds):
+        for i in range(4):
+            found = f"replay={20 + i}"
+            trials.append(trial(20 + i, s, i < 2, "replay", "replay=1", found))
+            trials.append(trial(20 + i, s, i < 2, "replay", "replay=10", "replay=25" * (i == 0)))
+    costs = [("replay", 1, 40.0, 38.0), ("replay", 10, 4.0, 3.8)]
+    return write_run(folder, trials, costs)
+
+
+def test_auditing_more_often_costs_more_than_it_saves(tmp_path):
+    folder = replay_run(tmp_path / "run")
+    found = ranked(folder, HAND)
+    every_step = 24 * 0.40 + 1 * (0 + 2)  # 11.6: everything caught at once
+    every_tenth = 24 * 0.04 + 1 / 4 * (5 + 2) + 1 / 4 * 20  # 7.71: one harmful fault escapes
+    nothing = 2 / 4 * 20  # 10
+    assert found == pytest.approx(
+        {("replay", "10"): every_tenth, ("no checks", "-"): nothing, ("replay", "1"): every_step}
+    )
+    assert list(found) == [("replay", "10"), ("no checks", "-"), ("replay", "1")]
+    best = plan(*load([folder]), HAND).best[0]
+    assert best.overrides() == "detectors=[replay] detectors.replay.interval=10"
+
+
+def test_an_overhead_below_its_floor_counts_as_the_floor_and_is_named(tmp_path):
+    trials = [
+        trial(20, 0, True, "replay;weight_consensus", "replay=10;weight_consensus=10", "replay=20")
+    ]
+    costs = [("replay", 10, 1.0, 3.8), ("weight_consensus", 10, -2.5, "")]
+    result = plan(*load([write_run(tmp_path / "run", trials, costs)]), HAND)
+    cost = {o.name: o.overhead_pct for o, _ in result.ranked}
+    assert cost == {
+        "no checks": 0.0,
+        "replay": 3.8,
+        "weight_consensus": 0.0,
+        "replay + weight_consensus": 3.8,
+    }
+    assert result.overheads.noise == ["replay@10 1.00%", "weight_consensus@10 -2.50%"]
+    assert "Timing noise: 2 overhead measurements" in plan_report.recommendation(result)
+
+
+def test_a_check_timed_at_several_intervals_costs_its_fitted_run_over_k():
+    # Least squares of y = c / k: c = sum(y / k) / sum(1 / k^2).
+    assert amortized([1, 5, 20], [41.5, 9.1, 2.4]) == pytest.approx(
+        (41.5 + 9.1 / 5 + 2.4 / 20) / (1 + 1 / 25 + 1 / 400)
+    )
+    # Noise that drives the fit below zero: the check costs nothing, not less.
+    assert amortized([1, 2, 10], [2.0, -8.0, -30.0]) == 0.0
+    table = report.pd.DataFrame(
+        {
+            "detector": ["replay"] * 3 + ["nan_inf"],
+            "interval": ["1", "5", "20", ""],
+            "overhead_pct": [40.0, 30.0, -1.0, -3.0],
+            "floor_pct": [10.0, 2.0, 0.5, float("nan")],
+            "steps": [1.0, 5.0, 20.0, float("nan")],
+        }
+    )
+    c = (40 + 30 / 5 - 1 / 20) / (1 + 1 / 25 + 1 / 400)
+    found = overheads(table)
+    assert found.per_run == pytest.approx({"replay": c})
+    assert found.at == pytest.approx(
+        {("replay", "1"): c, ("replay", "5"): c / 5, ("replay", "20"): c / 20, ("nan_inf", ""): 0}
+    )
+    assert found.noise == ["nan_inf@- -3.00%", "replay@20 -1.00%"]
+
+
+def test_the_range_is_the_wilson_bounds_carried_through(tmp_path):
+    result = plan(*load([every_step_run(tmp_path / "run")]), HAND)
+    option, found = result.best
+    caught_lo, caught_hi = report.wilson(4, 4)
+    _, escaped_hi = report.wilson(0, 4)
+    assert found.low == pytest.approx(24 * 0.05 + caught_lo * 2)
+    assert found.high == pytest.approx(24 * 0.05 + caught_hi * 2 + escaped_hi * 20)
+    assert found.low < found.expected < found.high
+
+
+def test_the_range_widens_with_fewer_seeds(tmp_path):
+    for run in (every_step_run, replay_run):
+        few = plan(*load([run(tmp_path / f"{run.__name__}-2", seeds=2)]), HAND)
+        many = plan(*load([run(tmp_path / f"{run.__name__}-8", seeds=8)]), HAND)
+        assert [o.name for o, _ in few.ranked] == [o.name for o, _ in many.ranked]
+        for (_, a), (_, b) in zip(few.ranked, many.ranked, strict=True):
+            assert a.expected == pytest.approx(b.expected)  # the same shares, 4x the trials
+            assert a.high - a.low > b.high - b.low
+
+
+def periodic_run(folder: Path) -> Path:
+    """Ten harmful transient faults at steps 20-29; replay at interval k audits the steps that
+    are multiples of k (10, 5, 2, 1, 1 of them for k = 1, 2, 5, 10, 20), at 40/k % a step."""
+    trials, costs = [], []
+    for k in (1, 2, 5, 10, 20):
+        for step in range(20, 30):
+            found = f"replay={step}" if step % k == 0 else ""
+            trials.append(trial(step, 0, True, "replay", f"replay={k}", found))
+        costs.append(("replay", k, 40.0 / k, ""))
+    return write_run(folder, trials, costs)
+
+
+def test_a_higher_sdc_rate_audits_more_often(tmp_path):
+    """At half an event a day the model's loss is 9.6/k + 0.5 x (20 - 18 x catch): interval 20
+    is best (9.58); a hundred times the rate pays for auditing every step, a hundredth of it for
+    none."""
+    folder = periodic_run(tmp_path / "run")
+    tables = load([folder])
+
+    def best(rate: float) -> str:
+        job = Job(**{**HAND.__dict__, "sdc_rate": rate})
+        return plan(*tables, job).best[0].interval
+
+    base = 0.5 / 24
+    assert best(base) == "20"
+    assert best(base * 100) == "1"
+    assert best(base / 100) == "-"  # no checks
+
+
+def test_defaults_are_the_llama3_rate_and_stated():
+    assert pytest.approx(6) == LLAMA3_RATE * 16384 * 24 * 54
+    text = plan_report.header(Job(), {})
+    assert "--sdc-rate 2.8257e-07" in text and "Llama 3" in text and "54 days" in text
+    assert text.count("(default") == 6
+    assert "`--gpus 8`: GPUs in the job (given)" in plan_report.header(Job(gpus=8), {})
+
+
+def test_sdc_plan_on_the_notebook_fixture_writes_its_plan_and_figure(tmp_path, capsys):
+    plan_report.main([str(FIXTURE), "--out", str(tmp_path), "--sdc-rate", "1e-4"])
+    printed = capsys.readouterr().out
+    assert "Recommended: **" in printed and "Set it with:" in printed
+    # A high rate pays for replay; every 5 steps audits the faults' step 10 as every step does
+    # (the same harmful faults caught), for a quarter of the overhead.
+    assert "detectors=[replay] detectors.replay.interval=5" in printed
+    text = (tmp_path / "plan.md").read_text()
+    assert "| 1 | replay | 5 |" in text and "--sdc-rate 0.0001" in text
+    assert (tmp_path / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_report_of_a_run_with_several_intervals_has_the_plan(tmp_path):
+    df = report.load_trials([FIXTURE])
+    text = report.write_report(df, tmp_path, [FIXTURE]).read_text()
+    section = text.split("## How often to audit")[1].split("\n## ")[0]
+    assert "Recommended:" in section and "(figures/plan.png)" in section
+    assert (tmp_path / "figures" / "plan.png").exists()
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["{missing}"], "not a folder"),
+        (["{empty}"], "no trials.csv"),
+        (["{trials_only}"], "no overhead.csv"),
+        (["{fixture}", "--sdc-rate", "-1"], "--sdc-rate: must be a number >= 0"),
+        (["{fixture}", "--gpus", "many"], "--gpus: invalid int value"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(tmp_path, capsys, args, says):
+    (tmp_path / "empty").mkdir()
+    trials_only = tmp_path / "trials_only"
+    trials_only.mkdir()
+    (trials_only / "trials.csv").write_text((FIXTURE / "0" / "trials.csv").read_text())
+    where = {
+        "missing": tmp_path / "nowhere",
+        "empty": tmp_path / "empty",
+        "trials_only": trials_only,
+        "fixture": FIXTURE,
+    }
+    with pytest.raises(SystemExit) as stop:
+        plan_report.main([a.format(**where) for a in args])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("sdc-plan: ") and says in err
+    assert not (trials_only / "plan.md").exists()
+
+
+def test_the_console_script_exits_2_without_a_traceback(tmp_path):
+    script = Path(sys.executable).parent / "sdc-plan"
+    proc = subprocess.run([str(script), str(tmp_path / "nowhere")], capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == f"sdc-plan: {tmp_path / 'nowhere'}: not a folder\n"
