@@ -17,10 +17,14 @@ import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from harness.errors import ConfigError
+
+if TYPE_CHECKING:  # harness.config validates cpu_kernels with this module
+    from harness.config import TopologyConfig
 
 CPU_KERNELS = ("avx2", "avx512", "default", "native")
 # torch's own test before it uses a capability (a pin the CPU lacks would crash on SIGILL).
@@ -143,12 +147,13 @@ def math_library() -> str:
     return ", ".join(parts)
 
 
-def describe(topology) -> dict[str, str]:
+def describe(topology: TopologyConfig) -> dict[str, str]:
     """The environment the ranks of `topology` compute in, as strings; `cpu_capability` is what
     every rank checks it runs (`check_rank`), or, unpinned, what torch chose here."""
+    pinned_settings = pins(topology.cpu_kernels)
     settings = {name: os.environ[name] for name in RECORDED_VARIABLES if name in os.environ}
-    settings.update(pins(topology.cpu_kernels))
-    pinned_kernels = pins(topology.cpu_kernels).get("ATEN_CPU_CAPABILITY")
+    settings.update(pinned_settings)
+    pinned_kernels = pinned_settings.get("ATEN_CPU_CAPABILITY")
     threads = topology.threads_per_rank
     return {
         "commit": commit(),

@@ -200,7 +200,8 @@ def environment_lines(base: Run, cur: Run) -> list[str]:
         ]
     if before is None or after is None:
         which = " and ".join(n for n, e in (("baseline", before), ("current", after)) if e is None)
-        lines = [f"environment unknown for the {which} run (none recorded, or mixed in a sweep)"]
+        runs = "runs" if before is None and after is None else "run"
+        lines = [f"environment unknown for the {which} {runs} (none recorded, or mixed in a sweep)"]
     else:
         changed = environment.differences(before, after)
         lines = ["environments differ: " + "; ".join(
