@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from harness import overhead
+from harness import environment, overhead
 from harness.config import ConfigError, RunConfig, TopologyConfig, TrialSpec
 from harness.fastforward import drop_snapshots, fast_forwarded, has_snapshots
 from harness.outcome import Judged, golden_from, noise_band, trial_row
@@ -21,7 +21,7 @@ from harness.records import Records
 from harness.recovery import run_with_recovery, scratch_folders
 from harness.world import Outcome, World
 
-CAMPAIGN_FILE = "campaign.json"
+CAMPAIGN_FILE = environment.CAMPAIGN_FILE
 
 
 class CampaignError(RuntimeError):
@@ -32,33 +32,55 @@ def _identity(run: RunConfig) -> str:
     return json.dumps(dataclasses.asdict(run), sort_keys=True, indent=1)
 
 
+def recorded(out: Path) -> tuple[str, dict | None] | None:
+    """The identity and environment that `out`'s campaign.json holds (None without one; an
+    environment of None in a folder written before environments were recorded)."""
+    path = out / CAMPAIGN_FILE
+    if not path.exists():
+        return None
+    held = json.loads(path.read_text())
+    env = held.pop("environment", None)
+    return json.dumps(held, sort_keys=True, indent=1), env
+
+
 def check_out(out: Path, run: RunConfig) -> None:
-    """Refuse an `out` that cannot be written or that holds a different campaign's trials; the
-    same campaign resumes."""
+    """Refuse an `out` that cannot be written, that holds a different campaign's trials, or whose
+    trials were computed in an environment that gives other numbers (their goldens would not
+    be this machine's); the same campaign in the same environment resumes."""
     existing = next(p for p in (out, *out.parents) if p.exists())
     if not existing.is_dir():
         raise ConfigError("out", f"{existing} is not a folder; choose an out that can be created")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError("out", f"{existing} is not writable; choose another out")
-    path = out / CAMPAIGN_FILE
-    if path.exists() and path.read_text() != _identity(run):
+    held = recorded(out)
+    if held is not None and held[0] != _identity(run):
         raise ConfigError(
             "out", f"{out} holds a different campaign's trials; choose a new out to keep them"
         )
-    if not path.exists() and (out / "trials.csv").exists():
+    if held is not None:
+        before, now = held[1], environment.describe(run.topology)
+        changed = [f for f in environment.differences(before, now) if f in environment.NUMERIC]
+        if changed:
+            was = ", ".join(f"{f} {(before or {}).get(f, '?')} -> {now[f]}" for f in changed)
+            raise ConfigError(
+                "out", f"{out} was computed in another environment ({was}); resume it there "
+                "or choose a new out"
+            )  # fmt: skip
+    if held is None and (out / "trials.csv").exists():
         raise ConfigError("out", f"{out} holds trials of unknown origin; choose a new out")
 
 
 def claim(out: Path, run: RunConfig) -> None:
-    """Bind `out` to this campaign (after `check_out`)."""
+    """Bind `out` to this campaign and record the environment it computes in (after
+    `check_out`; a resume keeps the first record, whose numeric fields it matches)."""
     check_out(out, run)
-    identity = _identity(run)
     path = out / CAMPAIGN_FILE
     if path.exists():
         return
     out.mkdir(parents=True, exist_ok=True)
+    held = {**dataclasses.asdict(run), "environment": environment.describe(run.topology)}
     tmp = out / f".{CAMPAIGN_FILE}.tmp"
-    tmp.write_text(identity)
+    tmp.write_text(json.dumps(held, sort_keys=True, indent=1))
     tmp.replace(path)
 
 

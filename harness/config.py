@@ -17,6 +17,7 @@ import torch
 
 import detectors
 import injectors
+from harness.environment import check_cpu_kernels
 from harness.errors import ConfigError
 from harness.workloads import DTYPES, Workload, WorkloadConfig
 from injectors import bits, injector
@@ -40,6 +41,9 @@ class TopologyConfig:
     threads_per_rank: int | tuple[int, ...]
     collective_timeout_s: float
     trial_timeout_s: float
+    # The CPU kernels every rank is pinned to (harness.environment): rows reproduce on any
+    # machine that has them; `native` lets each machine choose its own.
+    cpu_kernels: str = "avx2"
 
     @property
     def world_size(self) -> int:
@@ -344,6 +348,8 @@ def topology_config(raw: dict[str, Any]) -> TopologyConfig:
         _int("topology.threads_per_rank", threads, 1)
     _positive("topology.collective_timeout_s", raw.get("collective_timeout_s"))
     _positive("topology.trial_timeout_s", raw.get("trial_timeout_s"))
+    if "cpu_kernels" in raw:
+        check_cpu_kernels("topology.cpu_kernels", raw["cpu_kernels"])
     return TopologyConfig(**raw)
 
 

@@ -12,6 +12,13 @@ folder, no trials.csv, missing columns), before anything is compared. A regressi
   files that a campaign with `campaign.overhead` writes, when both folders have them;
 - a new blind spot (DESIGN section 5): a cell that is one now and was not in the baseline.
 
+Before the verdict it says whether both runs computed in the same environment (campaign.json,
+harness.environment). Only then can rows compare bit for bit: golden losses, `golden_match` and
+which trials are masked (bit-identical to their golden run). It reports how many shared trials
+kept their effect and golden loss, as information: a change of code may change them. Across
+environments these are not compared at all, since a masked trial there may turn benign from
+rounding alone; every regression above is a rate with its interval and compares either way.
+
 Every count comes from the report's own functions (harness.report), so a regression is judged on
 exactly the numbers the report shows.
 """
@@ -25,6 +32,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from harness import environment
 from harness.report import (
     ANY,
     Cell,
@@ -52,11 +60,14 @@ class Run:
 
     trials: pd.DataFrame
     overhead: pd.DataFrame | None
+    environment: dict[str, str] | None  # None: not recorded, or differing within a sweep
 
 
 def load(folder: Path) -> Run:
     """Read a run or sweep folder; any problem raises ReportError naming the folder or file."""
-    return Run(_trials(folder), load_overhead([folder]))
+    trials = _trials(folder)
+    runs = [Path(r) for r in sorted(trials["run"].unique())]
+    return Run(trials, load_overhead([folder]), environment.of_runs(runs))
 
 
 def _trials(folder: Path) -> pd.DataFrame:
@@ -173,6 +184,37 @@ def regressions(base: Run, cur: Run) -> list[dict[str, str]]:
     ]
 
 
+def environment_lines(base: Run, cur: Run) -> list[str]:
+    """Whether the two runs' rows can compare bit for bit, and what compares either way."""
+    before, after = base.environment, cur.environment
+    if environment.same_numbers(before, after):
+        shared = base.trials.merge(cur.trials, on="trial_id", suffixes=("_base", "_cur"))
+        kept = (shared["effect_base"] == shared["effect_cur"]) & (
+            shared["golden_final_loss_base"] == shared["golden_final_loss_cur"]
+        )
+        commits = [e["commit"][:12] for e in (before, after)]
+        code = "same commit" if commits[0] == commits[1] else " -> ".join(commits)
+        return [
+            f"same environment ({code}): rows compare bit for bit; {int(kept.sum())}/"
+            f"{len(shared)} shared trials kept their effect and golden loss"
+        ]
+    if before is None or after is None:
+        which = " and ".join(n for n, e in (("baseline", before), ("current", after)) if e is None)
+        runs = "runs" if before is None and after is None else "run"
+        lines = [f"environment unknown for the {which} {runs} (none recorded, or mixed in a sweep)"]
+    else:
+        changed = environment.differences(before, after)
+        lines = ["environments differ: " + "; ".join(
+            f"{f} {before.get(f, '?')} -> {after.get(f, '?')}" for f in changed
+        )]  # fmt: skip
+    return [
+        *lines,
+        "statistical comparisons only: catch rates, false positives, blind spots and overhead "
+        "compare; golden losses, bit-identity (golden_match) and masked counts do not (a "
+        "masked trial may turn benign from rounding alone), and are not judged",
+    ]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="sdc-regress", description=__doc__.splitlines()[0])
     parser.add_argument("baseline", type=Path, help="the baseline run folder (results/baseline)")
@@ -183,6 +225,8 @@ def main(argv: list[str] | None = None) -> None:
     except ReportError as exc:
         print(f"sdc-regress: {exc}", file=sys.stderr)
         sys.exit(2)
+    for line in environment_lines(base, cur):
+        print(f"sdc-regress: {line}")
     found = regressions(base, cur)
     sizes = f"{len(base.trials)} baseline trials, {len(cur.trials)} current trials"
     if not found:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness import figures, overhead
+from harness import environment, figures, overhead
 from harness.outcome import CONTRACT_COLUMNS, EXTRA_COLUMNS
 from harness.workloads import DTYPES
 from injectors import bits
@@ -503,6 +503,12 @@ DEFINITIONS = """## Definitions (docs/design.md, section 5)
   a 95% Wilson upper bound below 50%."""
 
 
+def environment_line(df: pd.DataFrame) -> str:
+    """Where the rows were computed (campaign.json), one line; runs that differ are joined."""
+    lines = [environment.summary(environment.recorded(Path(r))) for r in sorted(df["run"].unique())]
+    return "; ".join(dict.fromkeys(lines))
+
+
 def write_report(df: pd.DataFrame, out: Path, dirs: list[Path] | None = None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     folder = out / "figures"
@@ -510,6 +516,7 @@ def write_report(df: pd.DataFrame, out: Path, dirs: list[Path] | None = None) ->
     sections = [
         "# SDC detection coverage report",
         f"Runs: {', '.join(sorted(df['run'].unique()))}  ",
+        "Environment: " + environment_line(df) + "  ",
         f"Trials: {len(df)}; workloads: {', '.join(sorted(df['workload'].unique()))}; "
         f"dtypes: {', '.join(sorted(df['dtype'].unique()))}; "
         "effects: " + ", ".join(f"{e} {n}" for e, n in df["effect"].value_counts().items()),

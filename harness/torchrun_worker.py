@@ -2,7 +2,8 @@
 from torchrun's variables. `sdc-bench launcher=torchrun out=DIR` writes DIR/plan.json and prints
 the command, for example:
 
-    torchrun --standalone --nproc-per-node=4 -m harness.torchrun_worker DIR
+    ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=COMPATIBLE ONEDNN_MAX_CPU_ISA=AVX2 \
+        torchrun --standalone --nproc-per-node=4 -m harness.torchrun_worker DIR
 
 torchrun itself is the watchdog here: a rank that dies ends the whole run, and a rerun of the
 same command resumes after the last complete trial.
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from harness import report
+from harness import environment, report
 from harness.campaign import Campaign
 from harness.config import ConfigError, RunConfig, run_config
 from harness.plugins import RankInfo
@@ -36,8 +37,10 @@ def command(run: RunConfig, out: Path) -> str:
         if topo.nodes == 1
         else f"--nnodes={topo.nodes} --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT"
     )
+    # torch reads its kernel pin when it loads, before the worker runs: the command carries it.
+    pins = "".join(f"{k}={v} " for k, v in environment.pins(topo.cpu_kernels).items())
     return (
-        f"torchrun {rendezvous} --nproc-per-node={topo.ranks_per_node} "
+        f"{pins}torchrun {rendezvous} --nproc-per-node={topo.ranks_per_node} "
         f"-m harness.torchrun_worker {out}{trust}"
     )
 
@@ -84,10 +87,10 @@ def main(argv: list[str] | None = None) -> None:
             raise ConfigError("workload", "a custom plan names code to run; add --trust-plan")
         run = run_config(raw)
         info = rank_info(run)
+        init_rank(run.topology, info.rank)
     except (ConfigError, OSError) as exc:
         print(f"harness.torchrun_worker: error: {exc}", file=sys.stderr)
         sys.exit(2)
-    init_rank(run.topology, info.rank)
     dist.init_process_group(
         run.topology.backend,
         init_method="env://",

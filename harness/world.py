@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from harness import environment
 from harness.config import RunConfig, TopologyConfig, TrialSpec
 from harness.plugins import RankInfo
 from harness.trainer import RankResult, run_trial
@@ -46,9 +47,11 @@ def loopback_interface() -> str:
 
 
 def init_rank(topology: TopologyConfig, rank: int) -> None:
-    """Settings every rank needs before it joins: loopback only, a fixed thread count."""
+    """Settings every rank needs before it joins: loopback only, a fixed thread count, and the
+    pinned CPU kernels (set in its environment before it started)."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
     torch.set_num_threads(topology.threads(rank))
+    environment.check_rank(topology.cpu_kernels)
 
 
 def _rank_main(
@@ -142,7 +145,8 @@ class World:
         ctx = mp.get_context("spawn")
         self.tasks = [ctx.Queue() for _ in range(topology.world_size)]
         self.results = ctx.Queue()
-        init_file = str(self.workdir / "rendezvous")
+        # Absolute: a relative path in a file:// URL reads as a host name, and ranks wait forever.
+        init_file = str((self.workdir / "rendezvous").resolve())
         self.procs = [
             ctx.Process(
                 target=_rank_main,
@@ -160,8 +164,11 @@ class World:
             )
             for r in range(topology.world_size)
         ]
-        for proc in self.procs:
-            proc.start()
+        # A spawned rank imports torch before it runs a line of ours: the pins must be in the
+        # environment it inherits.
+        with environment.pinned(topology.cpu_kernels):
+            for proc in self.procs:
+                proc.start()
         self.alive = True
 
     def run(self, run: RunConfig, spec: TrialSpec) -> Outcome:

@@ -22,10 +22,13 @@ TIMING = {"step_time_s", "ttd_seconds"}
 FAST = ["workload.steps=12", "campaign.noise_seeds=2"]
 
 
-def sdc_bench(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+def sdc_bench(
+    *args: str, cwd: Path, timeout: float = 300, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     return subprocess.run(
         [str(BIN / "sdc-bench"), *args],
         cwd=cwd,
+        env=env,
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -58,6 +58,7 @@ CASES = [
     (["workload.dtype=float8"], "workload.dtype", "allowed: float32, bfloat16, float16"),
     (["detectors=[nan_inf,oracle]"], "detectors", "allowed: allreduce_sketch, grad_stats, nan_inf"),
     (["topology.nodes=0"], "topology.nodes", "1..inf"),
+    (["topology.cpu_kernels=avx3"], "topology.cpu_kernels", "avx2, avx512, default, native"),
     (["recovery.enabled=maybe"], "recovery.enabled", "allowed: true, false"),
     (["recovery.enabled=true", "detectors=[]"], "recovery.enabled", "choose detectors"),
     (["fault.sitee=grad"], "fault.sitee", ""),

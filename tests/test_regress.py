@@ -4,13 +4,15 @@ detector on (the baseline) and switched off (a planted regression)."""
 from __future__ import annotations
 
 import csv
+import json
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
-from harness import overhead
+from harness import environment, overhead
 from harness.regress import load, regressions
 from tests.conftest import BIN
 
@@ -77,6 +79,40 @@ def test_identical_runs_do_not_regress(runs):
     proc = sdc_regress(runs["baseline"], runs["baseline"])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "no regression (8 baseline trials, 8 current trials)" in proc.stdout
+    assert (
+        "sdc-regress: same environment (same commit): rows compare bit for bit; 8/8 shared "
+        "trials kept their effect and golden loss"
+    ) in proc.stdout
+
+
+def test_runs_record_their_environment_and_the_report_shows_it_in_one_line(runs):
+    env = json.loads((runs["baseline"] / "campaign.json").read_text())["environment"]
+    assert (env["cpu_kernels"], env["torch"], env["device"]) == ("avx2", torch.__version__, "cpu")
+    if environment.on_x86():
+        assert env["cpu_capability"] == "AVX2"
+        assert "ATEN_CPU_CAPABILITY=avx2" in env["math_settings"]
+    report = (runs["baseline"] / "report.md").read_text().splitlines()
+    lines = [line for line in report if line.startswith("Environment: ")]
+    assert lines == [f"Environment: {environment.summary(env)}  "]
+
+
+def test_another_environment_is_named_and_compared_statistically_only(runs, tmp_path):
+    other = copy(runs["baseline"], tmp_path / "other")
+    held = json.loads((runs["baseline"] / "campaign.json").read_text())
+    machine, kernels = held["environment"]["machine"], held["environment"]["cpu_capability"]
+    held["environment"].update(machine="riscv64", cpu_capability="RVV")
+    (other / "campaign.json").write_text(json.dumps(held))
+    proc = sdc_regress(runs["baseline"], other)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    changed = f"machine {machine} -> riscv64; cpu_capability {kernels} -> RVV"
+    assert f"sdc-regress: environments differ: {changed}" in lines
+    assert any(
+        line.startswith("sdc-regress: statistical comparisons only: catch rates") for line in lines
+    )
+    unknown = sdc_regress(copy(runs["baseline"], tmp_path / "bare"), runs["baseline"])
+    assert "sdc-regress: environment unknown for the baseline run" in unknown.stdout
+    assert "no regression" in unknown.stdout
 
 
 def test_committed_baseline_reads_and_does_not_regress_against_itself():

@@ -8,6 +8,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from harness import environment
 from harness.world import crash_cause
 from tests.conftest import BIN, FAST, rows, without_timing
 
@@ -68,9 +69,13 @@ def test_torchrun_runs_the_same_worker_code_and_writes_the_same_rows(tmp_path, r
     spawned, planned = tmp_path / "spawned", tmp_path / "planned"
     run_ok(*args, f"out={spawned}", cwd=tmp_path)
     proc = run_ok(*args, "launcher=torchrun", f"out={planned}", cwd=tmp_path)
-    command = proc.stdout.strip().splitlines()[-1].split()
+    words = proc.stdout.strip().splitlines()[-1].split()
+    # The command carries the kernel pins: torch reads them as it loads, before the worker runs.
+    pins = dict(w.split("=", 1) for w in words if "=" in w and not w.startswith("-"))
+    assert pins == environment.pins("avx2")
+    command = words[len(pins) :]
     assert command[:3] == ["torchrun", "--standalone", "--nproc-per-node=4"]
-    env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}")
+    env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", **pins)
     done = subprocess.run(
         command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
     )

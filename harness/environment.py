@@ -1,0 +1,213 @@
+"""What a run computed on, and the pins that make its rows reproduce on other machines.
+
+torch chooses its CPU kernels by instruction set once, when it loads (ATEN_CPU_CAPABILITY), and
+MKL, under every float32 matmul here, chooses its code path by CPU vendor and model (MKL_CBWR).
+Either choice changes the last bits of a golden run, and with them which trials are "masked".
+So every rank gets the same choices in its environment before it imports torch: the spawned
+world sets them around each Process.start(), and torchrun's command line carries them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from harness.errors import ConfigError
+
+if TYPE_CHECKING:  # harness.config validates cpu_kernels with this module
+    from harness.config import TopologyConfig
+
+CPU_KERNELS = ("avx2", "avx512", "default", "native")
+# torch's own test before it uses a capability (a pin the CPU lacks would crash on SIGILL).
+NEEDS = {
+    "avx2": ("avx2", "fma3"),
+    "avx512": ("avx512_f", "avx512_bw", "avx512_dq", "avx512_vl", "fma3"),
+}
+ONEDNN_ISA = {"avx2": "AVX2", "avx512": "AVX512_CORE", "default": "SSE41"}
+# What a rank's numbers may depend on beyond the pins: recorded as the rank sees it.
+RECORDED_VARIABLES = (
+    "ATEN_CPU_CAPABILITY",
+    "MKL_CBWR",
+    "ONEDNN_MAX_CPU_ISA",
+    "OPENBLAS_CORETYPE",
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+)
+# Fields whose difference changes the numbers a run computes; the others say where and from
+# which code it ran (a code change is the commit's to say, and may or may not change them).
+NUMERIC = ("torch", "machine", "cpu_capability", "math_library", "math_settings", "threads",
+           "device", "backend")  # fmt: skip
+UNKNOWN = "unknown"
+CAMPAIGN_FILE = "campaign.json"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def architecture() -> str:
+    return str(torch.cpu.get_capabilities().get("architecture", platform.machine()))
+
+
+def on_x86() -> bool:
+    return architecture() in ("x86_64", "x86-64", "amd64", "AMD64")
+
+
+def check_cpu_kernels(key: str, value: object) -> str:
+    """A pin this machine can run: an x86 capability the CPU lacks is refused here, not met by a
+    SIGILL in every rank."""
+    if value not in CPU_KERNELS:
+        raise ConfigError(key, f"'{value}' is not allowed; allowed: {', '.join(CPU_KERNELS)}")
+    caps = torch.cpu.get_capabilities()
+    if on_x86() and value in NEEDS and not all(caps.get(f, False) for f in NEEDS[value]):
+        usable = [k for k in CPU_KERNELS if k not in NEEDS or all(caps.get(f) for f in NEEDS[k])]
+        raise ConfigError(key, f"this CPU has no {value}; allowed here: {', '.join(usable)}")
+    return str(value)
+
+
+def pins(cpu_kernels: str) -> dict[str, str]:
+    """The variables that pin a rank's kernels here. `native` pins nothing; on a machine that
+    is not x86-64, an x86 capability (avx2, avx512) does not apply and pins nothing either,
+    while `default` (torch's portable kernels) applies everywhere."""
+    if cpu_kernels == "native" or (cpu_kernels in NEEDS and not on_x86()):
+        return {}
+    found = {"ATEN_CPU_CAPABILITY": cpu_kernels}
+    if torch.backends.mkl.is_available():
+        # The only MKL branch that gives the same bits on Intel and AMD CPUs alike (SSE2
+        # code); AVX2 is Intel's alone, and MKL falls back to its own choice elsewhere.
+        found["MKL_CBWR"] = "COMPATIBLE"
+    if on_x86() and torch.backends.mkldnn.is_available():
+        found["ONEDNN_MAX_CPU_ISA"] = ONEDNN_ISA[cpu_kernels]
+    return found
+
+
+@contextmanager
+def pinned(cpu_kernels: str) -> Iterator[None]:
+    """This process's environment with the pins set, for starting ranks; restored after."""
+    settings = pins(cpu_kernels)
+    before = {name: os.environ.get(name) for name in settings}
+    os.environ.update(settings)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def check_rank(cpu_kernels: str) -> None:
+    """In a rank: torch runs the pinned kernels. It does not when ATEN_CPU_CAPABILITY reached the
+    rank after torch loaded (a torchrun started without the printed variables), and the rank's
+    rows would then not reproduce."""
+    want = pins(cpu_kernels).get("ATEN_CPU_CAPABILITY")
+    have = torch.backends.cpu.get_cpu_capability()
+    if want is not None and have != want.upper():
+        variables = " ".join(f"{k}={v}" for k, v in pins(cpu_kernels).items())
+        raise ConfigError(
+            "topology.cpu_kernels",
+            f"'{cpu_kernels}' but this rank runs {have} kernels; start it with {variables}",
+        )
+
+
+def commit() -> str:
+    """The project's commit, "+dirty" with uncommitted changes to tracked files."""
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "HEAD"],
+            capture_output=True, text=True, timeout=10, check=True,
+        ).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(
+            ["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True, text=True, timeout=10, check=True,
+        ).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return UNKNOWN
+    return head + ("+dirty" if dirty else "") if head else UNKNOWN
+
+
+def math_library() -> str:
+    """BLAS and oneDNN as torch was built with them (torch.__config__.show())."""
+    shown = torch.__config__.show()
+    blas = re.search(r"BLAS_INFO=(\w+)", shown)
+    parts = [f"blas={blas.group(1) if blas else UNKNOWN}"]
+    mkl = re.search(r"Math Kernel Library Version ([\w.]+)", shown)
+    if mkl:
+        parts.append(f"MKL {mkl.group(1)}")
+    onednn = re.search(r"MKL-DNN v([\w.]+)", shown)
+    if onednn:
+        parts.append(f"oneDNN {onednn.group(1)}")
+    return ", ".join(parts)
+
+
+def describe(topology: TopologyConfig) -> dict[str, str]:
+    """The environment the ranks of `topology` compute in, as strings; `cpu_capability` is what
+    every rank checks it runs (`check_rank`), or, unpinned, what torch chose here."""
+    pinned_settings = pins(topology.cpu_kernels)
+    settings = {name: os.environ[name] for name in RECORDED_VARIABLES if name in os.environ}
+    settings.update(pinned_settings)
+    pinned_kernels = pinned_settings.get("ATEN_CPU_CAPABILITY")
+    threads = topology.threads_per_rank
+    return {
+        "commit": commit(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu": str(torch.cpu.get_capabilities().get("cpu_name") or platform.processor()),
+        "machine": architecture(),
+        "cpu_kernels": topology.cpu_kernels,
+        "cpu_capability": (pinned_kernels or torch.backends.cpu.get_cpu_capability()).upper(),
+        "math_library": math_library(),
+        "math_settings": " ".join(f"{k}={v}" for k, v in sorted(settings.items())) or "none",
+        "threads": ",".join(map(str, threads)) if isinstance(threads, tuple) else str(threads),
+        "device": "cpu",
+        "backend": topology.backend,
+    }
+
+
+def recorded(folder: Path) -> dict[str, str] | None:
+    """The environment a run folder's campaign.json records (None when it records none)."""
+    try:
+        return json.loads((folder / CAMPAIGN_FILE).read_text()).get("environment")
+    except (OSError, ValueError):
+        return None
+
+
+def of_runs(folders: list[Path]) -> dict[str, str] | None:
+    """The one environment the given run folders share; None when one is unknown or they differ."""
+    found = [recorded(f) for f in folders]
+    if not found or any(e is None for e in found) or any(e != found[0] for e in found):
+        return None
+    return found[0]
+
+
+def summary(env: dict[str, str] | None) -> str:
+    """The environment in one line (the report's header)."""
+    if not env:
+        return "unknown (not recorded)"
+    return (
+        f"commit {env['commit'][:12]}{'+dirty' if env['commit'].endswith('+dirty') else ''}, "
+        f"torch {env['torch']}, Python {env['python']}, {env['cpu']} ({env['machine']}), "
+        f"kernels {env['cpu_capability']} (cpu_kernels={env['cpu_kernels']}), "
+        f"{env['math_library']} [{env['math_settings']}], {env['threads']} thread(s)/rank, "
+        f"{env['device']}/{env['backend']}"
+    )
+
+
+def differences(before: dict[str, str] | None, after: dict[str, str] | None) -> list[str]:
+    """The fields two environments differ in; every numeric field when either is unknown."""
+    if not before or not after:
+        return list(NUMERIC)
+    fields = [*NUMERIC, *(k for k in sorted({*before, *after}) if k not in NUMERIC)]
+    return [f for f in fields if before.get(f) != after.get(f)]
+
+
+def same_numbers(before: dict[str, str] | None, after: dict[str, str] | None) -> bool:
+    """Whether two runs computed under the same numeric environment (both known)."""
+    return not any(f in NUMERIC for f in differences(before, after))
