@@ -17,8 +17,8 @@ from tests.conftest import compose_run, rows, sdc_bench, without_timing
 
 # What a user may have in their shell when they start a campaign: nothing, or either pin.
 PARENT_CAPABILITY = (None, "avx2", "default")
-# The cheapest golden run whose weights show a change of kernels: 2 ranks, 4 steps.
-SMALL = ["campaign=single", "fault=none", "campaign.seeds=1", "detectors=[]", "topology.nodes=2"]
+# The cheapest golden run whose weights show a change of kernels: 1 rank, 2 steps.
+SMALL = ["campaign=single", "fault=none", "campaign.seeds=1", "detectors=[]", "topology.nodes=1"]
 
 
 def golden(monkeypatch, tmp_path, parent: str | None, *overrides: str) -> tuple[float, str]:
@@ -28,7 +28,7 @@ def golden(monkeypatch, tmp_path, parent: str | None, *overrides: str) -> tuple[
         monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
     else:
         monkeypatch.setenv("ATEN_CPU_CAPABILITY", parent)
-    run = compose_run(*SMALL, "workload.steps=4", *overrides)
+    run = compose_run(*SMALL, "workload.steps=2", *overrides)
     world = World(run.topology, tmp_path, tmp_path / "store")
     try:
         outcome = world.run(run, run.golden_specs()[0])
