@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,13 +23,16 @@ TIMING = {"step_time_s", "ttd_seconds"}
 FAST = ["workload.steps=12", "campaign.noise_seeds=2"]
 
 
-def sdc_bench(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+def sdc_bench(
+    *args: str, cwd: Path, timeout: float = 300, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     return subprocess.run(
         [str(BIN / "sdc-bench"), *args],
         cwd=cwd,
         capture_output=True,
         text=True,
         timeout=timeout,
+        env=None if env is None else {**os.environ, **env},
     )
 
 
