@@ -26,6 +26,7 @@ import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -97,9 +98,13 @@ def _rank_main(
     parent = os.getppid()
     Path(workdir, f"rank{rank}.pid").write_text(str(os.getpid()))
     try:
+        # A store, not a file:// URL: in a URL a relative path (the default out is) reads as a
+        # host, file://results/runs/... as the file /runs/... on host "results", and every rank
+        # waited for that folder to appear (the first-run hang of issue 17).
+        rendezvous = dist.FileStore(init_file, topology.world_size)
         dist.init_process_group(
             "gloo",
-            init_method=f"file://{init_file}",
+            store=rendezvous,
             rank=rank,
             world_size=topology.world_size,
             timeout=timedelta(seconds=topology.collective_timeout_s),
@@ -131,7 +136,7 @@ def _rank_main(
     os._exit(0)
 
 
-def _report_error(results: mp.Queue, rank: int, exc: Exception) -> None:
+def _report_error(results: mp.Queue, rank: int, exc: Exception) -> NoReturn:
     """Hand the error to the parent, and leave."""
     lines = str(exc).splitlines() or [""]
     results.put(("error", rank, f"{type(exc).__name__}: {lines[0][:300]}"))
