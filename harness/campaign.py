@@ -8,20 +8,22 @@ import dataclasses
 import json
 import os
 import shutil
+import sys
 from dataclasses import replace
 from pathlib import Path
 
 from tqdm import tqdm
 
-from harness import environment, overhead
+from harness import environment, overhead, stacks
 from harness.config import ConfigError, RunConfig, TopologyConfig, TrialSpec
 from harness.fastforward import drop_snapshots, fast_forwarded, has_snapshots
 from harness.outcome import Judged, golden_from, noise_band, trial_row
 from harness.records import Records
 from harness.recovery import run_with_recovery, scratch_folders
-from harness.world import Outcome, World
+from harness.world import Outcome, World, WorldStartError
 
 CAMPAIGN_FILE = environment.CAMPAIGN_FILE
+CRASH_LOG = "crashes.log"
 
 
 class CampaignError(RuntimeError):
@@ -85,12 +87,15 @@ def claim(out: Path, run: RunConfig) -> None:
 
 
 class SpawnExecutor:
-    """Runs trials in a spawned world, and spawns a fresh one after a crash."""
+    """Runs trials in a spawned world, and spawns a fresh one after a crash. A world that does
+    not start gets one more try in a fresh world. `log` (the run's crashes.log) gets each crash's
+    cause, the stacks of the ranks that hung, and every retry."""
 
-    def __init__(self, topology: TopologyConfig, workdir: Path, store: Path):
+    def __init__(self, topology: TopologyConfig, workdir: Path, store: Path, log: Path):
         self.topology = topology
         self.workdir = workdir
         self.store = store
+        self.log = log
         self.world: World | None = None
 
     def run(self, run: RunConfig, spec: TrialSpec) -> Outcome:
@@ -98,8 +103,39 @@ class SpawnExecutor:
         if self.world is not None and self.world.alive and self.world.topology != run.topology:
             self.world.close()
         if self.world is None or not self.world.alive:
-            self.world = World(run.topology, self.workdir, self.store)
-        return self.world.run(run, spec)
+            self.world = self._start(run.topology)
+        outcome = self.world.run(run, spec)
+        if outcome.crash is not None:
+            stacks.append_log(self.log, f"{spec.trial_id} crashed: {outcome.crash}", outcome.stacks)
+        return outcome
+
+    def run_golden(self, run: RunConfig, spec: TrialSpec) -> Outcome:
+        """A golden run has no fault in it: a crash came from the world, which gets one more
+        try in a fresh one."""
+        outcome = self.run(run, spec)
+        if outcome.crash is None:
+            return outcome
+        self._retrying(spec.trial_id, outcome.crash)
+        outcome = self.run(run, spec)
+        if outcome.crash is None:
+            stacks.append_log(self.log, f"{spec.trial_id} finished on its second try")
+        return outcome
+
+    def _start(self, topology: TopologyConfig) -> World:
+        try:
+            return World(topology, self.workdir, self.store)
+        except WorldStartError as exc:
+            stacks.append_log(self.log, str(exc), exc.stacks)
+            self._retrying("the world's start", str(exc))
+        try:
+            return World(topology, self.workdir, self.store)
+        except WorldStartError as exc:
+            stacks.append_log(self.log, f"{exc} (second try)", exc.stacks)
+            raise CampaignError(f"{exc}, twice (stacks in {self.log})") from None
+
+    def _retrying(self, what: str, cause: str) -> None:
+        tqdm.write(f"sdc-bench: {what} failed ({cause}); retrying once", file=sys.stderr)
+        stacks.append_log(self.log, f"{what} failed: retrying once in a fresh world")
 
     def kill(self) -> None:
         if self.world is not None:
@@ -190,14 +226,16 @@ def run_campaign(run: RunConfig, out: Path) -> Path:
     campaign = Campaign(run, out)
     if run.recovery.enabled:
         scratch_folders(out, run)
-    executor = SpawnExecutor(run.topology, out / "world", out / "store")
+    executor = SpawnExecutor(run.topology, out / "world", out / "store", out / CRASH_LOG)
     bar = tqdm(total=len(campaign.pending), unit="trial", mininterval=1.0)
     alerts = crashes = 0
     try:
         for pending in campaign.pending:
             bar.set_description(pending.trial_id)
             spec = campaign.prepared(pending)
-            if run.recovery.enabled and not spec.golden:
+            if spec.golden:
+                outcome = executor.run_golden(run, spec)
+            elif run.recovery.enabled:
                 outcome = run_with_recovery(run, spec, executor.run, out)
             else:
                 outcome = executor.run(run, spec)

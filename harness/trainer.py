@@ -14,6 +14,7 @@ hook point. It knows the plug-in hooks, never a concrete injector or detector.
 import hashlib
 import math
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -87,9 +88,15 @@ def data_plan(spec: TrialSpec, info: RankInfo) -> tuple[tuple[int, ...], ...]:
     return tuple((r,) for r in range(info.world_size))
 
 
-def run_trial(run: RunConfig, spec: TrialSpec, info: RankInfo, store: Path) -> RankResult:
+def run_trial(
+    run: RunConfig,
+    spec: TrialSpec,
+    info: RankInfo,
+    store: Path,
+    beat: Callable[[], None] = lambda: None,
+) -> RankResult:
     """Train one trial on this rank, from step 0 or from a recovery checkpoint; every rank of
-    the world calls this together."""
+    the world calls this together. `beat` tells the parent that the rank makes progress."""
     cfg = replace(run.workload, seed=spec.seed)
     workload = Workload(cfg)
     model = workload.build_model()
@@ -124,6 +131,7 @@ def run_trial(run: RunConfig, spec: TrialSpec, info: RankInfo, store: Path) -> R
 
     try:
         for step in range(first, cfg.steps):
+            beat()
             state.step = step
             started = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)

@@ -3,10 +3,18 @@
 One world serves many trials. The parent watches its children: a rank that dies, raises or hangs
 ends the current trial as a crash within a bounded time, the world is torn down, and the next
 trial gets a fresh one. Rendezvous goes through a file store, so no port is ever chosen by hand.
+
+Liveness rather than one long deadline: each rank stamps a shared clock once it has joined the
+world and at every step. A world whose ranks have not all joined within
+topology.startup_timeout_s did not start (`WorldStartError`, not a crash of any trial); a rank
+silent (no heartbeat, no CPU time used) for longer than the collective timeout plus a grace while
+a trial runs is hung. A hung rank is asked for its Python stack (harness/stacks.py) before the
+world goes; topology.trial_timeout_s stays as the last resort for a trial that never ends.
 """
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import multiprocessing as mp
 import os
@@ -15,14 +23,15 @@ import signal
 import socket
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
 
-from harness import environment
+from harness import environment, stacks
 from harness.config import RunConfig, TopologyConfig, TrialSpec
 from harness.plugins import RankInfo
 from harness.trainer import RankResult, run_trial
@@ -30,6 +39,16 @@ from harness.trainer import RankResult, run_trial
 _POLL_S = 0.2
 # After the first rank reports an error, how long the others get to report theirs.
 _ERROR_GRACE_S = 2.0
+# How long past the collective timeout a rank may go without a heartbeat while a trial runs. A
+# step takes far less than either, and a rank blocked in a collective raises at the timeout.
+SILENCE_GRACE_S = 10.0
+_MIN_CPU_SHARE = 0.02
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+# Test-only (tests/test_robustness.py): the trial id named here loses rank 0 to SIGKILL the
+# first time it runs in this process, as a world that fails under a golden run would.
+CRASH_ONCE_ENV = "SDC_BENCH_TEST_CRASH_ONCE"
+_crashed_once: set[str] = set()
 
 
 @dataclass
@@ -39,6 +58,15 @@ class Outcome:
     parts: list[RankResult] | None = None
     crash: str | None = None
     recovery: dict | None = None  # what harness.recovery did, when it ran
+    stacks: dict[int, str] = field(default_factory=dict)  # hung ranks' full stack dumps
+
+
+class WorldStartError(RuntimeError):
+    """The world's ranks did not all join it: the cause, and the stacks of those that hung."""
+
+    def __init__(self, cause: str, dumps: dict[int, str]):
+        super().__init__(cause)
+        self.stacks = dumps
 
 
 def loopback_interface() -> str:
@@ -62,17 +90,30 @@ def _rank_main(
     results: mp.Queue,
     workdir: str,
     store: str,
+    beats: ctypes.Array,
 ) -> None:
+    def beat() -> None:
+        beats[rank] = time.monotonic()
+
+    stacks.register_from_env()  # done already where harness.cli is the main module
     init_rank(topology, rank)
     parent = os.getppid()
     Path(workdir, f"rank{rank}.pid").write_text(str(os.getpid()))
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=topology.world_size,
-        timeout=timedelta(seconds=topology.collective_timeout_s),
-    )
+    try:
+        # A store, not a file:// URL: in a URL a relative path (the default out is) reads as a
+        # host, file://results/runs/... as the file /runs/... on host "results", and every rank
+        # waited for that folder to appear (the first-run hang of issue 17).
+        rendezvous = dist.FileStore(init_file, topology.world_size)
+        dist.init_process_group(
+            "gloo",
+            store=rendezvous,
+            rank=rank,
+            world_size=topology.world_size,
+            timeout=timedelta(seconds=topology.collective_timeout_s),
+        )
+    except Exception as exc:  # reported to the parent, which judges the start
+        _report_error(results, rank, exc)
+    beat()  # joined: the world has started once every rank has
     info = RankInfo(rank, topology.world_size, topology.ranks_per_node)
     while True:
         try:
@@ -84,19 +125,26 @@ def _rank_main(
         if task is None:
             break
         run, spec = task
+        beat()
         try:
-            results.put(("ok", rank, run_trial(run, spec, info, Path(store))))
+            results.put(("ok", rank, run_trial(run, spec, info, Path(store), beat)))
         except Exception as exc:  # reported to the parent, which ends the trial as a crash
-            results.put(("error", rank, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"))
-            results.close()
-            results.join_thread()
-            os._exit(1)
+            _report_error(results, rank, exc)
     shutdown()
     # Every result is delivered; skip the interpreter's teardown of torch, which costs every
     # campaign about two seconds of closing its world on 2 cores.
     results.close()
     results.join_thread()
     os._exit(0)
+
+
+def _report_error(results: mp.Queue, rank: int, exc: Exception) -> NoReturn:
+    """Hand the error to the parent, and leave."""
+    lines = str(exc).splitlines() or [""]
+    results.put(("error", rank, f"{type(exc).__name__}: {lines[0][:300]}"))
+    results.close()
+    results.join_thread()
+    os._exit(1)
 
 
 def shutdown() -> None:
@@ -117,10 +165,19 @@ def describe_exit(code: int) -> str:
 PEER_FAILURE = ("Connection closed by peer", "Timed out waiting", "Connection reset by peer")
 
 
-def crash_cause(codes: list[int | None], finished: set[int], errors: dict[int, str]) -> str:
+def crash_cause(
+    codes: list[int | None],
+    finished: set[int],
+    errors: dict[int, str],
+    where: dict[int, str | None] | None = None,
+) -> str:
     """Why a trial crashed, root cause first: ranks that died, ranks that raised an error of
-    their own, ranks that went silent (hung), then ranks whose collective lost a peer."""
-    dead, raised, hung, fallout = [], [], [], []
+    their own, ranks that went silent (hung), then ranks whose collective lost a peer.
+
+    `where` holds, for a hung rank that was asked, its innermost frames, or None when it had not
+    reached the harness yet (interpreter start or imports): those come first among the hung."""
+    where = where or {}
+    dead, raised, unreached, hung, fallout = [], [], [], [], []
     for rank, code in enumerate(codes):
         if rank in errors:
             error = errors[rank]
@@ -130,9 +187,43 @@ def crash_cause(codes: list[int | None], finished: set[int], errors: dict[int, s
             continue
         elif code is not None:
             dead.append(f"rank {rank} {describe_exit(code)}")
+        elif rank in where and where[rank] is None:
+            unreached.append(f"rank {rank} hung before reaching the harness (start or imports)")
+        elif where.get(rank):
+            hung.append(f"rank {rank} hung in {where[rank]}")
         else:
             hung.append(f"rank {rank} hung")
-    return "; ".join(dead + raised + hung + fallout)
+    return "; ".join(dead + raised + unreached + hung + fallout)
+
+
+def cpu_ticks(pid: int) -> int | None:
+    """The CPU time a process has used, in clock ticks; None where /proc cannot tell (not
+    Linux, or the process is gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+class Liveness:
+    """When each rank last showed life while a trial runs: a heartbeat, or CPU time. A rank that
+    computes slowly on a loaded machine is not hung; one asleep or blocked is, though its
+    background threads (gloo's) wake now and then: it lives on under 2% of a core."""
+
+    def __init__(self, procs: list[mp.Process], beats: ctypes.Array, since: float):
+        self.procs = procs
+        self.beats = beats
+        self.seen = [since] * len(procs)
+        self.ticks = [cpu_ticks(p.pid) for p in procs]
+
+    def silent_for(self, rank: int, now: float) -> float:
+        ticks, before = cpu_ticks(self.procs[rank].pid), self.ticks[rank]
+        busy = _MIN_CPU_SHARE * (now - self.seen[rank]) * _CLOCK_TICKS
+        if ticks is not None and before is not None and ticks - before >= max(busy, 1):
+            self.ticks[rank], self.seen[rank] = ticks, now
+        return now - max(self.seen[rank], self.beats[rank])
 
 
 class World:
@@ -145,6 +236,9 @@ class World:
         ctx = mp.get_context("spawn")
         self.tasks = [ctx.Queue() for _ in range(topology.world_size)]
         self.results = ctx.Queue()
+        # When each rank last showed progress (time.monotonic, one clock for every process);
+        # 0 until it has joined the world.
+        self.beats = ctx.Array("d", topology.world_size, lock=False)
         # Absolute: a relative path in a file:// URL reads as a host name, and ranks wait forever.
         init_file = str((self.workdir / "rendezvous").resolve())
         self.procs = [
@@ -158,6 +252,7 @@ class World:
                     self.results,
                     str(self.workdir),
                     str(store),
+                    self.beats,
                 ),
                 daemon=True,
                 name=f"sdc-rank{r}",
@@ -166,43 +261,95 @@ class World:
         ]
         # A spawned rank imports torch before it runs a line of ours: the pins must be in the
         # environment it inherits.
-        with environment.pinned(topology.cpu_kernels):
+        with environment.pinned(topology.cpu_kernels), stacks.written_by_ranks_into(self.workdir):
             for proc in self.procs:
                 proc.start()
         self.alive = True
+        self._await_start()
+
+    def _await_start(self) -> None:
+        """Return once every rank has joined; otherwise kill the world and raise
+        WorldStartError."""
+        errors: dict[int, str] = {}
+        limit = self.topology.startup_timeout_s
+        deadline = time.monotonic() + limit
+        settle = None
+        while not all(self.beats):
+            now = time.monotonic()
+            if now >= min(deadline, settle or deadline):
+                break
+            settle = self._receive({}, errors, settle)
+        else:
+            return
+        joined = {r for r, t in enumerate(self.beats) if t}
+        cause, dumps = self._judge(joined, errors)
+        if time.monotonic() >= deadline:
+            cause = f"{cause} (topology.startup_timeout_s={limit:g})"
+        raise WorldStartError(f"world did not start: {cause}", dumps)
+
+    def _receive(
+        self, parts: dict[int, RankResult], errors: dict[int, str], settle: float | None
+    ) -> float | None:
+        """Take one report, if one comes within a poll; return when to stop waiting for the
+        others once a rank has failed."""
+        try:
+            kind, rank, payload = self.results.get(timeout=_POLL_S)
+        except queue.Empty:
+            if settle is None and any(p.exitcode is not None for p in self.procs):
+                return time.monotonic() + _ERROR_GRACE_S
+            return settle
+        (parts if kind == "ok" else errors)[rank] = payload
+        if kind != "ok" and settle is None:
+            return time.monotonic() + _ERROR_GRACE_S
+        return settle
 
     def run(self, run: RunConfig, spec: TrialSpec) -> Outcome:
         for q in self.tasks:
             q.put((run, spec))
+        if spec.trial_id == os.environ.get(CRASH_ONCE_ENV) and spec.trial_id not in _crashed_once:
+            _crashed_once.add(spec.trial_id)
+            self.procs[0].kill()
         parts: dict[int, RankResult] = {}
         errors: dict[int, str] = {}
-        now = time.monotonic()
-        deadline = now + self.topology.trial_timeout_s
+        started = time.monotonic()
+        deadline = started + self.topology.trial_timeout_s
+        silence = self.topology.collective_timeout_s + SILENCE_GRACE_S
+        liveness = Liveness(self.procs, self.beats, started)
         settle = None  # once a rank failed, how long the others get to report
-        while len(parts) + len(errors) < len(self.procs) and now < min(
-            deadline, settle or deadline
-        ):
-            try:
-                kind, rank, payload = self.results.get(timeout=_POLL_S)
-                (parts if kind == "ok" else errors)[rank] = payload
-                if kind != "ok":
-                    settle = settle or time.monotonic() + _ERROR_GRACE_S
-            except queue.Empty:
-                if settle is None and any(p.exitcode is not None for p in self.procs):
-                    settle = time.monotonic() + _ERROR_GRACE_S
+        timed_out = False
+        while len(parts) + len(errors) < len(self.procs):
             now = time.monotonic()
+            timed_out = now >= deadline
+            waiting = [r for r in range(len(self.procs)) if r not in parts and r not in errors]
+            silent = any(liveness.silent_for(r, now) > silence for r in waiting)
+            if timed_out or silent or (settle is not None and now >= settle):
+                break
+            settle = self._receive(parts, errors, settle)
         if len(parts) == len(self.procs):
             return Outcome(parts=[parts[r] for r in range(len(self.procs))])
-        cause = self._cause(parts, errors)
-        if now >= deadline:
+        cause, dumps = self._judge(set(parts), errors)
+        if timed_out:
             limit = self.topology.trial_timeout_s
             cause = f"no result within topology.trial_timeout_s={limit:g}; {cause}"
-        self.kill()
-        return Outcome(crash=cause)
+        return Outcome(crash=cause, stacks=dumps)
 
-    def _cause(self, parts: dict[int, RankResult], errors: dict[int, str]) -> str:
+    def _judge(self, finished: set[int], errors: dict[int, str]) -> tuple[str, dict[int, str]]:
+        """The cause of a failure, with the stacks of the ranks that hung; kills the world."""
+        hung = {
+            r: p.pid
+            for r, p in enumerate(self.procs)
+            if r not in finished and r not in errors and p.exitcode is None
+        }
+        dumps = stacks.collect(self.workdir, hung)
         codes = [proc.exitcode for proc in self.procs]
-        return crash_cause(codes, set(parts), errors)
+        self.kill()
+        # A rank without a stack file had not reached the harness; one that did not answer the
+        # signal gets no frames.
+        where = {
+            r: stacks.innermost(dumps.get(r, "")) if stacks.reached(self.workdir, pid) else None
+            for r, pid in hung.items()
+        }
+        return crash_cause(codes, finished, errors, where), dumps
 
     def kill(self) -> None:
         for proc in self.procs:

@@ -3,9 +3,12 @@ or written."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
-from tests.conftest import sdc_bench
+from harness import cli
+from tests.conftest import compose_run, sdc_bench
 
 CASES = [
     (["fault.site=gpu"], "fault.site", "allowed: none, grad, allreduce, weight, optimizer"),
@@ -87,3 +90,47 @@ def test_an_out_that_cannot_be_created_is_refused_before_anything_runs(tmp_path)
         == f"sdc-bench: error: out: {blocker} is not a folder; choose an out that can be created"
     )
     assert blocker.read_text() == "the user's data\n"
+
+
+# Each ran silently before: a fault.* value that `fault.site=none` (the default) ignored, or that
+# no site checked. The command's own entry point, in-process: no Hydra app, no world.
+IGNORED_OR_MISTYPED = [
+    (["campaign=single", "fault.model=flip"], "fault.model", "'flip' is not allowed; allowed:"),
+    (["campaign=single", "fault.ranks=[4]"], "fault.ranks", "0..3"),
+    (["campaign=single", "fault.steps=[-1]"], "fault.steps", "0..29"),
+    (["campaign=single", "fault.model=scale", "fault.factor=nan"], "fault.factor", "finite"),
+    (["campaign=single", "fault.model=bitflip"], "fault.site", "ignores fault.model=bitflip"),
+    (["fault=grad_nan", "fault.site=none"], "fault.site", "ignores fault.model=value"),
+    (["fault.stuck_at=2"], "fault.stuck_at", "allowed: 0, 1"),
+    (["fault.persistence=forever"], "fault.persistence", "allowed: transient"),
+    (["fault.bit=sideways"], "fault.bit", "allowed: sign, exponent_msb"),
+    (["fault.site=grad"], "fault.model", "site 'grad' needs a model; allowed: bitflip"),
+    (["fault.site=grad", "fault.model=swap"], "fault.model", "'swap' is not implemented yet"),
+    (["fault.site=matmul"], "fault.site", "'matmul' is not implemented yet"),
+    (["campaign=default", "fault=grad_nan"], "campaign", "use campaign=single"),
+]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key", "message"),
+    IGNORED_OR_MISTYPED,
+    ids=[" ".join(c[0]) for c in IGNORED_OR_MISTYPED],
+)
+def test_a_fault_value_ignored_or_mistyped_exits_2_with_one_line(
+    tmp_path, monkeypatch, capsys, overrides, key, message
+):
+    out = tmp_path / "out"
+    monkeypatch.setattr(sys, "argv", ["sdc-bench", *overrides, f"out={out}"])
+    with pytest.raises(SystemExit) as exited:
+        cli.main()
+    assert exited.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"sdc-bench: error: {key}") and message in lines[0], lines[0]
+    assert not out.exists()
+
+
+def test_a_clean_scenario_in_a_campaign_and_the_default_fault_are_accepted():
+    run = compose_run("campaign=default")
+    assert run.scenarios[0].clean and len(run.scenarios) == 8
+    assert compose_run("campaign=single").scenarios[0].clean

@@ -32,7 +32,7 @@ TINY = [
 def measured(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("overhead")
     run = compose_run(*TINY, "++campaign.overhead={steps:4}")
-    executor = SpawnExecutor(run.topology, out / "world", out / "store")
+    executor = SpawnExecutor(run.topology, out / "world", out / "store", out / "crashes.log")
     try:
         assert overhead.measure(run, out, executor.run) == out / overhead.OVERHEAD_FILE
     finally:

@@ -8,7 +8,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from harness import environment
+from harness import environment, stacks
 from harness.world import crash_cause
 from tests.conftest import BIN, FAST, rows, without_timing
 
@@ -119,3 +119,32 @@ def test_a_crash_names_its_root_cause_before_the_peers_that_lost_it():
     assert hung.startswith("rank 1 hung; rank 0 raised")
     killed = crash_cause([None, None, -9, None], {0}, {1: lost})
     assert killed == f"rank 2 killed by SIGKILL; rank 3 hung; rank 1 raised {lost}"
+
+
+def test_a_hung_ranks_cause_names_the_innermost_frames_of_its_main_thread():
+    root = Path(stacks.__file__).resolve().parent.parent
+    lib = "/venv/lib/python3.11/site-packages/torch/distributed"
+    dump = "\n".join(
+        [
+            "main thread 0x7f00000000aa",
+            "Thread 0x00007f00000000bb (most recent call first):",
+            '  File "/usr/lib/python3.11/threading.py", line 320 in wait',
+            "",
+            "Current thread 0x00007f00000000aa (most recent call first):",
+            f'  File "{lib}/distributed_c10d.py", line 2169 in _new_process_group_helper',
+            f'  File "{lib}/distributed_c10d.py", line 1899 in init_process_group',
+            f'  File "{lib}/c10d_logger.py", line 97 in wrapper',
+            f'  File "{lib}/c10d_logger.py", line 83 in wrapper',
+            f'  File "{root}/harness/world.py", line 96 in _rank_main',
+        ]
+    )
+    frames = stacks.innermost(dump)
+    assert frames == (
+        "distributed_c10d.py:2169 _new_process_group_helper <- distributed_c10d.py:1899 "
+        "init_process_group <- c10d_logger.py:97 wrapper <- ... world.py:96 _rank_main"
+    )
+    cause = crash_cause([None, None, 1], set(), {}, {0: frames, 1: None})
+    assert cause == (
+        f"rank 2 exited with code 1; rank 1 hung before reaching the harness (start or imports); "
+        f"rank 0 hung in {frames}"
+    )
