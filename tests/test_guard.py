@@ -34,6 +34,8 @@ def test_a_user_comm_hook_is_wrapped_not_replaced(tmp_path):
     compressed = _loop(tmp_path / "fp16", "--fp16-hook")
     guarded = _loop(tmp_path / "fp16-guarded", "--fp16-hook", "--guard")
     assert [r["digest"] for r in guarded] == [r["digest"] for r in compressed]
+    # A clean run: no check may alarm (the sketch once expected world-size times what arrived).
+    assert [r["alerts"] for r in guarded] == [[]] * 4
     plain = _loop(tmp_path / "plain")
     assert compressed[0]["digest"] != plain[0]["digest"], "the fp16 hook really ran"
 
