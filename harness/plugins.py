@@ -56,6 +56,11 @@ class Bucket:
     tensors: list[tuple[str, torch.Tensor]]
     is_last: bool
     riders: dict[int, torch.Tensor] = field(default_factory=dict)
+    # What the collective sums of this rank's buffer: `contribution` times it, rounded to `wire`
+    # (None: summed in the buffer's own dtype). 1 and None unless a wrapped comm hook divides
+    # and compresses the bucket after the riders were taken (harness/comm.py).
+    contribution: float = 1.0
+    wire: torch.dtype | None = None
 
 
 @dataclass
