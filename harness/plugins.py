@@ -116,6 +116,9 @@ class DetectorContext:
     workload: Any  # harness.workloads.Workload: regenerates any rank's micro-batch
     steps: int
     data: tuple[tuple[int, ...], ...]  # whose micro-batches each rank trains on
+    # Where replay gets another rank's micro-batches: None regenerates them from `workload`; a
+    # user's loop ships them instead (harness/batch_exchange.py).
+    replay_data: Any = None
 
     def batches(self, rank: int) -> list[tuple[int, int]]:
         """(source rank, micro-batch) pairs that `rank` computes each step."""
