@@ -7,6 +7,13 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from harness.guard import Guard
 from tests.conftest import BIN
 
 LOOP = Path(__file__).parent / "loops" / "plain_ddp.py"
@@ -22,7 +29,9 @@ def _loop(out: Path, *args: str) -> list[dict]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
 
 
+@pytest.mark.slow
 def test_a_clean_loop_with_the_guard_trains_bit_identically_to_one_without(tmp_path):
+    """Default-run twin: tests/test_guarded_example.py, the fp16 clean run."""
     plain = _loop(tmp_path / "plain")
     guarded = _loop(tmp_path / "guarded", "--guard", "--mode", "act")
     assert len({r["digest"] for r in plain}) == 1
@@ -30,7 +39,9 @@ def test_a_clean_loop_with_the_guard_trains_bit_identically_to_one_without(tmp_p
     assert all(r["alarm"] is None and r["alerts"] == [] for r in guarded)
 
 
+@pytest.mark.slow
 def test_a_user_comm_hook_is_wrapped_not_replaced(tmp_path):
+    """Default-run twin: tests/test_guarded_example.py, the fp16 clean run."""
     compressed = _loop(tmp_path / "fp16", "--fp16-hook")
     guarded = _loop(tmp_path / "fp16-guarded", "--fp16-hook", "--guard")
     assert [r["digest"] for r in guarded] == [r["digest"] for r in compressed]
@@ -56,3 +67,24 @@ def test_a_rehearsed_fault_raises_at_its_step_naming_its_rank(tmp_path):
     alarm = results[0]["alarm"]
     assert alarm["detector"] == "allreduce_sketch" and alarm["step"] == 3
     assert alarm["suspect_ranks"] == [2]
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    """A world of one gloo rank in this process: enough for the guard's refusals."""
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield DDP(nn.Linear(4, 2))
+    dist.destroy_process_group()
+
+
+def test_the_sketch_refuses_a_hook_it_cannot_verify_and_names_the_alternatives(one_rank):
+    state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1)
+    with pytest.raises(ValueError, match="cannot verify the comm hook powerSGD_hook") as error:
+        Guard(one_rank, ["allreduce_sketch"], comm_hook=(state, powerSGD_hook.powerSGD_hook))
+    assert str(error.value).endswith("use grad_stats, nan_inf, replay, weight_consensus")
+
+
+def test_replay_in_a_guard_needs_the_users_loss_function(one_rank):
+    with pytest.raises(ValueError, match="replay_fn"):
+        Guard(one_rank, ["replay"])
