@@ -8,11 +8,13 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from detectors import allreduce_sketch as sketch
 from harness.guard import Guard
 from tests.conftest import BIN
 
@@ -88,3 +90,24 @@ def test_the_sketch_refuses_a_hook_it_cannot_verify_and_names_the_alternatives(o
 def test_replay_in_a_guard_needs_the_users_loss_function(one_rank):
     with pytest.raises(ValueError, match="replay_fn"):
         Guard(one_rank, ["replay"])
+
+
+@pytest.mark.parametrize("wire", [torch.float16, torch.bfloat16])
+def test_the_sketch_bounds_a_compressed_reduction_from_the_wire_dtypes_rounding(wire):
+    """What torch's compress hooks do to 4 ranks' buckets (cast, divide, sum with rounding at
+    every addition) stays within the derived bound; in a small bucket the float32 bound alone is
+    exceeded, so the wire term is needed, not a loosening."""
+    world, n = 4, 8192  # a small bucket: float32 rounding alone is bounded tightly there
+    gen = torch.Generator().manual_seed(0)
+    buckets = [torch.randn(n, generator=gen) * 10.0 ** torch.randint(-6, 0, (n,), generator=gen)
+               for _ in range(world)]  # fmt: skip
+    total = torch.zeros(n, dtype=wire)
+    for g in buckets:
+        total += g.to(wire).div_(world)  # every partial sum rounds to the wire dtype
+    signs = sketch.signs(sketch.AllreduceSketch.name, sketch.BLOCKS)
+    riders = sum(sketch.rider_of(g, signs) / world for g in buckets)
+    expected, norms = float(riders[0]), float(riders[1])
+    error = abs(float(sketch.project(total.float(), signs)) - expected)
+    relative, absolute = sketch.wire_rounding(wire, world, n)
+    assert error <= (1e-6 + relative) * n**0.5 * norms + absolute
+    assert error > 1e-6 * n**0.5 * norms
