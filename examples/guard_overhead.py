@@ -2,7 +2,7 @@
 the guard (`--guard-off`): median step time of each run, median over rounds, configurations
 interleaved so that a busy machine slows every one alike.
 
-    python examples/guard_overhead.py [--rounds 3] [--steps 40]
+    python examples/guard_overhead.py [--rounds 5] [--steps 30]
 """
 
 import argparse
@@ -42,8 +42,8 @@ def step_time(args: list[str], steps: int) -> tuple[float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args()
     times: dict[str, list[float]] = {name: [] for name in CONFIGS}
     transfer: dict[str, list[float]] = {name: [] for name in CONFIGS}
@@ -53,11 +53,12 @@ def main() -> None:
             times[name].append(step)
             transfer[name].append(shipped)
     base = statistics.median(times["guard-off"])
-    print("| configuration | step (ms) | overhead | replay transfer per step (ms) |")
-    print("|---|---|---|---|")
+    print("| configuration | step (ms) | overhead | runs (ms) | replay transfer (ms/step) |")
+    print("|---|---|---|---|---|")
     for name in CONFIGS:
         step = statistics.median(times[name])
-        print(f"| {name} | {1000 * step:.1f} | {100 * (step / base - 1):+.1f}% | "
+        spread = f"{1000 * min(times[name]):.1f}-{1000 * max(times[name]):.1f}"
+        print(f"| {name} | {1000 * step:.1f} | {100 * (step / base - 1):+.1f}% | {spread} | "
               f"{1000 * statistics.median(transfer[name]):.2f} |")  # fmt: skip
 
 
