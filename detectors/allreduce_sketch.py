@@ -10,6 +10,15 @@ derived from rounding:
     |s . received - sum_i s . g_i|  <=  rtol * sqrt(n) * sum_i ||g_i||_2
 
 (sqrt(n) * ||g||_2 bounds the L1 norm, which bounds how far rounding can move the projection).
+A comm hook that compresses (torch's `fp16_compress_hook`, `bf16_compress_hook`: the bucket is
+rounded to the wire dtype, divided by the world size there, and summed there) adds its own
+rounding, bounded from the wire dtype's unit roundoff u (half its epsilon) and world size W.
+Per element of rank i's bucket g_i: the cast and the division round twice, |c_i - g_i/W| <=
+2u |g_i|/W; a sum of W terms rounded at each of its W - 1 additions moves by at most (W - 1) u
+sum_i |c_i|. So what arrives is within (W + 1) u sum_i |g_i| / W of the exact average, and the
+projection within (W + 1) u sqrt(n) sum_i ||g_i / W||_2: that relative term joins rtol. Below the
+wire dtype's smallest normal number the roundings are absolute, at most half a subnormal step
+each: one subnormal step per element and rank, n W steps in all (float16's step is 6e-8).
 A wrong value delivered to one receiver (`scope=rank`) alarms that rank; a wrong reduction
 (`scope=reduction`) alarms every rank, though all replicas agree with each other. Each alert
 carries the bound, the smallest perturbation of one element that this step could have seen.
@@ -58,6 +67,13 @@ def _summable(buffer: torch.Tensor) -> torch.Tensor:
     return buffer if buffer.dtype in (torch.float32, torch.bfloat16) else buffer.float()
 
 
+def wire_rounding(wire: torch.dtype, world: int, n: int) -> tuple[float, float]:
+    """What summing n elements per rank in `wire` adds to the bound: a relative term (of
+    sqrt(n) times the summed norms) and an absolute one (module docstring)."""
+    info = torch.finfo(wire)
+    return (world + 1) * info.eps / 2, n * world * info.smallest_normal * info.eps
+
+
 class AllreduceSketch(Detector):
     name = "allreduce_sketch"
     defaults = {"rtol": None}
@@ -81,12 +97,19 @@ class AllreduceSketch(Detector):
         self.signs = signs(self.name, BLOCKS)
 
     def rider(self, step: int, bucket: Bucket) -> torch.Tensor:
-        return rider_of(bucket.buffer, self.signs)
+        # Projection and norm are linear in the buffer: scaling them is scaling what is summed.
+        return rider_of(bucket.buffer, self.signs) * bucket.contribution
 
     def on_reduced_grad(self, step: int, bucket: Bucket) -> None:
         expected, norms = (float(x) for x in bucket.riders[id(self)])
         got = float(project(bucket.buffer, self.signs))
-        bound = self.rtol * math.sqrt(bucket.buffer.numel()) * norms
+        n = bucket.buffer.numel()
+        relative, absolute = (
+            (0.0, 0.0)
+            if bucket.wire is None
+            else wire_rounding(bucket.wire, self.info.world_size, n)
+        )
+        bound = (self.rtol + relative) * math.sqrt(n) * norms + absolute
         if step == 0:
             # The smallest change of one element this check can see, next to the gradient norm.
             norm = float(bucket.buffer.float().norm())

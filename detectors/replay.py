@@ -10,6 +10,12 @@ parameter, summed in name order, plus its L2 norm. `exact` mode compares bit pat
 and projection (needs deterministic compute); `tolerant` mode allows a relative difference of
 `rtol` (of the loss, and of the gradient's L2 norm), calibrated on clean runs.
 
+Where the micro-batches come from is `ctx.replay_data`'s business: in campaigns (None) any rank
+regenerates any other's from the workload (`Regenerated`); in a user's loop the guard ships the
+batch each rank trained on to the ranks that replay it (harness/batch_exchange.py). Both offer
+`ship` (every rank calls it with the same routes before the batches are needed), `losses`,
+`micro_batches` and `divisor`.
+
 Replay never disturbs training: gradients come from torch.autograd.grad (param.grad is never
 touched) and the RNG state is restored, so a clean run with replay on ends bit-identical to one
 without. Its floor is one forward and backward of the audited rank's micro-batches per audit.
@@ -18,10 +24,12 @@ without. Its floor is one forward and backward of the audited rank's micro-batch
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from detectors.fingerprint import signs
 from harness.errors import ConfigError
@@ -29,6 +37,30 @@ from harness.plugins import Bucket, Detector
 
 # Slots of the exchanged row: own loss, own projection, own norm, then the same for the replay.
 _OWN, _REPLAY = 0, 3
+
+
+class Regenerated:
+    """Campaigns: every micro-batch is a pure function of (seed, step, rank, micro-batch), so a
+    replaying rank makes its own copy and nothing travels."""
+
+    def __init__(self, ctx: Any):
+        self.ctx = ctx
+
+    @property
+    def divisor(self) -> float:
+        return self.ctx.divisor
+
+    def micro_batches(self, rank: int) -> int:
+        return len(self.ctx.batches(rank))
+
+    def ship(self, step: int, routes: list[tuple[int, int]]) -> None:
+        """Nothing to ship: (source, destination) routes are regenerated at the destination."""
+
+    def losses(self, model: nn.Module, step: int, rank: int) -> Iterator[torch.Tensor]:
+        """Each of `rank`'s micro-batch losses at `step`, computed on `model`, one at a time."""
+        workload = self.ctx.workload
+        for source, m in self.ctx.batches(rank):
+            yield workload.loss(model, workload.batch(step, source, m))
 
 
 class Replay(Detector):
@@ -60,7 +92,7 @@ class Replay(Detector):
 
     def __init__(self, params, ctx, log):
         super().__init__(params, ctx, log)
-        self.workload = ctx.workload
+        self.data = ctx.replay_data or Regenerated(ctx)
         self.model = ctx.model
         dtype = next(self.model.parameters()).dtype
         # Calibrated on clean runs with 1 and 2 threads per rank: float32 replays differ by up to
@@ -78,7 +110,7 @@ class Replay(Detector):
 
     def on_loss(self, step: int, loss: torch.Tensor) -> None:
         if self._audited(step):
-            self.own_loss += loss.item() / len(self.ctx.batches(self.info.rank))
+            self.own_loss += loss.item() / self.data.micro_batches(self.info.rank)
         return None
 
     def on_local_grad(self, step: int, bucket: Bucket) -> None:
@@ -94,15 +126,14 @@ class Replay(Detector):
         rng = torch.get_rng_state()
         params = [p for _, p in self.model.named_parameters()]
         names = [n for n, _ in self.model.named_parameters()]
-        batches = self.ctx.batches(rank)
+        micro = self.data.micro_batches(rank)
         total_loss, grads = 0.0, None
-        for source, m in batches:
-            loss = self.workload.loss(self.model, self.workload.batch(step, source, m))
-            part = torch.autograd.grad(loss / self.ctx.divisor, params)
+        for loss in self.data.losses(self.model, step, rank):
+            part = torch.autograd.grad(loss / self.data.divisor, params)
             grads = (
                 list(part) if grads is None else [a + b for a, b in zip(grads, part, strict=True)]
             )
-            total_loss += loss.item() / len(batches)
+            total_loss += loss.item() / micro
         torch.set_rng_state(rng)
         dots, sq = {}, 0.0
         for name, g in zip(names, grads, strict=True):
@@ -129,6 +160,7 @@ class Replay(Detector):
             return
         world, per_node = self.info.world_size, self.info.ranks_per_node
         peer = (self.info.rank + per_node) % world
+        self.data.ship(step, [(p, (p - per_node) % world) for p in range(world)])
         row = torch.zeros(6, dtype=torch.float64)
         row[_OWN : _OWN + 3] = torch.tensor(
             [self.own_loss, _fold(self.own_dots), math.sqrt(self.own_sq)], dtype=torch.float64
@@ -144,6 +176,7 @@ class Replay(Detector):
         if not mismatched:
             return
         # Tie-break: the rank one node further on recomputes each mismatched rank's work.
+        self.data.ship(step, [(p, (p + per_node) % world) for p in mismatched])
         third = torch.zeros(world, 3, dtype=torch.float64)
         for p in mismatched:
             if (p + per_node) % world == self.info.rank:

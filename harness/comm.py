@@ -11,7 +11,9 @@ Three ways to reduce:
 - transparent: exactly what DDP's default allreduce does to the bucket, so a user's own loop
   with the guard attached trains bit-identically to the loop without it (riders then pay for a
   small collective of their own);
-- wrapped: a comm hook the user already has (say, compression) does the reduction.
+- wrapped: a comm hook the user already has (say, compression) does the reduction. Riders are
+  taken from the local bucket before that hook starts (it may reduce the bucket in place,
+  asynchronously), and `LINEAR_HOOKS` tells the sketch what each of torch's own hooks sums.
 
 Why a fixed layout: gloo and NCCL round a sum in an order that depends on the buffer's length
 and on each element's position in it. A fresh DDP puts every parameter in one bucket and
@@ -35,6 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from harness.plugins import Bucket, PluginBus
@@ -43,6 +46,15 @@ FIRST_CHUNK_BYTES = 1 << 20
 CHUNK_BYTES = 25 << 20
 # DDP's bucket cap in MiB: above any model's size, so DDP never splits a dtype's gradients.
 _ONE_BUCKET_MB = 1 << 30
+
+
+# Torch's comm hooks whose reduction is a plain sum of each rank's bucket divided by the world
+# size, and the dtype each sums in (None: the bucket's own): what the sketch can verify.
+LINEAR_HOOKS: dict[Callable, torch.dtype | None] = {
+    default_hooks.allreduce_hook: None,
+    default_hooks.fp16_compress_hook: torch.float16,
+    default_hooks.bf16_compress_hook: torch.bfloat16,
+}
 
 
 def rider_slots(world_size: int) -> int:
@@ -194,14 +206,18 @@ def _user_layout(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
     )
     state.bus.local_grad(step, view)
     buffer = view.buffer
-    if state.inner is not None:
-        inner_state, inner_hook = state.inner
-        futures = [inner_hook(inner_state, bucket)]  # it divides by the world size itself
-        slot, spans = state.pack(state.bus.riders(step, view))
-    else:
+    if state.inner is None:
         buffer.div_(state.world_size)
         slot, spans = state.pack(state.bus.riders(step, view))
         futures = [dist.all_reduce(buffer, async_op=True).get_future()]
+    else:
+        # Riders first: the wrapped hook may start reducing the bucket in place, asynchronously.
+        # It divides by the world size itself, and may compress to another dtype on the way.
+        inner_state, inner_hook = state.inner
+        view.contribution = 1.0 / state.world_size
+        view.wire = LINEAR_HOOKS.get(inner_hook)
+        slot, spans = state.pack(state.bus.riders(step, view))
+        futures = [inner_hook(inner_state, bucket)]
     if spans:
         # A payload that cannot share the bucket's own collective pays for one.
         futures.append(dist.all_reduce(slot, async_op=True).get_future())

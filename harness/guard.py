@@ -2,32 +2,51 @@
 
     from harness.guard import Guard, SDCAlarm
 
-    guard = Guard(ddp_model, detectors=["nan_inf", "weight_consensus"], mode="act")
-    for step, (x, y) in enumerate(loader):
-        loss = guard.loss(loss_fn(ddp_model(x), y))   # optional: lets checks see the loss
+    guard = Guard(ddp_model, detectors=["nan_inf", "replay", "weight_consensus"], mode="act",
+                  replay_fn=loss_of, checkpoints="ckpt/")
+    for step, batch in enumerate(loader):
+        guard.audit_batch(batch)                      # what replay ships on audit steps
+        loss = guard.loss(loss_of(ddp_model, batch))  # checks see the loss; use what it returns
         loss.backward()                               # the comm hook checks around the allreduce
         guard.before_step()                           # act mode raises SDCAlarm here
         optimizer.step()
         guard.after_step(optimizer)                   # checks on the updated weights
-        if step % 100 == 0:
-            guard.before_checkpoint()                 # consensus; raises rather than save bad state
-            torch.save(...)
+        if step % 100 == 99:
+            guard.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
 
 The guard reduces gradients exactly as DDP's default allreduce does, so a clean loop with the
 guard attached trains bit-identically to the same loop without it (checks that ride on the
 allreduce then pay for a small collective of their own). A comm hook you already have is
-wrapped, not replaced: `Guard(ddp, comm_hook=(state, hook))`. `inject={...}` (the keys of
-`fault.*`) rehearses a fault in your loop: which check fires, when, naming which rank.
+wrapped, not replaced: `Guard(ddp, comm_hook=(state, hook))`; the sketch verifies torch's own
+linear hooks (harness/comm.py, `LINEAR_HOOKS`) and refuses any other. `inject={...}` (the keys
+of `fault.*`) rehearses a fault in your loop: which check fires, when, naming which rank.
 
-Node identity: ranks_per_node from torchrun's LOCAL_WORLD_SIZE, and a machine name from
-SDC_NODE_NAME (else the host name), so an alarm names machines, not only rank numbers.
+Replay ships the batch each rank trained on to the rank one node back, which recomputes it with
+`replay_fn(model, batch) -> loss` on its own replica (harness/batch_exchange.py); it needs one
+backward of that loss per step (no gradient accumulation) and a deterministic forward.
+
+Recovery (act mode, `checkpoints=FOLDER`): an alarm writes FOLDER/quarantine.json (suspect
+machines, ranks, step, first suspect step, detector, evidence, exit code), sets aside the
+checkpoints of the suspect interval (renamed `*.pt.suspect`), and `save` refuses from then on.
+The loop ends with `sys.exit(alarm.exit_code)`: EXIT_SUSPECT_HARDWARE (86) when the alarm names
+machines (restart without them), EXIT_UNATTRIBUTED (87) when it names none or all of them. On
+restart, `Guard.restore_point(FOLDER)` gives the newest checkpoint the checks approved before
+the suspect interval (harness/recovery.py), and `Guard(..., start_step=step + 1)` resumes the
+count.
+
+Node identity: ranks_per_node from the argument, else SDC_RANKS_PER_NODE, else torchrun's
+LOCAL_WORLD_SIZE; a machine name from SDC_NODE_NAME (else the host name; `{node}` in it is
+replaced by the node index, which simulates nodes on one host for a rehearsal), so an alarm
+names machines, not only rank numbers.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,30 +54,53 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import detectors as registry
-from harness import comm
+from harness import checkpoint, comm, recovery
+from harness.batch_exchange import ShippedBatches
 from harness.config import FaultConfig, TopologyConfig, fault_config
-from harness.plugins import DetectorContext, EventLog, PluginBus, RankInfo
+from harness.plugins import PHASE_ORDER, DetectorContext, EventLog, PluginBus, RankInfo
 from harness.workloads import WorkloadConfig
 from injectors import injector
 
-# Checks that need to regenerate another rank's data cannot run in an arbitrary loop.
-NEEDS_WORKLOAD = {"replay"}
+EXIT_SUSPECT_HARDWARE = 86
+EXIT_UNATTRIBUTED = 87
+MEANING = {
+    EXIT_SUSPECT_HARDWARE: "suspect hardware: restart without the suspect machines",
+    EXIT_UNATTRIBUTED: "could not attribute: restart from the restore point, on any machines",
+}
+QUARANTINE = "quarantine.json"
 
 
 class SDCAlarm(RuntimeError):
     """A check in act mode found silent data corruption; every rank raises it together."""
 
-    def __init__(self, alert: dict[str, Any], machines: list[str]):
-        self.detector = alert["detector"]
-        self.step = alert["step"]
-        self.suspect_ranks = list(alert["suspect_ranks"])
-        self.suspect_nodes = list(alert["suspect_nodes"])
+    def __init__(self, alerts: list[dict[str, Any]], machines: list[str], first_suspect: int):
+        first = alerts[0]
+        self.detector = first["detector"]
+        self.step = first["step"]
+        self.phase = first["phase"]
+        # One check's alerts at one step, from every rank: a wrong reduction alarms everyone.
+        self.suspect_ranks = sorted({r for a in alerts for r in a["suspect_ranks"]})
+        self.suspect_nodes = sorted({n for a in alerts for n in a["suspect_nodes"]})
         self.suspect_machines = sorted({machines[r] for r in self.suspect_ranks})
-        self.evidence = alert["evidence"]
+        self.first_suspect_step = first_suspect
+        self.evidence = first["evidence"]
+        attributed = 0 < len(self.suspect_machines) < len(set(machines))
+        self.exit_code = EXIT_SUSPECT_HARDWARE if attributed else EXIT_UNATTRIBUTED
         super().__init__(
             f"{self.detector} at step {self.step}: suspect ranks {self.suspect_ranks} "
-            f"(nodes {self.suspect_nodes}, machines {self.suspect_machines})"
+            f"(nodes {self.suspect_nodes}, machines {self.suspect_machines}); "
+            f"{MEANING[self.exit_code]}"
         )
+
+    def record(self) -> dict[str, Any]:
+        """What quarantine.json holds."""
+        return {
+            "detector": self.detector, "step": self.step, "phase": self.phase,
+            "first_suspect_step": self.first_suspect_step, "suspect_ranks": self.suspect_ranks,
+            "suspect_nodes": self.suspect_nodes, "suspect_machines": self.suspect_machines,
+            "evidence": self.evidence, "exit_code": self.exit_code,
+            "meaning": MEANING[self.exit_code],
+        }  # fmt: skip
 
 
 class Guard:
@@ -70,25 +112,40 @@ class Guard:
         inject: dict[str, Any] | None = None,
         comm_hook: tuple[Any, Callable] | None = None,
         seed: int = 0,
+        replay_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None,
+        ranks_per_node: int | None = None,
+        checkpoints: str | Path | None = None,
+        start_step: int = 0,
     ):
         rank, world = dist.get_rank(), dist.get_world_size()
-        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        per_node = ranks_per_node or int(
+            os.environ.get("SDC_RANKS_PER_NODE") or os.environ.get("LOCAL_WORLD_SIZE", world)
+        )
         self.info = RankInfo(rank, world, per_node)
         self.model = ddp.module
         self.log = EventLog(rank, self.info.node)
         self.machines: list[str] = [""] * world
-        dist.all_gather_object(self.machines, os.environ.get("SDC_NODE_NAME", socket.gethostname()))
+        name = os.environ.get("SDC_NODE_NAME", socket.gethostname())
+        dist.all_gather_object(self.machines, name.replace("{node}", str(self.info.node)))
         self.mode = mode
+        self.folder = Path(checkpoints) if checkpoints is not None else None
+        self.alarm: SDCAlarm | None = None
+        self.checkpointed: set[int] = set()
         topology = _topology(world, per_node)
-        checks = _checks(detectors, mode, topology)
-        ctx = DetectorContext(self.info, self.model, None, 0, tuple((r,) for r in range(world)))
+        self.checks = _checks(detectors, mode, topology, replay_fn, comm_hook)
+        self.shipped = ShippedBatches(replay_fn, rank) if "replay" in self.checks else None
+        ctx = DetectorContext(self.info, self.model, None, 0, tuple((r,) for r in range(world)),
+                              replay_data=self.shipped)  # fmt: skip
         plugins = []
         if inject is not None:
             fault = _fault(inject, self.model, topology)
             plugins += injector.build(fault, seed, self.info, self.log, self.model, None, None)
-        plugins += registry.build(checks, ctx, self.log)
+        plugins += registry.build(self.checks, ctx, self.log)
         self.bus = PluginBus(plugins)
         self.state = comm.HookState(self.bus, self.model, world, transparent=True, inner=comm_hook)
+        self.state.step = start_step
+        self._loss_step = -1
+        self._seen = 0  # events already considered for an alarm
         ddp.register_comm_hook(self.state, comm.comm_hook)
         self.bus.install_forward_hooks(self.model, lambda: self.state.step)
 
@@ -105,12 +162,21 @@ class Guard:
     def injections(self) -> list[dict[str, Any]]:
         return [e for e in self.log.events if e["kind"] == "inject"]
 
+    def audit_batch(self, batch: Any) -> None:
+        """The micro-batch this rank trains on at this step (tensors in plain containers), for
+        replay to ship on audit steps; call it every step, before backward."""
+        if self.shipped is not None:
+            self.shipped.keep(self.state.step, batch)
+
     def loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Pass the loss through the checks (and a rehearsed loss fault); use what it returns."""
+        self._loss_step = self.state.step
         return self.bus.loss(self.state.step, loss)
 
     def before_step(self) -> None:
         """After backward, before optimizer.step(): raises SDCAlarm in act mode."""
+        if self.shipped is not None and self._loss_step != self.state.step:
+            raise RuntimeError("replay: pass every step's loss through guard.loss(loss)")
         self.bus.audit(self.state.step)
         self._raise_if_alarmed()
 
@@ -121,25 +187,78 @@ class Guard:
         self._raise_if_alarmed()
         self.state.step += 1
 
-    def before_checkpoint(self) -> None:
-        """Run the checks that gate a checkpoint (weight consensus); raises SDCAlarm in act mode
-        when one fails, observe mode records it."""
-        self.bus.checkpoint_approved(self.state.step - 1, self.model)
+    def before_checkpoint(self) -> bool:
+        """Run the checks that gate a checkpoint of the step just finished (weight consensus):
+        whether they approve; act mode raises SDCAlarm instead of disapproving."""
+        step = self.state.step - 1
+        self.checkpointed.add(step)
+        approved = self.bus.checkpoint_approved(step, self.model)
         self._raise_if_alarmed()
+        return approved
+
+    def save(self, state: dict[str, Any]) -> Path | None:
+        """Checkpoint the step just finished into `checkpoints` (rank 0 writes, atomically with
+        its checksum, harness/checkpoint.py) once the checks approve; the path, or None where
+        nothing was written. Refuses after an alarm."""
+        if self.folder is None:
+            raise ValueError("Guard.save needs Guard(..., checkpoints=FOLDER)")
+        if self.alarm is not None:
+            raise RuntimeError(f"refusing to save state after an alarm: {self.alarm}")
+        if not self.before_checkpoint() or self.info.rank != 0:
+            return None
+        step = self.state.step - 1
+        path = self.folder / f"step_{step:06d}.pt"
+        checkpoint.save(path, {"step": step, **state})
+        return path
+
+    @staticmethod
+    def restore_point(folder: str | Path) -> tuple[int, str]:
+        """The newest checkpoint in `folder` that the checks approved and whose checksum
+        verifies, before any suspect interval (an alarm set those aside): (step, path), or
+        (-1, "") to start from the initial weights. Load it with harness.checkpoint.load."""
+        return recovery.restore_point(Path(folder), 2**62, [])
 
     def _raise_if_alarmed(self) -> None:
         """Every rank learns whether any rank alarmed (one small collective, act mode only)."""
         if self.mode != "act":
             return
-        mine = self.alerts[-1:] if self.bus.stopper() else []
+        fresh, self._seen = self.log.events[self._seen :], len(self.log.events)
+        mine = [e for e in fresh if e["kind"] == "alert"] if self.bus.stopper() else []
         flag = torch.tensor([1.0 if mine else 0.0])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if not flag.item():
             return
         gathered: list[list[dict[str, Any]]] = [[] for _ in range(self.info.world_size)]
         dist.all_gather_object(gathered, mine)
-        first = min((a for found in gathered for a in found), key=lambda a: (a["step"], a["time"]))
-        raise SDCAlarm(first, self.machines)
+        found = sorted(
+            (a for alerts in gathered for a in alerts),
+            key=lambda a: (a["step"], PHASE_ORDER[a["phase"]], a["time"]),
+        )
+        first = found[0]
+        key = (first["step"], first["detector"])
+        same = [a for a in found if (a["step"], a["detector"]) == key]
+        since = recovery.suspect_since(
+            first["detector"], self.checks[first["detector"]], first["step"],
+            self.checkpointed.__contains__,
+        )  # fmt: skip
+        self.alarm = SDCAlarm(same, self.machines, since)
+        if self.folder is not None and self.info.rank == 0:
+            _quarantine(self.folder, self.alarm)
+        raise self.alarm
+
+
+def _quarantine(folder: Path, alarm: SDCAlarm) -> None:
+    """quarantine.json for the scheduler, and the suspect interval's checkpoints set aside."""
+    folder.mkdir(parents=True, exist_ok=True)
+    set_aside = []
+    for path in sorted(folder.glob("step_*.pt")):
+        if int(path.stem.split("_")[1]) >= alarm.first_suspect_step:
+            path.rename(path.with_name(path.name + ".suspect"))
+            set_aside.append(path.name)
+    record = dict(alarm.record(), set_aside=set_aside)
+    tmp = folder / f".{QUARANTINE}.tmp"
+    tmp.write_text(json.dumps(record, indent=1, default=str))
+    os.replace(tmp, folder / QUARANTINE)
 
 
 def _topology(world: int, per_node: int) -> TopologyConfig:
@@ -155,20 +274,44 @@ def _topology(world: int, per_node: int) -> TopologyConfig:
 
 
 def _checks(
-    chosen: Iterable[str] | dict[str, dict[str, Any]], mode: str, topology: TopologyConfig
+    chosen: Iterable[str] | dict[str, dict[str, Any]],
+    mode: str,
+    topology: TopologyConfig,
+    replay_fn: Callable | None,
+    comm_hook: tuple[Any, Callable] | None,
 ) -> dict[str, dict[str, Any]]:
     params = dict(chosen) if isinstance(chosen, dict) else {name: {} for name in chosen}
     for name in params:
-        if name in NEEDS_WORKLOAD:
-            raise ValueError(f"detectors: '{name}' needs the harness's workloads; not in a guard")
         if name not in registry.available():
             raise ValueError(f"detectors: '{name}' is unknown; allowed: {registry.available()}")
+    if "replay" in params and replay_fn is None:
+        raise ValueError(
+            "detectors: 'replay' needs Guard(..., replay_fn=fn), fn(model, batch) -> loss, and "
+            "guard.audit_batch(batch) every step"
+        )
+    if "allreduce_sketch" in params and comm_hook is not None and not _linear(comm_hook):
+        others = [n for n in registry.available() if n != "allreduce_sketch"]
+        raise ValueError(
+            f"detectors: 'allreduce_sketch' cannot verify the comm hook "
+            f"{getattr(comm_hook[1], '__name__', comm_hook[1])}: it checks a reduction that sums "
+            f"every rank's bucket over the whole world (torch's "
+            f"{', '.join(h.__name__ for h in comm.LINEAR_HOOKS)}); with this hook use "
+            f"{', '.join(others)}"
+        )
     return {
         name: registry.detector_class(name).validate(
             f"detectors.{name}", {**p, "mode": mode}, topology
         )
         for name, p in params.items()
     }
+
+
+def _linear(comm_hook: tuple[Any, Callable]) -> bool:
+    """A hook the sketch can verify: one of torch's linear hooks, reducing over the world."""
+    group, hook = comm_hook
+    if hook not in comm.LINEAR_HOOKS:
+        return False
+    return group is None or dist.get_world_size(group) == dist.get_world_size()
 
 
 def _fault(inject: dict[str, Any], model: torch.nn.Module, topology: TopologyConfig) -> FaultConfig:

@@ -56,6 +56,11 @@ class Bucket:
     tensors: list[tuple[str, torch.Tensor]]
     is_last: bool
     riders: dict[int, torch.Tensor] = field(default_factory=dict)
+    # What the collective sums of this rank's buffer: `contribution` times it, rounded to `wire`
+    # (None: summed in the buffer's own dtype). 1 and None unless a wrapped comm hook divides
+    # and compresses the bucket after the riders were taken (harness/comm.py).
+    contribution: float = 1.0
+    wire: torch.dtype | None = None
 
 
 @dataclass
@@ -111,6 +116,9 @@ class DetectorContext:
     workload: Any  # harness.workloads.Workload: regenerates any rank's micro-batch
     steps: int
     data: tuple[tuple[int, ...], ...]  # whose micro-batches each rank trains on
+    # Where replay gets another rank's micro-batches: None regenerates them from `workload`; a
+    # user's loop ships them instead (harness/batch_exchange.py).
+    replay_data: Any = None
 
     def batches(self, rank: int) -> list[tuple[int, int]]:
         """(source rank, micro-batch) pairs that `rank` computes each step."""

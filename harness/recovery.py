@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -68,14 +69,24 @@ class Machines:
 def first_suspect_step(run: RunConfig, spec: TrialSpec, detector: str, stop_step: int) -> int:
     """The earliest step the fault could have entered, given when the alarming check last
     looked: a check that audits every k steps vouches only for the steps it saw."""
-    params = run.checks(spec).get(detector, {})
+    every = run.checkpoint.interval
+    return suspect_since(
+        detector, run.checks(spec).get(detector, {}), stop_step, lambda s: (s + 1) % every == 0
+    )
+
+
+def suspect_since(
+    detector: str, params: dict[str, Any], stop_step: int, checkpointed: Callable[[int], bool]
+) -> int:
+    """`first_suspect_step` for any loop: `checkpointed(s)` says whether consensus ran before a
+    checkpoint at step s."""
     if detector == "replay":
         audits = params["steps"] or range(0, stop_step, params["interval"])
         earlier = [s for s in audits if s < stop_step]
         return max(earlier) + 1 if earlier else 0
     if detector == "weight_consensus":
-        interval, every = params["interval"], run.checkpoint.interval
-        checked = [s for s in range(stop_step) if (s + 1) % interval == 0 or (s + 1) % every == 0]
+        interval = params["interval"]
+        checked = [s for s in range(stop_step) if (s + 1) % interval == 0 or checkpointed(s)]
         return max(checked) + 1 if checked else 0
     return stop_step
 

@@ -7,6 +7,15 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from detectors import allreduce_sketch as sketch
+from harness.guard import Guard
 from tests.conftest import BIN
 
 LOOP = Path(__file__).parent / "loops" / "plain_ddp.py"
@@ -22,7 +31,9 @@ def _loop(out: Path, *args: str) -> list[dict]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
 
 
+@pytest.mark.slow
 def test_a_clean_loop_with_the_guard_trains_bit_identically_to_one_without(tmp_path):
+    """Default-run twin: tests/test_guarded_example.py, the fp16 clean run."""
     plain = _loop(tmp_path / "plain")
     guarded = _loop(tmp_path / "guarded", "--guard", "--mode", "act")
     assert len({r["digest"] for r in plain}) == 1
@@ -30,10 +41,14 @@ def test_a_clean_loop_with_the_guard_trains_bit_identically_to_one_without(tmp_p
     assert all(r["alarm"] is None and r["alerts"] == [] for r in guarded)
 
 
+@pytest.mark.slow
 def test_a_user_comm_hook_is_wrapped_not_replaced(tmp_path):
+    """Default-run twin: tests/test_guarded_example.py, the fp16 clean run."""
     compressed = _loop(tmp_path / "fp16", "--fp16-hook")
     guarded = _loop(tmp_path / "fp16-guarded", "--fp16-hook", "--guard")
     assert [r["digest"] for r in guarded] == [r["digest"] for r in compressed]
+    # A clean run: no check may alarm (the sketch once expected world-size times what arrived).
+    assert [r["alerts"] for r in guarded] == [[]] * 4
     plain = _loop(tmp_path / "plain")
     assert compressed[0]["digest"] != plain[0]["digest"], "the fp16 hook really ran"
 
@@ -54,3 +69,45 @@ def test_a_rehearsed_fault_raises_at_its_step_naming_its_rank(tmp_path):
     alarm = results[0]["alarm"]
     assert alarm["detector"] == "allreduce_sketch" and alarm["step"] == 3
     assert alarm["suspect_ranks"] == [2]
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    """A world of one gloo rank in this process: enough for the guard's refusals."""
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield DDP(nn.Linear(4, 2))
+    dist.destroy_process_group()
+
+
+def test_the_sketch_refuses_a_hook_it_cannot_verify_and_names_the_alternatives(one_rank):
+    state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1)
+    with pytest.raises(ValueError, match="cannot verify the comm hook powerSGD_hook") as error:
+        Guard(one_rank, ["allreduce_sketch"], comm_hook=(state, powerSGD_hook.powerSGD_hook))
+    assert str(error.value).endswith("use grad_stats, nan_inf, replay, weight_consensus")
+
+
+def test_replay_in_a_guard_needs_the_users_loss_function(one_rank):
+    with pytest.raises(ValueError, match="replay_fn"):
+        Guard(one_rank, ["replay"])
+
+
+@pytest.mark.parametrize("wire", [torch.float16, torch.bfloat16])
+def test_the_sketch_bounds_a_compressed_reduction_from_the_wire_dtypes_rounding(wire):
+    """What torch's compress hooks do to 4 ranks' buckets (cast, divide, sum with rounding at
+    every addition) stays within the derived bound; in a small bucket the float32 bound alone is
+    exceeded, so the wire term is needed, not a loosening."""
+    world, n = 4, 8192  # a small bucket: float32 rounding alone is bounded tightly there
+    gen = torch.Generator().manual_seed(0)
+    buckets = [torch.randn(n, generator=gen) * 10.0 ** torch.randint(-6, 0, (n,), generator=gen)
+               for _ in range(world)]  # fmt: skip
+    total = torch.zeros(n, dtype=wire)
+    for g in buckets:
+        total += g.to(wire).div_(world)  # every partial sum rounds to the wire dtype
+    signs = sketch.signs(sketch.AllreduceSketch.name, sketch.BLOCKS)
+    riders = sum(sketch.rider_of(g, signs) / world for g in buckets)
+    expected, norms = float(riders[0]), float(riders[1])
+    error = abs(float(sketch.project(total.float(), signs)) - expected)
+    relative, absolute = sketch.wire_rounding(wire, world, n)
+    assert error <= (1e-6 + relative) * n**0.5 * norms + absolute
+    assert error > 1e-6 * n**0.5 * norms

@@ -1,0 +1,125 @@
+"""examples/train_guarded.py under torchrun: a small GPT in a hand-written DDP loop, every check
+on, each rank its own simulated machine ("machine-0" .. "machine-3")."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from harness.guard import EXIT_SUSPECT_HARDWARE, Guard
+from tests.conftest import BIN
+
+EXAMPLE = Path(__file__).parents[1] / "examples" / "train_guarded.py"
+EVERY = {"nan_inf": {}, "grad_stats": {}, "allreduce_sketch": {}, "weight_consensus": {},
+         "replay": {"interval": 1}}  # fmt: skip
+STEPS = 6
+
+
+def example(out: Path, *args: str) -> tuple[dict, subprocess.CompletedProcess]:
+    env = dict(os.environ, SDC_NODE_NAME="machine-{node}")
+    proc = subprocess.run(
+        [str(BIN / "torchrun"), "--standalone", "--nproc-per-node=4", str(EXAMPLE),
+         "--out", str(out), "--steps", str(STEPS), *args],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert (out / "summary.json").exists(), proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert (proc.returncode == 0) == (summary["exit_code"] == 0), proc.stderr[-3000:]
+    return summary, proc
+
+
+def guarded(out: Path, *args: str) -> dict:
+    return example(out, "--detectors", json.dumps(EVERY), "--mode", "act", *args)[0]
+
+
+def clean_twins(tmp_path: Path, hook: str) -> None:
+    with_guard = guarded(tmp_path / "guarded", "--comm-hook", hook)
+    without, _ = example(tmp_path / "off", "--guard-off", "--comm-hook", hook)
+    assert with_guard["alerts"] == [] and with_guard["alarm"] is None
+    assert with_guard["steps"] == without["steps"] == STEPS
+    assert with_guard["digest"] == without["digest"]
+    assert with_guard["replay_bytes"] > 0, "replay shipped the batches"
+
+
+def test_a_clean_run_with_every_check_and_the_fp16_hook_is_bit_identical_to_no_guard(tmp_path):
+    clean_twins(tmp_path, "fp16")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("hook", ["none", "bf16"])
+def test_a_clean_run_with_every_check_is_bit_identical_to_no_guard(tmp_path, hook):
+    """Slow twins of the fp16 test above."""
+    clean_twins(tmp_path, hook)
+
+
+# A doubled largest gradient element on rank 1: within grad_stats' spread, and the sketch
+# verifies only the sum of what was sent; replay recomputes rank 1's gradient elsewhere.
+SCALED = {"site": "grad", "model": "scale", "factor": 2.0, "ranks": [1], "steps": [4],
+          "select": "largest"}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def scaled_gradient(tmp_path_factory) -> tuple[Path, dict, subprocess.CompletedProcess]:
+    out = tmp_path_factory.mktemp("scaled")
+    summary, proc = example(
+        out, "--detectors", json.dumps(EVERY), "--mode", "act", "--checkpoint-every", "2",
+        "--inject", json.dumps(SCALED),
+    )  # fmt: skip
+    return out, summary, proc
+
+
+def test_replay_stops_a_scaled_gradient_and_quarantines_its_machine(scaled_gradient):
+    out, summary, proc = scaled_gradient
+    assert summary["alarm"] == {"detector": "replay", "step": 4, "suspect_ranks": [1],
+                                "suspect_machines": ["machine-1"]}  # fmt: skip
+    assert summary["exit_code"] == EXIT_SUSPECT_HARDWARE
+    assert f"exitcode  : {EXIT_SUSPECT_HARDWARE}" in proc.stderr, "each rank exits with it"
+    record = json.loads((out / "checkpoints" / "quarantine.json").read_text())
+    assert record["suspect_machines"] == ["machine-1"] and record["suspect_ranks"] == [1]
+    assert record["step"] == 4 and record["first_suspect_step"] == 4
+    assert record["detector"] == "replay" and record["evidence"]["verifier"] == 0
+    saved = sorted(p.name for p in (out / "checkpoints").glob("step_*.pt"))
+    assert saved == ["step_000001.pt", "step_000003.pt"], "nothing saved from step 4 on"
+
+
+def test_a_restart_from_the_restore_point_trains_on_cleanly(scaled_gradient, tmp_path):
+    out, _, _ = scaled_gradient
+    assert Guard.restore_point(out / "checkpoints")[0] == 3
+    summary, _ = example(out, "--detectors", json.dumps(EVERY), "--mode", "act",
+                         "--checkpoint-every", "2", "--resume")  # fmt: skip
+    assert summary["exit_code"] == 0 and summary["alarm"] is None and summary["alerts"] == []
+    assert summary["steps"] == STEPS and len(summary["losses"]) == STEPS - 4
+    assert all(math.isfinite(x) for x in summary["losses"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "fault, detector, step, rank",
+    [
+        # A wrong value delivered to rank 2 alone: the sketch on that receiver.
+        ({"site": "allreduce", "model": "scale", "factor": 1000.0, "scope": "rank",
+          "ranks": [2], "steps": [3], "select": "largest"}, "allreduce_sketch", 3, 2),
+        # A weight of rank 3 scaled after the update of step 3, a checkpoint step: consensus
+        # before the checkpoint, before replay sees the wrong weight at step 4.
+        ({"site": "weight", "model": "scale", "factor": 1000.0, "ranks": [3], "steps": [3],
+          "select": "largest"}, "weight_consensus", 3, 3),
+        ({"site": "grad", "model": "value", "value": "nan", "ranks": [1], "steps": [2]},
+         "nan_inf", 2, 1),
+    ],
+)  # fmt: skip
+def test_a_rehearsal_stops_at_its_step_naming_its_machine(tmp_path, fault, detector, step, rank):
+    """Slow twins of the replay rehearsal above."""
+    summary, _ = example(
+        tmp_path, "--detectors", json.dumps(EVERY), "--mode", "act", "--checkpoint-every", "2",
+        "--inject", json.dumps(fault),
+    )  # fmt: skip
+    assert summary["alarm"] == {"detector": detector, "step": step, "suspect_ranks": [rank],
+                                "suspect_machines": [f"machine-{rank}"]}  # fmt: skip
+    assert summary["exit_code"] == EXIT_SUSPECT_HARDWARE
+    saved = [int(p.stem.split("_")[1]) for p in (tmp_path / "checkpoints").glob("step_*.pt")]
+    assert all(s < step for s in saved)
