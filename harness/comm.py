@@ -144,6 +144,7 @@ def _fixed_layout(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fu
         slot, spans = state.pack(state.bus.riders(step, view))
         shared = dtype == torch.float32
         payload = torch.cat([view.buffer, slot]) if shared else view.buffer
+        state.bus.contribution(step, index, [payload] if shared or not spans else [payload, slot])
         futures = [dist.all_reduce(payload, async_op=True).get_future()]
         if spans and not shared:
             # A payload that cannot share the chunk's own collective pays for one.
@@ -159,6 +160,7 @@ def _fixed_layout(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fu
             view.tensors = _named_views(view.buffer, names, sizes, grads)
             summed = result[n:] if shared else (_value(futures[1]) if spans else slot)
             view.riders = {owner: summed[a : a + k] for owner, a, k in spans}
+            view.rider_region = summed if shared or spans else None
             state.bus.reduced_grad(step, view)
             for name, reduced_view in view.tensors:
                 grads[name].copy_(reduced_view)

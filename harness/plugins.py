@@ -56,6 +56,8 @@ class Bucket:
     tensors: list[tuple[str, torch.Tensor]]
     is_last: bool
     riders: dict[int, torch.Tensor] = field(default_factory=dict)
+    # The whole summed rider region (every plug-in's slots and the unused ones), when it exists.
+    rider_region: torch.Tensor | None = None
 
 
 @dataclass
@@ -77,6 +79,9 @@ class Plugin:
     def watches_module(self, name: str) -> bool:
         return False
 
+    def on_forward_pre(self, step: int, module: str) -> None:
+        """A watched module's forward is about to run."""
+
     def on_forward(self, step: int, module: str, output: torch.Tensor) -> torch.Tensor | None:
         """Return a tensor to replace the module's output, or None to leave it."""
 
@@ -84,6 +89,10 @@ class Plugin:
         """Return a tensor to replace the loss, or None to leave it."""
 
     def on_local_grad(self, step: int, bucket: Bucket) -> None: ...
+
+    def on_contribution(self, step: int, index: int, parts: list[torch.Tensor]) -> None:
+        """What this rank is about to send into chunk `index`'s reduction (the chunk and its
+        rider region), changeable in place: a reduction fault's site."""
 
     def rider(self, step: int, bucket: Bucket) -> torch.Tensor | None:
         """A few float32 numbers to sum across ranks with this bucket's allreduce, for free:
@@ -211,6 +220,11 @@ class PluginBus:
                         output = replaced = result
                 return replaced
 
+            def pre_hook(_mod, _inp, name=name, watchers=watchers):
+                for plugin in watchers:
+                    plugin.on_forward_pre(step_of(), name)
+
+            module.register_forward_pre_hook(pre_hook)
             module.register_forward_hook(hook)
 
     def loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
@@ -223,6 +237,10 @@ class PluginBus:
     def local_grad(self, step: int, bucket: Bucket) -> None:
         for plugin in self.plugins:
             plugin.on_local_grad(step, bucket)
+
+    def contribution(self, step: int, index: int, parts: list[torch.Tensor]) -> None:
+        for plugin in self.plugins:
+            plugin.on_contribution(step, index, parts)
 
     def reduced_grad(self, step: int, bucket: Bucket) -> None:
         for plugin in self.plugins:
