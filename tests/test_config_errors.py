@@ -56,7 +56,7 @@ CASES = [
     (["fault=allreduce_rank", "fault.scope=everyone"], "fault.scope", "allowed: rank, reduction"),
     (["workload=transformer"], "workload", "allowed: custom, gpt, mlp"),
     (["workload.dtype=float8"], "workload.dtype", "allowed: float32, bfloat16, float16"),
-    (["detectors=[nan_inf,oracle]"], "detectors", "allowed: allreduce_sketch, grad_stats, nan_inf"),
+    (["detectors=[nan_inf,oracle]"], "detectors", "allowed: allreduce_sketch, grad_stats, meg"),
     (["topology.nodes=0"], "topology.nodes", "1..inf"),
     (["recovery.enabled=maybe"], "recovery.enabled", "allowed: true, false"),
     (["recovery.enabled=true", "detectors=[]"], "recovery.enabled", "choose detectors"),
