@@ -8,7 +8,8 @@ rank that replayed it.
 The gradient is compared through a fingerprint: one projection onto fixed +1/-1 signs per
 parameter, summed in name order, plus its L2 norm. `exact` mode compares bit patterns of loss
 and projection (needs deterministic compute); `tolerant` mode allows a relative difference of
-`rtol` (of the loss, and of the gradient's L2 norm), calibrated on clean runs.
+`rtol` (of the loss, and of the gradient's L2 norm): float32's is calibrated on clean runs, the
+16-bit dtypes' is derived (`derived_rtol`) and checked against clean runs.
 
 Replay never disturbs training: gradients come from torch.autograd.grad (param.grad is never
 touched) and the RNG state is restored, so a clean run with replay on ends bit-identical to one
@@ -65,7 +66,7 @@ class Replay(Detector):
         dtype = next(self.model.parameters()).dtype
         # Calibrated on clean runs with 1 and 2 threads per rank: float32 replays differ by up to
         # 2e-7 of the gradient norm, bfloat16 up to 1.1e-2 (every partial sum rounds to 8 bits).
-        self.rtol = params["rtol"] or {torch.float32: 1e-5}.get(dtype, 8e-2)
+        self.rtol = params["rtol"] or (1e-5 if dtype == torch.float32 else derived_rtol(dtype))
         self.audits = set(params["steps"] or [])
         self.own_loss = 0.0
         self.own_dots: dict[str, float] = {}
@@ -116,13 +117,7 @@ class Replay(Detector):
         the scale, so a corrupted (huge) gradient cannot widen its own tolerance."""
         if self.params["compare"] == "exact":
             return bool(torch.equal(a[:2], b[:2]))
-        a, b = a.tolist(), b.tolist()
-        scale = min(a[2], b[2])
-        return (
-            abs(a[0] - b[0]) <= self.rtol * min(abs(a[0]), abs(b[0]))
-            and abs(a[1] - b[1]) <= self.rtol * scale
-            and abs(a[2] - b[2]) <= self.rtol * scale
-        )
+        return agree(a.tolist(), b.tolist(), self.rtol)
 
     def on_audit(self, step: int) -> None:
         if not self._audited(step):
@@ -163,6 +158,50 @@ class Replay(Detector):
                         "verdict": verdict, "own": own.tolist(), "replay": replay.tolist(),
                         "third": tie.tolist()}  # fmt: skip
             self.alert(step, "audit", suspects, evidence)
+
+
+# The derivation's assumptions: at most ROUNDINGS roundings to the dtype on an element's way
+# through forward and backward (the workloads' linear layers accumulate in float32 and round
+# their outputs), and a false alarm rate of a Z-sigma deviation.
+ROUNDINGS = 8
+Z = 6.0
+
+
+def derived_rtol(dtype: torch.dtype) -> float:
+    """Replay's tolerance for a 16-bit dtype, from rounding alone.
+
+    Each rounding to the dtype moves a value by a relative error uniform in [-u, u] (u, the unit
+    roundoff, is half the dtype's eps: 2^-8 for bfloat16, 2^-11 for float16), standard deviation
+    u / sqrt(3). Two replicas that sum in different orders round independently, so an element
+    of their gradients differs by a relative standard deviation of sqrt(2 * ROUNDINGS / 3) * u.
+    Projected onto +1/-1 signs, n such independent differences add like a random walk: the
+    projections differ by that times ||g||_2, and so, at most, do the norms. The tolerance is Z
+    of those: 6 * sqrt(16 / 3) * 2^-8 = 5.4e-2 for bfloat16 (the calibrated 8e-2 it replaces was
+    a guess with margin over the 1.1e-2 measured), 6.8e-3 for float16. A scaled element is caught
+    when its change exceeds it: (factor - 1) * |g_i| > rtol * ||g||_2
+    (tests/test_replay_tolerance.py shows the smallest factor per dtype).
+    """
+    unit_roundoff = torch.finfo(dtype).eps / 2
+    return Z * math.sqrt(2 * ROUNDINGS / 3) * unit_roundoff
+
+
+def agree(a: list[float], b: list[float], rtol: float) -> bool:
+    """Two (loss, projection, norm) triples agree within `rtol` (see Replay._same)."""
+    scale = min(a[2], b[2])
+    return (
+        abs(a[0] - b[0]) <= rtol * min(abs(a[0]), abs(b[0]))
+        and abs(a[1] - b[1]) <= rtol * scale
+        and abs(a[2] - b[2]) <= rtol * scale
+    )
+
+
+def triple(loss: float, named_grads: list[tuple[str, torch.Tensor]]) -> list[float]:
+    """The (loss, projection, norm) that replay compares, for a gradient given by name."""
+    dots, sq = {}, 0.0
+    for name, g in named_grads:
+        dots[name], part = _project(name, g)
+        sq += part
+    return [loss, _fold(dots), math.sqrt(sq)]
 
 
 def _project(name: str, grad: torch.Tensor) -> tuple[float, float]:
