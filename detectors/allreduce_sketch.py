@@ -118,7 +118,7 @@ class AllreduceSketch(Detector):
 
     def on_reduced_grad(self, step: int, bucket: Bucket) -> None:
         world, rank = self.info.world_size, self.info.rank
-        weights, own = self.sent.pop(bucket.index)
+        weights, own = self.sent[bucket.index]  # kept: a retried reduction is checked again
         slot = bucket.riders[id(self)]
         norms, tags, projections = slot[0], slot[1 : 1 + world], slot[1 + world :]
         evidence = {"bucket": bucket.index}

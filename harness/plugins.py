@@ -187,6 +187,10 @@ class Detector(Plugin):
         assert phase in PHASE_ORDER, phase
         if self.params.get("mode") == "act":
             self.stop_requested = True
+            # Only alarms on the received sum: a retry of the reduction may clear them.
+            self.reduction_only = (
+                getattr(self, "reduction_only", True) and phase == "post_allreduce"
+            )
         ranks = sorted(set(suspect_ranks))
         nodes = sorted({r // self.info.ranks_per_node for r in ranks})
         self._log.emit(
@@ -273,6 +277,17 @@ class PluginBus:
 
     def stopper(self) -> Detector | None:
         return next((p for p in self.plugins if getattr(p, "stop_requested", False)), None)
+
+    def reduction_alarm(self) -> bool:
+        """Every stopping check alarmed on the received sum alone (nothing before it)."""
+        stoppers = [p for p in self.plugins if getattr(p, "stop_requested", False)]
+        return bool(stoppers) and all(p.reduction_only for p in stoppers)
+
+    def clear_stops(self) -> None:
+        for plugin in self.plugins:
+            if getattr(plugin, "stop_requested", False):
+                plugin.stop_requested = False
+                del plugin.reduction_only
 
 
 def matches(name: str, pattern: str) -> bool:

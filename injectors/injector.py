@@ -169,6 +169,7 @@ class FaultInjector(Plugin):
         matched = [] if fault.bucket is not None else matching(fault, model)
         self.positions = self._initial_positions(matched)
         self.previous: dict[int, list[torch.Tensor]] = {}
+        self.struck: set[tuple[int, int]] = set()
         self.matmul: _FirstMatmul | None = None
 
     def _initial_positions(self, matched: list[tuple[str, int | None]]) -> dict[str, list[int]]:
@@ -361,12 +362,23 @@ class FaultInjector(Plugin):
         if self.fault.site == "grad":
             self._inject_bucket(step, bucket)
 
+    def _first_reduction(self, step: int, index: int) -> bool:
+        """A transient fault strikes a step's reduction of a chunk once: when the harness
+        re-runs that reduction (harness/comm.py, retry_reduction), the repeat runs clean."""
+        if self.fault.persistence != "transient":
+            return True
+        first = (step, index) not in self.struck
+        self.struck.add((step, index))
+        return first
+
     def on_contribution(self, step: int, index: int, parts: list[torch.Tensor]) -> None:
         """A contribution model changes what this rank sends into chunk `index`'s reduction;
         one compact event per chunk: how many elements changed, the L2 norms before and after."""
         if not (self.model.contribution and self.active):
             return
         if self.fault.bucket is not None and index != self.fault.bucket:
+            return
+        if not self._first_reduction(step, index):
             return
         genuine = [p.clone() for p in parts] if self.fault.model == "stale" else None
         if self._due(step):
@@ -386,6 +398,8 @@ class FaultInjector(Plugin):
 
     def on_reduced_grad(self, step: int, bucket: Bucket) -> None:
         if self.fault.site == "allreduce" and not self.model.contribution:
+            if not self._first_reduction(step, bucket.index):
+                return
             if self.fault.tensor == RIDERS:
                 if bucket.rider_region is not None:
                     self._inject(step, [(RIDERS, bucket.rider_region)])
