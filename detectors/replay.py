@@ -30,11 +30,15 @@ from harness.plugins import Bucket, Detector
 
 # Slots of the exchanged row: own loss, own projection, own norm, then the same for the replay.
 _OWN, _REPLAY = 0, 3
+# How a mismatch is judged: a third node's majority, or Megatron-LM's rerun flow.
+VERDICTS = ("majority", "megatron")
 
 
 class Replay(Detector):
     name = "replay"
-    defaults = {"interval": 5, "steps": None, "compare": "tolerant", "rtol": None}
+    defaults = {
+        "interval": 5, "steps": None, "compare": "tolerant", "rtol": None, "verdict": "majority"
+    }  # fmt: skip
 
     @classmethod
     def check(cls, key: str, params: dict[str, Any], topology: Any) -> None:
@@ -45,6 +49,11 @@ class Replay(Detector):
             not isinstance(steps, list) or not all(isinstance(s, int) and s >= 0 for s in steps)
         ):
             raise ConfigError(f"{key}.steps", f"'{steps}' must be a list of step indices")
+        if params["verdict"] not in VERDICTS:
+            raise ConfigError(
+                f"{key}.verdict",
+                f"'{params['verdict']}' is not allowed; allowed: {', '.join(VERDICTS)}",
+            )
         if params["compare"] not in ("exact", "tolerant"):
             raise ConfigError(
                 f"{key}.compare", f"'{params['compare']}' is not allowed; allowed: exact, tolerant"
@@ -143,6 +152,9 @@ class Replay(Detector):
         for p in mismatched:
             if (p + per_node) % world == self.info.rank:
                 third[p] = torch.tensor(self._recompute(step, p), dtype=torch.float64)
+        if self.params["verdict"] == "megatron":
+            self._megatron(step, table, mismatched, third)
+            return
         thirds = _gather(third.reshape(-1), world)
         for p in mismatched:
             verifier, tiebreaker = (p - per_node) % world, (p + per_node) % world
@@ -157,6 +169,39 @@ class Replay(Detector):
             evidence = {"rank": p, "verifier": verifier, "tiebreaker": tiebreaker,
                         "verdict": verdict, "own": own.tolist(), "replay": replay.tolist(),
                         "third": tie.tolist()}  # fmt: skip
+            self.alert(step, "audit", suspects, evidence)
+
+    def _megatron(
+        self, step: int, table: list[torch.Tensor], mismatched: list[int], third: torch.Tensor
+    ) -> None:
+        """Megatron-LM's rerun verdicts (megatron/core/rerun_state_machine.py): rerun on the
+        same rank first; a result it does not reproduce was a transient fault. A reproduced one
+        is rerun on another node (here the rank one node further on): reproduced there too, the
+        result was correct (Megatron: "possible application error"; here the replay that
+        disagreed with it is the suspect); not reproduced there, the rank's hardware has a
+        persistent fault. The verdict goes into the alert."""
+        world, per_node = self.info.world_size, self.info.ranks_per_node
+        again = torch.zeros(world, 3, dtype=torch.float64)
+        if self.info.rank in mismatched:
+            again[self.info.rank] = torch.tensor(
+                self._recompute(step, self.info.rank), dtype=torch.float64
+            )
+        both = _gather(torch.cat([again, third]).reshape(-1), world)
+        for p in mismatched:
+            other = (p + per_node) % world
+            own = table[p][_OWN : _OWN + 3]
+            rerun = both[p].reshape(2, world, 3)[0][p]
+            elsewhere = both[other].reshape(2, world, 3)[1][p]
+            if not self._same(own, rerun):
+                suspects, verdict = [p], "not reproduced on the same rank: transient fault"
+            elif self._same(own, elsewhere):
+                # Megatron's "correct result": here the disagreement was the verifier's replay.
+                verifier = (p - per_node) % world
+                suspects, verdict = [verifier], "reproduced on another node: the replay differed"
+            else:
+                suspects, verdict = [p], "reproduced on its own rank only: persistent fault"
+            evidence = {"rank": p, "verdict": verdict, "own": own.tolist(),
+                        "same_rank": rerun.tolist(), "other_node": elsewhere.tolist()}  # fmt: skip
             self.alert(step, "audit", suspects, evidence)
 
 

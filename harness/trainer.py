@@ -135,7 +135,7 @@ def run_trial(run: RunConfig, spec: TrialSpec, info: RankInfo, store: Path) -> R
             optimizer.load_state_dict(state_dict["optimizer"])
             fastforward.load_checks(Path(spec.segment.checkpoint), built, info)
     state = HookState(bus, model, info.world_size)
-    state.keep = run.recovery.enabled and spec.hook
+    state.keep = run.recovery.enabled and acting and spec.hook
     ddp = harness_ddp(model, state) if spec.hook else DDP(model)
     bus.install_forward_hooks(model, lambda: state.step)
     result = RankResult(spec.trial_id, info.rank, log.events)

@@ -68,3 +68,35 @@ def test_spiky_loss_flags_ten_times_the_largest_of_its_first_losses(peers):
 
 def test_no_peer_check_alarms_on_a_clean_run(peers):
     assert peers["clean"] == []
+
+
+def test_replay_with_megatrons_rerun_verdicts(tmp_path):
+    """`detectors.replay.verdict=megatron`: a fault the same rank does not reproduce on a rerun
+    is transient (a local gradient corrupted in the comm hook); one it reproduces but another
+    node does not is a persistent fault of that rank (its forward, corrupted on every run); the
+    verdict goes into the alert."""
+    scenarios = [
+        "site:grad,model:scale,factor:1000,ranks:[1],steps:[5]",
+        "site:activation,tensor:fc1,model:scale,factor:1000,ranks:[1],steps:[5]",
+    ]
+    listed = ",".join("{" + s + "}" for s in scenarios)
+    proc = sdc_bench(
+        "detectors=[replay]", "detectors.replay.verdict=megatron", "workload.steps=6",
+        "campaign.seeds=1", "campaign.noise_seeds=2", f"campaign.scenarios=[{listed}]",
+        f"out={tmp_path / 'run'}", cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    trials = [r["trial_id"] for r in rows(tmp_path / "run")]
+    alerts = [e for e in events(tmp_path / "run") if e["kind"] == "alert"]
+    verdicts = [
+        {(a["step"], a["evidence"]["verdict"], tuple(a["suspect_ranks"])) for a in alerts
+         if a["trial_id"] == t}
+        for t in trials
+    ]  # fmt: skip
+    assert verdicts == [
+        {(5, "not reproduced on the same rank: transient fault", (1,))},
+        # Rank 1's forward also corrupted its replay of rank 2: rank 2's result is reproduced
+        # by its own rerun and on another node, so the replay is the one that differed.
+        {(5, "reproduced on its own rank only: persistent fault", (1,)),
+         (5, "reproduced on another node: the replay differed", (1,))},
+    ]  # fmt: skip
