@@ -3,8 +3,9 @@
 strict majority is suspect. It runs every `interval` steps and always before a checkpoint, and
 refuses the checkpoint when the replicas disagree.
 
-The fingerprint is two machine words per tensor, exact on bit patterns (detectors/fingerprint.py),
-so the gather is a few hundred bytes per rank: Megatron-LM's equivalent copies every tensor to
+The fingerprint is two machine words per tensor, exact on bit patterns and order-aware (swaps,
+bursts and cancelling flips change it; detectors/fingerprint.py), so the gather is a few hundred
+bytes per rank: Megatron-LM's equivalent copies every tensor to
 the CPU and hashes it with SHA-1, and says it is not meant to run often.
 """
 

@@ -110,6 +110,10 @@ class HookState:
         self.inner = inner
         self.layout = fixed_layout(model)
         self.step = 0
+        # With `keep`, each chunk's local contribution of the step is kept for `retry_reduction`.
+        self.keep = False
+        self.kept: list[tuple] = []
+        self.params = dict(model.named_parameters())
 
     def pack(self, riders: list[tuple[int, torch.Tensor]]) -> tuple[torch.Tensor, list]:
         slot = torch.zeros(self.slots, dtype=torch.float32)
@@ -141,6 +145,8 @@ def _fixed_layout(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fu
     mine = [(i, names) for i, names in enumerate(state.layout) if names[0] in grads]
     assert sum(len(names) for _, names in mine) == len(grads), "a DDP bucket split a dtype"
     launched = []
+    if state.kept and state.kept[0][0] != step:
+        state.kept = []
     for k, (index, names) in enumerate(mine):
         sizes = [grads[n].numel() for n in names]
         dtype = grads[names[0]].dtype
@@ -156,6 +162,11 @@ def _fixed_layout(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fu
         slot, spans = state.pack(state.bus.riders(step, view))
         shared = dtype == torch.float32
         payload = torch.cat([view.buffer, slot]) if shared else view.buffer
+        if state.keep:
+            state.kept.append(
+                (step, view, names, sizes, spans, shared, payload.clone(), slot.clone())
+            )
+        state.bus.contribution(step, index, [payload] if shared or not spans else [payload, slot])
         futures = [dist.all_reduce(payload, async_op=True).get_future()]
         if spans and not shared:
             # A payload that cannot share the chunk's own collective pays for one.
@@ -166,17 +177,38 @@ def _fixed_layout(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fu
     def reduced(_: torch.futures.Future) -> torch.Tensor:
         for view, names, sizes, spans, shared, slot, futures in launched:
             result = _value(futures[0])
-            n = sum(sizes)
-            view.buffer = result[:n]
-            view.tensors = _named_views(view.buffer, names, sizes, grads)
-            summed = result[n:] if shared else (_value(futures[1]) if spans else slot)
-            view.riders = {owner: summed[a : a + k] for owner, a, k in spans}
-            state.bus.reduced_grad(step, view)
-            for name, reduced_view in view.tensors:
-                grads[name].copy_(reduced_view)
+            summed = result[sum(sizes) :] if shared else (_value(futures[1]) if spans else slot)
+            _deliver(state, step, view, names, sizes, spans, result, summed, grads)
         return bucket.buffer()
 
     return torch.futures.collect_all(everything).then(reduced)
+
+
+def _deliver(state, step, view, names, sizes, spans, result, summed, grads) -> None:
+    """A chunk's reduced result to the plug-ins, then into the gradients `grads` by name."""
+    n = sum(sizes)
+    view.buffer = result[:n]
+    view.tensors = _named_views(view.buffer, names, sizes, grads)
+    view.riders = {owner: summed[a : a + k] for owner, a, k in spans}
+    view.rider_region = summed if result.numel() > n or spans else None
+    state.bus.reduced_grad(step, view)
+    for name, reduced_view in view.tensors:
+        grads[name].copy_(reduced_view)
+
+
+def retry_reduction(state: HookState, step: int) -> None:
+    """Reduce the step's chunks again from the local contributions kept before the collective
+    (checked there, so still good), through the same plug-ins, into the parameters' gradients.
+    A transient fault of the first reduction is gone; one that repeats alarms again."""
+    grads = {name: p.grad for name, p in state.params.items() if p.grad is not None}
+    for _, view, names, sizes, spans, shared, payload, slot in state.kept:
+        parts = [payload.clone()] + ([] if shared or not spans else [slot.clone()])
+        state.bus.contribution(step, view.index, parts)
+        for part in parts:
+            dist.all_reduce(part)
+        summed = parts[0][sum(sizes) :] if shared else (parts[1] if spans else slot)
+        _deliver(state, step, view, names, sizes, spans, parts[0], summed, grads)
+    state.kept = []
 
 
 def _value(future: torch.futures.Future) -> torch.Tensor:

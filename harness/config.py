@@ -26,6 +26,7 @@ SITES_WITH_SCOPE = {"allreduce": ("rank", "reduction")}
 SCOPES = ("rank", "reduction")
 PERSISTENCE = ("transient", "intermittent", "permanent")
 SELECT = ("random", "largest")
+MATMUL_PHASES = ("forward", "backward")
 WORKLOADS = ("mlp", "gpt", "custom")
 CUSTOM_TARGETS = ("model", "data", "loss", "optimizer")
 BACKENDS = ("gloo", "nccl")
@@ -80,6 +81,10 @@ class FaultConfig:
     schedule: tuple[dict[str, Any], ...] = ()
     bucket: int | None = None
     follows: str = "hardware"
+    # Issue 14's fault shapes: a burst's sub-model and stride, a matmul fault's pass.
+    burst_model: str | None = None
+    stride: int = 1
+    phase: str = "forward"
 
     @property
     def clean(self) -> bool:
@@ -92,7 +97,8 @@ class FaultConfig:
         if self.clean:
             return 0
         steps = [e["step"] for e in self.schedule] or list(self.steps)
-        return min(steps, default=0)
+        # A stale contribution is the previous step's: the trial must run that step too.
+        return max(min(steps, default=0) - (self.model == "stale"), 0)
 
     def label(self) -> str:
         if self.clean:
@@ -106,6 +112,12 @@ class FaultConfig:
             parts.append(self.value)
         if self.stuck_at is not None:
             parts.append(f"at{self.stuck_at}")
+        if self.burst_model is not None:
+            parts.append(f"{self.burst_model}k{self.elements}")
+            if self.stride > 1:
+                parts.append(f"s{self.stride}")
+        if self.phase != "forward":
+            parts.append(self.phase)
         if self.nbits > 1:
             parts.append(f"n{self.nbits}{'adj' if self.adjacent else 'rnd'}")
         if self.ber is not None:
@@ -359,23 +371,12 @@ def topology_config(raw: dict[str, Any]) -> TopologyConfig:
     return TopologyConfig(**raw)
 
 
-# DESIGN section 3 names these too; until they exist they are refused, never ignored.
-PLANNED_SITES = ("matmul",)
-PLANNED_MODELS = ("swap", "burst", "drop", "duplicate", "stale")
-
-
 def _fault_model(key: str, value: Any) -> str:
-    known = ("none", *injectors.available_models())
-    if value in PLANNED_MODELS and value not in known:
-        raise ConfigError(key, f"'{value}' is not implemented yet; allowed: {', '.join(known)}")
-    return _choice(key, value, known)
+    return _choice(key, value, ("none", *injectors.available_models()))
 
 
 def _fault_site(key: str, value: Any) -> str:
-    known = ("none", *injectors.SITES)
-    if value in PLANNED_SITES:
-        raise ConfigError(key, f"'{value}' is not implemented yet; allowed: {', '.join(known)}")
-    return _choice(key, value, known)
+    return _choice(key, value, ("none", *injectors.SITES))
 
 
 def _fault_values(
@@ -483,6 +484,7 @@ def fault_config(
         )
     if values["ber"] is not None and model != "bitflip":
         raise ConfigError(f"{key}.ber", "a bit error rate needs model bitflip")
+    _shape(key, values, site, model)
     fault = FaultConfig(**values)
     injectors.model_class(model).validate(key, fault)
     return fault
@@ -501,6 +503,25 @@ def _unused_fault(
             f"'{campaign}' runs its campaign.scenarios and ignores fault.{ignored}="
             f"{raw[ignored]}; use campaign=single to run that fault",
         )
+
+
+def _shape(key: str, values: dict[str, Any], site: str, model: str) -> None:
+    """Issue 14's keys: a burst's sub-model and stride, a matmul fault's pass; grouped models
+    (swap, burst) draw their own positions, so they take no schedule and no `largest`."""
+    if values.get("burst_model") is not None and model != "burst":
+        raise ConfigError(f"{key}.burst_model", "only model burst has a sub-model; leave it null")
+    values["stride"] = _int(f"{key}.stride", values.get("stride", 1), 1)
+    if values["stride"] != 1 and model != "burst":
+        raise ConfigError(f"{key}.stride", "only model burst has a stride; leave it 1")
+    values["phase"] = _choice(f"{key}.phase", values.get("phase", "forward"), MATMUL_PHASES)
+    if values["phase"] != "forward" and site != "matmul":
+        raise ConfigError(f"{key}.phase", "only site matmul has a backward phase; leave it forward")
+    if model in ("swap", "burst"):
+        for name, unset in (("schedule", ()), ("select", "random")):
+            if values.get(name, unset) not in (unset, None, ()):
+                raise ConfigError(
+                    f"{key}.{name}", f"model {model} draws its own group; leave it unset"
+                )
 
 
 def _schedule(

@@ -61,6 +61,8 @@ class Bucket:
     # and compresses the bucket after the riders were taken (harness/comm.py).
     contribution: float = 1.0
     wire: torch.dtype | None = None
+    # The whole summed rider region (every plug-in's slots and the unused ones), when it exists.
+    rider_region: torch.Tensor | None = None
 
 
 @dataclass
@@ -82,6 +84,9 @@ class Plugin:
     def watches_module(self, name: str) -> bool:
         return False
 
+    def on_forward_pre(self, step: int, module: str) -> None:
+        """A watched module's forward is about to run."""
+
     def on_forward(self, step: int, module: str, output: torch.Tensor) -> torch.Tensor | None:
         """Return a tensor to replace the module's output, or None to leave it."""
 
@@ -89,6 +94,10 @@ class Plugin:
         """Return a tensor to replace the loss, or None to leave it."""
 
     def on_local_grad(self, step: int, bucket: Bucket) -> None: ...
+
+    def on_contribution(self, step: int, index: int, parts: list[torch.Tensor]) -> None:
+        """What this rank is about to send into chunk `index`'s reduction (the chunk and its
+        rider region), changeable in place: a reduction fault's site."""
 
     def rider(self, step: int, bucket: Bucket) -> torch.Tensor | None:
         """A few float32 numbers to sum across ranks with this bucket's allreduce, for free:
@@ -186,6 +195,10 @@ class Detector(Plugin):
         assert phase in PHASE_ORDER, phase
         if self.params.get("mode") == "act":
             self.stop_requested = True
+            # Only alarms on the received sum: a retry of the reduction may clear them.
+            self.reduction_only = (
+                getattr(self, "reduction_only", True) and phase == "post_allreduce"
+            )
         ranks = sorted(set(suspect_ranks))
         nodes = sorted({r // self.info.ranks_per_node for r in ranks})
         self._log.emit(
@@ -219,6 +232,11 @@ class PluginBus:
                         output = replaced = result
                 return replaced
 
+            def pre_hook(_mod, _inp, name=name, watchers=watchers):
+                for plugin in watchers:
+                    plugin.on_forward_pre(step_of(), name)
+
+            module.register_forward_pre_hook(pre_hook)
             module.register_forward_hook(hook)
 
     def loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
@@ -231,6 +249,10 @@ class PluginBus:
     def local_grad(self, step: int, bucket: Bucket) -> None:
         for plugin in self.plugins:
             plugin.on_local_grad(step, bucket)
+
+    def contribution(self, step: int, index: int, parts: list[torch.Tensor]) -> None:
+        for plugin in self.plugins:
+            plugin.on_contribution(step, index, parts)
 
     def reduced_grad(self, step: int, bucket: Bucket) -> None:
         for plugin in self.plugins:
@@ -263,6 +285,17 @@ class PluginBus:
 
     def stopper(self) -> Detector | None:
         return next((p for p in self.plugins if getattr(p, "stop_requested", False)), None)
+
+    def reduction_alarm(self) -> bool:
+        """Every stopping check alarmed on the received sum alone (nothing before it)."""
+        stoppers = [p for p in self.plugins if getattr(p, "stop_requested", False)]
+        return bool(stoppers) and all(p.reduction_only for p in stoppers)
+
+    def clear_stops(self) -> None:
+        for plugin in self.plugins:
+            if getattr(plugin, "stop_requested", False):
+                plugin.stop_requested = False
+                del plugin.reduction_only
 
 
 def matches(name: str, pattern: str) -> bool:

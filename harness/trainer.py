@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import detectors
 from harness import checkpoint, fastforward
-from harness.comm import HookState, harness_ddp
+from harness.comm import HookState, harness_ddp, retry_reduction
 from harness.config import RunConfig, TrialSpec
 from harness.plugins import DetectorContext, EventLog, PluginBus, RankInfo
 from harness.workloads import Workload
@@ -66,15 +66,33 @@ class TrialStopped(Exception):
     """A check in act mode stopped training; every rank raises it at the same point."""
 
 
-def _stop_point(bus: PluginBus, acting: bool, step: int, result: RankResult) -> None:
+def _stop_point(
+    bus: PluginBus,
+    acting: bool,
+    step: int,
+    result: RankResult,
+    retry: tuple[HookState, EventLog] | None = None,
+) -> None:
     """With a check in act mode, the ranks agree on stopping with one small collective: a
-    rank-local verdict (say, a sketch mismatch on one receiver) must stop every rank."""
+    rank-local verdict (say, a sketch mismatch on one receiver) must stop every rank.
+
+    With `retry` (the hook state keeping the step's local contributions, recovery on): when
+    every rank alarmed on the received sum alone, the reduction itself was wrong and names no
+    node; it is re-run once from the kept local gradients (no rollback, no quarantine). Only if
+    the repeat alarms too does the step stop (issue 14)."""
     if not acting:
         return
     stopper = bus.stopper()
-    flag = torch.tensor([1.0 if stopper else 0.0])
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if flag.item():
+    reduction = bus.reduction_alarm()
+    flags = torch.tensor([1.0 if stopper and not reduction else 0.0, 1.0 if reduction else 0.0])
+    dist.all_reduce(flags)
+    if retry and retry[0].kept and flags[0] == 0 and flags[1] == dist.get_world_size():
+        bus.clear_stops()
+        retry[1].emit("retry", step=step, reason="every rank alarmed on the received sum")
+        retry_reduction(retry[0], step)
+        _stop_point(bus, acting, step, result)
+        return
+    if flags.sum().item():
         result.stopped_step = step
         result.stopped_by = stopper.name if stopper else "peer"
         raise TrialStopped
@@ -124,6 +142,7 @@ def run_trial(
             optimizer.load_state_dict(state_dict["optimizer"])
             fastforward.load_checks(Path(spec.segment.checkpoint), built, info)
     state = HookState(bus, model, info.world_size)
+    state.keep = run.recovery.enabled and acting and spec.hook
     ddp = harness_ddp(model, state) if spec.hook else DDP(model)
     bus.install_forward_hooks(model, lambda: state.step)
     result = RankResult(spec.trial_id, info.rank, log.events)
@@ -144,7 +163,7 @@ def run_trial(
                     (loss / ctx.divisor).backward()
                 step_loss += loss.item() / len(batches)
             bus.audit(step)
-            _stop_point(bus, acting, step, result)
+            _stop_point(bus, acting, step, result, (state, log))
             optimizer.step()
             bus.optimizer_state(step, optimizer)
             bus.update(step, model)

@@ -11,8 +11,8 @@ import pkgutil
 
 from injectors.model import FaultModel
 
-SITES = ("grad", "allreduce", "weight", "optimizer", "activation", "loss")
-_NOT_MODELS = {"bits", "model", "injector"}
+SITES = ("grad", "allreduce", "weight", "optimizer", "activation", "loss", "matmul")
+_NOT_MODELS = {"bits", "model", "injector", "contribution"}
 
 
 def available_models() -> tuple[str, ...]:

@@ -9,6 +9,14 @@ Sites and what they reach (DESIGN section 3):
     optimizer  Adam's moments right after the step (`NAME.exp_avg`, `NAME.exp_avg_sq`)
     activation the output of a module in the forward pass (module names)
     loss       the scalar loss before backward (`loss`)
+    matmul     the first matrix multiply in a module's forward (modules holding an nn.Linear):
+               its output, or with `fault.phase=backward` the gradient its backward computes
+               for its second operand (a Linear's weight), as a broken tensor core would
+
+At site allreduce the rider region (the float32 numbers summed with each chunk, harness/comm.py)
+is a target named `riders`; only that exact name reaches it, so a glob's draws over parameters
+stay what they were. The contribution models (drop, duplicate, stale) change what the faulty
+ranks send into the reduction, rider region included, so every receiver gets the same wrong sum.
 """
 
 from __future__ import annotations
@@ -19,7 +27,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from harness.plugins import Bucket, EventLog, Plugin, RankInfo, matches
 from injectors import bits, model_class
@@ -28,6 +38,12 @@ if TYPE_CHECKING:
     from harness.config import FaultConfig
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+RIDERS = "riders"
+# The matrix multiplies a matmul fault can strike, with the position of their second operand.
+_MATMULS = {
+    F.linear: 1, torch.matmul: 1, torch.Tensor.matmul: 1, torch.Tensor.__matmul__: 1,
+    torch.mm: 1, torch.bmm: 1, torch.addmm: 2, torch.baddbmm: 2,
+}  # fmt: skip
 
 
 def _number(x: float) -> float | str:
@@ -42,12 +58,20 @@ def targets(site: str, model: nn.Module) -> list[tuple[str, int | None]]:
         return [(f"{n}.{k}", p.numel()) for n, p in params for k in MOMENTS]
     if site == "activation":
         return [(n, None) for n, _ in model.named_modules() if n]
+    if site == "matmul":
+        return [
+            (n, None)
+            for n, m in model.named_modules()
+            if n and any(isinstance(x, nn.Linear) for x in m.modules())
+        ]
     if site == "loss":
         return [("loss", 1)]
     return [(n, p.numel()) for n, p in params]
 
 
 def matching(fault: FaultConfig, model: nn.Module) -> list[tuple[str, int | None]]:
+    if fault.site == "allreduce" and fault.tensor == RIDERS:
+        return [(RIDERS, None)]
     return [(n, size) for n, size in targets(fault.site, model) if matches(n, fault.tensor)]
 
 
@@ -62,6 +86,43 @@ class _ReplaceValue(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad, None
+
+
+class _CorruptGrad(torch.autograd.Function):
+    """Forward passes the operand through; backward hands the gradient computed for it to
+    `corrupt`, which changes it in place before it flows on."""
+
+    @staticmethod
+    def forward(ctx, operand: torch.Tensor, corrupt) -> torch.Tensor:
+        ctx.corrupt = corrupt
+        return operand.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.clone()
+        ctx.corrupt(grad)
+        return grad, None
+
+
+class _FirstMatmul(TorchFunctionMode):
+    """Active during one module's forward: the first matrix multiply in it is corrupted, its
+    output (`output`) or, through its second operand, the gradient backward computes for it."""
+
+    def __init__(self, output, gradient):
+        super().__init__()
+        self.output, self.gradient, self.done = output, gradient, False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.done or func not in _MATMULS:
+            return func(*args, **kwargs)
+        self.done = True
+        if self.gradient is not None:
+            args = list(args)
+            at = _MATMULS[func]
+            args[at] = _CorruptGrad.apply(args[at], self.gradient)
+            return func(*args, **kwargs)
+        return self.output(func(*args, **kwargs))
 
 
 class FaultInjector(Plugin):
@@ -99,7 +160,7 @@ class FaultInjector(Plugin):
         self.schedule = [e for e in fault.schedule if e["rank"] in mine]
         if fault.schedule:
             self.active = bool(self.schedule)
-        elif fault.scope == "reduction":
+        elif fault.scope == "reduction" and not self.model.contribution:
             self.active = fault.ranks[0] in hardware
         else:
             self.active = bool(mine & set(fault.ranks))
@@ -107,6 +168,9 @@ class FaultInjector(Plugin):
         # With a bucket named, positions are drawn over that bucket's tensors when it first shows.
         matched = [] if fault.bucket is not None else matching(fault, model)
         self.positions = self._initial_positions(matched)
+        self.previous: dict[int, list[torch.Tensor]] = {}
+        self.struck: set[tuple[int, int]] = set()
+        self.matmul: _FirstMatmul | None = None
 
     def _initial_positions(self, matched: list[tuple[str, int | None]]) -> dict[str, list[int]]:
         """Seeded positions over the matched tensors, concatenated in model order. A module's
@@ -116,6 +180,12 @@ class FaultInjector(Plugin):
         if matched and matched[0][1] is None:
             return {self.rng.choice(sorted(n for n, _ in matched)): []}
         total = sum(size for _, size in matched)
+        if self.model.grouped and total:
+            k = self.fault.index if self.fault.index is not None else self.rng.randrange(total)
+            for name, size in matched:
+                if k < size:
+                    return {name: self.model.group(size, k, self.rng)}
+                k -= size
         if self.fault.index is not None:
             flat = range(self.fault.index, self.fault.index + self.fault.elements)
         else:
@@ -159,8 +229,14 @@ class FaultInjector(Plugin):
             count = int(self.ber_rng.binomial(total, fault.ber))
             return [(k // width, k % width) for k in sorted(self.rng.sample(range(total), count))]
         if name in self.positions and not self.positions[name]:
-            count = min(fault.elements, flat.numel())
-            self.positions[name] = sorted(self.rng.sample(range(flat.numel()), count))
+            n = flat.numel()
+            if self.model.grouped:
+                first = (
+                    min(fault.index, n - 1) if fault.index is not None else self.rng.randrange(n)
+                )
+                self.positions[name] = self.model.group(n, first, self.rng)
+            else:
+                self.positions[name] = sorted(self.rng.sample(range(n), min(fault.elements, n)))
         return [(i, None) for i in self.positions.get(name, [])]
 
     def _choose(
@@ -184,15 +260,34 @@ class FaultInjector(Plugin):
         if not self._due(step):
             return
         with torch.no_grad():
-            for name, flat, index, bit in self._choose(step, named):
-                self._corrupt(step, name, flat, index, bit)
+            self._corrupt_all(step, self._choose(step, named))
 
-    def _corrupt(
-        self, step: int, name: str, flat: torch.Tensor, index: int, bit: int | None
+    def _corrupt_all(
+        self, step: int, chosen: list[tuple[str, torch.Tensor, int, int | None]]
     ) -> None:
-        old, old_bits = float(flat[index]), bits.to_hex(flat, index)
-        touched = self.model.corrupt(flat, index, bit)
+        """Corrupt the chosen elements tensor by tensor (a grouped model sees its whole group);
+        one event per element, with its value and bits before and after."""
+        by_tensor: dict[str, tuple[torch.Tensor, list[tuple[int, int | None]]]] = {}
+        for name, flat, index, bit in chosen:
+            by_tensor.setdefault(name, (flat, []))[1].append((index, bit))
+        for name, (flat, picks) in by_tensor.items():
+            before = [(float(flat[i]), bits.to_hex(flat, i)) for i, _ in picks]
+            touched = self.model.corrupt_many(flat, picks)
+            for (index, _), (old, old_bits), hit in zip(picks, before, touched, strict=True):
+                self._record(step, name, flat, index, old, old_bits, hit)
+
+    def _record(
+        self,
+        step: int,
+        name: str,
+        flat: torch.Tensor,
+        index: int,
+        old: float,
+        old_bits: str,
+        touched: list[int] | None,
+    ) -> None:
         new_bits = bits.to_hex(flat, index)
+        extra = {"phase": self.fault.phase} if self.fault.site == "matmul" else {}
         self.log.emit(
             "inject",
             step=step,
@@ -207,6 +302,7 @@ class FaultInjector(Plugin):
             old_bits=old_bits,
             new_bits=new_bits,
             fired=old_bits != new_bits,
+            **extra,
         )
 
     def _replaced(self, step: int, name: str, value: torch.Tensor) -> torch.Tensor | None:
@@ -217,14 +313,35 @@ class FaultInjector(Plugin):
         chosen = self._choose(step, [(name, corrupted)])
         if not chosen:
             return None
-        for _, flat, index, bit in chosen:
-            self._corrupt(step, name, flat, index, bit)
+        self._corrupt_all(step, chosen)
         return _ReplaceValue.apply(value, corrupted)
 
     def watches_module(self, name: str) -> bool:
-        return self.fault.site == "activation" and self.active and matches(name, self.fault.tensor)
+        return (
+            self.fault.site in ("activation", "matmul")
+            and self.active
+            and matches(name, self.fault.tensor)
+        )
+
+    def on_forward_pre(self, step: int, module: str) -> None:
+        if self.fault.site != "matmul" or module not in self.positions or not self._due(step):
+            return
+        if self.fault.phase == "backward":
+            self.matmul = _FirstMatmul(None, lambda grad: self._in_place(step, module, grad))
+        else:
+            self.matmul = _FirstMatmul(lambda out: self._replaced(step, module, out), None)
+        self.matmul.__enter__()
+
+    def _in_place(self, step: int, name: str, grad: torch.Tensor) -> None:
+        with torch.no_grad():
+            self._corrupt_all(step, self._choose(step, [(name, grad)]))
 
     def on_forward(self, step: int, module: str, output: torch.Tensor) -> torch.Tensor | None:
+        if self.fault.site == "matmul":
+            if self.matmul is not None:
+                self.matmul.__exit__(None, None, None)
+                self.matmul = None
+            return None
         return self._replaced(step, module, output)
 
     def on_loss(self, step: int, loss: torch.Tensor) -> torch.Tensor | None:
@@ -245,8 +362,48 @@ class FaultInjector(Plugin):
         if self.fault.site == "grad":
             self._inject_bucket(step, bucket)
 
+    def _first_reduction(self, step: int, index: int) -> bool:
+        """A transient fault strikes a step's reduction of a chunk once: when the harness
+        re-runs that reduction (harness/comm.py, retry_reduction), the repeat runs clean."""
+        if self.fault.persistence != "transient":
+            return True
+        first = (step, index) not in self.struck
+        self.struck.add((step, index))
+        return first
+
+    def on_contribution(self, step: int, index: int, parts: list[torch.Tensor]) -> None:
+        """A contribution model changes what this rank sends into chunk `index`'s reduction;
+        one compact event per chunk: how many elements changed, the L2 norms before and after."""
+        if not (self.model.contribution and self.active):
+            return
+        if self.fault.bucket is not None and index != self.fault.bucket:
+            return
+        if not self._first_reduction(step, index):
+            return
+        genuine = [p.clone() for p in parts] if self.fault.model == "stale" else None
+        if self._due(step):
+            old = torch.cat([p.reshape(-1) for p in parts]).clone()
+            if self.model.contribute(parts, self.previous.get(index)) is not None:
+                new = torch.cat([p.reshape(-1) for p in parts])
+                changed = int((old != new).sum() - (old.isnan() & new.isnan()).sum())
+                self.log.emit(
+                    "inject", step=step, site=self.fault.site, model=self.fault.model,
+                    tensor=f"bucket{index}", bucket=index, index=None, bit=None, bits=None,
+                    elements=old.numel(), changed=changed, riders=True,
+                    old_norm=float(old.double().norm()), new_norm=float(new.double().norm()),
+                    from_step=step - 1 if genuine is not None else None, fired=changed > 0,
+                )  # fmt: skip
+        if genuine is not None:
+            self.previous[index] = genuine
+
     def on_reduced_grad(self, step: int, bucket: Bucket) -> None:
-        if self.fault.site == "allreduce":
+        if self.fault.site == "allreduce" and not self.model.contribution:
+            if not self._first_reduction(step, bucket.index):
+                return
+            if self.fault.tensor == RIDERS:
+                if bucket.rider_region is not None:
+                    self._inject(step, [(RIDERS, bucket.rider_region)])
+                return
             self._inject_bucket(step, bucket)
 
     def on_optimizer_state(self, step: int, optimizer: torch.optim.Optimizer) -> None:

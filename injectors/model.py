@@ -1,4 +1,5 @@
-"""The interface of a fault model: how one element's value goes wrong."""
+"""The interface of a fault model: how one element's value, a group of elements, or a rank's
+whole contribution to a reduction goes wrong."""
 
 from __future__ import annotations
 
@@ -12,9 +13,13 @@ if TYPE_CHECKING:
 
 
 class FaultModel:
-    """Corrupts one element of a flat tensor in place. One subclass per module in injectors/."""
+    """Corrupts elements of a flat tensor in place. One subclass per module in injectors/."""
 
     name = "model"
+    # A grouped model draws its positions as one group in one tensor (`group`), not one by one.
+    grouped = False
+    # A contribution model changes what one rank sends into a reduction (`contribute`).
+    contribution = False
 
     def __init__(self, fault: FaultConfig, rng: random.Random):
         self.fault = fault
@@ -27,4 +32,21 @@ class FaultModel:
     def corrupt(self, flat: torch.Tensor, index: int, bit: int | None = None) -> list[int] | None:
         """Change flat[index] (at `bit`, for bit-level models, when given); return the bit
         indices touched, or None when the model is not bit-level."""
+        raise NotImplementedError
+
+    def corrupt_many(
+        self, flat: torch.Tensor, picks: list[tuple[int, int | None]]
+    ) -> list[list[int] | None]:
+        """Change every (index, bit) of one tensor; the bits touched, per pick."""
+        return [self.corrupt(flat, index, bit) for index, bit in picks]
+
+    def group(self, size: int, first: int, rng: random.Random) -> list[int]:
+        """A grouped model's positions in a tensor of `size` elements, around `first`."""
+        raise NotImplementedError
+
+    def contribute(
+        self, parts: list[torch.Tensor], previous: list[torch.Tensor] | None
+    ) -> list[torch.Tensor] | None:
+        """Change this rank's contribution to one chunk's reduction in place (`previous`: the
+        genuine contribution of its last step, when known); None when it could not."""
         raise NotImplementedError

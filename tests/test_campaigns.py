@@ -18,7 +18,10 @@ from harness.config import RunConfig
 from tests.conftest import compose_run, rows, sdc_bench, without_timing
 
 CAMPAIGNS = sorted(p.stem for p in Path(CONFIG_DIR, "campaign").glob("*.yaml"))
-EVERY_DETECTOR = set(detectors.available())
+# The peers' methods (issue 14) run in `peers` (and megatron_hash in `blind_spots`); the other
+# standard campaigns run every detector of ours.
+PEERS = {"megatron_hash", "titan_replay", "spiky_loss"}
+EVERY_DETECTOR = set(detectors.available()) - PEERS
 PUBLISHED = {"nan_inf", "replay", "weight_consensus"}
 INTERVALS = (1, 2, 5, 10, 20, 50)
 BASELINE = Path(CONFIG_DIR).parent / "results" / "baseline"
@@ -70,17 +73,29 @@ def test_command_line_detectors_win_over_a_campaigns_choice():
 
 def test_blind_spots_cover_site_model_persistence_and_scope_against_every_detector():
     run = compose_run("campaign=blind_spots")
-    assert set(run.detectors) == EVERY_DETECTOR
-    # Every model of a wrong value; `crash` takes a process down instead (effect crash).
-    models = set(injectors.available_models()) - {"crash"}
+    assert set(run.detectors) == EVERY_DETECTOR | {"megatron_hash"}
+    # Every model of a wrong value; `crash` takes a process down instead (effect crash). The
+    # contribution models exist only in a reduction; a one-element loss has nothing to swap.
+    contribution = {"drop", "duplicate", "stale"}
+    models = set(injectors.available_models()) - {"crash"} - contribution
     persistence = ("transient", "intermittent", "permanent")
     places = [(s, None) for s in injectors.SITES if s != "allreduce"]
     places += [("allreduce", "rank"), ("allreduce", "reduction")]
     expected = {
         (site, scope, model, p)
         for (site, scope), model, p in itertools.product(places, models, persistence)
+        if (site, model) != ("loss", "swap")
     }
+    expected |= set(itertools.product(["allreduce"], ["reduction"], contribution, persistence))
     assert keys(run) == expected
+
+
+def test_peers_runs_ours_and_theirs_on_the_published_faults_and_the_new_models():
+    run = compose_run("campaign=peers")
+    assert set(run.detectors) == set(detectors.available())
+    assert {f.model for f in run.scenarios} >= {"swap", "burst", "drop", "duplicate", "stale"}
+    assert {f.site for f in run.scenarios} >= {"grad", "weight", "allreduce", "matmul"}
+    assert keys(run) >= keys(compose_run("campaign=aws_reference"))
 
 
 @pytest.mark.parametrize("dtype, width", [("float32", 32), ("bfloat16", 16)])

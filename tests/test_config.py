@@ -33,7 +33,7 @@ def test_single_campaign_runs_the_fault_keys_seeds_times():
 def test_bit_sensitivity_grids_every_bit_of_the_workload_dtype(dtype, width):
     run = compose_run("campaign=bit_sensitivity", f"workload.dtype={dtype}")
     cells = {(t.fault.site, t.fault.bit) for t in run.trials}
-    sites = {"grad", "allreduce", "weight", "optimizer", "activation", "loss"}
+    sites = {"grad", "allreduce", "weight", "optimizer", "activation", "loss", "matmul"}
     assert cells == {(site, bit) for site in sites for bit in range(width)}
 
 

@@ -59,7 +59,7 @@ CASES = [
     (["fault=allreduce_rank", "fault.scope=everyone"], "fault.scope", "allowed: rank, reduction"),
     (["workload=transformer"], "workload", "allowed: custom, gpt, mlp"),
     (["workload.dtype=float8"], "workload.dtype", "allowed: float32, bfloat16, float16"),
-    (["detectors=[nan_inf,oracle]"], "detectors", "allowed: allreduce_sketch, grad_stats, nan_inf"),
+    (["detectors=[nan_inf,oracle]"], "detectors", "allowed: allreduce_sketch, grad_stats, meg"),
     (["topology.nodes=0"], "topology.nodes", "1..inf"),
     (["topology.cpu_kernels=avx3"], "topology.cpu_kernels", "avx2, avx512, default, native"),
     (["recovery.enabled=maybe"], "recovery.enabled", "allowed: true, false"),
@@ -105,8 +105,12 @@ IGNORED_OR_MISTYPED = [
     (["fault.persistence=forever"], "fault.persistence", "allowed: transient"),
     (["fault.bit=sideways"], "fault.bit", "allowed: sign, exponent_msb"),
     (["fault.site=grad"], "fault.model", "site 'grad' needs a model; allowed: bitflip"),
-    (["fault.site=grad", "fault.model=swap"], "fault.model", "'swap' is not implemented yet"),
-    (["fault.site=matmul"], "fault.site", "'matmul' is not implemented yet"),
+    (
+        ["fault.site=matmul", "fault.model=scale", "fault.phase=sideways"],
+        "fault.phase",
+        "allowed: forward, backward",
+    ),
+    (["campaign=single", "fault.stride=4"], "fault.site", "ignores fault.stride=4"),
     (["campaign=default", "fault=grad_nan"], "campaign", "use campaign=single"),
 ]
 

@@ -8,15 +8,17 @@ from collections import defaultdict
 from datetime import timedelta
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from harness.comm import HookState, comm_hook
 from harness.config import FaultConfig
+from harness.errors import ConfigError
 from harness.plugins import EventLog, PluginBus, RankInfo
 from injectors.injector import FaultInjector
-from tests.conftest import events, rows
+from tests.conftest import compose_run, events, rows, sdc_bench
 
 SITES = "[grad,allreduce,weight,optimizer,activation,loss]"
 ONE = "ranks:[1],steps:[3],grid:{site:" + SITES + "}"
@@ -233,3 +235,236 @@ def test_published_example_one_scaled_gradient_poisons_every_replica_alike(tmp_p
     assert len(set(averaged)) == 1, "the replicas still agree with each other"
     assert math.isclose(got[1][2][0], 4.0, rel_tol=1e-6), "rank 1's 0.40 became 4.00"
     assert got[0][2] == [] and got[2][2] == []
+
+
+# Issue 14's fault models, in one campaign shared by the tests below: each scenario on a
+# different site, so one run covers them all.
+NEW_MODELS = {
+    "swap": "site:weight,model:swap,ranks:[1],steps:[3]",
+    "burst": "site:grad,model:burst,burst_model:bitflip,bit:30,elements:4,ranks:[1],steps:[3]",
+    "strided": "site:grad,model:burst,burst_model:scale,factor:1000,elements:3,stride:16,"
+    "ranks:[1],steps:[3],tensor:fc2.weight",
+    "drop": "site:allreduce,scope:reduction,model:drop,ranks:[2],steps:[3]",
+    "duplicate": "site:allreduce,scope:reduction,model:duplicate,ranks:[2],steps:[3]",
+    "stale": "site:allreduce,scope:reduction,model:stale,ranks:[2],steps:[3]",
+    "matmul": "site:matmul,tensor:fc1,model:scale,factor:1000,ranks:[1],steps:[3]",
+    "matmul_backward": "site:matmul,tensor:fc2,phase:backward,model:value,value:max,"
+    "ranks:[1],steps:[3]",
+    "riders": "site:allreduce,scope:reduction,tensor:riders,model:value,value:1e6,"
+    "ranks:[0],steps:[3]",
+}
+NEW_DETECTORS = "[nan_inf,allreduce_sketch,grad_stats,weight_consensus]"
+
+
+@pytest.fixture(scope="module")
+def new_models(tmp_path_factory) -> tuple[dict[str, dict], dict[str, list[dict]], list[dict]]:
+    """(row, inject events, alerts) per scenario name of NEW_MODELS."""
+    tmp = tmp_path_factory.mktemp("new_models")
+    listed = ",".join("{" + s + "}" for s in NEW_MODELS.values())
+    proc = sdc_bench(
+        "workload.steps=8", "campaign.seeds=1", "campaign.noise_seeds=2",
+        f"detectors={NEW_DETECTORS}", "detectors.weight_consensus.interval=1",
+        f"campaign.scenarios=[{listed}]", f"out={tmp / 'run'}", cwd=tmp,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = tmp / "run"
+    table = dict(zip(NEW_MODELS, rows(out), strict=True))
+    injected = _by_trial(out)
+    alerts = [e for e in events(out) if e["kind"] == "alert"]
+    return (
+        table,
+        {name: injected[row["trial_id"]] for name, row in table.items()},
+        {
+            name: [a for a in alerts if a["trial_id"] == row["trial_id"]]
+            for name, row in table.items()
+        },
+    )
+
+
+def test_swap_and_bursts_change_exactly_the_recorded_elements(new_models):
+    _, injected, _ = new_models
+    a, b = injected["swap"]
+    assert a["tensor"] == b["tensor"] and a["index"] != b["index"] and a["rank"] == 1
+    assert (a["old_bits"], a["new_bits"]) == (b["new_bits"], b["old_bits"])
+    burst = injected["burst"]
+    first = burst[0]["index"]
+    assert [e["index"] for e in burst] == list(range(first, first + 4))
+    assert len({e["tensor"] for e in burst}) == 1
+    assert all(int(e["old_bits"], 16) ^ int(e["new_bits"], 16) == 1 << 30 for e in burst)
+    strided = injected["strided"]
+    first = strided[0]["index"]
+    assert [e["index"] for e in strided] == [first, first + 16, first + 32]
+    assert all(math.isclose(e["new"], e["old"] * 1000, rel_tol=1e-6) for e in strided)
+
+
+def test_contribution_faults_record_what_the_rank_sent(new_models):
+    table, injected, _ = new_models
+    for name in ("drop", "duplicate", "stale"):
+        records = injected[name]
+        assert {e["rank"] for e in records} == {2} and {e["step"] for e in records} == {3}
+        assert all(e["riders"] and e["changed"] > 0 for e in records), name
+        # Every receiver got the same wrong sum: the replicas still agree with each other.
+        assert table[name]["replicas_agree"] == "True" and table[name]["golden_match"] == "False"
+    assert all(e["new_norm"] == 0 for e in injected["drop"])
+    assert all(
+        math.isclose(e["new_norm"], 2 * e["old_norm"], rel_tol=1e-12) for e in injected["duplicate"]
+    )
+    assert all(e["from_step"] == 2 and e["new_norm"] != e["old_norm"] for e in injected["stale"])
+
+
+def test_matmul_faults_strike_the_chosen_module_in_the_chosen_pass(new_models):
+    table, injected, _ = new_models
+    (forward,) = injected["matmul"]
+    assert forward["tensor"] == "fc1" and forward["phase"] == "forward"
+    assert math.isclose(forward["new"], forward["old"] * 1000, rel_tol=1e-6)
+    (backward,) = injected["matmul_backward"]
+    assert backward["tensor"] == "fc2" and backward["phase"] == "backward"
+    assert backward["new_bits"] == "0x7f7fffff"
+    # fc2's weight gradient (256 x 256) is what the backward matmul computed.
+    assert 0 <= backward["index"] < 256 * 256
+    assert table["matmul_backward"]["golden_match"] == "False"
+
+
+def test_the_rider_region_is_a_target_of_the_reduction(new_models):
+    table, injected, _ = new_models
+    records = injected["riders"]
+    assert {e["rank"] for e in records} == {0, 1, 2, 3}
+    assert {(e["tensor"], e["index"], e["new"]) for e in records} == {
+        ("riders", records[0]["index"], 1e6)
+    }
+
+
+def _reduction_faults(rank: int, store: str, results) -> None:
+    """One parameter, local gradients 0.2, 0.4, 0.3 at step 0 and 0.5, 0.6, 0.7 at step 1 on
+    ranks 0, 1, 2; rank 1 drops, duplicates or re-sends its contribution at step 1."""
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=3,
+        timeout=timedelta(seconds=30),
+    )  # fmt: skip
+    torch.set_num_threads(1)
+    info = RankInfo(rank, 3, 1)
+    for model in ("drop", "duplicate", "stale"):
+        w = torch.nn.Linear(1, 1, bias=False)
+        w.weight.data.fill_(1.0)
+        fault = FaultConfig(
+            site="allreduce", scope="reduction", model=model, ranks=(1,), steps=(1,)
+        )
+        log = EventLog(rank, rank)
+        state = HookState(PluginBus([FaultInjector(fault, 0, info, log, w)]), w, 3)
+        ddp = DDP(w)
+        ddp.register_comm_hook(state, comm_hook)
+        for step, grads in enumerate(((0.2, 0.4, 0.3), (0.5, 0.6, 0.7))):
+            state.step = step
+            w.zero_grad()
+            ddp(torch.tensor([[grads[rank]]])).sum().backward()
+        results.put((model, rank, float(w.weight.grad), len(log.events)))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_contribution_faults_make_the_sum_they_name(tmp_path):
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(target=_reduction_faults, args=(r, str(tmp_path / "store"), results))
+        for r in range(3)
+    ]
+    for p in procs:
+        p.start()
+    got = [results.get(timeout=120) for _ in range(9)]
+    for p in procs:
+        p.join(timeout=30)
+    expected = {"drop": (0.5 + 0.7) / 3, "duplicate": (0.5 + 1.2 + 0.7) / 3,
+                "stale": (0.5 + 0.4 + 0.7) / 3}  # fmt: skip
+    for model, rank, grad, n_events in got:
+        assert math.isclose(grad, expected[model], rel_tol=1e-6), (model, rank, grad)
+        assert n_events == (1 if rank == 1 else 0), (model, rank)
+
+
+@pytest.mark.parametrize(
+    ("scenario", "key", "allowed"),
+    [
+        ({"model": "burst", "site": "grad", "elements": 4}, "burst_model", "bitflip, scale"),
+        ({"model": "burst", "site": "grad", "burst_model": "bitflip"}, "elements", "2 or more"),
+        ({"model": "bitflip", "site": "grad", "stride": 4}, "stride", "only model burst"),
+        (
+            {
+                "model": "burst",
+                "site": "grad",
+                "burst_model": "scale",
+                "elements": 2,
+                "factor": 2.0,
+                "stride": 0,
+            },
+            "stride",
+            "1..inf",
+        ),
+        (
+            {"model": "scale", "factor": 2.0, "site": "grad", "phase": "backward"},
+            "phase",
+            "only site matmul",
+        ),
+        (
+            {"model": "scale", "factor": 2.0, "site": "matmul", "phase": "sideways"},
+            "phase",
+            "allowed: forward, backward",
+        ),
+        ({"model": "drop", "site": "grad"}, "model", "site allreduce and scope reduction"),
+        ({"model": "drop", "site": "allreduce", "scope": "rank"}, "model", "scope reduction"),
+        (
+            {"model": "stale", "site": "allreduce", "scope": "reduction", "steps": [0]},
+            "steps",
+            ">= 1",
+        ),
+        ({"model": "swap", "site": "weight", "select": "largest"}, "select", "its own group"),
+        ({"model": "swap", "site": "weight", "elements": 3}, "elements", "exactly two"),
+        (
+            {"model": "scale", "factor": 2.0, "site": "matmul", "tensor": "act"},
+            "tensor",
+            "matches nothing at site matmul",
+        ),
+    ],  # fmt: skip
+)
+def test_bad_new_fault_keys_are_refused(scenario, key, allowed):
+    raw = {"ranks": [1], "steps": [3], **scenario}
+    listed = "{" + ",".join(f"{k}:{_yaml(v)}" for k, v in raw.items()) + "}"
+    with pytest.raises(ConfigError) as error:
+        compose_run(f"campaign.scenarios=[{listed}]")
+    assert error.value.key == f"campaign.scenarios[0].{key}" and allowed in str(error.value)
+
+
+def _yaml(value) -> str:
+    return "[" + ",".join(map(str, value)) + "]" if isinstance(value, list) else str(value)
+
+
+def test_a_bad_burst_exits_2_with_one_line(tmp_path):
+    proc = sdc_bench(
+        "campaign=single", "fault.site=grad", "fault.model=burst", "fault.elements=3",
+        "fault.burst_model=stuck", "fault.ranks=[1]", "fault.steps=[2]", f"out={tmp_path / 'o'}",
+        cwd=tmp_path, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "fault.burst_model" in proc.stderr and "allowed: bitflip, scale, value" in proc.stderr
+
+
+def test_each_new_fault_is_caught_in_its_step_naming_the_right_rank(new_models):
+    """Acceptance (issue 14): each is caught by one of our checks in the step it can first be
+    seen: a weight swap and a gradient burst name the rank; a reduction fault is flagged on
+    every rank, which (the tags being per rank) also name the contribution that was wrong."""
+    table, _, alerts = new_models
+    # (The strided x1000 burst of three gradient elements is too small for grad_stats' norms;
+    # off an audit step nothing of ours looks at a local gradient's values.)
+    for name in ("swap", "burst", "matmul_backward"):
+        row = table[name]
+        assert row["detect_step"] == "3" and row["suspect_ranks"] == "1", (name, row)
+        assert row["attribution_correct"] == "True"
+    assert table["swap"]["first_detector"] == "weight_consensus"
+    verdicts = {"drop": "missing from the sum", "duplicate": "counted twice",
+                "stale": "from the previous step"}  # fmt: skip
+    for name, verdict in verdicts.items():
+        sketch = [a for a in alerts[name] if a["detector"] == "allreduce_sketch"]
+        assert {a["rank"] for a in sketch} == {0, 1, 2, 3}, name
+        assert all(a["step"] == 3 and a["suspect_ranks"] == [2] for a in sketch), name
+        assert all(a["evidence"]["tags"] == {"2": verdict} for a in sketch), name
+    riders = [a for a in alerts["riders"] if a["detector"] == "allreduce_sketch"]
+    assert {a["rank"] for a in riders} == {0, 1, 2, 3} and {a["step"] for a in riders} == {3}

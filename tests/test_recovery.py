@@ -115,3 +115,27 @@ def test_a_corrupted_checkpoint_is_detected_and_an_older_verified_one_is_used(tm
     assert step == 3 and torch.equal(checkpoint.load(tmp_path / path)["w"], torch.full((4,), 3.0))
     assert [e["kind"] for e in log] == ["corrupt_checkpoint"] and log[0]["step"] == 5
     assert restore_point(tmp_path, 3, []) == (1, str(tmp_path / "step_000001.pt"))
+
+
+def test_a_transient_wrong_reduction_is_re_run_from_the_local_gradients(tmp_path, run_ok):
+    """Issue 14: a reduction fault that names no node (every rank alarms on the received sum)
+    is re-run once from the local contributions kept before the collective: no rollback, no
+    quarantine, and the run ends bit-identical to the golden one."""
+    out, table = _campaign(
+        tmp_path,
+        run_ok,
+        "topology.spares=1",
+        scenarios=[
+            "site:allreduce,model:scale,factor:1000,scope:reduction,ranks:[1],steps:[5]",
+            "site:allreduce,model:drop,scope:reduction,ranks:[2],steps:[5]",
+        ],
+    )
+    for row in table:
+        assert row["detected_by"] == "allreduce_sketch" and row["detect_step"] == "5"
+        assert row["quarantined_nodes"] == "" and row["recoveries"] == "0"
+        assert row["final_nodes"] == "4" and row["golden_match"] == "True"
+    retries = [json.loads(line) for line in (out / "events.jsonl").open()]
+    retries = [e for e in retries if e["kind"] == "retry"]
+    assert sorted((e["trial_id"][:3], e["rank"], e["step"]) for e in retries) == sorted(
+        (t, r, 5) for t in ("000", "001") for r in range(4)
+    )

@@ -1,0 +1,62 @@
+"""`megatron_hash`: Megatron-LM's cross-replica weight check, as published.
+
+megatron/core/utils.py `check_param_hashes_across_dp_replicas` (called from the training loop
+every `--check-weight-hash-across-dp-replicas-interval` iterations): every parameter is copied
+to the CPU (`param.data.to("cpu").float().numpy()`) and hashed with SHA-1; the per-parameter
+digests are all-gathered over the data-parallel group, and each rank compares its own digests
+with those of data-parallel rank 0 (`torch.equal(local, all[0])`). There is no majority: a rank
+that differs from rank 0 reports a mismatch, and rank 0 always agrees with itself. So when rank
+0 holds the corrupt weights, every healthy rank reports and rank 0 does not: it suspects the
+healthy ranks. Its docstring says it is not meant to run often (the copy and SHA-1 cost seconds
+on a large model; benchmarks/kernels.py measures it against our fingerprint).
+
+Here each rank that differs from rank 0 alerts naming itself (what it can know), at the same
+point as `weight_consensus`: after the update, every `interval` steps.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from harness.errors import ConfigError
+from harness.plugins import Detector
+
+
+def sha1_table(model: nn.Module) -> torch.Tensor:
+    """One SHA-1 digest (20 bytes) per parameter, after a copy to the CPU in float32."""
+    digests = [
+        hashlib.sha1(p.data.to("cpu").float().numpy(force=True)).digest()
+        for _, p in model.named_parameters()
+    ]
+    return torch.frombuffer(bytearray(b"".join(digests)), dtype=torch.uint8).view(-1, 20)
+
+
+class MegatronHash(Detector):
+    name = "megatron_hash"
+    defaults = {"interval": 10}
+
+    @classmethod
+    def check(cls, key: str, params: dict[str, Any], topology: Any) -> None:
+        interval = params["interval"]
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            raise ConfigError(f"{key}.interval", f"'{interval}' must be an integer >= 1")
+
+    def on_update(self, step: int, model: nn.Module) -> None:
+        if (step + 1) % self.params["interval"]:
+            return
+        local = sha1_table(model)
+        table = [torch.empty_like(local) for _ in range(self.info.world_size)]
+        dist.all_gather(table, local)
+        if torch.equal(local, table[0]):
+            return
+        names = [n for n, _ in model.named_parameters()]
+        differing = [names[i] for i in range(len(names)) if not torch.equal(local[i], table[0][i])]
+        self.alert(step, "consensus", [self.info.rank], {"tensors": differing[:8], "versus": 0})
+
+
+DETECTOR = MegatronHash

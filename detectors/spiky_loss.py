@@ -1,0 +1,62 @@
+"""`spiky_loss`: Megatron-LM's spiky-loss check, as published.
+
+megatron/core/rerun_state_machine.py `is_unexpectedly_large`, passed to `validate_result` on
+each rank's local loss with `threshold=10` ("Spiky loss", not fatal): the absolute value of the
+first `num_samples=100` results sets a maximum (NaN and infinity are ignored: "they should be
+checked separately"), and from then on a result is rejected when it is at least `threshold`
+times that maximum. The maximum is never updated after the first samples. The original has no
+interval: it runs on every loss. The rank whose loss is rejected is the suspect.
+
+So it is blind for its first 100 losses (every micro-batch counts), and, in a short campaign,
+for the whole run: that is its published behaviour, measured as such.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from harness.errors import ConfigError
+from harness.plugins import Detector
+
+
+class SpikyLoss(Detector):
+    name = "spiky_loss"
+    defaults = {"threshold": 10.0, "samples": 100}
+
+    @classmethod
+    def check(cls, key: str, params: dict[str, Any], topology: Any) -> None:
+        threshold, samples = params["threshold"], params["samples"]
+        if isinstance(threshold, bool) or not isinstance(threshold, int | float) or threshold <= 1:
+            raise ConfigError(f"{key}.threshold", f"'{threshold}' must be a number > 1")
+        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+            raise ConfigError(f"{key}.samples", f"'{samples}' must be an integer >= 1")
+
+    def __init__(self, params, ctx, log):
+        super().__init__(params, ctx, log)
+        self.count = 0
+        self.largest = 0.0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"count": self.count, "largest": self.largest}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.count, self.largest = state["count"], state["largest"]
+
+    def on_loss(self, step: int, loss: torch.Tensor) -> None:
+        value = math.fabs(loss.item())
+        if not math.isfinite(value):
+            return None
+        if self.count < self.params["samples"]:
+            self.count += 1
+            self.largest = max(self.largest, value)
+            return None
+        limit = self.largest * self.params["threshold"]
+        if value >= limit:
+            self.alert(step, "loss", [self.info.rank], {"loss": value, "limit": limit})
+        return None
+
+
+DETECTOR = SpikyLoss

@@ -1,0 +1,97 @@
+"""`titan_replay`: torchtitan's deterministic replay for silent data corruption, as published.
+
+torchtitan's SDC replay (pytorch/torchtitan pull requests 4324 and 4333, `SDCReplayer`, with
+`--debug.deterministic`): on a checked optimizer step each rank snapshots its state, runs the
+step's first forward and backward as the reference, restores the snapshot and runs it again
+(`num_replays` times), and compares signatures (loss, local parameter gradients, buffers, RNG
+state) before the optimizer may see them; a mismatch raises on the rank. Its schedule is
+`num_steps` (the first N optimizer steps of the run; -1: every step), not an interval. The
+signature is exact on bits and order-insensitive (an XOR fold of each tensor's words), so
+deterministic compute is required, and a deterministic fault that strikes the replay the same
+way, or a change that leaves the XOR fold alone (two elements swapped within a tensor, the same
+bit flipped in two elements), is not seen.
+
+Here the reference is the step that trained: the local gradients as the comm hook sees them
+before the collective, and the losses. The replay recomputes them with torch.autograd.grad
+(param.grad is never touched; the RNG state is restored), so training is undisturbed. The
+suspect is the rank itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from harness.errors import ConfigError
+from harness.plugins import Bucket, Detector
+
+
+def xor_digest(tensor: torch.Tensor) -> int:
+    """The XOR of a tensor's 32-bit words (16-bit dtypes zero-padded to whole words)."""
+    raw = tensor.detach().contiguous().view(-1).view(torch.uint8).numpy()
+    if raw.size % 4:
+        raw = np.concatenate([raw, np.zeros(4 - raw.size % 4, dtype=np.uint8)])
+    return int(np.bitwise_xor.reduce(raw.view(np.uint32)))
+
+
+class TitanReplay(Detector):
+    name = "titan_replay"
+    defaults = {"num_steps": 1, "num_replays": 1}
+
+    @classmethod
+    def check(cls, key: str, params: dict[str, Any], topology: Any) -> None:
+        steps, replays = params["num_steps"], params["num_replays"]
+        if isinstance(steps, bool) or not isinstance(steps, int) or (steps < 1 and steps != -1):
+            raise ConfigError(f"{key}.num_steps", f"'{steps}' must be an integer >= 1, or -1")
+        if isinstance(replays, bool) or not isinstance(replays, int) or replays < 1:
+            raise ConfigError(f"{key}.num_replays", f"'{replays}' must be an integer >= 1")
+
+    def __init__(self, params, ctx, log):
+        super().__init__(params, ctx, log)
+        self.losses: list[float] = []
+        self.grads: dict[str, int] = {}
+
+    def _checked(self, step: int) -> bool:
+        return self.params["num_steps"] == -1 or step < self.params["num_steps"]
+
+    def on_loss(self, step: int, loss: torch.Tensor) -> None:
+        if self._checked(step):
+            self.losses.append(loss.item())
+        return None
+
+    def on_local_grad(self, step: int, bucket: Bucket) -> None:
+        if self._checked(step):
+            self.grads |= {name: xor_digest(g) for name, g in bucket.tensors}
+
+    def _replay(self, step: int) -> tuple[list[float], dict[str, int]]:
+        model, workload = self.ctx.model, self.ctx.workload
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        rng = torch.get_rng_state()
+        losses, grads = [], None
+        for source, m in self.ctx.batches(self.info.rank):
+            loss = workload.loss(model, workload.batch(step, source, m))
+            part = torch.autograd.grad(loss / self.ctx.divisor, [p for _, p in named])
+            grads = (
+                list(part) if grads is None else [a + b for a, b in zip(grads, part, strict=True)]
+            )
+            losses.append(loss.item())
+        torch.set_rng_state(rng)
+        return losses, {n: xor_digest(g) for (n, _), g in zip(named, grads, strict=True)}
+
+    def on_audit(self, step: int) -> None:
+        if not self._checked(step):
+            return
+        reference = (self.losses, self.grads)
+        self.losses, self.grads = [], {}
+        for _ in range(self.params["num_replays"]):
+            replay = self._replay(step)
+            if replay != reference:
+                differing = sorted(n for n in reference[1] if reference[1][n] != replay[1].get(n))
+                evidence = {"losses_equal": replay[0] == reference[0], "tensors": differing[:8]}
+                self.alert(step, "audit", [self.info.rank], evidence)
+                return
+
+
+DETECTOR = TitanReplay

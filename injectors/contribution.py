@@ -1,0 +1,18 @@
+"""What the contribution models share: they act on one rank's contribution to a reduction."""
+
+from __future__ import annotations
+
+from harness.errors import ConfigError
+
+
+def validate_reduction(key: str, fault, name: str) -> None:
+    if fault.site != "allreduce" or fault.scope != "reduction":
+        raise ConfigError(
+            f"{key}.model", f"'{name}' changes a contribution to the sum; it needs "
+            "site allreduce and scope reduction"
+        )  # fmt: skip
+    if fault.tensor != "*" or fault.index is not None or fault.elements != 1:
+        raise ConfigError(
+            f"{key}.tensor", f"'{name}' takes the rank's whole contribution (every chunk, or "
+            "the one fault.bucket names); leave tensor, index and elements unset"
+        )  # fmt: skip
