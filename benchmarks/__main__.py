@@ -4,7 +4,7 @@
     .venv/bin/python -m benchmarks --out DIR --only kernels,overhead
     .venv/bin/python -m benchmarks --quick              # tiny sizes: checks that all of it runs
 
-Writes into the output folder: figures.csv and figures.md (the table), overhead.csv (DESIGN
+Writes into the output folder: figures.csv and figures.md (the table), overhead.csv (docs/design.md
 section 4), step_times.csv, growth_size.csv, growth_ranks.csv, profile_*.txt (where the time of
 the checks goes) and environment.txt (the load on the machine while it ran: numbers from a busy
 machine are noisier, not biased, since every ratio is taken between interleaved runs).

@@ -1,5 +1,6 @@
 """Benchmark 4: what each detector adds to a training step of the reference workload (`gpt`,
-1024 tokens per rank per step) in a 4-rank gloo world; writes overhead.csv (DESIGN section 4).
+1024 tokens per rank per step) in a 4-rank gloo world; writes overhead.csv (docs/design.md,
+section 4).
 
 overhead = amortized step time with the detector / without - 1 (see worlds.py for the
 amortization over the detector's interval): overhead.csv. The same by the ranks' CPU time, which
@@ -77,7 +78,8 @@ def read_pass_s(numel: int) -> float:
 
 @dataclass
 class Overheads:
-    """overhead.csv rows by wall time (DESIGN's definition) and by CPU time, and the trials."""
+    """overhead.csv rows by wall time (docs/design.md's definition) and by CPU time, and the
+    trials."""
 
     wall: list[dict]
     cpu: list[dict]
@@ -159,7 +161,8 @@ def figures(result: Overheads, plan: Plan) -> list[Figure]:
 
 def _figure(row: dict, measure: str, by: str, ratios: dict, plan: Plan) -> Figure:
     name, k, pct = row["detector"], row["interval"], row["overhead_pct"]
-    # Targets belong to the wall-time figures (DESIGN's definition); CPU time is the cross-check.
+    # Targets belong to the wall-time figures (docs/design.md's definition); CPU time is the
+    # cross-check.
     wall = not measure
     if name == "replay":
         floor = row["floor_pct"]

@@ -1,5 +1,5 @@
 """Benchmark 5: campaign throughput, trials per minute of the campaign engine against a naive
-loop that spawns a world per trial and trains it from step 0 (DESIGN section 6).
+loop that spawns a world per trial and trains it from step 0 (docs/design.md, section 6).
 
 The engine's side is a whole campaign through `run_campaign`, as `sdc-bench` runs it: one
 spawned world for every run, the golden runs first (their time is counted against the

@@ -5,7 +5,7 @@ every detector configuration in turn, each between two trials without detectors.
 
 Two measures of each trial:
 
-- Wall time per step, as DESIGN defines overhead: each step's slowest rank, as trials.csv's
+- Wall time per step, as docs/design.md defines overhead: each step's slowest rank, as trials.csv's
   `step_time_s` takes it (the ranks wait for each other in the allreduce, so they agree
   closely). Checks that run
   every k steps make the series periodic, so a plain median over steps would return the cost

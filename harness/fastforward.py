@@ -1,9 +1,9 @@
-"""Fast-forward (DESIGN section 6): until its fault first strikes, a trial is its golden run bit
-for bit (same seed, same data, checks that only observe), so it starts from the golden run's
-snapshot of the step before instead of training from step 0. The golden run carries the same
-checks, in observe mode, and each rank saves its checks' state with the snapshot, so a check
-that remembers earlier steps (grad_stats' running loss maximum) judges the trial as it would
-have from step 0.
+"""Fast-forward (docs/design.md, section 6): until its fault first strikes, a trial is its
+golden run bit for bit (same seed, same data, checks that only observe), so it starts from the
+golden run's snapshot of the step before instead of training from step 0. The golden run
+carries the same checks, in observe mode, and each rank saves its checks' state with the
+snapshot, so a check that remembers earlier steps (grad_stats' running loss maximum) judges the
+trial as it would have from step 0.
 
 What a fast-forwarded trial does not replay: alerts before the fault's first step. They are
 false positives, which campaigns measure on clean trials, and those always run from step 0.

@@ -1,5 +1,5 @@
 """Judge one trial after the fact: join its alerts with its injections and compare it with the
-golden run, exactly as DESIGN section 5 defines fired, effect, detected, contained and
+golden run, exactly as docs/design.md section 5 defines fired, effect, detected, contained and
 attribution. Detectors never see any of this; only the harness, once the trial is over.
 """
 
@@ -26,7 +26,7 @@ CONTRACT_COLUMNS = [
     "alerts", "suspect_ranks", "suspect_nodes", "attribution_correct", "recovered", "final_loss",
     "golden_final_loss", "loss_delta", "step_time_s",
 ]  # fmt: skip
-# Beyond the contract (DESIGN section 4): what the report and audits of the table need.
+# Beyond the contract (docs/design.md, section 4): what the report and audits of the table need.
 EXTRA_COLUMNS = [
     "campaign", "detectors", "detected_by", "alert_detectors", "fault_ranks", "fault_steps",
     "golden_match", "replicas_agree", "divergent_ranks", "noise_band", "stopped_step",

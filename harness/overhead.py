@@ -1,5 +1,5 @@
 """overhead.csv: what each configured detector adds to a training step of the campaign's own
-workload and world, measured after its trials (`campaign.overhead`, DESIGN sections 4-6).
+workload and world, measured after its trials (`campaign.overhead`, docs/design.md, sections 4-6).
 
 overhead = step time with the detector alone / step time without detectors - 1, in percent,
 against two references: the harness's comm hook without checks (`overhead_pct`: what the check

@@ -19,7 +19,7 @@ from torch import nn
 
 from harness.errors import ConfigError
 
-# The step's points, in the order they happen (DESIGN section 3). The index orders alerts
+# The step's points, in the order they happen (docs/design.md, section 3). The index orders alerts
 # within a step, which `contained` relies on.
 PHASES = (
     "forward",
@@ -102,7 +102,7 @@ class Plugin:
     def rider(self, step: int, bucket: Bucket) -> torch.Tensor | None:
         """A few float32 numbers to sum across ranks with this bucket's allreduce, for free:
         the sum comes back in `bucket.riders[id(self)]`. A check that runs every step may add
-        no collective of its own (DESIGN section 6)."""
+        no collective of its own (docs/design.md, section 6)."""
 
     def on_reduced_grad(self, step: int, bucket: Bucket) -> None: ...
 

@@ -3,8 +3,8 @@ quarantined (replaced by a spare, or the world shrinks and keeps the global batc
 rolls back to the newest verified checkpoint saved before the suspect interval and runs to the
 planned end. A loop limit turns endless recovery into a verdict.
 
-The fault lives on hardware (DESIGN section 5): a spare that takes over a quarantined node's
-ranks is healthy, so re-executing the same steps does not re-inject. A fault that follows the
+The fault lives on hardware (docs/design.md, section 5): a spare that takes over a quarantined
+node's ranks is healthy, so re-executing the same steps does not re-inject. A fault that follows the
 data (`fault.follows=data`) keeps striking, which is what the loop limit is for.
 """
 

@@ -10,7 +10,7 @@ folder, no trials.csv, missing columns), before anything is compared. A regressi
 - an overhead more than 25% above the baseline's (and more than 5 percentage points, below
   which two timings differ from noise alone), per (detector, interval) in the overhead.csv
   files that a campaign with `campaign.overhead` writes, when both folders have them;
-- a new blind spot (DESIGN section 5): a cell that is one now and was not in the baseline.
+- a new blind spot (docs/design.md, section 5): a cell that is one now and was not in the baseline.
 
 Before the verdict it says whether both runs computed in the same environment (campaign.json,
 harness.environment). Only then can rows compare bit for bit: golden losses, `golden_match` and

@@ -1,8 +1,8 @@
 """The report: catch rates with their uncertainty, false positives and time to detection, built
 only from trials.csv so that `sdc-report` can rebuild it from any run or sweep folder.
 
-Definitions are DESIGN section 5's. Every rate carries its n and a 95% Wilson interval: a 3/3
-catch rate is not a 100% detector, and the interval says so.
+Definitions are docs/design.md section 5's. Every rate carries its n and a 95% Wilson
+interval: a 3/3 catch rate is not a 100% detector, and the interval says so.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def wilson(k: int, n: int) -> tuple[float, float]:
 
 
 def blind_spot(harmful: Counts) -> bool:
-    """DESIGN section 5: harmful trials whose catch rate's upper bound is below 50%."""
+    """docs/design.md section 5: harmful trials whose catch rate's upper bound is below 50%."""
     k, n = harmful
     return n > 0 and wilson(k, n)[1] < 0.5
 
@@ -520,7 +520,8 @@ def write_report(df: pd.DataFrame, out: Path, dirs: list[Path] | None = None) ->
         f"Trials: {len(df)}; workloads: {', '.join(sorted(df['workload'].unique()))}; "
         f"dtypes: {', '.join(sorted(df['dtype'].unique()))}; "
         "effects: " + ", ".join(f"{e} {n}" for e, n in df["effect"].value_counts().items()),
-        "Rates are k/n with a 95% Wilson interval. Catch rate = detected / fired (DESIGN §5); "
+        "Rates are k/n with a 95% Wilson interval. Catch rate = detected / fired "
+        "(docs/design.md §5); "
         "`detected` means an alert at or after the first step in which the injection changed a "
         "value.",
         DEFINITIONS,

@@ -1,5 +1,5 @@
-"""One rank's training run for one trial: the step in DESIGN's fixed order, with every site a
-hook point. It knows the plug-in hooks, never a concrete injector or detector.
+"""One rank's training run for one trial: the step in docs/design.md's fixed order, with every
+site a hook point. It knows the plug-in hooks, never a concrete injector or detector.
 
     1. forward (activation)  -> loss (loss)
     2. backward -> local gradients, bucket by bucket (grad)         \
@@ -122,8 +122,8 @@ def run_trial(
     plan = data_plan(spec, info)
     hardware = spec.segment.hardware if spec.segment else tuple(range(info.world_size))
     plugins = injector.build(spec.fault, spec.seed, info, log, model, hardware, plan)
-    # DESIGN 5: the golden run carries the same checks, observing only; its snapshots hand
-    # their state to fast-forwarded trials.
+    # docs/design.md section 5: the golden run carries the same checks, observing only; its
+    # snapshots hand their state to fast-forwarded trials.
     checks = run.checks(spec)
     if spec.golden:
         checks = {name: dict(params, mode="observe") for name, params in checks.items()}

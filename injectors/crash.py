@@ -1,7 +1,8 @@
 """`crash`: the rank itself fails at the site and step (`fault.value`): `raise` an exception,
 `exit` with code 0 as if done early, `hang` forever (its peers block in the next collective),
-or `kill` itself with SIGKILL. DESIGN section 5's `crash` effect, on demand: it measures what
-a campaign and its detectors do when hardware takes a process down instead of a value."""
+or `kill` itself with SIGKILL. docs/design.md section 5's `crash` effect, on demand: it
+measures what a campaign and its detectors do when hardware takes a process down instead of a
+value."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The fault injector plug-in: when, where and on which element a fault model strikes.
 
-Sites and what they reach (DESIGN section 3):
+Sites and what they reach (docs/design.md, section 3):
     grad       a rank's local gradients before the collective (parameter names; `fault.bucket`
                narrows it to one chunk of the harness's fixed reduction layout, harness/comm.py)
     allreduce  the averaged gradients after it; scope `rank` on the listed ranks, scope

@@ -1,4 +1,4 @@
-"""The definitions of DESIGN section 5, on hand-built trial results."""
+"""The definitions of docs/design.md section 5, on hand-built trial results."""
 
 from __future__ import annotations
 

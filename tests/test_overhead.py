@@ -1,6 +1,6 @@
 """`campaign.overhead`: timed clean runs in the campaign's own world write overhead.csv
-(DESIGN section 4). Timings on this loaded machine are noise around small numbers, so the tests
-hold the table's structure and the signs that cannot flip, not its digits."""
+(docs/design.md, section 4). Timings on this loaded machine are noise around small numbers, so
+the tests hold the table's structure and the signs that cannot flip, not its digits."""
 
 from __future__ import annotations
 
