@@ -14,6 +14,9 @@ from tests.conftest import FAST, events, rows, sdc_bench, without_timing
 NAN_FAULT = ["fault=grad_nan", "fault.steps=[5]", "campaign.seeds=2"]
 
 
+# Slow set; its default-run twins compare two runs' rows too: test_robustness's SIGKILL resume and
+# test_verdicts' fast-forward tests.
+@pytest.mark.slow
 def test_same_config_and_seed_give_identical_rows(tmp_path, run_ok):
     args = [*FAST, "campaign.seeds=2"]
     run_ok(*args, f"out={tmp_path / 'a'}", cwd=tmp_path)
@@ -41,6 +44,9 @@ def test_default_run_prints_summary_and_writes_report(tmp_path, run_ok):
     assert not any((out / "store").glob("*/*.pt"))
 
 
+# Slow set; the default-run twin is test_detectors'
+# test_a_nan_in_a_local_gradient_is_caught_by_nan_inf_in_its_step_and_contained.
+@pytest.mark.slow
 def test_nan_in_local_gradient_is_caught_in_its_step_and_attributed(tmp_path, run_ok):
     out = tmp_path / "run"
     run_ok(*FAST, *NAN_FAULT, f"out={out}", cwd=tmp_path)
@@ -59,6 +65,9 @@ def test_nan_in_local_gradient_is_caught_in_its_step_and_attributed(tmp_path, ru
     assert first_alert["phase"] == "pre_allreduce" and first_alert["suspect_ranks"] == [3]
 
 
+# Slow set; the default-run twin is test_injectors'
+# test_every_site_and_model_injects_exactly_what_it_records (bit patterns of every model).
+@pytest.mark.slow
 def test_bitflip_event_records_the_exact_bits(tmp_path, run_ok):
     out = tmp_path / "run"
     run_ok(

@@ -132,7 +132,9 @@ def test_nightly_is_a_fixed_mix_against_every_detector():
     run = compose_run("campaign=nightly")
     assert set(run.detectors) == EVERY_DETECTOR
     assert any(f.clean for f in run.scenarios)
-    assert {f.site for f in run.scenarios if not f.clean} == set(injectors.SITES)
+    # Every site but matmul (issue 14), which joins the nightly with its next baseline: the mix
+    # changes only together with results/baseline.
+    assert {f.site for f in run.scenarios if not f.clean} == set(injectors.SITES) - {"matmul"}
     # From 4 seeds on, n/n and 0/n have disjoint Wilson intervals: a lost catch shows.
     assert run.seeds >= 4
 

@@ -8,6 +8,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from harness import environment, stacks
 from harness.world import crash_cause
 from tests.conftest import BIN, FAST, rows, without_timing
@@ -20,6 +22,9 @@ def _wait_for(predicate, timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
+# Slow set; the default-run twin is test_robustness'
+# test_crashing_ranks_cost_one_trial_each_and_a_golden_run_lost_to_the_world_is_retried.
+@pytest.mark.slow
 def test_sigkilled_rank_costs_one_trial_and_the_campaign_goes_on(tmp_path):
     out = tmp_path / "run"
     args = [
