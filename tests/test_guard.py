@@ -53,6 +53,9 @@ def test_a_user_comm_hook_is_wrapped_not_replaced(tmp_path):
     assert compressed[0]["digest"] != plain[0]["digest"], "the fp16 hook really ran"
 
 
+# Slow set; the default-run twin is tests/test_guarded_example.py's act-mode replay
+# rehearsal (stops at its step, names the machine, quarantines it).
+@pytest.mark.slow
 def test_a_rehearsed_fault_raises_at_its_step_naming_its_rank(tmp_path):
     fault = {"site": "grad", "model": "scale", "factor": 1000.0, "ranks": [1], "steps": [5],
              "select": "largest"}  # fmt: skip

@@ -137,6 +137,8 @@ def test_persistence_schedules_and_bit_error_rate(tmp_path, run_ok):
     assert all(int(e["old_bits"], 16) ^ int(e["new_bits"], 16) == 1 << e["bit"] for e in ber)
 
 
+# Slow set; the default-run twin for schedules is test_persistence_schedules_and_bit_error_rate.
+@pytest.mark.slow
 def test_a_schedule_built_from_recorded_events_replays_them_exactly(tmp_path, run_ok):
     first = _campaign(
         tmp_path,

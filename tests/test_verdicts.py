@@ -73,16 +73,16 @@ def test_fast_forward_is_bit_identical_on_a_57_mb_model_in_three_chunks(tmp_path
 
 def test_the_same_trial_gets_the_same_effect_whatever_the_campaign_size(tmp_path, run_ok):
     """A range over more golden runs only widens: the threshold comes from the fixed reference
-    seeds, so 3 and 6 seeds agree on the seeds they share."""
+    seeds, so 2 and 4 seeds agree on the seeds they share."""
     tables = {}
-    for seeds in (3, 6):
+    for seeds in (2, 4):
         out = tmp_path / f"seeds-{seeds}"
         run_ok("workload.steps=6", "detectors=[]", "campaign=single", "fault=grad_scale",
                "fault.steps=[3]", "fault.factor=30.0", f"campaign.seeds={seeds}",
                "campaign.noise_seeds=2", f"out={out}", cwd=tmp_path, timeout=600)  # fmt: skip
         tables[seeds] = without_timing(rows(out))
-    assert tables[6][:3] == tables[3]
-    assert len({r["noise_band"] for r in tables[6]}) == 1
+    assert tables[4][:2] == tables[2]
+    assert len({r["noise_band"] for r in tables[4]}) == 1
 
 
 @pytest.mark.parametrize(
