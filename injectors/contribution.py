@@ -3,6 +3,17 @@
 from __future__ import annotations
 
 from harness.errors import ConfigError
+from injectors.model import FaultModel
+
+
+class ContributionModel(FaultModel):
+    """A fault in what a rank sends into the reduction (`contribute`), not in a value it holds."""
+
+    contribution = True
+
+    @classmethod
+    def validate(cls, key: str, fault) -> None:
+        validate_reduction(key, fault, cls.name)
 
 
 def validate_reduction(key: str, fault, name: str) -> None:

@@ -6,17 +6,11 @@ from __future__ import annotations
 
 import torch
 
-from injectors.contribution import validate_reduction
-from injectors.model import FaultModel
+from injectors.contribution import ContributionModel
 
 
-class Drop(FaultModel):
+class Drop(ContributionModel):
     name = "drop"
-    contribution = True
-
-    @classmethod
-    def validate(cls, key: str, fault) -> None:
-        validate_reduction(key, fault, cls.name)
 
     def contribute(
         self, parts: list[torch.Tensor], previous: list[torch.Tensor] | None

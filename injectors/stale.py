@@ -7,17 +7,15 @@ from __future__ import annotations
 import torch
 
 from harness.errors import ConfigError
-from injectors.contribution import validate_reduction
-from injectors.model import FaultModel
+from injectors.contribution import ContributionModel
 
 
-class Stale(FaultModel):
+class Stale(ContributionModel):
     name = "stale"
-    contribution = True
 
     @classmethod
     def validate(cls, key: str, fault) -> None:
-        validate_reduction(key, fault, cls.name)
+        super().validate(key, fault)
         if fault.steps and fault.steps[0] < 1:
             raise ConfigError(f"{key}.steps", "stale needs a previous step; steps must be >= 1")
 
