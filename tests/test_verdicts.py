@@ -42,7 +42,7 @@ def _both_ways(tmp_path, run_ok, *args: str) -> tuple[list[dict], list[dict]]:
     return tables[0], tables[1]
 
 
-def _same_rows(fast: list[dict], full: list[dict]) -> None:
+def _assert_same_rows(fast: list[dict], full: list[dict]) -> None:
     assert [r["start_step"] for r in fast] == ["3"] * 3
     assert [r["start_step"] for r in full] == ["0"] * 3
     strip = [{k: v for k, v in r.items() if k != "start_step"} for r in without_timing(fast)]
@@ -54,17 +54,17 @@ def _same_rows(fast: list[dict], full: list[dict]) -> None:
 
 
 def test_fast_forward_is_bit_identical_on_a_model_over_one_mib(tmp_path, run_ok):
-    _same_rows(*_both_ways(tmp_path, run_ok, *GPT))
+    _assert_same_rows(*_both_ways(tmp_path, run_ok, *GPT))
 
 
 @pytest.mark.slow
 def test_fast_forward_is_bit_identical_in_bfloat16(tmp_path, run_ok):
-    _same_rows(*_both_ways(tmp_path, run_ok, *GPT, "workload.dtype=bfloat16"))
+    _assert_same_rows(*_both_ways(tmp_path, run_ok, *GPT, "workload.dtype=bfloat16"))
 
 
 @pytest.mark.slow
 def test_fast_forward_is_bit_identical_on_a_57_mb_model_in_three_chunks(tmp_path, run_ok):
-    _same_rows(
+    _assert_same_rows(
         *_both_ways(
             tmp_path, run_ok, "workload=custom", "workload.model._target_=harness.examples.WideMLP"
         )
