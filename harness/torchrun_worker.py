@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from harness import environment, report
-from harness.campaign import CampaignError, run_campaign
+from harness.campaign import CRASH_LOG, CampaignError, run_campaign
 from harness.config import ConfigError, RunConfig, run_config
 from harness.plugins import RankInfo
 from harness.torchrun_world import END, STOP, TorchrunExecutor, TorchrunWorld, follow
@@ -48,7 +48,8 @@ def write_plan(raw: dict, out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     path = out / PLAN
     tmp = out / f".{PLAN}.tmp"
-    tmp.write_text(json.dumps(raw, indent=1, sort_keys=True))
+    # Key order is meaning: a scenario's grid expands in the order its keys were written.
+    tmp.write_text(json.dumps(raw, indent=1))
     tmp.replace(path)
     return path
 
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
         fail(unshared if info.rank == 0 else "", 2)
     if info.rank != 0:
         _exit(follow(world))
-    executor = TorchrunExecutor(world)
+    executor = TorchrunExecutor(world, out / CRASH_LOG)
     try:
         trials = run_campaign(run, out, executor)
     except ConfigError as exc:

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from harness import stacks
 from harness.config import RunConfig, TrialSpec
 from harness.plugins import RankInfo
 from harness.trainer import RankResult, run_trial
@@ -38,6 +39,10 @@ from harness.world import PEER_FAILURE, Outcome
 
 # How long rank 0 waits for the other ranks' reports once its own part of a trial failed.
 REPORT_GRACE_S = 5.0
+# How long a rank that failed waits for rank 0 to record the crash, beyond the time rank 0 may
+# take to notice it (a collective timeout and the grace): torchrun stops every rank of a host
+# as soon as one of them exits.
+RECORD_WAIT_S = 30.0
 # How long the store may take to see the files every host wrote (a network file system's
 # attribute cache).
 SHARED_WAIT_S = 5.0
@@ -92,6 +97,7 @@ class TorchrunWorld:
         self.backend = topo.backend
         self.timeout = timedelta(seconds=topo.collective_timeout_s)
         self.store_dir = store_dir
+        self.record_wait = topo.collective_timeout_s + REPORT_GRACE_S + RECORD_WAIT_S
         self.hosts = [socket.gethostname()] * size
         # Rank 0 may keep the others waiting for a whole recovery segment they sit out.
         wait = timedelta(seconds=topo.startup_timeout_s + topo.trial_timeout_s)
@@ -166,6 +172,13 @@ class TorchrunWorld:
         thread.start()
         thread.join(REPORT_GRACE_S)
 
+    def await_end(self, n: int) -> None:
+        """After a failure: wait until rank 0 has recorded the crash and posted task `n` (its
+        end), or a bounded time when it cannot (it died, or this host lost its link)."""
+        thread = threading.Thread(target=self.take, args=(n,), daemon=True)
+        thread.start()
+        thread.join(self.record_wait)
+
     def cause(self, n: int, size: int, exc: BaseException) -> str:
         """Rank 0: the crash cause of task n, from its own error and the others' reports."""
         errors = {0: describe(exc)}
@@ -214,10 +227,12 @@ class TorchrunWorld:
 
 
 class TorchrunExecutor:
-    """Rank 0's executor for harness.campaign.run_campaign: each trial goes to every rank."""
+    """Rank 0's executor for harness.campaign.run_campaign: each trial goes to every rank.
+    `log` (the run's crashes.log) gets each crash's cause."""
 
-    def __init__(self, world: TorchrunWorld):
+    def __init__(self, world: TorchrunWorld, log: Path):
         self.world = world
+        self.log = log
         self.tasks = 0
         self.group, self.size = 0, world.size
         self.lost: str | None = None
@@ -234,7 +249,9 @@ class TorchrunExecutor:
             return Outcome(parts=self.world.train(task))
         except Exception as exc:  # a rank or a link failed: the trial crashed
             self.lost = f"torchrun's world was lost in {spec.trial_id}"
-            return Outcome(crash=self.world.cause(n, self.size, exc))
+            cause = self.world.cause(n, self.size, exc)
+            stacks.append_log(self.log, f"{spec.trial_id} crashed: {cause}")
+            return Outcome(crash=cause)
 
     # A golden run that crashed cannot get a second try in this world: the campaign stops, and
     # the rerun that resumes it runs the golden run again.
@@ -266,5 +283,6 @@ def follow(world: TorchrunWorld) -> int:
             world.train(task)
         except Exception as exc:  # rank 0 records the crash; this rank's world is gone
             world.report(n, exc)
+            world.await_end(n + 1)
             return 1
         n += 1
