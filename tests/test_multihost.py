@@ -152,8 +152,10 @@ def test_a_host_cut_mid_campaign_crashes_the_trial_in_flight_and_a_rerun_resumes
 
 
 def test_a_store_that_not_every_host_sees_is_refused_before_any_trial(tmp_path, hosts):
-    args = ["fault=grad_nan", "workload.steps=4", "campaign.noise_seeds=1",
-            "topology.nodes=3", "topology.ranks_per_node=1"]  # fmt: skip
+    args = [
+        *("fault=grad_nan", "fault.ranks=[1]", "fault.steps=[2]", "workload.steps=4"),
+        *("campaign.noise_seeds=2", "topology.nodes=3", "topology.ranks_per_node=1"),
+    ]
     command, env = planned(tmp_path, args, hosts)
     store = tmp_path / "out" / "store"
     store.mkdir()

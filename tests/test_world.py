@@ -90,6 +90,39 @@ def test_torchrun_runs_the_same_worker_code_and_writes_the_same_rows(tmp_path, r
     assert spawned_rows[0]["detected"] == "True" and spawned_rows[0]["suspect_ranks"] == "3"
 
 
+def test_torchrun_recovers_in_a_shrunk_world_and_times_overhead_as_the_spawned_world(
+    tmp_path, run_ok
+):
+    """One campaign engine: recovery (no spare, so the world shrinks to 3 ranks and back) and
+    overhead.csv under torchrun, next to the spawned campaign's."""
+    args = [
+        *FAST,
+        "recovery.enabled=true",
+        "checkpoint.interval=2",
+        "detectors=[replay,weight_consensus]",
+        "detectors.replay.interval=5",
+        "detectors.weight_consensus.interval=4",
+        "campaign.scenarios=[{site:grad,model:scale,factor:1000,ranks:[1],steps:[5]}]",
+        "campaign.seeds=1",
+        "++campaign.overhead={steps:3,rounds:1}",
+    ]
+    spawned, planned = tmp_path / "spawned", tmp_path / "planned"
+    run_ok(*args, f"out={spawned}", cwd=tmp_path)
+    proc = run_ok(*args, "launcher=torchrun", f"out={planned}", cwd=tmp_path)
+    words = proc.stdout.strip().splitlines()[-1].split()
+    env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", **environment.pins("avx2"))
+    done = subprocess.run(
+        words[3:], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (row,) = without_timing(rows(planned))
+    assert row == without_timing(rows(spawned))[0]
+    assert row["recovered"] == "True" and row["final_nodes"] == "3"
+    tables = [(out / "overhead.csv").read_text().splitlines() for out in (spawned, planned)]
+    columns = [[line.split(",")[:2] for line in table] for table in tables]
+    assert columns[0] == columns[1] and len(columns[0]) == 4  # header, hook, replay, consensus
+
+
 def test_torchrun_refuses_a_world_that_does_not_match_the_plan(tmp_path, run_ok):
     planned = tmp_path / "planned"
     run_ok(*FAST, "fault=grad_nan", "launcher=torchrun", f"out={planned}", cwd=tmp_path)
