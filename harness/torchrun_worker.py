@@ -91,12 +91,13 @@ def main(argv: list[str] | None = None) -> None:
     executor = TorchrunExecutor(world, out / CRASH_LOG)
     try:
         trials = run_campaign(run, out, executor)
-    except ConfigError as exc:
-        executor.end(STOP)
-        fail(str(exc), 2)
-    except CampaignError as exc:
-        executor.end(STOP)
-        fail(f"campaign failed: {exc}", 1)
+    except BaseException as exc:
+        executor.end(STOP)  # the other ranks wait for their next task
+        if isinstance(exc, ConfigError):
+            fail(str(exc), 2)
+        if isinstance(exc, CampaignError):
+            fail(f"campaign failed: {exc}", 1)
+        raise
     executor.end(END)
     world.leave()
     df = report.load_trials([trials.parent])
