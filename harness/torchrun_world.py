@@ -43,9 +43,10 @@ REPORT_GRACE_S = 5.0
 # take to notice it (a collective timeout and the grace): torchrun stops every rank of a host
 # as soon as one of them exits.
 RECORD_WAIT_S = 30.0
-# How long the store may take to see the files every host wrote (a network file system's
-# attribute cache).
-SHARED_WAIT_S = 5.0
+# How long a host may take to see the files the others wrote in the store. No host looks a
+# token's name up before every host has written its own (a barrier between), so no network file
+# system holds a stale "no such file" for it; this covers a server slow to publish.
+SHARED_WAIT_S = 2.0
 END = None  # the task after the last one: every rank leaves the world cleanly
 STOP = "stop"  # rank 0 ended the campaign early: every rank leaves without a word
 

@@ -138,6 +138,32 @@ def test_torchrun_recovers_in_a_shrunk_world_and_times_overhead_as_the_spawned_w
     assert columns[0] == columns[1] and len(columns[0]) == 4  # header, hook, replay, consensus
 
 
+# Slow set (about 45 s on 2 cores); in the default run, tests/test_multihost.py crashes a trial by
+# cutting a host's link and resumes by rerunning the command.
+@pytest.mark.slow
+def test_torchrun_records_each_crash_and_its_max_restarts_resume_the_campaign(tmp_path, run_ok):
+    args = [
+        *("campaign=single", "fault.site=grad", "fault.model=crash", "fault.value=raise"),
+        *("fault.ranks=[1]", "fault.steps=[3]", "workload.steps=6", "campaign.seeds=2"),
+        *("campaign.noise_seeds=2", "topology.nodes=1", "topology.ranks_per_node=2"),
+        "topology.collective_timeout_s=5",
+    ]
+    out = tmp_path / "out"
+    proc = run_ok(*args, "launcher=torchrun", f"out={out}", cwd=tmp_path)
+    words = proc.stdout.strip().splitlines()[-1].split()
+    env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", GLOO_SOCKET_IFNAME="lo")
+    env.update(environment.pins("avx2"))
+    command = [words[3], "--max-restarts=2", *words[4:]]
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True)
+    # Each crash ends torchrun's world after its row; torchrun starts a fresh one, which resumes.
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stderr.count("campaign failed: torchrun's world was lost in") == 2
+    table = rows(out)
+    assert [r["effect"] for r in table] == ["crash", "crash"]
+    for row in table:
+        assert row["crash_cause"].startswith("rank 1 raised InjectedCrash: injected crash; rank 0 ")
+
+
 def test_torchrun_refuses_a_world_that_does_not_match_the_plan(tmp_path, run_ok):
     planned = tmp_path / "planned"
     run_ok(*FAST, "fault=grad_nan", "launcher=torchrun", f"out={planned}", cwd=tmp_path)
