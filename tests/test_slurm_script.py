@@ -34,6 +34,7 @@ def sbatch(tmp_path: Path, out: Path, nodes: int) -> subprocess.CompletedProcess
         SLURM_JOB_NUM_NODES=str(nodes),
         SLURM_JOB_NODELIST="gpu-a[17-18],gpu-b02",
         SLURM_JOB_ID="4711",
+        SDC_MAX_RESTARTS="2",
         SDC_PYTHON=sys.executable,
     )
     return subprocess.run(
@@ -56,7 +57,8 @@ def test_the_sbatch_script_starts_one_torchrun_agent_per_node_on_the_first_nodes
     words = shlex.split(srun[4])
     pins = [f"{k}={v}" for k, v in environment.pins("avx2").items()]
     assert words == [
-        "exec", "env", *pins, str(BIN / "torchrun"), "--rdzv-id=4711", "--nnodes=3",
+        "exec", "env", *pins, str(BIN / "torchrun"), "--rdzv-id=4711", "--max-restarts=2",
+        "--nnodes=3",
         "--rdzv-backend=c10d", "--rdzv-endpoint=gpu-a17:29500", "--nproc-per-node=2",
         "-m", "harness.torchrun_worker", str(out),
     ]  # fmt: skip
