@@ -18,7 +18,6 @@ own --max-restarts, resumes in a fresh world after the last recorded trial.
 
 from __future__ import annotations
 
-import gc
 import os
 import pickle
 import socket
@@ -35,7 +34,7 @@ from harness import stacks
 from harness.config import RunConfig, TrialSpec
 from harness.plugins import RankInfo
 from harness.trainer import RankResult, run_trial
-from harness.world import PEER_FAILURE, Outcome
+from harness.world import PEER_FAILURE, Outcome, shutdown
 
 # How long rank 0 waits for the other ranks' reports once its own part of a trial failed.
 REPORT_GRACE_S = 5.0
@@ -99,7 +98,7 @@ class TorchrunWorld:
         self.timeout = timedelta(seconds=topo.collective_timeout_s)
         self.store_dir = store_dir
         self.record_wait = topo.collective_timeout_s + REPORT_GRACE_S + RECORD_WAIT_S
-        self.hosts = [socket.gethostname()] * size
+        self.hosts: list[str] = []  # each rank's host name, once the world is joined
         # Rank 0 may keep the others waiting for a whole recovery segment they sit out.
         wait = timedelta(seconds=topo.startup_timeout_s + topo.trial_timeout_s)
         # The agent's store outlives a restart of its workers (--max-restarts): each attempt
@@ -142,11 +141,9 @@ class TorchrunWorld:
         return self.rank < size
 
     def leave(self) -> None:
-        """Leave the current group cleanly (harness.world.shutdown's order)."""
+        """Leave the current group cleanly, if this rank is in one."""
         if dist.is_initialized():
-            gc.collect()
-            dist.barrier()
-            dist.destroy_process_group()
+            shutdown()
 
     def post(self, n: int, task: Task | str | None) -> None:
         self.store.set(f"task/{n}", pickle.dumps(task))
