@@ -76,9 +76,8 @@ def loopback_interface() -> str:
 
 
 def init_rank(topology: TopologyConfig, rank: int) -> None:
-    """Settings every rank needs before it joins: loopback only, a fixed thread count, and the
-    pinned CPU kernels (set in its environment before it started)."""
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
+    """Settings every rank needs before it joins, under either launcher: a fixed thread count,
+    and the pinned CPU kernels (set in its environment before it started)."""
     torch.set_num_threads(topology.threads(rank))
     environment.check_rank(topology.cpu_kernels)
 
@@ -97,6 +96,9 @@ def _rank_main(
         beats[rank] = time.monotonic()
 
     stacks.register(Path(workdir))  # its own file, not the rank server's it was forked from
+    # The simulation listens on loopback only (docs/design.md, section 7); torchrun ranks use
+    # the interface their host name resolves to, as on any cluster.
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
     init_rank(topology, rank)
     Path(workdir, f"rank{rank}.pid").write_text(str(os.getpid()))
     try:
