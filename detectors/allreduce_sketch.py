@@ -15,16 +15,15 @@ Why a faulty reduction cannot forge this in step with the data (issue 14):
   rank whose contribution was wrong. A rider slot corrupted in the reduction breaks either a
   tag or the equality of the summed projections with the received data's projection.
 - Fresh weights every step, from a seed all ranks share (step and chunk index): the bucket is
-  viewed as runs of BLOCKS adjacent elements, and element b of run c weighs u[b] * v[c], with
-  u and v drawn afresh, each a random sign times a magnitude uniform in [1, 2]. A persistent
-  pattern cannot stay aligned with them, a stale contribution was projected with last step's
-  weights, and a change that sums to zero over two elements moves the projection by
-  d * (u[b] v[c] - u[b'] v[c']), nonzero for almost every draw: within a run the u differ,
-  across runs the v do (the old fixed +1/-1 per 1/4,096 of the bucket was blind to it,
-  forever).
-- The projection is one vector-matrix product of v with the runs (one streaming read pass) and
-  a dot product of BLOCKS numbers; the weights cost BLOCKS + numel / BLOCKS random numbers. A
-  16-bit bucket is converted to float32 a run at a time, in cache, its norm taken on the way.
+  viewed as BLOCKS rows, and element (b, c) weighs u[b] * v[c], with u and v drawn afresh, each
+  a random sign times a magnitude uniform in [1, 2]. A persistent pattern cannot stay aligned
+  with them, a stale contribution was projected with last step's weights, and a change that
+  sums to zero inside a row moves the projection by d * u[b] * (v[c] - v[c']), nonzero for
+  almost every draw (the old fixed +1/-1 per row was blind to it, forever).
+- The projection is one vector-matrix product of u with the bucket's rows (one read pass) and a
+  dot product of numel / BLOCKS numbers; the weights cost BLOCKS + numel / BLOCKS random
+  numbers. A 16-bit bucket is converted to float32 a few rows at a time, in cache, its norm
+  taken on the way.
 
 The comparison allows for rounding of a sum of world_size terms and of the projection:
 
@@ -93,33 +92,33 @@ def rider_of(buffer: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> torch.T
 def _pass(
     buffer: torch.Tensor, weights: tuple[torch.Tensor, ...], norm: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(projection, L2 norm or 0). The body of the bucket is read as `width` runs of `rows`
-    elements, (c, b) at c * rows + b: the product with v runs along whole runs (one streaming
-    pass, faster on the CPU than one dot product per row), and adjacent elements meet distinct
-    weights u[b]. A 16-bit bucket is converted to float32 a few runs at a time, in cache: a
-    whole-bucket copy costs several times the arithmetic."""
+    """(projection, L2 norm or 0). The body of the bucket is BLOCKS rows of `width` elements;
+    u . (rows) . v is summed as (u @ rows) . v: a vector-matrix product that streams through
+    the rows once (faster on the CPU than a dot product per row, and the same weights). A
+    16-bit bucket is converted to float32 a few rows at a time, in cache: a whole-bucket copy
+    costs several times the arithmetic."""
     u, v, z = (w.to(buffer.device) for w in weights)
     flat = buffer.reshape(-1)
     if flat.dtype != torch.float32 and flat.device.type != "cpu":
         flat = flat.float()  # a device converts the whole bucket faster than in pieces
     rows, width = u.numel(), v.numel()
     body = rows * width
-    grid = flat[:body].view(width, rows)
+    grid = flat[:body].view(rows, width)
     rest = flat[body:].float()
     if flat.dtype == torch.float32:
-        sums = v @ grid
-        size = torch.linalg.vector_norm(flat) if norm else sums.new_zeros(())
+        columns = u @ grid
+        size = torch.linalg.vector_norm(flat) if norm else columns.new_zeros(())
     else:
-        sums = torch.zeros(rows, device=flat.device)
+        columns = torch.zeros(width, device=flat.device)
         norms = [torch.linalg.vector_norm(rest)]
-        step = max(1, CONVERT // rows)
-        for at in range(0, width, step):
+        step = max(1, CONVERT // width)
+        for at in range(0, rows, step):
             block = grid[at : at + step].float()
-            sums.addmv_(block.t(), v[at : at + step])
+            columns.addmv_(block.t(), u[at : at + step])
             if norm:
                 norms.append(torch.linalg.vector_norm(block))
-        size = torch.linalg.vector_norm(torch.stack(norms)) if norm else sums.new_zeros(())
-    return torch.dot(sums, u) + torch.dot(rest, z), size
+        size = torch.linalg.vector_norm(torch.stack(norms)) if norm else columns.new_zeros(())
+    return torch.dot(columns, v) + torch.dot(rest, z), size
 
 
 def wire_rounding(wire: torch.dtype, world: int, n: int) -> tuple[float, float]:
