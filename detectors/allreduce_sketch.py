@@ -20,8 +20,8 @@ Why a faulty reduction cannot forge this in step with the data (issue 14):
   with them, a stale contribution was projected with last step's weights, and a change that
   sums to zero inside a row moves the projection by d * u[b] * (v[c] - v[c']), nonzero for
   almost every draw (the old fixed +1/-1 per row was blind to it, forever).
-- The projection is one vector-matrix product of u with the bucket's rows (one read pass) and a
-  dot product of numel / BLOCKS numbers; the weights cost BLOCKS + numel / BLOCKS random
+- The projection is one matrix-vector product of the bucket's rows with v, or of u with the rows
+  (one read pass either way), and a dot product; the weights cost BLOCKS + numel / BLOCKS random
   numbers. A 16-bit bucket is converted to float32 a few rows at a time, in cache, its norm
   taken on the way.
 
@@ -61,6 +61,8 @@ from harness.plugins import Bucket, Detector
 BLOCKS = 4096
 # Elements of a 16-bit bucket converted to float32 at a time (512 KiB: stays in cache).
 CONVERT = 1 << 17
+# Rows at least this wide are projected by a vector-matrix product (`_pass`).
+STREAM_WIDTH = 640
 
 
 def step_weights(step: int, index: int, numel: int) -> tuple[torch.Tensor, ...]:
@@ -92,11 +94,12 @@ def rider_of(buffer: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> torch.T
 def _pass(
     buffer: torch.Tensor, weights: tuple[torch.Tensor, ...], norm: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(projection, L2 norm or 0). The body of the bucket is BLOCKS rows of `width` elements;
-    u . (rows) . v is summed as (u @ rows) . v: a vector-matrix product that streams through
-    the rows once (faster on the CPU than a dot product per row, and the same weights). A
-    16-bit bucket is converted to float32 a few rows at a time, in cache: a whole-bucket copy
-    costs several times the arithmetic."""
+    """(projection, L2 norm or 0). The body of the bucket is BLOCKS rows of `width` elements,
+    u . (rows) . v. Wide rows are summed as (u @ rows) . v, a vector-matrix product that
+    streams through them, narrow ones as u . (rows @ v); same weights, whichever is faster on
+    the CPU (the crossover measured between 424 and 848). A 16-bit bucket is converted to
+    float32 a few rows at a time, in cache: a whole-bucket copy costs several times the
+    arithmetic."""
     u, v, z = (w.to(buffer.device) for w in weights)
     flat = buffer.reshape(-1)
     if flat.dtype != torch.float32 and flat.device.type != "cpu":
@@ -105,20 +108,21 @@ def _pass(
     body = rows * width
     grid = flat[:body].view(rows, width)
     rest = flat[body:].float()
-    if flat.dtype == torch.float32:
-        columns = u @ grid
-        size = torch.linalg.vector_norm(flat) if norm else columns.new_zeros(())
-    else:
-        columns = torch.zeros(width, device=flat.device)
-        norms = [torch.linalg.vector_norm(rest)]
-        step = max(1, CONVERT // width)
-        for at in range(0, rows, step):
-            block = grid[at : at + step].float()
-            columns.addmv_(block.t(), u[at : at + step])
-            if norm:
-                norms.append(torch.linalg.vector_norm(block))
-        size = torch.linalg.vector_norm(torch.stack(norms)) if norm else columns.new_zeros(())
-    return torch.dot(columns, v) + torch.dot(rest, z), size
+    whole = flat.dtype == torch.float32
+    step = rows if whole else max(1, CONVERT // width)
+    projection = torch.dot(rest, z)
+    norms = [torch.linalg.vector_norm(flat if whole else rest)] if norm else []
+    for at in range(0, rows, step):
+        block = grid[at : at + step].float()  # float32 already: the rows themselves
+        row_weights = u[at : at + step]
+        if width >= STREAM_WIDTH:
+            projection = projection + torch.dot(row_weights @ block, v)
+        else:
+            projection = projection + torch.dot(block @ v, row_weights)
+        if norm and not whole:
+            norms.append(torch.linalg.vector_norm(block))
+    size = torch.linalg.vector_norm(torch.stack(norms)) if norm else projection.new_zeros(())
+    return projection, size
 
 
 def wire_rounding(wire: torch.dtype, world: int, n: int) -> tuple[float, float]:
