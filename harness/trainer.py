@@ -29,6 +29,7 @@ import detectors
 from harness import checkpoint, fastforward
 from harness.comm import HookState, harness_ddp, retry_reduction
 from harness.config import RunConfig, TrialSpec
+from harness.locate import faulty_node_ranks
 from harness.plugins import DetectorContext, EventLog, PluginBus, RankInfo
 from harness.workloads import Workload
 from injectors import injector
@@ -71,27 +72,32 @@ def _stop_point(
     acting: bool,
     step: int,
     result: RankResult,
-    retry: tuple[HookState, EventLog] | None = None,
+    kept: tuple[HookState, EventLog, RankInfo] | None = None,
+    retried: bool = False,
 ) -> None:
     """With a check in act mode, the ranks agree on stopping with one small collective: a
     rank-local verdict (say, a sketch mismatch on one receiver) must stop every rank.
 
-    With `retry` (the hook state keeping the step's local contributions, recovery on): when
+    With `kept` (the hook state keeping the step's local contributions, recovery on): when
     every rank alarmed on the received sum alone, the reduction itself was wrong and names no
-    node; it is re-run once from the kept local gradients (no rollback, no quarantine). Only if
-    the repeat alarms too does the step stop (issue 14)."""
+    node; it is re-run once from the kept local gradients (no rollback, no quarantine). If the
+    repeat alarms too, sub-group reductions locate the node that breaks it (harness/locate.py)
+    before the step stops (issue 14)."""
     if not acting:
         return
     stopper = bus.stopper()
     reduction = bus.reduction_alarm()
     flags = torch.tensor([1.0 if stopper and not reduction else 0.0, 1.0 if reduction else 0.0])
     dist.all_reduce(flags)
-    if retry and retry[0].kept and flags[0] == 0 and flags[1] == dist.get_world_size():
-        bus.clear_stops()
-        retry[1].emit("retry", step=step, reason="every rank alarmed on the received sum")
-        retry_reduction(retry[0], step)
-        _stop_point(bus, acting, step, result)
-        return
+    if kept and kept[0].kept and flags[0] == 0 and flags[1] == dist.get_world_size():
+        state, log, info = kept
+        if not retried:
+            bus.clear_stops()
+            log.emit("retry", step=step, reason="every rank alarmed on the received sum")
+            retry_reduction(state, step)
+            _stop_point(bus, acting, step, result, kept, retried=True)
+            return
+        faulty_node_ranks(state, step, info, log)
     if flags.sum().item():
         result.stopped_step = step
         result.stopped_by = stopper.name if stopper else "peer"
@@ -163,7 +169,7 @@ def run_trial(
                     (loss / ctx.divisor).backward()
                 step_loss += loss.item() / len(batches)
             bus.audit(step)
-            _stop_point(bus, acting, step, result, (state, log))
+            _stop_point(bus, acting, step, result, (state, log, info))
             optimizer.step()
             bus.optimizer_state(step, optimizer)
             bus.update(step, model)

@@ -57,6 +57,11 @@ CASES = [
     (["detectors.nan_inf.mode=panic"], "detectors.nan_inf.mode", "allowed: observe, act"),
     (["fault=grad_scale", "fault.model=crash", "fault.value=melt"], "fault.value", "raise, exit"),
     (["fault=allreduce_rank", "fault.scope=everyone"], "fault.scope", "allowed: rank, reduction"),
+    (
+        ["campaign=single", "fault=allreduce_reduction", "fault.ranks=[1,2]"],
+        "fault.ranks",
+        "allowed: one rank",
+    ),
     (["workload=transformer"], "workload", "allowed: custom, gpt, mlp"),
     (["workload.dtype=float8"], "workload.dtype", "allowed: float32, bfloat16, float16"),
     (["detectors=[nan_inf,oracle]"], "detectors", "allowed: allreduce_sketch, grad_stats, meg"),
