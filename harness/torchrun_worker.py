@@ -14,14 +14,15 @@ from __future__ import annotations
 import json
 import os
 import sys
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
 import torch.distributed as dist
 
-from harness import environment, report
+from harness import determinism, devices, environment, report
 from harness.campaign import Campaign
-from harness.config import ConfigError, RunConfig, run_config
+from harness.config import ConfigError, RunConfig, TopologyConfig, run_config
 from harness.plugins import RankInfo
 from harness.trainer import run_trial
 from harness.world import Outcome, init_rank, shutdown
@@ -68,6 +69,16 @@ def rank_info(run: RunConfig) -> RankInfo:
     return RankInfo(rank, world, per_node)
 
 
+def placed(topology: TopologyConfig) -> TopologyConfig:
+    """The plan's topology with its device resolved on this machine (harness/devices.py)."""
+    device = devices.resolve(
+        topology.device, topology.backend, topology.ranks_per_node, devices.gpu_count()
+    )
+    if device == "cuda" and topology.deterministic:
+        determinism.settings(os.environ, topology.backend)
+    return replace(topology, device=device)
+
+
 def _run(run: RunConfig, spec, info: RankInfo, out: Path) -> Outcome:
     """Every rank trains the trial; rank 0 gathers the parts."""
     part = run_trial(run, spec, info, out / "store")
@@ -87,7 +98,9 @@ def main(argv: list[str] | None = None) -> None:
             raise ConfigError("workload", "a custom plan names code to run; add --trust-plan")
         run = run_config(raw)
         info = rank_info(run)
-        init_rank(run.topology, info.rank)
+        run = replace(run, topology=placed(run.topology))
+        local_rank = int(os.environ.get("LOCAL_RANK", info.rank % info.ranks_per_node))
+        info = replace(info, device=init_rank(run.topology, info.rank, local_rank))
     except (ConfigError, OSError) as exc:
         print(f"harness.torchrun_worker: error: {exc}", file=sys.stderr)
         sys.exit(2)

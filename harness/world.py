@@ -31,7 +31,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from harness import environment, stacks
+from harness import determinism, devices, environment, stacks
 from harness.config import RunConfig, TopologyConfig, TrialSpec
 from harness.plugins import RankInfo
 from harness.trainer import RankResult, run_trial
@@ -74,12 +74,21 @@ def loopback_interface() -> str:
     return next((n for n in names if n in ("lo", "lo0")), names[0])
 
 
-def init_rank(topology: TopologyConfig, rank: int) -> None:
-    """Settings every rank needs before it joins: loopback only, a fixed thread count, and the
-    pinned CPU kernels (set in its environment before it started)."""
+def init_rank(topology: TopologyConfig, rank: int, local_rank: int | None = None) -> str:
+    """Settings every rank needs before it joins: loopback only, a fixed thread count, the
+    pinned CPU kernels (set in its environment before it started), its GPU and, for exact
+    replay there, what recomputation needs before NCCL and cuBLAS start. Its device."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
     torch.set_num_threads(topology.threads(rank))
     environment.check_rank(topology.cpu_kernels)
+    device = devices.rank_device(
+        topology.device or "cpu", rank if local_rank is None else local_rank, devices.gpu_count()
+    )
+    if device.type == "cuda":
+        if topology.deterministic:
+            determinism.apply(topology.backend)
+        torch.cuda.set_device(device)
+    return str(device)
 
 
 def _rank_main(
@@ -96,7 +105,7 @@ def _rank_main(
         beats[rank] = time.monotonic()
 
     stacks.register_from_env()  # done already where harness.cli is the main module
-    init_rank(topology, rank)
+    device = init_rank(topology, rank)
     parent = os.getppid()
     Path(workdir, f"rank{rank}.pid").write_text(str(os.getpid()))
     try:
@@ -105,7 +114,7 @@ def _rank_main(
         # waited for that folder to appear (the first-run hang of issue 17).
         rendezvous = dist.FileStore(init_file, topology.world_size)
         dist.init_process_group(
-            "gloo",
+            topology.backend,
             store=rendezvous,
             rank=rank,
             world_size=topology.world_size,
@@ -114,7 +123,7 @@ def _rank_main(
     except Exception as exc:  # reported to the parent, which judges the start
         _report_error(results, rank, exc)
     beat()  # joined: the world has started once every rank has
-    info = RankInfo(rank, topology.world_size, topology.ranks_per_node)
+    info = RankInfo(rank, topology.world_size, topology.ranks_per_node, device)
     while True:
         try:
             task = tasks.get(timeout=1.0)
