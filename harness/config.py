@@ -11,6 +11,7 @@ import importlib
 import itertools
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -393,14 +394,18 @@ def _placed(topology: TopologyConfig, launcher: str) -> TopologyConfig:
 
 
 def exact_replay(
-    topology: TopologyConfig, checks: dict[str, dict[str, Any]], trials: list[TrialSpec]
+    topology: TopologyConfig,
+    checks: dict[str, dict[str, Any]],
+    trials: list[TrialSpec],
+    env: Mapping[str, str] = os.environ,
 ) -> TopologyConfig:
     """The topology, marked when a trial's replay compares bit for bit: on cuda its ranks then
-    fix what recomputation needs, and the environment must allow it (a ConfigError if not)."""
+    fix what recomputation needs, and the environment `env` they inherit must allow it (a
+    ConfigError if not)."""
     each = [checks] + [t.checks for t in trials if t.checks is not None]
     exact = any(c.get("replay", {}).get("compare") == "exact" for c in each)
     if exact and topology.device == "cuda":
-        determinism.settings(os.environ, topology.backend)
+        determinism.settings(env, topology.backend)
     return replace(topology, deterministic=exact)
 
 
