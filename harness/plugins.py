@@ -420,11 +420,6 @@ class PluginBus:
     def stopper(self) -> Detector | None:
         return next((p for p in self.plugins if getattr(p, "stop_requested", False)), None)
 
-    def reduction_alarm(self) -> bool:
-        """Every stopping check alarmed on the received sum alone (nothing before it)."""
-        stoppers = [p for p in self.plugins if getattr(p, "stop_requested", False)]
-        return bool(stoppers) and all(p.reduction_only for p in stoppers)
-
     def clear_stops(self) -> None:
         for plugin in self.plugins:
             if getattr(plugin, "stop_requested", False):
