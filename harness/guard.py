@@ -228,9 +228,9 @@ class Guard:
             return
         fresh, self._seen = self.log.events[self._seen :], len(self.log.events)
         mine = [e for e in fresh if e["kind"] == "alert"] if self.bus.stopper() else []
-        flag = torch.tensor([1.0 if mine else 0.0])
+        flag = torch.tensor([1.0 if mine else 0.0], device=self.info.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if not flag.item():
+        if not self.bus.verdicts.read(flag)[0]:
             return
         gathered: list[list[dict[str, Any]]] = [[] for _ in range(self.info.world_size)]
         dist.all_gather_object(gathered, mine)

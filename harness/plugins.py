@@ -337,10 +337,10 @@ class PluginBus:
             [any(not p.reduction_only for p in stoppers), any(p.reduction_only for p in stoppers)],
             device=self.device,
         )
+        pre, post = raised[0], raised[1]
         pending = self.verdicts.stop_flags()
-        pre, post = (raised[0], raised[1]) if pending is None else (
-            raised[0] | pending[0], raised[1] | pending[1]
-        )  # fmt: skip
+        if pending is not None:
+            pre, post = pre | pending[0], post | pending[1]
         return torch.stack([pre, post & ~pre]).float()
 
     def resolve(self, extra: torch.Tensor | None = None) -> list[float]:

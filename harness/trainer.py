@@ -161,6 +161,7 @@ def run_trial(
             beat()
             state.step = step
             reads = bus.host_reads
+            devices.synchronize(device)
             started = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
             step_loss = torch.zeros((), dtype=torch.float64, device=device)
