@@ -63,8 +63,7 @@ def test_observe_mode_reads_nothing_between_checkpoints(world):
 
 def test_a_deferred_verdict_still_stops_every_rank_in_its_step_in_bfloat16(world):
     nan = FaultConfig(site="grad", model="value", value="nan", ranks=(1,), steps=(3,))
-    parts = _trial(world, "bf16-nan", "act", "workload=gpt", "workload.dtype=bfloat16",
-                   fault=nan)  # fmt: skip
+    parts = _trial(world, "bf16-nan", "act", "workload.dtype=bfloat16", fault=nan)
     assert {p.stopped_step for p in parts} == {3}
     # Every rank receives the NaN; only rank 1 held it before the collective.
     assert [p.stopped_by for p in parts] == ["nan_inf"] * 3
