@@ -11,6 +11,7 @@ import shutil
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Protocol
 
 from tqdm import tqdm
 
@@ -86,10 +87,28 @@ def claim(out: Path, run: RunConfig) -> None:
     tmp.replace(path)
 
 
+class Executor(Protocol):
+    """Where a campaign's trials run: spawned worlds here, torchrun's world in
+    harness/torchrun_world.py. `lost` names what ended a world that cannot be replaced (the
+    campaign then stops after recording the trial it crashed); None while trials can run."""
+
+    lost: str | None
+
+    def run(self, run: RunConfig, spec: TrialSpec) -> Outcome: ...
+
+    def run_golden(self, run: RunConfig, spec: TrialSpec) -> Outcome: ...
+
+    def kill(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class SpawnExecutor:
     """Runs trials in a spawned world, and spawns a fresh one after a crash. A world that does
     not start gets one more try in a fresh world. `log` (the run's crashes.log) gets each crash's
     cause, the stacks of the ranks that hung, and every retry."""
+
+    lost = None  # a crash costs this world, never the next trial's: that one gets a fresh world
 
     def __init__(self, topology: TopologyConfig, workdir: Path, store: Path, log: Path):
         self.topology = topology
@@ -150,7 +169,7 @@ class SpawnExecutor:
 class Campaign:
     """The ledger of one campaign folder: what is pending, and what to do with each outcome.
 
-    Shared by the spawned world and the torchrun worker, so both write the same rows.
+    Shared by the spawned world and the torchrun world, so both write the same rows.
     """
 
     def __init__(self, run: RunConfig, out: Path):
@@ -221,12 +240,14 @@ class Campaign:
         drop_snapshots(self.out / "store", self.run)
 
 
-def run_campaign(run: RunConfig, out: Path) -> Path:
-    """Run every pending trial of `run` into `out` in spawned worlds; return trials.csv."""
+def run_campaign(run: RunConfig, out: Path, executor: Executor | None = None) -> Path:
+    """Run every pending trial of `run` into `out`, in spawned worlds unless `executor` says
+    where; return trials.csv."""
     campaign = Campaign(run, out)
     if run.recovery.enabled:
         scratch_folders(out, run)
-    executor = SpawnExecutor(run.topology, out / "world", out / "store", out / CRASH_LOG)
+    if executor is None:
+        executor = SpawnExecutor(run.topology, out / "world", out / "store", out / CRASH_LOG)
     bar = tqdm(total=len(campaign.pending), unit="trial", mininterval=1.0)
     alerts = crashes = 0
     try:
@@ -254,6 +275,11 @@ def run_campaign(run: RunConfig, out: Path) -> Path:
                 crashes += row["effect"] == "crash"
                 bar.set_postfix(alerts=alerts, crashes=crashes, refresh=False)
             bar.update()
+            if executor.lost:
+                raise CampaignError(
+                    f"{executor.lost}; every row written before is intact, and rerunning the "
+                    "same command resumes in a fresh world"
+                )
         campaign.finish()
         try:
             overhead.measure(run, out, executor.run)

@@ -17,7 +17,7 @@ from hydra.errors import HydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from harness import stacks  # noqa: F401 - first: a spawned rank's stack dump (harness/stacks.py)
+from harness import stacks  # noqa: F401 - first: the rank server's stack dump (harness/stacks.py)
 from harness.campaign import CampaignError, check_out, run_campaign
 from harness.config import ConfigError, RunConfig, run_config
 

@@ -203,14 +203,43 @@ def retry_reduction(state: HookState, step: int) -> None:
     (checked there, so still good), through the same plug-ins, into the parameters' gradients.
     A transient fault of the first reduction is gone; one that repeats alarms again."""
     grads = {name: p.grad for name, p in state.params.items() if p.grad is not None}
-    for _, view, names, sizes, spans, shared, payload, slot in state.kept:
-        parts = [payload.clone()] + ([] if shared or not spans else [slot.clone()])
+    for kept in state.kept:
+        _, view, names, sizes, spans, shared, _, slot = kept
+        parts = kept_parts(kept)
         state.bus.contribution(step, view.index, parts)
         for part in parts:
             dist.all_reduce(part)
         summed = parts[0][sum(sizes) :] if shared else (parts[1] if spans else slot)
         _deliver(state, step, view, names, sizes, spans, parts[0], summed, grads)
-    state.kept = []
+
+
+def kept_parts(kept: tuple) -> list[torch.Tensor]:
+    """Fresh copies of what one kept chunk sends into a reduction: the chunk with its rider
+    region, or the chunk and the rider region's own collective when they cannot share one."""
+    _, _, _, _, spans, shared, payload, slot = kept
+    return [payload.clone()] + ([] if shared or not spans else [slot.clone()])
+
+
+def reduce_in_group(
+    state: HookState, step: int, kept: tuple, group: Any, members: tuple[int, ...]
+) -> list[torch.Tensor]:
+    """One kept chunk reduced over the world ranks `members` alone (a diagnostic reduction,
+    harness/locate.py), through the plug-ins' group hooks; the reduced parts. Members only."""
+    _, view, names, sizes, spans, shared, _, _ = kept
+    parts = kept_parts(kept)
+    state.bus.group_contribution(step, view.index, parts, members)
+    for part in parts:
+        dist.all_reduce(part, group=group)
+    n = sum(sizes)
+    summed = Bucket(
+        index=view.index,
+        buffer=parts[0][:n],
+        tensors=_named_views(parts[0][:n], names, sizes, state.params),
+        is_last=view.is_last,
+    )
+    summed.rider_region = parts[0][n:] if shared else (parts[1] if spans else None)
+    state.bus.group_reduced(step, summed, members)
+    return parts
 
 
 def _value(future: torch.futures.Future) -> torch.Tensor:

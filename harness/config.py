@@ -523,6 +523,17 @@ def fault_config(
     if values["ber"] is not None and model != "bitflip":
         raise ConfigError(f"{key}.ber", "a bit error rate needs model bitflip")
     _shape(key, values, site, model)
+    if (
+        values["scope"] == "reduction"
+        and not injectors.model_class(model).contribution
+        and len(values["ranks"]) > 1
+    ):
+        # The reduction's result is wrong on every receiver; fault.ranks says which node's
+        # hardware computes it wrong (what recovery locates and quarantines).
+        raise ConfigError(
+            f"{key}.ranks", "scope reduction puts the fault in one node's reduction; allowed: "
+            "one rank, on the node whose reduction is broken"
+        )  # fmt: skip
     fault = FaultConfig(**values)
     injectors.model_class(model).validate(key, fault)
     return fault

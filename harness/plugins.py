@@ -181,6 +181,15 @@ class Plugin:
 
     def on_reduced_grad(self, step: int, bucket: Bucket) -> None: ...
 
+    def on_group_contribution(
+        self, step: int, index: int, parts: list[torch.Tensor], members: tuple[int, ...]
+    ) -> None:
+        """`on_contribution` for a diagnostic reduction over the world ranks `members` alone
+        (harness/locate.py); checks do not see these."""
+
+    def on_group_reduced(self, step: int, bucket: Bucket, members: tuple[int, ...]) -> None:
+        """`on_reduced_grad` for a diagnostic reduction over `members` alone."""
+
     def on_audit(self, step: int) -> None: ...
 
     def on_optimizer_state(self, step: int, optimizer: torch.optim.Optimizer) -> None: ...
@@ -386,6 +395,16 @@ class PluginBus:
     def reduced_grad(self, step: int, bucket: Bucket) -> None:
         for plugin in self.plugins:
             plugin.on_reduced_grad(step, bucket)
+
+    def group_contribution(
+        self, step: int, index: int, parts: list[torch.Tensor], members: tuple[int, ...]
+    ) -> None:
+        for plugin in self.plugins:
+            plugin.on_group_contribution(step, index, parts, members)
+
+    def group_reduced(self, step: int, bucket: Bucket, members: tuple[int, ...]) -> None:
+        for plugin in self.plugins:
+            plugin.on_group_reduced(step, bucket, members)
 
     def riders(self, step: int, bucket: Bucket) -> list[tuple[int, torch.Tensor]]:
         out = []

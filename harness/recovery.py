@@ -133,7 +133,7 @@ def run_with_recovery(run: RunConfig, spec: TrialSpec, execute, out: Path) -> Ou
             if a["step"] == stop
         ]
         extra_events += [dict(e, segment=segment) for p in outcome.parts for e in p.events]
-        suspects = sorted({machines.node_of(r) for a in alerts for r in a["suspect_ranks"]})
+        suspects = sorted({machines.node_of(r) for r in _suspect_ranks(outcome, alerts, stop)})
         history.append((stop, tuple(suspects)))
         if len(history) > run.recovery.max_recoveries:
             verdict = _verdict(history)
@@ -171,6 +171,19 @@ def run_with_recovery(run: RunConfig, spec: TrialSpec, execute, out: Path) -> Ou
         "recovery_verdict": verdict,
     }
     return outcome
+
+
+def _suspect_ranks(outcome: Outcome, alerts: list[dict[str, Any]], stop: int) -> set[int]:
+    """The ranks a stop at step `stop` suspects: the node that sub-group reductions located
+    when a repeated reduction fault named none (harness/locate.py), else every alert's."""
+    located = {
+        r
+        for p in outcome.parts
+        for e in p.events
+        if e["kind"] == "locate" and e["step"] == stop
+        for r in e["suspect_ranks"]
+    }
+    return located or {r for a in alerts for r in a["suspect_ranks"]}
 
 
 def _verdict(history: list[tuple[int, tuple[int, ...]]]) -> str:

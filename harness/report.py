@@ -93,7 +93,8 @@ def load_trials(dirs: list[Path]) -> pd.DataFrame:
         df[col] = df[col].map({True: True, False: False, "True": True, "False": False})
     df["bit_class"] = [bit_class(d, b) for d, b in zip(df["dtype"], df["bit"], strict=True)]
     for col in ("detected_by", "alert_detectors", "detectors"):
-        df[col] = df[col].fillna("").astype(str)
+        # A column with no value in any row reads as float NaN: make it text before filling.
+        df[col] = df[col].astype(object).fillna("").astype(str)
     return df
 
 

@@ -1,11 +1,10 @@
 """Python stacks of a world's ranks on request, so that a hang explains itself.
 
-A rank registers faulthandler on SIGUSR1, writing to its own file in the world's folder. Importing
-this module does it: harness/cli.py imports it before anything heavy, and a spawned rank reruns
-the main module's imports, so even a rank stuck importing torch can show where (`_rank_main`
-registers too, for worlds started from other programs). When the parent judges a rank hung it
-signals it, reads the dump, puts the innermost frames of the rank's main thread in the crash
-cause and the whole dump in the run's crashes.log.
+A rank registers faulthandler on SIGUSR1, writing to its own file in the world's folder, as it
+starts. The rank server that ranks fork from (harness/rank_server.py) registers as soon as it
+imports this module, before torch, so even a server stuck in its imports can show where. When
+the parent judges a rank hung it signals it, reads the dump, puts the innermost frames of the
+rank's main thread in the crash cause and the whole dump in the run's crashes.log.
 This module imports only the standard library.
 """
 
@@ -23,7 +22,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO
 
-# The world folder that a spawned rank writes its stack file to; set only while ranks start.
+# The folder that a starting rank server writes its stack file to; set only while it starts.
 FOLDER_ENV = "SDC_BENCH_STACKS"
 SIGNAL = signal.SIGUSR1
 _MAIN = "main thread "
@@ -43,16 +42,14 @@ def reached(folder: Path, pid: int) -> bool:
     return stack_file(folder, pid).exists()
 
 
-def register_from_env() -> None:
-    """In a rank of a spawned world: dump every thread's stack to the rank's file on SIGUSR1.
+def register(folder: Path) -> None:
+    """Dump every thread's stack to this process's file in `folder` on SIGUSR1, replacing any
+    registration inherited from the process it was forked from.
 
     The file gets its final name only once the handler is in place, so a parent that sees the
-    file can signal the rank without killing it (SIGUSR1's default action)."""
+    file can signal the process without killing it (SIGUSR1's default action)."""
     global _registered
-    folder = os.environ.get(FOLDER_ENV)
-    if not folder or _registered is not None:
-        return
-    final = stack_file(Path(folder), os.getpid())
+    final = stack_file(folder, os.getpid())
     partial = final.with_suffix(".partial")
     _registered = open(partial, "w")  # noqa: SIM115 - open for the life of the process
     faulthandler.register(SIGNAL, file=_registered, all_threads=True)
@@ -61,9 +58,17 @@ def register_from_env() -> None:
     partial.rename(final)
 
 
+def register_from_env() -> None:
+    """In the rank server as it starts (harness/rank_server.py): register in the folder that
+    FOLDER_ENV names, before its imports, once."""
+    folder = os.environ.get(FOLDER_ENV)
+    if folder and _registered is None:
+        register(Path(folder))
+
+
 @contextlib.contextmanager
 def written_by_ranks_into(folder: Path) -> Iterator[None]:
-    """Ranks started inside this block register their stack files in `folder`."""
+    """A rank server started inside this block registers its stack file in `folder`."""
     before = os.environ.get(FOLDER_ENV)
     os.environ[FOLDER_ENV] = str(folder)
     try:

@@ -1,12 +1,13 @@
-"""Run a campaign plan under torchrun: the same trainer, with env:// rendezvous and node identity
-from torchrun's variables. `sdc-bench launcher=torchrun out=DIR` writes DIR/plan.json and prints
-the command, for example:
+"""Run a campaign plan under torchrun: the campaign loop of harness/campaign.py in the world
+torchrun starts (harness/torchrun_world.py), with node identity from torchrun's variables.
+`sdc-bench launcher=torchrun out=DIR` writes DIR/plan.json and prints the command, for example:
 
     ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=COMPATIBLE ONEDNN_MAX_CPU_ISA=AVX2 \
         torchrun --standalone --nproc-per-node=4 -m harness.torchrun_worker DIR
 
-torchrun itself is the watchdog here: a rank that dies ends the whole run, and a rerun of the
-same command resumes after the last complete trial.
+On several hosts, DIR must be one folder that every host sees (checked before any trial): rank
+0 writes the records, and every rank reads the golden runs' snapshots from DIR/store. A crash
+ends the run (exit 1) after its row is written; rerunning the same command resumes.
 """
 
 from __future__ import annotations
@@ -15,17 +16,15 @@ import json
 import os
 import sys
 from dataclasses import replace
-from datetime import timedelta
 from pathlib import Path
-
-import torch.distributed as dist
+from typing import NoReturn
 
 from harness import determinism, devices, environment, report
-from harness.campaign import Campaign
+from harness.campaign import CRASH_LOG, CampaignError, run_campaign
 from harness.config import ConfigError, RunConfig, TopologyConfig, run_config
 from harness.plugins import RankInfo
-from harness.trainer import run_trial
-from harness.world import Outcome, init_rank, shutdown
+from harness.torchrun_world import END, STOP, TorchrunExecutor, TorchrunWorld, follow
+from harness.world import init_rank
 
 PLAN = "plan.json"
 
@@ -50,7 +49,8 @@ def write_plan(raw: dict, out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     path = out / PLAN
     tmp = out / f".{PLAN}.tmp"
-    tmp.write_text(json.dumps(raw, indent=1, sort_keys=True))
+    # Key order is meaning: a scenario's grid expands in the order its keys were written.
+    tmp.write_text(json.dumps(raw, indent=1))
     tmp.replace(path)
     return path
 
@@ -79,14 +79,6 @@ def placed(topology: TopologyConfig) -> TopologyConfig:
     return replace(topology, device=device)
 
 
-def _run(run: RunConfig, spec, info: RankInfo, out: Path) -> Outcome:
-    """Every rank trains the trial; rank 0 gathers the parts."""
-    part = run_trial(run, spec, info, out / "store")
-    parts = [None] * info.world_size if info.rank == 0 else None
-    dist.gather_object(part, parts, dst=0)
-    return Outcome(parts=parts)
-
-
 def main(argv: list[str] | None = None) -> None:
     args = argv or sys.argv[1:]
     out = Path(args[0])
@@ -102,35 +94,42 @@ def main(argv: list[str] | None = None) -> None:
         local_rank = int(os.environ.get("LOCAL_RANK", info.rank % info.ranks_per_node))
         info = replace(info, device=init_rank(run.topology, info.rank, local_rank))
     except (ConfigError, OSError) as exc:
-        print(f"harness.torchrun_worker: error: {exc}", file=sys.stderr)
-        sys.exit(2)
-    dist.init_process_group(
-        run.topology.backend,
-        init_method="env://",
-        timeout=timedelta(seconds=run.topology.collective_timeout_s),
-    )
-    campaign = Campaign(run, out) if info.rank == 0 else None
-    count = [len(campaign.pending) if campaign else None]
-    dist.broadcast_object_list(count, src=0)
-    for i in range(count[0]):
-        # Rank 0 prepares each trial once the golden runs before it have saved their snapshots.
-        spec = [campaign.prepared(campaign.pending[i]) if campaign else None]
-        dist.broadcast_object_list(spec, src=0)
-        outcome = _run(run, spec[0], info, out)
-        twin = [campaign.observe_twin(campaign.pending[i]) if campaign else None]
-        dist.broadcast_object_list(twin, src=0)
-        if twin[0] is not None:
-            twin = [campaign.prepared(twin[0]) if campaign else None]
-            dist.broadcast_object_list(twin, src=0)
-            twin_outcome = _run(run, twin[0], info, out)
-        if campaign:
-            campaign.record(spec[0], outcome, twin_outcome if twin[0] is not None else None)
-    if campaign:
-        campaign.finish()
-        df = report.load_trials([out])
-        print(report.summary(df))
-        print(f"report: {report.write_report(df, out)}")
-    shutdown()
+        fail(str(exc), 2)
+    world = TorchrunWorld(run, info.rank, info.world_size, out / "store", info.device)
+    unshared = world.shared(out / "store")
+    if unshared:
+        fail(unshared if info.rank == 0 else "", 2)
+    if info.rank != 0:
+        _exit(follow(world))
+    executor = TorchrunExecutor(world, out / CRASH_LOG)
+    try:
+        trials = run_campaign(run, out, executor)
+    except BaseException as exc:
+        executor.end(STOP)  # the other ranks wait for their next task
+        if isinstance(exc, ConfigError):
+            fail(str(exc), 2)
+        if isinstance(exc, CampaignError):
+            fail(f"campaign failed: {exc}", 1)
+        raise
+    executor.end(END)
+    world.leave()
+    df = report.load_trials([trials.parent])
+    print(report.summary(df))
+    print(f"trials: {trials}\nreport: {report.write_report(df, out)}")
+
+
+def fail(message: str, code: int) -> NoReturn:
+    if message:
+        print(f"harness.torchrun_worker: error: {message}", file=sys.stderr)
+    _exit(code)
+
+
+def _exit(code: int) -> NoReturn:
+    """Leave without the interpreter's teardown: a world that failed leaves DDP's threads
+    behind, which abort the process if they outlive their group."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

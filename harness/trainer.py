@@ -29,6 +29,7 @@ import detectors
 from harness import checkpoint, devices, fastforward
 from harness.comm import HookState, harness_ddp, retry_reduction
 from harness.config import RunConfig, TrialSpec
+from harness.locate import faulty_node_ranks
 from harness.plugins import DetectorContext, EventLog, PluginBus, RankInfo
 from harness.workloads import Workload
 from injectors import injector
@@ -73,7 +74,8 @@ def _stop_point(
     acting: bool,
     step: int,
     result: RankResult,
-    retry: tuple[HookState, EventLog] | None = None,
+    kept: tuple[HookState, EventLog, RankInfo] | None = None,
+    retried: bool = False,
     extra: torch.Tensor | None = None,
 ) -> list[float]:
     """With a check in act mode, the ranks agree on stopping with one small collective: a
@@ -81,21 +83,25 @@ def _stop_point(
     decision, this rank's pending verdicts and `extra` come back in one read (`extra`'s values
     are returned; without a check in act mode, the verdicts and `extra` are read all the same).
 
-    With `retry` (the hook state keeping the step's local contributions, recovery on): when
+    With `kept` (the hook state keeping the step's local contributions, recovery on): when
     every rank alarmed on the received sum alone, the reduction itself was wrong and names no
-    node; it is re-run once from the kept local gradients (no rollback, no quarantine). Only if
-    the repeat alarms too does the step stop (issue 14)."""
+    node; it is re-run once from the kept local gradients (no rollback, no quarantine). If the
+    repeat alarms too, sub-group reductions locate the node that breaks it (harness/locate.py)
+    before the step stops (issue 14)."""
     if not acting:
         return bus.resolve(extra)
     flags = bus.stop_flags()
     dist.all_reduce(flags)
     both = flags if extra is None else torch.cat([flags, extra.reshape(-1).to(flags.dtype)])
     (stop, reduction, *values) = bus.resolve(both)
-    if retry and retry[0].kept and stop == 0 and reduction == dist.get_world_size():
-        bus.clear_stops()
-        retry[1].emit("retry", step=step, reason="every rank alarmed on the received sum")
-        retry_reduction(retry[0], step)
-        return _stop_point(bus, acting, step, result, extra=extra)
+    if kept and kept[0].kept and stop == 0 and reduction == dist.get_world_size():
+        state, log, info = kept
+        if not retried:
+            bus.clear_stops()
+            log.emit("retry", step=step, reason="every rank alarmed on the received sum")
+            retry_reduction(state, step)
+            return _stop_point(bus, acting, step, result, kept, retried=True, extra=extra)
+        faulty_node_ranks(state, step, info, log)
     if stop + reduction:
         stopper = bus.stopper()
         result.stopped_step = step
@@ -174,7 +180,7 @@ def run_trial(
                 step_loss += loss.detach().double() / len(batches)
             bus.audit(step)
             if acting:
-                _stop_point(bus, acting, step, result, (state, log))
+                _stop_point(bus, acting, step, result, (state, log, info))
             optimizer.step()
             bus.optimizer_state(step, optimizer)
             bus.update(step, model)

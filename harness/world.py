@@ -21,6 +21,7 @@ import os
 import queue
 import signal
 import socket
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from harness import determinism, devices, environment, stacks
+from harness import determinism, devices, environment, rank_server, stacks
 from harness.config import RunConfig, TopologyConfig, TrialSpec
 from harness.plugins import RankInfo
 from harness.trainer import RankResult, run_trial
@@ -75,10 +76,9 @@ def loopback_interface() -> str:
 
 
 def init_rank(topology: TopologyConfig, rank: int, local_rank: int | None = None) -> str:
-    """Settings every rank needs before it joins: loopback only, a fixed thread count, the
-    pinned CPU kernels (set in its environment before it started), its GPU and, for exact
+    """Settings every rank needs before it joins, under either launcher: a fixed thread count,
+    the pinned CPU kernels (set in its environment before it started), its GPU and, for exact
     replay there, what recomputation needs before NCCL and cuBLAS start. Its device."""
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
     torch.set_num_threads(topology.threads(rank))
     environment.check_rank(topology.cpu_kernels)
     device = devices.rank_device(
@@ -104,9 +104,11 @@ def _rank_main(
     def beat() -> None:
         beats[rank] = time.monotonic()
 
-    stacks.register_from_env()  # done already where harness.cli is the main module
+    stacks.register(Path(workdir))  # its own file, not the rank server's it was forked from
+    # The simulation listens on loopback only (docs/design.md, section 7); torchrun ranks use
+    # the interface their host name resolves to, as on any cluster.
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
     device = init_rank(topology, rank)
-    parent = os.getppid()
     Path(workdir, f"rank{rank}.pid").write_text(str(os.getpid()))
     try:
         # A store, not a file:// URL: in a URL a relative path (the default out is) reads as a
@@ -128,7 +130,7 @@ def _rank_main(
         try:
             task = tasks.get(timeout=1.0)
         except queue.Empty:
-            if os.getppid() != parent:  # orphaned: the campaign process is gone
+            if not mp.parent_process().is_alive():  # orphaned: the campaign process is gone
                 os._exit(1)
             continue
         if task is None:
@@ -242,7 +244,7 @@ class World:
         self.topology = topology
         self.workdir = workdir / f"world-{uuid.uuid4().hex[:8]}"
         self.workdir.mkdir(parents=True)
-        ctx = mp.get_context("spawn")
+        ctx = rank_server.context(topology.cpu_kernels, workdir)
         self.tasks = [ctx.Queue() for _ in range(topology.world_size)]
         self.results = ctx.Queue()
         # When each rank last showed progress (time.monotonic, one clock for every process);
@@ -268,13 +270,18 @@ class World:
             )
             for r in range(topology.world_size)
         ]
-        # A spawned rank imports torch before it runs a line of ours: the pins must be in the
-        # environment it inherits.
-        with environment.pinned(topology.cpu_kernels), stacks.written_by_ranks_into(self.workdir):
-            for proc in self.procs:
-                proc.start()
         self.alive = True
+        # From a thread: each start waits for the rank server, and a server stuck in its imports
+        # must not hold the world's start past its timeout.
+        threading.Thread(target=self._start_ranks, daemon=True, name="sdc-world-start").start()
         self._await_start()
+
+    def _start_ranks(self) -> None:
+        for proc in self.procs:
+            try:
+                proc.start()
+            except (OSError, EOFError):  # the server was stopped while it hung
+                return
 
     def _await_start(self) -> None:
         """Return once every rank has joined; otherwise kill the world and raise
@@ -291,6 +298,8 @@ class World:
         else:
             return
         joined = {r for r, t in enumerate(self.beats) if t}
+        if any(proc.pid is None for proc in self.procs):
+            rank_server.stop()  # it never forked them: the next world gets a fresh one
         cause, dumps = self._judge(joined, errors)
         if time.monotonic() >= deadline:
             cause = f"{cause} (topology.startup_timeout_s={limit:g})"
@@ -348,7 +357,7 @@ class World:
             r: p.pid
             for r, p in enumerate(self.procs)
             if r not in finished and r not in errors and p.exitcode is None
-        }
+        }  # a rank the server never forked has no pid, and no stack file: it did not start
         dumps = stacks.collect(self.workdir, hung)
         codes = [proc.exitcode for proc in self.procs]
         self.kill()
@@ -361,10 +370,11 @@ class World:
         return crash_cause(codes, finished, errors, where), dumps
 
     def kill(self) -> None:
-        for proc in self.procs:
+        started = [proc for proc in self.procs if proc.pid is not None]
+        for proc in started:
             if proc.is_alive():
                 proc.kill()
-        for proc in self.procs:
+        for proc in started:
             proc.join(timeout=5)
         self.alive = False
 
@@ -374,5 +384,6 @@ class World:
         for q in self.tasks:
             q.put(None)
         for proc in self.procs:
-            proc.join(timeout=10)
+            if proc.pid is not None:
+                proc.join(timeout=10)
         self.kill()

@@ -153,6 +153,7 @@ class FaultInjector(Plugin):
         # The fault lives on the machine that held the rank when the trial started (a spare that
         # took over after a recovery is healthy), or, with `follows: data`, on the micro-batches.
         hardware = hardware or tuple(range(info.world_size))
+        self.hardware = hardware
         if fault.follows == "data":
             mine = set((data or tuple((r,) for r in range(info.world_size)))[info.rank])
         else:
@@ -168,9 +169,13 @@ class FaultInjector(Plugin):
         # With a bucket named, positions are drawn over that bucket's tensors when it first shows.
         matched = [] if fault.bucket is not None else matching(fault, model)
         self.positions = self._initial_positions(matched)
+        # Per chunk: (step, genuine contribution) of the latest step sent and of the one before.
+        self.sent: dict[int, tuple[int, list[torch.Tensor]]] = {}
         self.previous: dict[int, list[torch.Tensor]] = {}
         self.struck: set[tuple[int, int]] = set()
         self.matmul: _FirstMatmul | None = None
+        # The world ranks of a sub-group reduction under way (harness/locate.py), else None.
+        self.group: tuple[int, ...] | None = None
 
     def _initial_positions(self, matched: list[tuple[str, int | None]]) -> dict[str, list[int]]:
         """Seeded positions over the matched tensors, concatenated in model order. A module's
@@ -288,6 +293,8 @@ class FaultInjector(Plugin):
     ) -> None:
         new_bits = bits.to_hex(flat, index)
         extra = {"phase": self.fault.phase} if self.fault.site == "matmul" else {}
+        if self.group is not None:
+            extra["group"] = list(self.group)
         self.log.emit(
             "inject",
             step=step,
@@ -380,21 +387,31 @@ class FaultInjector(Plugin):
             return
         if not self._first_reduction(step, index):
             return
-        genuine = [p.clone() for p in parts] if self.fault.model == "stale" else None
+        stale = self.fault.model == "stale"
+        if stale:
+            self._remember(step, index, parts)
         if self._due(step):
             old = torch.cat([p.reshape(-1) for p in parts]).clone()
             if self.model.contribute(parts, self.previous.get(index)) is not None:
                 new = torch.cat([p.reshape(-1) for p in parts])
                 changed = int((old != new).sum() - (old.isnan() & new.isnan()).sum())
+                extra = {} if self.group is None else {"group": list(self.group)}
                 self.log.emit(
                     "inject", step=step, site=self.fault.site, model=self.fault.model,
                     tensor=f"bucket{index}", bucket=index, index=None, bit=None, bits=None,
                     elements=old.numel(), changed=changed, riders=True,
                     old_norm=float(old.double().norm()), new_norm=float(new.double().norm()),
-                    from_step=step - 1 if genuine is not None else None, fired=changed > 0,
+                    from_step=step - 1 if stale else None, fired=changed > 0, **extra,
                 )  # fmt: skip
-        if genuine is not None:
-            self.previous[index] = genuine
+
+    def _remember(self, step: int, index: int, parts: list[torch.Tensor]) -> None:
+        """Keep this step's genuine contribution; the one of the step before becomes
+        `previous`. A re-run of the step's reduction (retry, sub-groups) sends the same."""
+        latest = self.sent.get(index)
+        if latest is not None and latest[0] < step:
+            self.previous[index] = latest[1]
+        if latest is None or latest[0] < step:
+            self.sent[index] = (step, [p.clone() for p in parts])
 
     def on_reduced_grad(self, step: int, bucket: Bucket) -> None:
         if self.fault.site == "allreduce" and not self.model.contribution:
@@ -405,6 +422,30 @@ class FaultInjector(Plugin):
                     self._inject(step, [(RIDERS, bucket.rider_region)])
                 return
             self._inject_bucket(step, bucket)
+
+    def on_group_contribution(
+        self, step: int, index: int, parts: list[torch.Tensor], members: tuple[int, ...]
+    ) -> None:
+        """This rank's contribution to a reduction over the world ranks `members` alone
+        (harness/locate.py): a contribution model changes it as it changes any other."""
+        self.group = members
+        try:
+            self.on_contribution(step, index, parts)
+        finally:
+            self.group = None
+
+    def on_group_reduced(self, step: int, bucket: Bucket, members: tuple[int, ...]) -> None:
+        """The result of a reduction over `members` alone: a fault of the reduction strikes it
+        only when the node it lives on (`fault.ranks`) takes part."""
+        if self.fault.scope != "reduction" or self.fault.ranks[0] not in {
+            self.hardware[r] for r in members
+        }:
+            return
+        self.group = members
+        try:
+            self.on_reduced_grad(step, bucket)
+        finally:
+            self.group = None
 
     def on_optimizer_state(self, step: int, optimizer: torch.optim.Optimizer) -> None:
         if self.fault.site != "optimizer":

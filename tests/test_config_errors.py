@@ -57,6 +57,11 @@ CASES = [
     (["detectors.nan_inf.mode=panic"], "detectors.nan_inf.mode", "allowed: observe, act"),
     (["fault=grad_scale", "fault.model=crash", "fault.value=melt"], "fault.value", "raise, exit"),
     (["fault=allreduce_rank", "fault.scope=everyone"], "fault.scope", "allowed: rank, reduction"),
+    (
+        ["campaign=single", "fault=allreduce_reduction", "fault.ranks=[1,2]"],
+        "fault.ranks",
+        "allowed: one rank",
+    ),
     (["workload=transformer"], "workload", "allowed: custom, gpt, mlp"),
     (["workload.dtype=float8"], "workload.dtype", "allowed: float32, bfloat16, float16"),
     (["detectors=[nan_inf,oracle]"], "detectors", "allowed: allreduce_sketch, grad_stats, meg"),
@@ -68,8 +73,32 @@ CASES = [
 ]
 
 
+def refused_in_process(monkeypatch, capsys, out, overrides: list[str]) -> str:
+    """The command's own entry point, in-process (no interpreter start, no Hydra app, no world):
+    the one line it printed when it exited 2."""
+    monkeypatch.setattr(sys, "argv", ["sdc-bench", *overrides, f"out={out}"])
+    with pytest.raises(SystemExit) as exited:
+        cli.main()
+    assert exited.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert not out.exists(), "nothing may be created before the config is valid"
+    return lines[0]
+
+
 @pytest.mark.parametrize(("overrides", "key", "allowed"), CASES, ids=[c[1] for c in CASES])
-def test_bad_value_exits_2_with_one_line(tmp_path, overrides, key, allowed):
+def test_bad_value_exits_2_with_one_line(tmp_path, monkeypatch, capsys, overrides, key, allowed):
+    line = refused_in_process(monkeypatch, capsys, tmp_path / "out", overrides)
+    assert line.startswith("sdc-bench: error: ") and key in line and allowed in line, line
+
+
+# Through the installed command: a value check, Hydra's unknown group option and unknown key.
+COMMAND_CASES = [c for c in CASES if c[1] in ("fault.site", "workload", "fault.sitee")]
+
+
+@pytest.mark.parametrize("case", COMMAND_CASES, ids=lambda c: c[1])
+def test_the_command_itself_exits_2_with_one_line_and_no_traceback(tmp_path, case):
+    overrides, key, allowed = case
     out = tmp_path / "out"
     proc = sdc_bench(*overrides, f"out={out}", cwd=tmp_path, timeout=60)
     assert proc.returncode == 2, proc.stderr
@@ -93,7 +122,7 @@ def test_an_out_that_cannot_be_created_is_refused_before_anything_runs(tmp_path)
 
 
 # Each ran silently before: a fault.* value that `fault.site=none` (the default) ignored, or that
-# no site checked. The command's own entry point, in-process: no Hydra app, no world.
+# no site checked.
 IGNORED_OR_MISTYPED = [
     (["campaign=single", "fault.model=flip"], "fault.model", "'flip' is not allowed; allowed:"),
     (["campaign=single", "fault.ranks=[4]"], "fault.ranks", "0..3"),
@@ -123,15 +152,8 @@ IGNORED_OR_MISTYPED = [
 def test_a_fault_value_ignored_or_mistyped_exits_2_with_one_line(
     tmp_path, monkeypatch, capsys, overrides, key, message
 ):
-    out = tmp_path / "out"
-    monkeypatch.setattr(sys, "argv", ["sdc-bench", *overrides, f"out={out}"])
-    with pytest.raises(SystemExit) as exited:
-        cli.main()
-    assert exited.value.code == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1, lines
-    assert lines[0].startswith(f"sdc-bench: error: {key}") and message in lines[0], lines[0]
-    assert not out.exists()
+    line = refused_in_process(monkeypatch, capsys, tmp_path / "out", overrides)
+    assert line.startswith(f"sdc-bench: error: {key}") and message in line, line
 
 
 def test_a_clean_scenario_in_a_campaign_and_the_default_fault_are_accepted():

@@ -1,9 +1,11 @@
-"""`sdc-regress` through the real command, on real runs: the same small campaign with its one
+"""`sdc-regress` on real runs: the same small campaign with its one
 detector on (the baseline) and switched off (a planted regression)."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import io
 import json
 import shutil
 import subprocess
@@ -12,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import environment, overhead
+from harness import environment, overhead, regress
 from harness.regress import load, regressions
 from tests.conftest import BIN
 
@@ -29,10 +31,23 @@ OVERHEAD = (
 )
 
 
-def sdc_regress(*args: Path) -> subprocess.CompletedProcess:
+def installed_sdc_regress(*args: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
         [str(BIN / "sdc-regress"), *map(str, args)], capture_output=True, text=True, timeout=60
     )
+
+
+def sdc_regress(*args: Path) -> subprocess.CompletedProcess:
+    """The command's entry point in-process, as the installed command would answer (no
+    interpreter start per call); test_identical_runs_do_not_regress runs the installed one."""
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            regress.main([str(a) for a in args])
+        except SystemExit as exc:
+            code = exc.code
+    return subprocess.CompletedProcess(["sdc-regress", *args], code, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +91,7 @@ def regression_rows(stdout: str) -> list[list[str]]:
 
 
 def test_identical_runs_do_not_regress(runs):
-    proc = sdc_regress(runs["baseline"], runs["baseline"])
+    proc = installed_sdc_regress(runs["baseline"], runs["baseline"])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "no regression (8 baseline trials, 8 current trials)" in proc.stdout
     assert (

@@ -132,11 +132,11 @@ def test_a_rank_hung_outside_any_collective_is_found_by_its_silence_with_its_sta
     assert not world.alive
 
 
-# Interpreter start-up of a rank, before any harness code: the first rank to get here stalls,
-# as a rank stuck in its imports would; every later one starts.
+# Interpreter start-up of the rank server that ranks fork from (harness/rank_server.py), before
+# any harness code: the first server stalls, as one stuck in its imports would; the next starts.
 STALL_ONCE = """
 import os, sys, time
-if "--multiprocessing-fork" in sys.orig_argv and "STALL_ONCE" in os.environ:
+if "multiprocessing.forkserver" in " ".join(sys.orig_argv) and "STALL_ONCE" in os.environ:
     try:
         os.close(os.open(os.environ["STALL_ONCE"], os.O_CREAT | os.O_EXCL))
         time.sleep(3600)

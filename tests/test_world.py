@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -88,6 +89,79 @@ def test_torchrun_runs_the_same_worker_code_and_writes_the_same_rows(tmp_path, r
     spawned_rows, torchrun_rows = without_timing(rows(spawned)), without_timing(rows(planned))
     assert spawned_rows == torchrun_rows
     assert spawned_rows[0]["detected"] == "True" and spawned_rows[0]["suspect_ranks"] == "3"
+
+
+# Slow set (about 2 minutes on 2 cores); the default run's twins are the torchrun test above and
+# tests/test_multihost.py (the same engine on three hosts, its crash rows and resume).
+@pytest.mark.slow
+def test_torchrun_recovers_in_a_shrunk_world_and_times_overhead_as_the_spawned_world(
+    tmp_path, run_ok
+):
+    """One campaign engine: recovery (no spare, so the world shrinks to 3 ranks and back) and
+    overhead.csv under torchrun, next to the spawned campaign's."""
+    args = [
+        *FAST,
+        "recovery.enabled=true",
+        "checkpoint.interval=2",
+        "detectors=[replay,weight_consensus]",
+        "detectors.replay.interval=5",
+        "detectors.weight_consensus.interval=4",
+        "campaign.scenarios=[{site:grad,model:scale,factor:1000,ranks:[1],steps:[5]}]",
+        "campaign.seeds=1",
+        "++campaign.overhead={steps:3,rounds:1}",
+    ]
+    spawned, planned = tmp_path / "spawned", tmp_path / "planned"
+    run_ok(*args, f"out={spawned}", cwd=tmp_path)
+    proc = run_ok(*args, "launcher=torchrun", f"out={planned}", cwd=tmp_path)
+    # Four nodes of one rank: four agents on this machine, on loopback.
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        endpoint = f"127.0.0.1:{free.getsockname()[1]}"
+    words = proc.stdout.strip().splitlines()[-1].replace("HOST:PORT", endpoint).split()
+    env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", GLOO_SOCKET_IFNAME="lo")
+    env.update(environment.pins("avx2"))
+    agents = [
+        subprocess.Popen(words[3:], cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
+        for _ in range(4)
+    ]
+    errors = [agent.communicate(timeout=300)[1] for agent in agents]
+    assert [agent.returncode for agent in agents] == [0] * 4, errors[0][-3000:]
+    # recovery_s is wall time too: the world's start and the checkpoint's load.
+    untimed = [
+        [{**r, "recovery_s": ""} for r in without_timing(rows(out))] for out in (planned, spawned)
+    ]
+    (row,) = untimed[0]
+    assert untimed[0] == untimed[1]
+    assert row["recovered"] == "True" and row["final_nodes"] == "3"
+    tables = [(out / "overhead.csv").read_text().splitlines() for out in (spawned, planned)]
+    columns = [[line.split(",")[:2] for line in table] for table in tables]
+    assert columns[0] == columns[1] and len(columns[0]) == 4  # header, hook, replay, consensus
+
+
+# Slow set (about 45 s on 2 cores); in the default run, tests/test_multihost.py crashes a trial by
+# cutting a host's link and resumes by rerunning the command.
+@pytest.mark.slow
+def test_torchrun_records_each_crash_and_its_max_restarts_resume_the_campaign(tmp_path, run_ok):
+    args = [
+        *("campaign=single", "fault.site=grad", "fault.model=crash", "fault.value=raise"),
+        *("fault.ranks=[1]", "fault.steps=[3]", "workload.steps=6", "campaign.seeds=2"),
+        *("campaign.noise_seeds=2", "topology.nodes=1", "topology.ranks_per_node=2"),
+        "topology.collective_timeout_s=5",
+    ]
+    out = tmp_path / "out"
+    proc = run_ok(*args, "launcher=torchrun", f"out={out}", cwd=tmp_path)
+    words = proc.stdout.strip().splitlines()[-1].split()
+    env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", GLOO_SOCKET_IFNAME="lo")
+    env.update(environment.pins("avx2"))
+    command = [words[3], "--max-restarts=2", *words[4:]]
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True)
+    # Each crash ends torchrun's world after its row; torchrun starts a fresh one, which resumes.
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stderr.count("campaign failed: torchrun's world was lost in") == 2
+    table = rows(out)
+    assert [r["effect"] for r in table] == ["crash", "crash"]
+    for row in table:
+        assert row["crash_cause"].startswith("rank 1 raised InjectedCrash: injected crash; rank 0 ")
 
 
 def test_torchrun_refuses_a_world_that_does_not_match_the_plan(tmp_path, run_ok):

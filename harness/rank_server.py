@@ -1,0 +1,63 @@
+"""Where a spawned world's ranks come from: one server process that imported torch and the
+trainer once, and forks every rank of every world from there.
+
+A rank started from a fresh interpreter imports torch again, seconds of CPU each; four of them
+on a loaded 2-core machine took 18 s to start a world, and a campaign starts a fresh world after
+every crash. A rank forked from the server starts in milliseconds, with torch already loaded.
+
+torch reads its CPU kernel choice (harness.environment's pins) once, when it loads: in the
+server. So the server starts inside the pinned environment, and starts again when a world asks
+for another one. It imports harness.stacks first, so a server stuck in its imports can show
+where, like any rank (harness/stacks.py).
+
+multiprocessing's forkserver is the server; it exposes no way to stop or signal it, so `stop`
+reaches its two private fields (Python 3.11-3.13 alike).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from multiprocessing import forkserver, get_context
+from multiprocessing.context import BaseContext
+from pathlib import Path
+
+from harness import environment, stacks
+
+# The main module first (every forked rank would import it again otherwise), then stacks, whose
+# import registers the server's stack dump before torch loads.
+PRELOAD = ["__main__", "harness.stacks", "harness.world"]
+
+_environment: dict[str, str] | None = None  # what the running server started with
+
+
+def context(cpu_kernels: str, folder: Path) -> BaseContext:
+    """A context whose processes fork from a server that runs the `cpu_kernels` pin; a server
+    that runs anything else is stopped first. A new server writes its stack file in `folder`."""
+    global _environment
+    with environment.pinned(cpu_kernels):
+        wanted = {k: v for k, v in os.environ.items() if k != stacks.FOLDER_ENV}
+        if wanted != _environment:
+            stop()
+            forkserver.set_forkserver_preload(PRELOAD)
+            with stacks.written_by_ranks_into(folder):
+                forkserver.ensure_running()
+            _environment = wanted
+    return get_context("forkserver")
+
+
+def pid() -> int | None:
+    return forkserver._forkserver._forkserver_pid  # noqa: SLF001 - see the module docstring
+
+
+def stop() -> None:
+    """Kill the server, hung or not (its ranks are the worlds' to end); the next `context`
+    starts a fresh one."""
+    global _environment
+    server = pid()
+    if server is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(server, signal.SIGKILL)
+        forkserver._forkserver._stop()  # noqa: SLF001 - closes its pipe and reaps it
+    _environment = None
