@@ -1,483 +1,254 @@
-"""The GPU check of issue 7: one command, a few minutes, results to a folder.
+"""The GPU check (issue 15): the code that ships, timed on a GPU, in one table.
 
-    python -m benchmarks.gpu_check --out results/runs/gpu-check          # on one GPU (NCCL)
-    python -m benchmarks.gpu_check --device cpu --quick --out /tmp/gc    # the same code on a CPU
+    python -m benchmarks.gpu_check --out results/runs/gpu-check              # a GPU machine
+    python -m benchmarks.gpu_check --device cpu --quick --out /tmp/gc        # the same, on a CPU
 
-1. Device-to-device copy bandwidth (bytes read + written per second) on a 4 GiB buffer, and
-   one read pass (`torch.sum`) for reference.
-2. `nan_inf` (first_non_finite), the weight fingerprint (bits_fingerprint) and the sketch's
-   per-bucket arithmetic (rider before the allreduce, projection after) on 2^30-element
-   float32 (4 GiB) and bfloat16 (2 GiB) buffers, each as a fraction of the copy bandwidth; and
-   the peer method for the fingerprint (copy to the CPU, SHA-1), for the >= 10x target.
-3. Per-detector step overhead on a GPT of about 110M parameters in bfloat16, world size 1 over
-   NCCL (replay against itself), next to replay's floor (one forward and backward per audit).
+Everything runs through the harness: a spawned world (harness/world.py) of real DDP ranks on
+the device, the campaigns' trainer, its comm hook and the detectors as they ship. On one or
+two GPUs the world is 4 ranks sharing GPU 0 over gloo (`topology.device=cuda`); with 3 or more
+GPUs it is one rank per GPU (up to 4) over NCCL.
 
-The harness trainer runs on the CPU only (harness/workloads.py builds position indices on the
-CPU, detectors/fingerprint.signs builds signs on the CPU, weight_consensus gathers a CPU tensor),
-so part 3 is built here, self-contained: the same step order as harness/trainer.py and the
-same arithmetic as each detector, with the detectors' own functions where they run on any
-device (first_non_finite, bits_fingerprint, the sketch's project and rider_of) and replay's
-signs generated on the device.
+1. step: each workload's step time without checks (the harness's hook; plain DDP too), and
+   with each check alone at its default interval (harness/overhead.py's sandwich of timed
+   runs); replay next to its floor (one forward and backward of the audited micro-batches).
+2. kernel: each check's per-call work on the device (nan_inf on a bucket, the sketch's rider
+   and check, weight_consensus's fingerprints of a model) against one read pass of the same
+   bytes (`torch.sum`), the device synchronised around every timing.
+3. host_reads: device-to-host reads per step of a clean trial with every check, in act mode
+   and in observe mode (harness.plugins.Verdicts counts them).
+
+Writes OUT/gpu_check.csv and OUT/gpu_check.md: section, workload, item, value, unit, note.
 """
+
+from __future__ import annotations
 
 import argparse
 import csv
-import functools
-import hashlib
-import json
-import math
 import statistics
 import tempfile
 import time
-import zlib
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-from detectors.allreduce_sketch import project, rider_of, step_weights
-from detectors.fingerprint import bits_fingerprint
-from detectors.nan_inf import first_non_finite
+from benchmarks.common import compose_run
+from detectors import detector_class
+from detectors.fingerprint import fingerprint_words
+from harness import devices, overhead
+from harness.config import FaultConfig, RunConfig, TrialSpec
+from harness.plugins import Bucket, DetectorContext, EventLog, RankInfo
+from harness.workloads import Workload
+from harness.world import World
 
-GIB = 2**30
+CHECKS = ("nan_inf", "grad_stats", "allreduce_sketch", "weight_consensus", "replay")
+COLUMNS = ["section", "workload", "item", "value", "unit", "note"]
+# A GPT of about 17M parameters at 4096 tokens per rank per step: big enough that a step is
+# compute, not kernel launches, small enough that 4 ranks share one GPU over gloo in minutes.
+GPT_GPU = (
+    "workload=gpt", "workload.d_model=384", "workload.heads=12", "workload.layers=6",
+    "workload.vocab=8192", "workload.context=512", "workload.micro_batch_size=8",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
 class Plan:
-    buffer_numel: int = 2**30  # float32 4 GiB, bfloat16 2 GiB
-    reps: int = 10  # timed calls per kernel (median)
-    width: int = 768  # GPT: 12 layers x 768 wide, vocabulary 16384: about 110M parameters
-    layers: int = 12
-    vocab: int = 16384
-    context: int = 1024
-    batch: int = 8  # sequences per step: 8192 tokens
-    replay_intervals: tuple[int, ...] = (1, 5, 20)
-    consensus_interval: int = 10
-    cycle: int = 20
-    rounds: int = 3
-    budget_s: float = 420.0  # stop starting new rounds after this: the whole run stays < 8 min
-
-    @classmethod
-    def quick(cls) -> "Plan":
-        return cls(2**20, 3, width=64, layers=2, vocab=128, context=32, batch=2,
-                   replay_intervals=(1, 2, 4), consensus_interval=2, cycle=4, rounds=1)  # fmt: skip
-
-
-# ---------------------------------------------------------------- timing
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed(fn: Callable[[], object], device: torch.device, reps: int) -> float:
-    """Median seconds per call, after one untimed call; the device is drained around each."""
-    fn()
-    times = []
-    for _ in range(reps):
-        sync(device)
-        started = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
-
-
-# ---------------------------------------------------------------- 1 and 2: kernels
-
-
-def device_signs(numel: int, device: torch.device, seed: int = 0) -> torch.Tensor:
-    """+1/-1 float32, as detectors/fingerprint.signs, but generated where they are used."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    bits = torch.randint(0, 2, (numel,), generator=gen, device=device, dtype=torch.int8)
-    return bits.float().mul_(2).sub_(1)
-
-
-@functools.cache
-def sketch_weights(numel: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """allreduce_sketch's weights for one step of a bucket of `numel`, on the device."""
-    return tuple(w.to(device) for w in step_weights(1, 0, numel))
-
-
-def sketch_check(buf: torch.Tensor, weights: tuple, rider: torch.Tensor) -> bool:
-    """allreduce_sketch.on_reduced_grad: project what was received, compare within the bound."""
-    got = float(project(buf, weights))
-    expected, norm = (float(x) for x in rider)
-    return abs(got - expected) <= 1e-3 * 4 * math.sqrt(buf.numel()) * norm
-
-
-def bandwidth(plan: Plan, device: torch.device) -> dict[str, float]:
-    """Copy (read + write) and read-only bandwidth in bytes per second."""
-    src = torch.randn(plan.buffer_numel, device=device)
-    dst = torch.empty_like(src)
-    copy_s = timed(lambda: dst.copy_(src), device, plan.reps)
-    read_s = timed(lambda: src.sum(), device, plan.reps)
-    return {"copy_Bps": 2 * src.nbytes / copy_s, "read_Bps": src.nbytes / read_s}
-
-
-def peer_hash(buf: torch.Tensor) -> bytes:
-    """Megatron-LM's weight check for one tensor: copy to the CPU, SHA-1 (as kernels.sha1_table)."""
-    return hashlib.sha1(buf.data.to("cpu").float().numpy(force=True)).digest()
-
-
-def kernel_rows(plan: Plan, device: torch.device, copy_bps: float) -> list[dict]:
-    """Each check on a float32 and a bfloat16 buffer: time, bytes per second, and that as a
-    fraction of the copy bandwidth. The peer method takes seconds per call: 3 calls."""
-    rows = []
-    for dtype in (torch.float32, torch.bfloat16):
-        buf = (torch.randn(plan.buffer_numel, device=device) * 1e-3).to(dtype)
-        signs = sketch_weights(buf.numel(), device)
-        rider = rider_of(buf, signs)
-        checks = {
-            "read (torch.sum)": (lambda b=buf: b.sum(), plan.reps),
-            "nan_inf": (lambda b=buf: first_non_finite(b), plan.reps),
-            "fingerprint": (lambda b=buf: bits_fingerprint(b), plan.reps),
-            "sketch rider + check": (
-                lambda b=buf, s=signs, r=rider: (rider_of(b, s), sketch_check(b, s, r)),
-                plan.reps,
-            ),
-            "peer: copy to CPU + SHA-1": (lambda b=buf: peer_hash(b), min(3, plan.reps)),
-        }
-        for name, (fn, reps) in checks.items():
-            seconds = timed(fn, device, reps)
-            bps = buf.nbytes / seconds
-            rows.append({"dtype": str(dtype).removeprefix("torch."), "check": name,
-                         "GiB": round(buf.nbytes / GIB, 3), "ms": round(1e3 * seconds, 3),
-                         "GBps": round(bps / 1e9, 1),
-                         "fraction_of_copy": round(bps / copy_bps, 3)})  # fmt: skip
-        del buf, signs, checks
-    return rows
-
-
-# ---------------------------------------------------------------- 3: the step
-
-
-class Block(nn.Module):
-    """The block of harness/workloads.py's GPT."""
-
-    def __init__(self, d: int, heads: int):
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
-
-
-class GPT(nn.Module):
-    """harness/workloads.py's GPT, with its position indices on the model's device."""
-
-    def __init__(self, plan: Plan):
-        super().__init__()
-        d = plan.width
-        self.tok, self.pos = nn.Embedding(plan.vocab, d), nn.Embedding(plan.context, d)
-        self.blocks = nn.ModuleList(Block(d, max(1, d // 64)) for _ in range(plan.layers))
-        self.ln_f = nn.LayerNorm(d)
-        self.head = nn.Linear(d, plan.vocab, bias=False)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln_f(x))
-
-
-def loss_of(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    inputs, targets = batch
-    logits = model(inputs)
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
-
-
-def batch_for(step: int, plan: Plan, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """A pure function of the step, so replay regenerates it (random tokens: speed only)."""
-    gen = torch.Generator(device=device).manual_seed(step)
-    tokens = torch.randint(plan.vocab, (plan.batch, plan.context + 1), generator=gen, device=device)
-    return tokens[:, :-1], tokens[:, 1:]
-
-
-@dataclass
-class Checks:
-    """Which checks the step runs, and their state; the comm hook and the step read it."""
-
-    nan_inf: bool = False
-    sketch: bool = False
-    consensus: int = 0  # every N steps; 0: off
-    replay: int = 0  # every N steps; 0: off
-    step: int = 0
-    param_signs: dict[str, torch.Tensor] = field(default_factory=dict)
-    own: dict[str, float] = field(default_factory=dict)
-    alerts: int = 0
-
-    def use(self, nan_inf: bool = False, sketch: bool = False, consensus: int = 0,
-            replay: int = 0) -> None:  # fmt: skip
-        self.nan_inf, self.sketch, self.consensus, self.replay = nan_inf, sketch, consensus, replay
-
-    def audited(self) -> bool:
-        return self.replay > 0 and self.step % self.replay == 0
-
-
-def comm_hook(checks: Checks, bucket):
-    """Sites 3-5 of harness/trainer.py's hook: local checks, one allreduce (riders appended to
-    float32 buckets, a collective of their own otherwise), checks on the average."""
-    buffer = bucket.buffer()
-    if checks.nan_inf and first_non_finite(buffer) is not None:
-        checks.alerts += 1
-    if checks.audited():
-        for p, g in zip(bucket.parameters(), bucket.gradients(), strict=True):
-            checks.own[str(id(p))] = _projection(checks, str(id(p)), g)
-    buffer.div_(dist.get_world_size())
-    weights = sketch_weights(buffer.numel(), buffer.device) if checks.sketch else None
-    rider = rider_of(buffer, weights) if weights is not None else None
-    n = buffer.numel()
-    if buffer.dtype == torch.float32:
-        slot = torch.zeros(8, device=buffer.device)  # the trainer always appends its slots
-        if rider is not None:
-            slot[:2] = rider
-        future = dist.all_reduce(torch.cat([buffer, slot]), async_op=True).get_future()
-    else:
-        futures = [dist.all_reduce(buffer, async_op=True).get_future()]
-        if rider is not None:
-            futures.append(dist.all_reduce(rider, async_op=True).get_future())
-        future = torch.futures.collect_all(futures)
-
-    def reduced(fut):
-        summed = None
-        if buffer.dtype == torch.float32:
-            result = fut.value()[0]
-            buffer.copy_(result[:n])
-            summed = result[n : n + 2]
-        elif rider is not None:
-            summed = fut.value()[1].value()[0]
-        if checks.nan_inf and first_non_finite(buffer) is not None:
-            checks.alerts += 1
-        if rider is not None and not sketch_check(buffer, weights, summed):
-            checks.alerts += 1
-        return buffer
-
-    return future.then(reduced)
-
-
-def _projection(checks: Checks, name: str, grad: torch.Tensor) -> float:
-    """replay's _project: a float64 projection onto the tensor's signs."""
-    if name not in checks.param_signs:
-        checks.param_signs[name] = device_signs(
-            grad.numel(), grad.device, zlib.crc32(name.encode())
-        )
-    flat = grad.reshape(-1).double()
-    return float(torch.dot(flat, checks.param_signs[name].double()))
-
-
-def consensus(model: nn.Module, device: torch.device) -> None:
-    """weight_consensus: two words per tensor, gathered from every replica."""
-    words = [w for p in model.parameters() for w in bits_fingerprint(p)]
-    mine = torch.tensor(words, dtype=torch.int64, device=device)
-    table = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(table, mine)
-
-
-def replay(model: nn.Module, checks: Checks, plan: Plan, device: torch.device) -> None:
-    """replay.on_audit against itself: recompute loss and gradient of this step's batch,
-    project, and gather (own, replay) rows."""
-    params = list(model.parameters())
-    loss = loss_of(model, batch_for(checks.step, plan, device))
-    grads = torch.autograd.grad(loss, params)
-    dots = [_projection(checks, str(id(p)), g) for p, g in zip(params, grads, strict=True)]
-    row = torch.tensor([float(loss.detach()), math.fsum(dots)], dtype=torch.float64, device=device)
-    table = [torch.empty_like(row) for _ in range(dist.get_world_size())]
-    dist.all_gather(table, row)
-
-
-def train_steps(ddp: DDP, model, opt, checks: Checks, plan: Plan, device, steps: int) -> list:
-    """Seconds of each of `steps` steps (the device drained at each step's end)."""
-    times = []
-    for _ in range(steps):
-        sync(device)
-        started = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        loss = loss_of(ddp, batch_for(checks.step, plan, device))
-        loss.backward()
-        if checks.audited():
-            replay(model, checks, plan, device)
-        opt.step()
-        if checks.consensus and (checks.step + 1) % checks.consensus == 0:
-            consensus(model, device)
-        sync(device)
-        times.append(time.perf_counter() - started)
-        checks.step += 1
-    return times
-
-
-def amortized(times: list[float], cycle: int, first_step: int) -> float:
-    """Per-position medians over the cycle, averaged (see benchmarks/worlds.py)."""
-    at: dict[int, list[float]] = {}
-    for i, seconds in enumerate(times):
-        at.setdefault((first_step + i) % cycle, []).append(seconds)
-    return statistics.fmean(statistics.median(v) for v in at.values())
-
-
-def configs(plan: Plan) -> dict[str, dict]:
-    """The detector settings timed, by name (each against the step without detectors)."""
-    every = plan.consensus_interval
-    named = {
-        "nan_inf": {"nan_inf": True},
-        "weight_consensus": {"consensus": every},
-        "allreduce_sketch": {"sketch": True},
-        "checks": {"nan_inf": True, "consensus": every, "sketch": True},
-    }
-    return named | {f"replay@{k}": {"replay": k} for k in plan.replay_intervals}
-
-
-def overhead_rows(plan: Plan, device: torch.device, deadline: float) -> tuple[list[dict], dict]:
-    """overhead.csv rows for the GPT step, and the step and floor times."""
-    model = GPT(plan).to(device=device, dtype=torch.bfloat16)
-    params = sum(p.numel() for p in model.parameters())
-    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    checks = Checks()
-    ddp.register_comm_hook(checks, comm_hook)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    named = configs(plan)
-    steps = plan.cycle + 2
-
-    def trial(settings: dict) -> float:
-        checks.use(**settings)
-        checks.step = (checks.step // plan.cycle + 1) * plan.cycle  # start on a cycle boundary
-        times = train_steps(ddp, model, opt, checks, plan, device, steps)
-        return amortized(times[2:], plan.cycle, 2)
-
-    trial({})  # warm-up: kernels, allocator, DDP's bucket rebuild
-    ratios: dict[str, list[float]] = {name: [] for name in named}
-    base_times = []
-    for r in range(plan.rounds):
-        if r and time.monotonic() > deadline:
-            break
-        before = trial({})
-        for name in list(named) if r % 2 == 0 else reversed(list(named)):
-            seconds, after = trial(named[name]), trial({})
-            ratios[name].append(2 * seconds / (before + after))
-            base_times += [before, after]
-            before = after
-    step_s = statistics.median(base_times)
-    floor_s = timed(lambda: _forward_backward(model, plan, device), device, 5)
-    rows = _rows(ratios, plan, step_s, floor_s)
-    return rows, {"params": params, "step_ms": 1e3 * step_s, "forward_backward_ms": 1e3 * floor_s}
-
-
-def _forward_backward(model: nn.Module, plan: Plan, device: torch.device) -> None:
-    loss = loss_of(model, batch_for(0, plan, device))
-    torch.autograd.grad(loss, list(model.parameters()))
-
-
-def _rows(ratios: dict, plan: Plan, step_s: float, floor_s: float) -> list[dict]:
-    def pct(name: str) -> float:
-        return round(100 * (statistics.median(ratios[name]) - 1), 3)
-
+    workloads: dict[str, tuple[str, ...]]
+    steps: int  # timed steps per run (after harness/overhead.py's warm-up)
+    rounds: int
+    kernel_numel: int  # elements of the bucket the kernels read
+    reps: int  # timed calls per kernel and round
+    model: tuple[str, ...] = GPT_GPU  # whose parameters the fingerprints read
+    settings: tuple[str, ...] = ()  # more overrides for every run
+
+
+FULL = Plan({"mlp": ("workload=mlp",), "gpt": GPT_GPU}, steps=10, rounds=1,
+            kernel_numel=25 * 2**18, reps=20)  # fmt: skip
+# The same code paths at tiny sizes; intervals of 2 keep every check in a few steps.
+QUICK = Plan({"mlp": ("workload=mlp",)}, steps=2, rounds=1, kernel_numel=2**14, reps=3,
+             model=("workload=gpt",), settings=("workload.steps=12",
+             "detectors.replay.interval=2", "detectors.weight_consensus.interval=2"))  # fmt: skip
+
+
+def topology(device: str) -> tuple[str, ...]:
+    """4 ranks sharing one GPU over gloo, or one rank per GPU over NCCL with 3 or more; 3
+    ranks on a CPU (replay and consensus need 3)."""
+    if device == "cpu":
+        return ("topology.nodes=3", "topology.device=cpu", "topology.backend=gloo")
+    gpus = devices.gpu_count()
+    if gpus >= 3:
+        return (f"topology.nodes={min(gpus, 4)}", "topology.device=cuda", "topology.backend=nccl")
+    return ("topology.nodes=4", "topology.device=cuda", "topology.backend=gloo")
+
+
+def configure(plan: Plan, device: str, workload: tuple[str, ...]) -> RunConfig:
+    checks = f"detectors=[{','.join(CHECKS)}]"
+    timing = f"campaign.overhead={{steps:{plan.steps},rounds:{plan.rounds}}}"
+    return compose_run("campaign=single", checks, timing, *topology(device), *workload,
+                       *plan.settings)  # fmt: skip
+
+
+def step_rows(name: str, run: RunConfig, world: World) -> list[dict]:
+    """Section 1: step times, from harness/overhead.py's ratios and one reference run."""
+    base = overhead.timed_runs(run)[overhead.REFERENCE][0]
+    outcome = world.run(base, TrialSpec(f"gpu-reference-{name}", run.workload.seed, FaultConfig()))
+    reference = overhead.amortized_step([overhead.step_series(outcome, "reference")], 1) * 1e3
+    ratio = overhead.ratios(run, world.run)
     rows = [
-        {"detector": "nan_inf", "interval": 1, "overhead_pct": pct("nan_inf")},
-        {"detector": "weight_consensus", "interval": plan.consensus_interval,
-         "overhead_pct": pct("weight_consensus")},
-        {"detector": "allreduce_sketch", "interval": 1, "overhead_pct": pct("allreduce_sketch")},
-        {"detector": "nan_inf+weight_consensus+allreduce_sketch", "interval": "",
-         "overhead_pct": pct("checks")},
-    ]  # fmt: skip
-    for row in rows:
-        row["floor_pct"] = ""  # memory floors: see the kernel table, in fractions of bandwidth
-    rows += [{"detector": "replay", "interval": k, "overhead_pct": pct(f"replay@{k}"),
-              "floor_pct": round(100 * floor_s / k / step_s, 3)}
-             for k in plan.replay_intervals]  # fmt: skip
+        _row("step", name, "no checks (the harness's hook)", reference, "ms"),
+        _row("step", name, "plain DDP, no hook", reference / ratio[overhead.PLAIN], "ms"),
+    ]
+    for row in overhead.rows(run, ratio)[1:]:
+        pct, k = float(row["overhead_pct"]), row["interval"]
+        note = f"{pct:+.1f}% of a step"
+        if row["floor_pct"] != "":
+            floor = float(row["floor_pct"])
+            note += f"; floor {floor:+.2f}%, {pct / floor:.2f}x it" if floor > 0 else "; no floor"
+        every = f" every {k} steps" if k not in ("", 1) else ""
+        rows.append(
+            _row("step", name, f"{row['detector']}{every}", reference * (1 + pct / 100), "ms", note)
+        )
     return rows
 
 
-# ---------------------------------------------------------------- the command
+def read_rows(name: str, run: RunConfig, world: World) -> list[dict]:
+    """Section 3: host reads per step of a clean trial with every check, act and observe."""
+    rows = []
+    for mode in ("act", "observe"):
+        checks = {n: dict(p, mode=mode) for n, p in run.detectors.items()}
+        spec = TrialSpec(f"gpu-reads-{name}-{mode}", run.workload.seed, FaultConfig())
+        outcome = world.run(replace(run, detectors=checks), spec)
+        if outcome.parts is None:
+            raise RuntimeError(f"{spec.trial_id} crashed: {outcome.crash}")
+        per_step = [max(s) for s in zip(*(p.host_reads for p in outcome.parts), strict=True)]
+        note = f"{len(per_step)} steps; checkpoint every {run.checkpoint.interval}"
+        rows += [
+            _row("host_reads", name, f"{mode}: most in a step", max(per_step), "reads", note),
+            _row("host_reads", name, f"{mode}: mean per step",
+                 statistics.fmean(per_step), "reads", note),
+        ]  # fmt: skip
+    return rows
 
 
-def init_world(device: torch.device, workdir: Path) -> None:
-    """World size 1: NCCL on a GPU, gloo on the CPU; a file store, no port."""
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"file://{workdir / 'pg'}", rank=0, world_size=1)
+def kernel_rows(plan: Plan, device: torch.device) -> list[dict]:
+    """Section 2: each check's per-call device work against one read pass of its bytes."""
+    rows = []
+    model = Workload(compose_run(*plan.model).workload, device).build_model()
+    params = [p.detach() for p in model.parameters()]
+    for dtype in (torch.float32, torch.bfloat16):
+        bucket = _bucket(plan.kernel_numel, dtype, device)
+        nan_inf, sketch = (_check(n, dtype, device) for n in ("nan_inf", "allreduce_sketch"))
+
+        def sketch_call(b: Bucket = bucket, s=sketch) -> None:
+            b.riders = {id(s): s.rider(1, b)}
+            s.on_reduced_grad(1, b)
+            s._log.verdicts.pending.clear()  # the verdicts' one read per step is not a kernel's
+
+        def nan_inf_call(b: Bucket = bucket, c=nan_inf) -> None:
+            c.on_local_grad(1, b)
+            c._log.verdicts.pending.clear()
+
+        typed = [p.to(dtype) for p in params]
+        kind = str(dtype).removeprefix("torch.")
+        mib = f"{plan.kernel_numel * bucket.buffer.element_size() / 2**20:.3g} MiB"
+        weights = f"{sum(p.numel() for p in typed) / 1e6:.3g}M params"
+        for item, fn, read, size in [
+            ("nan_inf / read pass", nan_inf_call, lambda b=bucket: b.buffer.sum(), mib),
+            ("sketch rider + check / read pass", sketch_call, lambda b=bucket: b.buffer.sum(), mib),
+            ("fingerprints / read pass", lambda t=typed: [fingerprint_words(p) for p in t],
+             lambda t=typed: [p.sum() for p in t], weights),
+        ]:  # fmt: skip
+            ratio, read_ms = _ratio(fn, read, plan.reps, device)
+            rows.append(_row("kernel", "", f"{item} ({kind})", ratio, "x",
+                             f"{size}; read pass {read_ms:.3f} ms"))  # fmt: skip
+    return rows
 
 
-def print_table(result: dict) -> None:
-    bw = result["bandwidth"]
-    print(f"device: {result['device_name']}; copy {bw['copy_Bps'] / 1e9:.0f} GB/s "
-          f"(read + write), read {bw['read_Bps'] / 1e9:.0f} GB/s")  # fmt: skip
-    print("\n| dtype | check | ms | GB/s | fraction of copy bandwidth |\n|---|---|---:|---:|---:|")
-    for r in result["kernels"]:
-        print(
-            f"| {r['dtype']} | {r['check']} | {r['ms']} | {r['GBps']} | {r['fraction_of_copy']} |"
-        )
-    ms = {(r["dtype"], r["check"]): r["ms"] for r in result["kernels"]}
-    for dtype in ("float32", "bfloat16"):
-        speedup = ms[dtype, "peer: copy to CPU + SHA-1"] / ms[dtype, "fingerprint"]
-        print(f"fingerprint speed-up over the peer method, {dtype}: {speedup:.3g}x (target >= 10x)")
-    step = result["step"]
-    print(f"\nGPT {step['params'] / 1e6:.3g}M bfloat16: step {step['step_ms']:.1f} ms, "
-          f"forward+backward {step['forward_backward_ms']:.1f} ms")  # fmt: skip
-    print("\n| detector | interval | overhead % | floor % |\n|---|---:|---:|---:|")
-    for r in result["overhead"]:
-        print(f"| {r['detector']} | {r['interval']} | {r['overhead_pct']} | {r['floor_pct']} |")
+def _check(name: str, dtype: torch.dtype, device: torch.device):
+    """A real detector on rank 0 of a one-rank world on `device`."""
+    cls = detector_class(name)
+    info = RankInfo(0, 1, 1, str(device))
+    model = torch.nn.Linear(1, 1).to(device=device, dtype=dtype)
+    ctx = DetectorContext(info, model, None, steps=2, data=((0,),))
+    return cls(cls.validate(name, {}, None), ctx, EventLog(0, 0))
 
 
-def write(out: Path, result: dict) -> None:
+def _bucket(numel: int, dtype: torch.dtype, device: torch.device, tensors: int = 16) -> Bucket:
+    buffer = (torch.randn(numel, device=device) * 1e-3).to(dtype)
+    bounds = torch.linspace(0, numel, tensors + 1).long().tolist()
+    spans = zip(bounds[:-1], bounds[1:], strict=True)
+    views = [(f"layer{i}.weight", buffer[a:b]) for i, (a, b) in enumerate(spans)]
+    return Bucket(index=0, buffer=buffer, tensors=views, is_last=True)
+
+
+def _ratio(
+    fn: Callable[[], object], read: Callable[[], object], reps: int, device: torch.device
+) -> tuple[float, float]:
+    """The median over rounds of fn's time / read's (alternating), and read's median in ms."""
+
+    def timed(call: Callable[[], object]) -> float:
+        devices.synchronize(device)
+        started = time.perf_counter()
+        for _ in range(reps):
+            call()
+        devices.synchronize(device)
+        return (time.perf_counter() - started) / reps
+
+    timed(fn), timed(read)  # warm-up: caches, allocations, lazy initialisation
+    pairs = [(timed(fn), timed(read)) for _ in range(5)]
+    return statistics.median(a / b for a, b in pairs), statistics.median(b for _, b in pairs) * 1e3
+
+
+def _row(section: str, workload: str, item: str, value: float, unit: str, note: str = "") -> dict:
+    return {"section": section, "workload": workload, "item": item,
+            "value": round(float(value), 4), "unit": unit, "note": note}  # fmt: skip
+
+
+def write(out: Path, rows: list[dict], header: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_check.json").write_text(json.dumps(result, indent=1))
-    for name, rows in (
-        ("gpu_kernels.csv", result["kernels"]),
-        ("overhead.csv", result["overhead"]),
-    ):
-        with open(out / name, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+    with open(out / "gpu_check.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    lines = [header, "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(str(r[c]) for c in COLUMNS) + " |" for r in rows]
+    (out / "gpu_check.md").write_text("\n".join(lines) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_check", description=__doc__)
-    parser.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu")
-    parser.add_argument("--quick", action="store_true", help="tiny sizes (for a CPU smoke run)")
-    stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
-    parser.add_argument("--out", type=Path, default=Path("results/runs") / f"gpu-check-{stamp}")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_check")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: the code paths only")
+    parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
-    plan = Plan.quick() if args.quick else Plan()
-    device = torch.device(args.device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    started = time.monotonic()
+    if args.device == "cuda" and not devices.gpu_count():
+        parser.error("--device cuda: this machine has no GPU (try --device cpu --quick)")
+    plan = QUICK if args.quick else FULL
+    started = time.perf_counter()
+    rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
-        init_world(device, Path(tmp))
-        try:
-            result = run(plan, device, started + plan.budget_s)
-        finally:
-            dist.destroy_process_group()
-    result["seconds"] = round(time.monotonic() - started, 1)
-    write(args.out, result)
-    print_table(result)
-    print(f"\n{result['seconds']} s; results: {args.out}")
+        for name, workload in plan.workloads.items():
+            run = configure(plan, args.device, workload)
+            world = World(run.topology, Path(tmp) / name, Path(tmp) / f"{name}-store")
+            try:
+                rows += step_rows(name, run, world) + read_rows(name, run, world)
+            finally:
+                world.close()
+    device = devices.rank_device(args.device, 0, devices.gpu_count())
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # as a rank runs (topology.threads_per_rank=1)
+    rows += kernel_rows(plan, device)
+    topo = run.topology
+    header = (
+        f"# gpu_check: {topo.world_size} ranks over {topo.backend} on {args.device}"
+        f"{' (' + torch.cuda.get_device_name(device) + ')' if device.type == 'cuda' else ''}, "
+        f"torch {torch.__version__}, {time.perf_counter() - started:.0f} s"
+        f"{', --quick (code paths only, no meaningful numbers)' if args.quick else ''}"
+    )
+    write(args.out, rows, header)
+    print((args.out / "gpu_check.md").read_text())
     return 0
-
-
-def run(plan: Plan, device: torch.device, deadline: float) -> dict:
-    torch.manual_seed(0)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    bw = bandwidth(plan, device)
-    kernels = kernel_rows(plan, device, bw["copy_Bps"])
-    rows, step = overhead_rows(plan, device, deadline)
-    return {"device_name": name, "torch": torch.__version__, "plan": asdict(plan),
-            "bandwidth": bw, "kernels": kernels, "step": step, "overhead": rows}  # fmt: skip
 
 
 if __name__ == "__main__":

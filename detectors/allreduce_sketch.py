@@ -158,7 +158,7 @@ class AllreduceSketch(Detector):
         weights = step_weights(step, bucket.index, bucket.buffer.numel())
         # Projection and norm are linear in the buffer: scaling them is scaling what is summed.
         projection, norm = rider_of(bucket.buffer, weights) * bucket.contribution
-        slot = torch.zeros(2 * world + 1)
+        slot = torch.zeros(2 * world + 1, device=bucket.buffer.device)
         slot[0] = norm
         slot[1 + rank] = step + 1
         slot[1 + world + rank] = projection
@@ -170,32 +170,49 @@ class AllreduceSketch(Detector):
         weights, own = self.sent[bucket.index]  # kept: a retried reduction is checked again
         slot = bucket.riders[id(self)]
         norms, tags, projections = slot[0], slot[1 : 1 + world], slot[1 + world :]
-        evidence = {"bucket": bucket.index}
-        wrong = {r: float(t) for r, t in enumerate(tags.tolist()) if t != step + 1}
-        if wrong:
-            verdicts = {r: _tag_verdict(t, step) for r, t in wrong.items()}
-            self.alert(step, "post_allreduce", sorted(wrong), evidence | {"tags": verdicts})
-            return
-        if not torch.equal(projections[rank].view(torch.int32), own.view(torch.int32)):
-            self.alert(step, "post_allreduce", [rank], evidence | {"reason": "own slot changed"})
-            return
-        got = float(project(bucket.buffer, weights))
-        expected = math.fsum(projections.double().tolist())
+        wrong = tags != step + 1
+        changed = projections[rank].view(torch.int32) != own.view(torch.int32)
+        got = project(bucket.buffer, weights).double()
+        # In float64, in rank order: the world's few float32 projections add with an error far
+        # below the bound (the exactly rounded sum differs in the 16th digit at most).
+        expected = projections.double().sum()
         n = bucket.buffer.numel()
         relative, absolute = (
             (0.0, 0.0)
             if bucket.wire is None
             else wire_rounding(bucket.wire, self.info.world_size, n)
         )
-        bound = 4 * ((self.rtol + relative) * math.sqrt(n) * float(norms) + absolute)
+        bound = 4 * ((self.rtol + relative) * math.sqrt(n) * norms.double() + absolute)
+        # Not "> bound": NaN is caught too, since a NaN cannot be verified.
+        off = ~((got - expected).abs() <= bound)
+        index = bucket.index
+
+        def explain(values: list[float]) -> None:
+            tag_values, (was_changed, received, summed, limit) = values[:world], values[world:]
+            evidence = {"bucket": index}
+            bad = {r: t for r, t in enumerate(tag_values) if t != step + 1}
+            if bad:
+                verdicts = {r: _tag_verdict(t, step) for r, t in bad.items()}
+                self.alert(step, "post_allreduce", sorted(bad), evidence | {"tags": verdicts})
+            elif was_changed:
+                reason = {"reason": "own slot changed"}
+                self.alert(step, "post_allreduce", [rank], evidence | reason)
+            else:
+                evidence |= {"received": received, "expected": summed, "bound": limit}
+                self.alert(step, "post_allreduce", [rank], evidence)
+
+        detail = torch.cat([tags.double(), torch.stack([changed.double(), got, expected, bound])])
+        self.defer(step, "post_allreduce", wrong.any() | changed | off, explain, detail)
         if step == 0:
             # The smallest change of one element this check can see, next to the gradient norm.
-            norm = float(bucket.buffer.float().norm())
-            self._log.emit("sensitivity", step=step, detector=self.name, bucket=bucket.index,
-                           bound=bound, grad_norm=norm)  # fmt: skip
-        if not abs(got - expected) <= bound:  # also true for NaN: a NaN cannot be verified
-            evidence |= {"received": got, "expected": expected, "bound": bound}
-            self.alert(step, "post_allreduce", [rank], evidence)
+            def sensitivity(values: list[float]) -> None:
+                self._log.emit("sensitivity", step=step, detector=self.name, bucket=index,
+                               bound=values[0], grad_norm=values[1])  # fmt: skip
+
+            norm = bucket.buffer.float().norm().double()
+            verified = ~(wrong.any() | changed)  # what the bound applies to
+            self.defer(step, "post_allreduce", verified, sensitivity, torch.stack([bound, norm]),
+                       alarm=False)  # fmt: skip
 
 
 def _tag_verdict(tag: float, step: int) -> str:

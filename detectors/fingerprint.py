@@ -45,11 +45,16 @@ MAX_FOLD = 4096
 
 def bits_fingerprint(tensor: torch.Tensor) -> tuple[int, int]:
     """Two words that change when any bit of `tensor` does (see the module docstring)."""
+    plain, weighted = fingerprint_words(tensor).tolist()
+    return plain, weighted
+
+
+def fingerprint_words(tensor: torch.Tensor) -> torch.Tensor:
+    """`bits_fingerprint` as two int64 on the tensor's device, unread."""
     words = _words(tensor)
     while words.numel() > MAX_FOLD:
         words = _mix(words)
-    plain, weighted = (words * _fold(words.numel(), words.device)).sum(1).tolist()
-    return plain, weighted
+    return (words * _fold(words.numel(), words.device)).sum(1)
 
 
 def _mix(words: torch.Tensor) -> torch.Tensor:

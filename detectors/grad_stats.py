@@ -30,25 +30,32 @@ class GradStats(Detector):
 
     def __init__(self, params, ctx, log):
         super().__init__(params, ctx, log)
-        self.losses: list[float] = []
-        self.running_max = -math.inf
+        self.device = torch.device(ctx.info.device)
+        self.losses: list[torch.Tensor] = []
+        self.running_max = torch.tensor(-math.inf, dtype=torch.float64, device=self.device)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"running_max": self.running_max}
+        return {"running_max": self.read(self.running_max)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.running_max = state["running_max"]
+        self.running_max = torch.tensor(
+            state["running_max"], dtype=torch.float64, device=self.device
+        )
 
     def on_loss(self, step: int, loss: torch.Tensor) -> None:
-        self.losses.append(loss.item())
+        self.losses.append(loss.detach())
         return None
 
     def rider(self, step: int, bucket: Bucket) -> torch.Tensor:
         world, rank = self.info.world_size, self.info.rank
-        slot = torch.zeros(world, 2)
+        slot = torch.zeros(world, 2, device=bucket.buffer.device)
         flat = bucket.buffer.float()
         slot[rank, 0] = torch.dot(flat, flat).sqrt()
-        slot[rank, 1] = sum(self.losses) / len(self.losses) if self.losses else 0.0
+        if self.losses:
+            total = self.losses[0].double()  # summed in order, in float64, as Python's sum
+            for loss in self.losses[1:]:
+                total = total + loss.double()
+            slot[rank, 1] = total / len(self.losses)
         return slot.reshape(-1)
 
     def on_reduced_grad(self, step: int, bucket: Bucket) -> None:
@@ -57,32 +64,41 @@ class GradStats(Detector):
         if bucket.is_last:
             self.losses = []
         suspects = self._outliers(norms)
-        if suspects:
-            evidence = {"bucket": bucket.index, "norms": norms.tolist()}
-            self.alert(step, "post_allreduce", suspects, evidence)
+        index = bucket.index
+
+        def explain(values: list[float]) -> None:
+            world = self.info.world_size
+            ranks = [r for r, s in enumerate(values[world:]) if s]
+            self.alert(step, "post_allreduce", ranks, {"bucket": index, "norms": values[:world]})
+
+        self.defer(step, "post_allreduce", suspects.any(), explain,
+                   torch.cat([norms, suspects.double()]))  # fmt: skip
         if bucket.index == 0:
             self._spikes(step, losses)
 
-    def _outliers(self, norms: torch.Tensor) -> list[int]:
-        if not torch.isfinite(norms).all():
-            return [r for r, x in enumerate(norms.tolist()) if not math.isfinite(x)]
+    def _outliers(self, norms: torch.Tensor) -> torch.Tensor:
+        """Which ranks are suspect: those with a non-finite norm if any, else the outliers."""
+        finite = torch.isfinite(norms)
         logs = norms.clamp_min(1e-30).log()
         median = logs.median()
         mad = (logs - median).abs().median()
-        spread = max(float(mad) * self.params["threshold"], math.log(self.params["min_ratio"]))
-        return [r for r, x in enumerate(logs.tolist()) if abs(x - float(median)) > spread]
+        spread = (mad * self.params["threshold"]).clamp_min(math.log(self.params["min_ratio"]))
+        return torch.where(finite.all(), (logs - median).abs() > spread, ~finite)
 
     def _spikes(self, step: int, losses: torch.Tensor) -> None:
         limit = self.params["spike"] * self.running_max
-        if self.running_max > 0:
-            spiking = [r for r, x in enumerate(losses.tolist()) if not x <= limit]
-            if spiking:
-                self.alert(
-                    step, "post_allreduce", spiking, {"losses": losses.tolist(), "limit": limit}
-                )
-        finite = losses[torch.isfinite(losses)]
-        if len(finite):
-            self.running_max = max(self.running_max, float(finite.max()))
+        spiking = (self.running_max > 0) & ~(losses <= limit)
+
+        def explain(values: list[float]) -> None:
+            world = self.info.world_size
+            ranks = [r for r, s in enumerate(values[world + 1 :]) if s]
+            self.alert(step, "post_allreduce", ranks,
+                       {"losses": values[:world], "limit": values[world]})  # fmt: skip
+
+        self.defer(step, "post_allreduce", spiking.any(), explain,
+                   torch.cat([losses, limit.reshape(1), spiking.double()]))  # fmt: skip
+        finite = torch.where(torch.isfinite(losses), losses, -math.inf)
+        self.running_max = torch.maximum(self.running_max, finite.max())
 
 
 DETECTOR = GradStats

@@ -49,9 +49,11 @@ class MegatronHash(Detector):
     def on_update(self, step: int, model: nn.Module) -> None:
         if (step + 1) % self.params["interval"]:
             return
-        local = sha1_table(model)
+        # Gathered where the backend gathers (a GPU under NCCL), compared on the host.
+        local = sha1_table(model).to(self.info.device)
         table = [torch.empty_like(local) for _ in range(self.info.world_size)]
         dist.all_gather(table, local)
+        local, table = local.cpu(), [t.cpu() for t in table]
         if torch.equal(local, table[0]):
             return
         names = [n for n, _ in model.named_parameters()]

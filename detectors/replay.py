@@ -109,9 +109,11 @@ class Replay(Detector):
         # 2e-7 of the gradient norm, bfloat16 up to 1.1e-2 (every partial sum rounds to 8 bits).
         self.rtol = params["rtol"] or (1e-5 if dtype == torch.float32 else derived_rtol(dtype))
         self.audits = set(params["steps"] or [])
-        self.own_loss = 0.0
-        self.own_dots: dict[str, float] = {}
-        self.own_sq = 0.0
+        self.device = torch.device(ctx.info.device)
+        # This step's own loss, projections and squared norm, on the device until the audit.
+        self.own_loss: float | torch.Tensor = 0.0
+        self.own_dots: dict[str, torch.Tensor] = {}
+        self.own_sq: float | torch.Tensor = 0.0
 
     def _audited(self, step: int) -> bool:
         if self.params["steps"] is not None:
@@ -120,19 +122,29 @@ class Replay(Detector):
 
     def on_loss(self, step: int, loss: torch.Tensor) -> None:
         if self._audited(step):
-            self.own_loss += loss.item() / self.data.micro_batches(self.info.rank)
+            micro = self.data.micro_batches(self.info.rank)
+            self.own_loss = self.own_loss + loss.detach().double() / micro
         return None
 
     def on_local_grad(self, step: int, bucket: Bucket) -> None:
         if not self._audited(step):
             return
         for name, grad in bucket.tensors:
-            dot, sq = _project(name, grad)
+            dot, sq = _project_on_device(name, grad)
             self.own_dots[name] = dot
-            self.own_sq += sq
+            self.own_sq = self.own_sq + sq
 
     def _recompute(self, step: int, rank: int) -> tuple[float, float, float]:
         """Loss, projection and norm of `rank`'s local gradient, recomputed on this replica."""
+        loss, dots, sq = self._recompute_on_device(step, rank)
+        values = self.read(torch.stack([loss, *dots.values(), sq]))
+        return values[0], _fold(dict(zip(dots, values[1:-1], strict=True))), math.sqrt(values[-1])
+
+    def _recompute_on_device(
+        self, step: int, rank: int
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+        """Loss, per-parameter projections and squared norm of `rank`'s local gradient,
+        recomputed on this replica, unread."""
         rng = torch.get_rng_state()
         params = [p for _, p in self.model.named_parameters()]
         names = [n for n, _ in self.model.named_parameters()]
@@ -143,13 +155,13 @@ class Replay(Detector):
             grads = (
                 list(part) if grads is None else [a + b for a, b in zip(grads, part, strict=True)]
             )
-            total_loss += loss.item() / micro
+            total_loss = total_loss + loss.detach().double() / micro
         torch.set_rng_state(rng)
         dots, sq = {}, 0.0
         for name, g in zip(names, grads, strict=True):
-            dots[name], part = _project(name, g)
-            sq += part
-        return total_loss, _fold(dots), math.sqrt(sq)
+            dots[name], part = _project_on_device(name, g)
+            sq = sq + part
+        return total_loss, dots, sq
 
     def _same(self, a: torch.Tensor, b: torch.Tensor) -> bool:
         """Two (loss, projection, norm) triples agree. Rounding differences between replicas
@@ -165,13 +177,19 @@ class Replay(Detector):
         world, per_node = self.info.world_size, self.info.ranks_per_node
         peer = (self.info.rank + per_node) % world
         self.data.ship(step, [(p, (p - per_node) % world) for p in range(world)])
-        row = torch.zeros(6, dtype=torch.float64)
-        row[_OWN : _OWN + 3] = torch.tensor(
-            [self.own_loss, _fold(self.own_dots), math.sqrt(self.own_sq)], dtype=torch.float64
-        )
-        row[_REPLAY : _REPLAY + 3] = torch.tensor(self._recompute(step, peer), dtype=torch.float64)
+        # Unfolded, on the device: every rank's own and replayed projections come back in one
+        # read, and are folded exactly (math.fsum) on the host.
+        loss, dots, sq = self._recompute_on_device(step, peer)
+        own = [self.own_loss, *(self.own_dots[n] for n in dots), self.own_sq]
+        row = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.device)
+                           for v in (*own, loss, *dots.values(), sq)])  # fmt: skip
         self.own_loss, self.own_dots, self.own_sq = 0.0, {}, 0.0
-        table = _gather(row, world)
+        width = len(dots) + 2
+        table = [
+            torch.tensor(_triple(values[:width], dots) + _triple(values[width:], dots),
+                         dtype=torch.float64)
+            for values in self.read(torch.stack(_gather(row, world)))
+        ]  # fmt: skip
         # table[r] holds r's own result and r's replay of rank r + per_node.
         mismatched = [
             p for p in range(world)
@@ -188,7 +206,7 @@ class Replay(Detector):
         if self.params["verdict"] == "megatron":
             self._megatron(step, table, mismatched, third)
             return
-        thirds = _gather(third.reshape(-1), world)
+        thirds = self._gather_read(third.reshape(-1), world)
         for p in mismatched:
             verifier, tiebreaker = (p - per_node) % world, (p + per_node) % world
             own, replay = table[p][_OWN : _OWN + 3], table[verifier][_REPLAY:]
@@ -203,6 +221,11 @@ class Replay(Detector):
                         "verdict": verdict, "own": own.tolist(), "replay": replay.tolist(),
                         "third": tie.tolist()}  # fmt: skip
             self.alert(step, "audit", suspects, evidence)
+
+    def _gather_read(self, row: torch.Tensor, world: int) -> list[torch.Tensor]:
+        """Every rank's `row`, on the host (one read)."""
+        table = torch.stack(_gather(row.to(self.device), world))
+        return list(torch.tensor(self.read(table), dtype=torch.float64))
 
     def _megatron(
         self, step: int, table: list[torch.Tensor], mismatched: list[int], third: torch.Tensor
@@ -219,7 +242,7 @@ class Replay(Detector):
             again[self.info.rank] = torch.tensor(
                 self._recompute(step, self.info.rank), dtype=torch.float64
             )
-        both = _gather(torch.cat([again, third]).reshape(-1), world)
+        both = self._gather_read(torch.cat([again, third]).reshape(-1), world)
         for p in mismatched:
             other = (p + per_node) % world
             own = table[p][_OWN : _OWN + 3]
@@ -280,6 +303,20 @@ def triple(loss: float, named_grads: list[tuple[str, torch.Tensor]]) -> list[flo
         dots[name], part = _project(name, g)
         sq += part
     return [loss, _fold(dots), math.sqrt(sq)]
+
+
+def _triple(values: list[float], names: dict) -> list[float]:
+    """(loss, projection, norm) from a loss, per-parameter projections in `names`' order and a
+    squared norm."""
+    return [values[0], _fold(dict(zip(names, values[1:-1], strict=True))), math.sqrt(values[-1])]
+
+
+def _project_on_device(name: str, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_project`, unread: two 0-d float64 tensors on the gradient's device."""
+    flat = grad.reshape(-1).double()
+    return torch.dot(flat, signs(name, flat.numel()).to(flat.device).double()), torch.dot(
+        flat, flat
+    )
 
 
 def _project(name: str, grad: torch.Tensor) -> tuple[float, float]:

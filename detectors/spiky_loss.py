@@ -13,7 +13,6 @@ for the whole run: that is its published behaviour, measured as such.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -36,26 +35,33 @@ class SpikyLoss(Detector):
 
     def __init__(self, params, ctx, log):
         super().__init__(params, ctx, log)
-        self.count = 0
-        self.largest = 0.0
+        # On the device, so that no loss is read back in the step: how many samples set the
+        # maximum so far, and the maximum.
+        self.device = torch.device(ctx.info.device)
+        self.count = torch.zeros((), dtype=torch.int64, device=self.device)
+        self.largest = torch.zeros((), dtype=torch.float64, device=self.device)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"count": self.count, "largest": self.largest}
+        count, largest = self.read(torch.stack([self.count.double(), self.largest]))
+        return {"count": int(count), "largest": largest}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.count, self.largest = state["count"], state["largest"]
+        self.count = torch.tensor(state["count"], dtype=torch.int64, device=self.device)
+        self.largest = torch.tensor(state["largest"], dtype=torch.float64, device=self.device)
 
     def on_loss(self, step: int, loss: torch.Tensor) -> None:
-        value = math.fabs(loss.item())
-        if not math.isfinite(value):
-            return None
-        if self.count < self.params["samples"]:
-            self.count += 1
-            self.largest = max(self.largest, value)
-            return None
+        value = loss.detach().double().abs()
+        finite = torch.isfinite(value)
+        sampling = finite & (self.count < self.params["samples"])
         limit = self.largest * self.params["threshold"]
-        if value >= limit:
-            self.alert(step, "loss", [self.info.rank], {"loss": value, "limit": limit})
+        spike = finite & ~sampling & (value >= limit)
+        self.count = self.count + sampling.long()
+        self.largest = torch.where(sampling, torch.maximum(self.largest, value), self.largest)
+
+        def explain(values: list[float]) -> None:
+            self.alert(step, "loss", [self.info.rank], {"loss": values[0], "limit": values[1]})
+
+        self.defer(step, "loss", spike, explain, torch.stack([value, limit]))
         return None
 
 

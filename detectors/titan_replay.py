@@ -30,7 +30,7 @@ from harness.plugins import Bucket, Detector
 
 def xor_digest(tensor: torch.Tensor) -> int:
     """The XOR of a tensor's 32-bit words (16-bit dtypes zero-padded to whole words)."""
-    raw = tensor.detach().contiguous().view(-1).view(torch.uint8).numpy()
+    raw = tensor.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy()
     if raw.size % 4:
         raw = np.concatenate([raw, np.zeros(4 - raw.size % 4, dtype=np.uint8)])
     return int(np.bitwise_xor.reduce(raw.view(np.uint32)))

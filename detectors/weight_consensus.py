@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from detectors.fingerprint import bits_fingerprint
+from detectors.fingerprint import fingerprint_words
 from harness.errors import ConfigError
 from harness.plugins import Detector
 
@@ -56,41 +56,43 @@ class WeightConsensus(Detector):
                 named += [(f"{names[p]}.{k}", state[k]) for k in ("exp_avg", "exp_avg_sq")]
         return named
 
-    def _consensus(self, step: int, model: nn.Module) -> bool:
+    def _consensus(self, step: int, model: nn.Module) -> torch.Tensor:
+        """Whether the replicas agree, as a 0-d bool tensor, unread; a disagreement is
+        explained (and alerts) when the verdicts are read."""
         if step in self.checked:
             return self.checked[step]
         named = self._tensors(model)
-        mine = torch.tensor([w for _, t in named for w in bits_fingerprint(t)], dtype=torch.int64)
+        mine = torch.cat([fingerprint_words(t) for _, t in named])
         table = [torch.empty_like(mine) for _ in range(self.info.world_size)]
         dist.all_gather(table, mine)
-        rows = [tuple(t.tolist()) for t in table]
+        rows = torch.stack(table)
+        agree = (rows == rows[0]).all()
+
+        def explain(_: list[float]) -> None:
+            self._explain(step, [tuple(r) for r in self.read(rows)], named)
+
+        self.defer(step, "consensus", ~agree, explain)
+        self.checked = {step: agree}
+        return agree
+
+    def _explain(self, step: int, rows: list[tuple[int, ...]], named: list) -> None:
         majority, count = Counter(rows).most_common(1)[0]
-        ok = True
         if count * 2 <= len(rows):
-            ok = False
             self.alert(
                 step, "consensus", [], {"reason": "no strict majority", "groups": len(set(rows))}
             )
-        elif count < len(rows):
-            ok = False
-            suspects = [r for r, row in enumerate(rows) if row != majority]
-            differing = sorted(
-                {
-                    named[i // 2][0]
-                    for r in suspects
-                    for i, w in enumerate(rows[r])
-                    if w != majority[i]
-                }
-            )
-            self.alert(step, "consensus", suspects, {"tensors": differing[:8], "agree": count})
-        self.checked = {step: ok}
-        return ok
+            return
+        suspects = [r for r, row in enumerate(rows) if row != majority]
+        differing = sorted(
+            {named[i // 2][0] for r in suspects for i, w in enumerate(rows[r]) if w != majority[i]}
+        )
+        self.alert(step, "consensus", suspects, {"tensors": differing[:8], "agree": count})
 
     def on_update(self, step: int, model: nn.Module) -> None:
         if (step + 1) % self.params["interval"] == 0:
             self._consensus(step, model)
 
-    def approves_checkpoint(self, step: int, model: nn.Module) -> bool:
+    def approves_checkpoint(self, step: int, model: nn.Module) -> torch.Tensor:
         return self._consensus(step, model)
 
 

@@ -58,6 +58,6 @@ def verify(path: Path) -> bool:
     return True
 
 
-def load(path: Path) -> dict[str, Any]:
+def load(path: Path, device: str | torch.device = "cpu") -> dict[str, Any]:
     """The checkpoint, after its checksum verifies; tensors only (weights_only=True)."""
-    return torch.load(io.BytesIO(_verified_bytes(path)), weights_only=True)
+    return torch.load(io.BytesIO(_verified_bytes(path)), weights_only=True, map_location=device)

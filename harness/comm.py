@@ -115,8 +115,10 @@ class HookState:
         self.kept: list[tuple] = []
         self.params = dict(model.named_parameters())
 
-    def pack(self, riders: list[tuple[int, torch.Tensor]]) -> tuple[torch.Tensor, list]:
-        slot = torch.zeros(self.slots, dtype=torch.float32)
+    def pack(
+        self, riders: list[tuple[int, torch.Tensor]], device: torch.device
+    ) -> tuple[torch.Tensor, list]:
+        slot = torch.zeros(self.slots, dtype=torch.float32, device=device)
         spans, at = [], 0
         for owner, payload in riders:
             n = payload.numel()
@@ -159,7 +161,7 @@ def _fixed_layout(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fu
         )
         state.bus.local_grad(step, view)
         view.buffer.div_(state.world_size)
-        slot, spans = state.pack(state.bus.riders(step, view))
+        slot, spans = state.pack(state.bus.riders(step, view), view.buffer.device)
         shared = dtype == torch.float32
         payload = torch.cat([view.buffer, slot]) if shared else view.buffer
         if state.keep:
@@ -269,7 +271,7 @@ def _user_layout(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
     buffer = view.buffer
     if state.inner is None:
         buffer.div_(state.world_size)
-        slot, spans = state.pack(state.bus.riders(step, view))
+        slot, spans = state.pack(state.bus.riders(step, view), view.buffer.device)
         futures = [dist.all_reduce(buffer, async_op=True).get_future()]
     else:
         # Riders first: the wrapped hook may start reducing the bucket in place, asynchronously.
@@ -277,7 +279,7 @@ def _user_layout(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
         inner_state, inner_hook = state.inner
         view.contribution = 1.0 / state.world_size
         view.wire = LINEAR_HOOKS.get(inner_hook)
-        slot, spans = state.pack(state.bus.riders(step, view))
+        slot, spans = state.pack(state.bus.riders(step, view), view.buffer.device)
         futures = [inner_hook(inner_state, bucket)]
     if spans:
         # A payload that cannot share the bucket's own collective pays for one.

@@ -10,13 +10,16 @@ from __future__ import annotations
 import importlib
 import itertools
 import math
-from dataclasses import dataclass, field, fields
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
 
 import detectors
 import injectors
+from harness import determinism, devices
 from harness.environment import check_cpu_kernels
 from harness.errors import ConfigError
 from harness.workloads import DTYPES, Workload, WorkloadConfig
@@ -47,6 +50,11 @@ class TopologyConfig:
     # machine that has them; `native` lets each machine choose its own.
     cpu_kernels: str = "avx2"
     startup_timeout_s: float = 60.0
+    # cpu or cuda (harness/devices.py); None until resolved on the machine that runs the ranks.
+    device: str | None = None
+    # Set by validation, not a key: a check compares replays bit for bit on cuda, so the ranks
+    # fix what GPU recomputation needs before NCCL and cuBLAS start (harness/determinism.py).
+    deterministic: bool = False
 
     @property
     def world_size(self) -> int:
@@ -340,7 +348,9 @@ def _deterministic_data(cfg: WorkloadConfig) -> None:
 
 
 def topology_config(raw: dict[str, Any]) -> TopologyConfig:
-    _known_keys("topology.", raw, [f.name for f in fields(TopologyConfig)])
+    _known_keys(
+        "topology.", raw, [f.name for f in fields(TopologyConfig) if f.name != "deterministic"]
+    )
     _int("topology.nodes", raw.get("nodes"), 1)
     _int("topology.ranks_per_node", raw.get("ranks_per_node"), 1)
     _int("topology.spares", raw.get("spares"), 0)
@@ -369,6 +379,34 @@ def topology_config(raw: dict[str, Any]) -> TopologyConfig:
         raw.get("startup_timeout_s", TopologyConfig.startup_timeout_s),
     )
     return TopologyConfig(**raw)
+
+
+def _placed(topology: TopologyConfig, launcher: str) -> TopologyConfig:
+    """The topology with its device resolved for the spawned world (every rank on this
+    machine). Under torchrun the ranks' machines resolve it (harness/torchrun_worker.py); here
+    only what no machine could run is refused."""
+    if launcher == "spawn":
+        ranks, gpus = topology.world_size, devices.gpu_count()
+    else:
+        ranks = gpus = topology.ranks_per_node
+    device = devices.resolve(topology.device, topology.backend, ranks, gpus)
+    return replace(topology, device=device) if launcher == "spawn" else topology
+
+
+def exact_replay(
+    topology: TopologyConfig,
+    checks: dict[str, dict[str, Any]],
+    trials: list[TrialSpec],
+    env: Mapping[str, str] = os.environ,
+) -> TopologyConfig:
+    """The topology, marked when a trial's replay compares bit for bit: on cuda its ranks then
+    fix what recomputation needs, and the environment `env` they inherit must allow it (a
+    ConfigError if not)."""
+    each = [checks] + [t.checks for t in trials if t.checks is not None]
+    exact = any(c.get("replay", {}).get("compare") == "exact" for c in each)
+    if exact and topology.device == "cuda":
+        determinism.settings(env, topology.backend)
+    return replace(topology, deterministic=exact)
 
 
 def _fault_model(key: str, value: Any) -> str:
@@ -697,8 +735,7 @@ def run_config(raw: dict[str, Any]) -> RunConfig:
     topology = topology_config(dict(raw["topology"]))
     campaign = dict(raw["campaign"])
     launcher = _choice("launcher", raw.get("launcher", "spawn"), LAUNCHERS)
-    if topology.backend == "nccl":
-        raise ConfigError("topology.backend", "'nccl' is not supported yet; allowed: gloo")
+    topology = _placed(topology, launcher)
     recovery = recovery_config(dict(raw.get("recovery") or {}))
     checkpoint = dict(raw["checkpoint"])
     checkpoint_cfg = CheckpointConfig(
@@ -745,6 +782,7 @@ def run_config(raw: dict[str, Any]) -> RunConfig:
             seed = workload.seed + s
             trial_id = f"{n:03d}-{fault.label()}-s{seed}"
             trials.append(TrialSpec(trial_id, seed, fault, checks=trial_checks))
+    topology = exact_replay(topology, checks, trials)
     return RunConfig(
         campaign=str(campaign.get("name")),
         workload=workload,

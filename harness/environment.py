@@ -166,7 +166,7 @@ def describe(topology: TopologyConfig) -> dict[str, str]:
         "math_library": math_library(),
         "math_settings": " ".join(f"{k}={v}" for k, v in sorted(settings.items())) or "none",
         "threads": ",".join(map(str, threads)) if isinstance(threads, tuple) else str(threads),
-        "device": "cpu",
+        "device": topology.device or "cpu",
         "backend": topology.backend,
     }
 

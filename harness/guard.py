@@ -121,7 +121,7 @@ class Guard:
         per_node = ranks_per_node or int(
             os.environ.get("SDC_RANKS_PER_NODE") or os.environ.get("LOCAL_WORLD_SIZE", world)
         )
-        self.info = RankInfo(rank, world, per_node)
+        self.info = RankInfo(rank, world, per_node, str(next(ddp.module.parameters()).device))
         self.model = ddp.module
         self.log = EventLog(rank, self.info.node)
         self.machines: list[str] = [""] * world
@@ -141,7 +141,7 @@ class Guard:
             fault = _fault(inject, self.model, topology)
             plugins += injector.build(fault, seed, self.info, self.log, self.model, None, None)
         plugins += registry.build(self.checks, ctx, self.log)
-        self.bus = PluginBus(plugins)
+        self.bus = PluginBus(plugins, self.log.verdicts, self.info.device)
         self.state = comm.HookState(self.bus, self.model, world, transparent=True, inner=comm_hook)
         self.state.step = start_step
         self._loss_step = -1
@@ -156,6 +156,7 @@ class Guard:
     @property
     def alerts(self) -> list[dict[str, Any]]:
         """Every alert this rank raised, observe or act."""
+        self.bus.resolve()
         return [e for e in self.log.events if e["kind"] == "alert"]
 
     @property
@@ -192,7 +193,7 @@ class Guard:
         whether they approve; act mode raises SDCAlarm instead of disapproving."""
         step = self.state.step - 1
         self.checkpointed.add(step)
-        approved = self.bus.checkpoint_approved(step, self.model)
+        approved = bool(self.bus.verdicts.read(self.bus.checkpoint_approved(step, self.model)))
         self._raise_if_alarmed()
         return approved
 
@@ -219,14 +220,17 @@ class Guard:
         return recovery.restore_point(Path(folder), 2**62, [])
 
     def _raise_if_alarmed(self) -> None:
-        """Every rank learns whether any rank alarmed (one small collective, act mode only)."""
+        """Every rank learns whether any rank alarmed (one small collective, act mode only).
+        The checks' verdicts are read here in either mode: a DDP bucket they point into is
+        reused by the next step."""
+        self.bus.resolve()
         if self.mode != "act":
             return
         fresh, self._seen = self.log.events[self._seen :], len(self.log.events)
         mine = [e for e in fresh if e["kind"] == "alert"] if self.bus.stopper() else []
-        flag = torch.tensor([1.0 if mine else 0.0])
+        flag = torch.tensor([1.0 if mine else 0.0], device=self.info.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if not flag.item():
+        if not self.bus.verdicts.read(flag)[0]:
             return
         gathered: list[list[dict[str, Any]]] = [[] for _ in range(self.info.world_size)]
         dist.all_gather_object(gathered, mine)

@@ -37,7 +37,8 @@ def faulty_node_ranks(state: HookState, step: int, info: RankInfo, log: EventLog
     if nodes < 2 or not state.kept:
         return []
     gathered = [[_gather(part, world) for part in kept_parts(kept)] for kept in state.kept]
-    wrong = torch.zeros(nodes)
+    device = state.kept[0][6].device  # the kept payload's: where the backend gathers
+    wrong = torch.zeros(nodes, device=device)
     for left_out in range(nodes):
         members = tuple(r for r in range(world) if r // per_node != left_out)
         # Every rank creates every group, member or not (torch.distributed's rule).
@@ -50,7 +51,7 @@ def faulty_node_ranks(state: HookState, step: int, info: RankInfo, log: EventLog
             if not all(map(_within_rounding, parts, terms)):
                 wrong[left_out] = 1
     # What each group's members found reaches everyone by a gather as well.
-    found = [torch.zeros(nodes) for _ in range(world)]
+    found = [torch.zeros(nodes, device=device) for _ in range(world)]
     dist.all_gather(found, wrong)
     wrong = torch.stack(found).amax(0)
     right = [n for n in range(nodes) if wrong[n] == 0]

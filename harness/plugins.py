@@ -40,6 +40,7 @@ class RankInfo:
     rank: int
     world_size: int
     ranks_per_node: int
+    device: str = "cpu"  # where this rank's model, data and checks live (harness/devices.py)
 
     @property
     def node(self) -> int:
@@ -66,15 +67,89 @@ class Bucket:
 
 
 @dataclass
+class Pending:
+    """A check's verdict while it is still on the device: `flag` (a 0-d bool tensor) says
+    whether it alarms; `explain(values)` runs only if it does, with `detail` (a few numbers, read
+    in the same pass) as floats, and raises the alerts. `stops` is "pre" or "post" (on the
+    received sum alone) for a check in act mode, None for one that cannot stop the step."""
+
+    flag: torch.Tensor
+    explain: Callable[[list[float]], None]
+    detail: torch.Tensor | None
+    stops: str | None
+    at: float  # when the check ran: the time its alerts carry
+
+
+@dataclass
+class Verdicts:
+    """The verdicts of one rank's checks that have not been read yet, and the count of every
+    device-to-host read they cost (docs/design.md, section 6: at most one per step)."""
+
+    pending: list[Pending] = field(default_factory=list)
+    reads: int = 0
+    # While a pending verdict is explained: the time its events carry.
+    clock: float | None = None
+
+    def read(self, tensor: torch.Tensor) -> Any:
+        """The tensor's values on the host: the one way a check reads, so that it is counted."""
+        self.reads += 1
+        return tensor.tolist()
+
+    def stop_flags(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Whether a pending act-mode verdict alarms on evidence before the collective, and
+        whether one alarms on the received sum: two 0-d bool tensors, unread (None: none
+        pending)."""
+        stopping = [p for p in self.pending if p.stops is not None]
+        if not stopping:
+            return None
+        false = torch.zeros((), dtype=torch.bool, device=stopping[0].flag.device)
+
+        def any_of(kind: str) -> torch.Tensor:
+            flags = [p.flag.reshape(()).to(torch.bool) for p in stopping if p.stops == kind]
+            return torch.stack(flags).any() if flags else false
+
+        return any_of("pre"), any_of("post")
+
+    def resolve(self, extra: torch.Tensor | None = None) -> list[float]:
+        """Read every pending verdict (and `extra`, in the same read) and explain those that
+        alarm, in the order they were taken; `extra`'s values."""
+        pending, self.pending = self.pending, []
+        parts = [] if extra is None else [extra.reshape(-1).double()]
+        for p in pending:
+            parts.append(p.flag.reshape(1).double())
+            if p.detail is not None:
+                parts.append(p.detail.reshape(-1).double())
+        if not parts:
+            return []
+        values = self.read(torch.cat([t.to(parts[0].device) for t in parts]))
+        at = 0 if extra is None else extra.numel()
+        head = values[:at]
+        for p in pending:
+            fired = values[at]
+            n = 0 if p.detail is None else p.detail.numel()
+            detail = values[at + 1 : at + 1 + n]
+            at += 1 + n
+            if fired:
+                self.clock = p.at
+                try:
+                    p.explain(detail)
+                finally:
+                    self.clock = None
+        return head
+
+
+@dataclass
 class EventLog:
     """The events one rank records during one trial."""
 
     rank: int
     node: int
     events: list[dict[str, Any]] = field(default_factory=list)
+    verdicts: Verdicts = field(default_factory=Verdicts)
 
     def emit(self, kind: str, **fields: Any) -> None:
-        event = {"kind": kind, "rank": self.rank, "node": self.node, "time": time.time()}
+        now = self.verdicts.clock if self.verdicts.clock is not None else time.time()
+        event = {"kind": kind, "rank": self.rank, "node": self.node, "time": now}
         self.events.append(event | fields)
 
 
@@ -121,7 +196,8 @@ class Plugin:
 
     def on_update(self, step: int, model: nn.Module) -> None: ...
 
-    def approves_checkpoint(self, step: int, model: nn.Module) -> bool:
+    def approves_checkpoint(self, step: int, model: nn.Module) -> bool | torch.Tensor:
+        """True, or a 0-d bool tensor that the trainer reads with the step's verdicts."""
         return True
 
 
@@ -200,6 +276,27 @@ class Detector(Plugin):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Take over the state a golden run's check held at a snapshot."""
 
+    def read(self, tensor: torch.Tensor) -> Any:
+        """A tensor's values on the host, counted (harness.plugins.Verdicts)."""
+        return self._log.verdicts.read(tensor)
+
+    def defer(
+        self,
+        step: int,
+        phase: str,
+        flag: torch.Tensor,
+        explain: Callable[[list[float]], None],
+        detail: torch.Tensor | None = None,
+        alarm: bool = True,
+    ) -> None:
+        """A verdict kept on the device until the trainer reads the step's verdicts together:
+        `explain(detail as floats)` runs if `flag` holds and raises the alerts (at `phase`).
+        `alarm=False`: a record that never stops the step (a measurement to log)."""
+        assert phase in PHASE_ORDER, phase
+        acting = alarm and self.params.get("mode") == "act"
+        stops = ("post" if phase == "post_allreduce" else "pre") if acting else None
+        self._log.verdicts.pending.append(Pending(flag, explain, detail, stops, time.time()))
+
     def alert(self, step: int, phase: str, suspect_ranks: Iterable[int], evidence: Any) -> None:
         assert phase in PHASE_ORDER, phase
         if self.params.get("mode") == "act":
@@ -222,10 +319,42 @@ class Detector(Plugin):
 
 
 class PluginBus:
-    """Calls every plug-in's hook at one point, injectors first."""
+    """Calls every plug-in's hook at one point, injectors first; reads the checks' verdicts,
+    which they keep on `device`, when the trainer asks (`stop_flags`, `resolve`)."""
 
-    def __init__(self, plugins: list[Plugin]):
+    def __init__(
+        self,
+        plugins: list[Plugin],
+        verdicts: Verdicts | None = None,
+        device: str | torch.device = "cpu",
+    ):
         self.plugins = plugins
+        self.verdicts = verdicts if verdicts is not None else Verdicts()
+        self.device = torch.device(device)
+
+    @property
+    def host_reads(self) -> int:
+        """Device-to-host reads of the checks' results so far."""
+        return self.verdicts.reads
+
+    def stop_flags(self) -> torch.Tensor:
+        """[some check stops on evidence before the collective, every stopping check alarmed
+        on the received sum alone], as floats on the device, unread: pending verdicts and the
+        alerts already raised together."""
+        stoppers = [p for p in self.plugins if getattr(p, "stop_requested", False)]
+        raised = torch.tensor(
+            [any(not p.reduction_only for p in stoppers), any(p.reduction_only for p in stoppers)],
+            device=self.device,
+        )
+        pre, post = raised[0], raised[1]
+        pending = self.verdicts.stop_flags()
+        if pending is not None:
+            pre, post = pre | pending[0], post | pending[1]
+        return torch.stack([pre, post & ~pre]).float()
+
+    def resolve(self, extra: torch.Tensor | None = None) -> list[float]:
+        """Read every pending verdict, with `extra`, in one read; raise their alerts."""
+        return self.verdicts.resolve(extra)
 
     def install_forward_hooks(self, model: nn.Module, step_of: Callable[[], int]) -> None:
         for name, module in model.named_modules():
@@ -297,18 +426,18 @@ class PluginBus:
         for plugin in self.plugins:
             plugin.on_update(step, model)
 
-    def checkpoint_approved(self, step: int, model: nn.Module) -> bool:
+    def checkpoint_approved(self, step: int, model: nn.Module) -> torch.Tensor:
+        """Whether every plug-in approves: a 0-d bool tensor on the device, unread (a check
+        may answer with one, or with a bool)."""
         # Every plug-in is asked, so each check runs even after another has refused.
         verdicts = [plugin.approves_checkpoint(step, model) for plugin in self.plugins]
-        return all(verdicts)
+        approved = torch.ones((), dtype=torch.bool, device=self.device)
+        for verdict in verdicts:
+            approved = approved & torch.as_tensor(verdict, device=self.device).reshape(())
+        return approved
 
     def stopper(self) -> Detector | None:
         return next((p for p in self.plugins if getattr(p, "stop_requested", False)), None)
-
-    def reduction_alarm(self) -> bool:
-        """Every stopping check alarmed on the received sum alone (nothing before it)."""
-        stoppers = [p for p in self.plugins if getattr(p, "stop_requested", False)]
-        return bool(stoppers) and all(p.reduction_only for p in stoppers)
 
     def clear_stops(self) -> None:
         for plugin in self.plugins:

@@ -15,12 +15,13 @@ from __future__ import annotations
 import json
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import NoReturn
 
-from harness import environment, report
+from harness import determinism, devices, environment, report
 from harness.campaign import CRASH_LOG, CampaignError, run_campaign
-from harness.config import ConfigError, RunConfig, run_config
+from harness.config import ConfigError, RunConfig, TopologyConfig, run_config
 from harness.plugins import RankInfo
 from harness.torchrun_world import END, STOP, TorchrunExecutor, TorchrunWorld, follow
 from harness.world import init_rank
@@ -68,6 +69,16 @@ def rank_info(run: RunConfig) -> RankInfo:
     return RankInfo(rank, world, per_node)
 
 
+def placed(topology: TopologyConfig) -> TopologyConfig:
+    """The plan's topology with its device resolved on this machine (harness/devices.py)."""
+    device = devices.resolve(
+        topology.device, topology.backend, topology.ranks_per_node, devices.gpu_count()
+    )
+    if device == "cuda" and topology.deterministic:
+        determinism.settings(os.environ, topology.backend)
+    return replace(topology, device=device)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = argv or sys.argv[1:]
     out = Path(args[0])
@@ -79,10 +90,12 @@ def main(argv: list[str] | None = None) -> None:
             raise ConfigError("workload", "a custom plan names code to run; add --trust-plan")
         run = run_config(raw)
         info = rank_info(run)
-        init_rank(run.topology, info.rank)
+        run = replace(run, topology=placed(run.topology))
+        local_rank = int(os.environ.get("LOCAL_RANK", info.rank % info.ranks_per_node))
+        info = replace(info, device=init_rank(run.topology, info.rank, local_rank))
     except (ConfigError, OSError) as exc:
         fail(str(exc), 2)
-    world = TorchrunWorld(run, info.rank, info.world_size, out / "store")
+    world = TorchrunWorld(run, info.rank, info.world_size, out / "store", info.device)
     unshared = world.shared(out / "store")
     if unshared:
         fail(unshared if info.rank == 0 else "", 2)

@@ -91,9 +91,10 @@ class TorchrunWorld:
     """This rank's side of the world: the store, the group of the current world, and each
     task's part."""
 
-    def __init__(self, run: RunConfig, rank: int, size: int, store_dir: Path):
+    def __init__(self, run: RunConfig, rank: int, size: int, store_dir: Path, device: str = "cpu"):
         topo = run.topology
         self.rank, self.size, self.per_node = rank, size, topo.ranks_per_node
+        self.device = device  # this rank's (harness/devices.py)
         self.backend = topo.backend
         self.timeout = timedelta(seconds=topo.collective_timeout_s)
         self.store_dir = store_dir
@@ -156,7 +157,7 @@ class TorchrunWorld:
         size = task.run.topology.world_size
         if not self._join(task.world, size):
             return None
-        info = RankInfo(self.rank, size, self.per_node)
+        info = RankInfo(self.rank, size, self.per_node, self.device)
         part = run_trial(task.run, task.spec, info, self.store_dir)
         parts = [None] * size if self.rank == 0 else None
         dist.gather_object(part, parts, dst=0)

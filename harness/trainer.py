@@ -26,7 +26,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import detectors
-from harness import checkpoint, fastforward
+from harness import checkpoint, devices, fastforward
 from harness.comm import HookState, harness_ddp, retry_reduction
 from harness.config import RunConfig, TrialSpec
 from harness.locate import faulty_node_ranks
@@ -52,6 +52,8 @@ class RankResult:
     optimizer_nonfinite: int = 0
     stopped_step: int | None = None
     stopped_by: str = ""
+    # Device-to-host reads of the checks' results in each step (docs/design.md, section 6).
+    host_reads: list[int] = field(default_factory=list)
 
 
 def weights_digest(model: nn.Module) -> str:
@@ -59,7 +61,7 @@ def weights_digest(model: nn.Module) -> str:
     h = hashlib.sha256()
     for name, p in model.named_parameters():
         h.update(name.encode())
-        h.update(p.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        h.update(p.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes())
     return h.hexdigest()
 
 
@@ -74,9 +76,12 @@ def _stop_point(
     result: RankResult,
     kept: tuple[HookState, EventLog, RankInfo] | None = None,
     retried: bool = False,
-) -> None:
+    extra: torch.Tensor | None = None,
+) -> list[float]:
     """With a check in act mode, the ranks agree on stopping with one small collective: a
-    rank-local verdict (say, a sketch mismatch on one receiver) must stop every rank.
+    rank-local verdict (say, a sketch mismatch on one receiver) must stop every rank. The
+    decision, this rank's pending verdicts and `extra` come back in one read (`extra`'s values
+    are returned; without a check in act mode, the verdicts and `extra` are read all the same).
 
     With `kept` (the hook state keeping the step's local contributions, recovery on): when
     every rank alarmed on the received sum alone, the reduction itself was wrong and names no
@@ -84,24 +89,25 @@ def _stop_point(
     repeat alarms too, sub-group reductions locate the node that breaks it (harness/locate.py)
     before the step stops (issue 14)."""
     if not acting:
-        return
-    stopper = bus.stopper()
-    reduction = bus.reduction_alarm()
-    flags = torch.tensor([1.0 if stopper and not reduction else 0.0, 1.0 if reduction else 0.0])
+        return bus.resolve(extra)
+    flags = bus.stop_flags()
     dist.all_reduce(flags)
-    if kept and kept[0].kept and flags[0] == 0 and flags[1] == dist.get_world_size():
+    both = flags if extra is None else torch.cat([flags, extra.reshape(-1).to(flags.dtype)])
+    (stop, reduction, *values) = bus.resolve(both)
+    if kept and kept[0].kept and stop == 0 and reduction == dist.get_world_size():
         state, log, info = kept
         if not retried:
             bus.clear_stops()
             log.emit("retry", step=step, reason="every rank alarmed on the received sum")
             retry_reduction(state, step)
-            _stop_point(bus, acting, step, result, kept, retried=True)
-            return
+            return _stop_point(bus, acting, step, result, kept, retried=True, extra=extra)
         faulty_node_ranks(state, step, info, log)
-    if flags.sum().item():
+    if stop + reduction:
+        stopper = bus.stopper()
         result.stopped_step = step
         result.stopped_by = stopper.name if stopper else "peer"
         raise TrialStopped
+    return values
 
 
 def data_plan(spec: TrialSpec, info: RankInfo) -> tuple[tuple[int, ...], ...]:
@@ -122,7 +128,8 @@ def run_trial(
     """Train one trial on this rank, from step 0 or from a recovery checkpoint; every rank of
     the world calls this together. `beat` tells the parent that the rank makes progress."""
     cfg = replace(run.workload, seed=spec.seed)
-    workload = Workload(cfg)
+    device = torch.device(info.device)
+    workload = Workload(cfg, device)
     model = workload.build_model()
     log = EventLog(info.rank, info.node)
     plan = data_plan(spec, info)
@@ -136,14 +143,14 @@ def run_trial(
     ctx = DetectorContext(info, model, workload, cfg.steps, plan)
     built = detectors.build(checks, ctx, log)
     acting = any(p.get("mode") == "act" for p in checks.values())
-    bus = PluginBus(plugins + built)
+    bus = PluginBus(plugins + built, log.verdicts, device)
 
     optimizer = workload.build_optimizer(model)
     first = 0
     if spec.segment is not None:
         first = spec.segment.start_step
         if spec.segment.checkpoint:
-            state_dict = checkpoint.load(Path(spec.segment.checkpoint))
+            state_dict = checkpoint.load(Path(spec.segment.checkpoint), device)
             model.load_state_dict(state_dict["model"])
             optimizer.load_state_dict(state_dict["optimizer"])
             fastforward.load_checks(Path(spec.segment.checkpoint), built, info)
@@ -154,37 +161,49 @@ def run_trial(
     result = RankResult(spec.trial_id, info.rank, log.events)
     batches = ctx.batches(info.rank)
 
+    losses: list[torch.Tensor] = []  # read once, when the trial ends
     try:
         for step in range(first, cfg.steps):
             beat()
             state.step = step
+            reads = bus.host_reads
+            devices.synchronize(device)
             started = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
-            step_loss = 0.0
+            step_loss = torch.zeros((), dtype=torch.float64, device=device)
             for i, (source, micro) in enumerate(batches):
                 last = i == len(batches) - 1
                 with nullcontext() if last else ddp.no_sync():
                     loss = workload.loss(ddp, workload.batch(step, source, micro))
                     loss = bus.loss(step, loss)
                     (loss / ctx.divisor).backward()
-                step_loss += loss.item() / len(batches)
+                step_loss += loss.detach().double() / len(batches)
             bus.audit(step)
-            _stop_point(bus, acting, step, result, (state, log, info))
+            if acting:
+                _stop_point(bus, acting, step, result, (state, log, info))
             optimizer.step()
             bus.optimizer_state(step, optimizer)
             bus.update(step, model)
             if (step + 1) % run.checkpoint.interval == 0:
+                # Observe mode reads its verdicts here, with the checks' approval.
                 approved = bus.checkpoint_approved(step, model)
-                _stop_point(bus, acting, step, result)
+                (approved,) = _stop_point(bus, acting, step, result, extra=approved)
                 if approved:
                     _checkpoint(store / spec.trial_id, step, model, optimizer, info, log)
             if step in spec.snapshots:
                 snapshot = fastforward.snapshot_path(store, spec.seed, step)
                 fastforward.save_snapshot(snapshot, model, optimizer, built, info)
+            devices.synchronize(device)  # the clock times the step's work, not its queueing
             result.step_times.append(time.perf_counter() - started)
-            result.losses.append(step_loss)
+            result.host_reads.append(bus.host_reads - reads)
+            losses.append(step_loss)
     except TrialStopped:
         log.emit("stop", step=result.stopped_step, detector=result.stopped_by)
+
+    bus.resolve()
+    result.losses = torch.stack(losses).tolist() if losses else []
+    if result.host_reads:
+        log.emit("host_reads", most_in_a_step=max(result.host_reads), total=bus.host_reads)
 
     with torch.no_grad():
         result.final_loss = float(workload.loss(model, workload.eval_batch()))

@@ -105,9 +105,11 @@ class GPT(nn.Module):
 class Workload:
     """Builds the model and produces deterministic batches and losses for one config."""
 
-    def __init__(self, cfg: WorkloadConfig):
+    def __init__(self, cfg: WorkloadConfig, device: str | torch.device = "cpu"):
         self.cfg = cfg
         self.dtype = DTYPES[cfg.dtype]
+        # Batches are drawn on the CPU, from the same generators on any device, then moved.
+        self.device = torch.device(device)
         teacher = generator(cfg.seed, _STREAM_TEACHER)
         if cfg.name == "custom":
             self._data = instantiate(cfg.data)
@@ -125,7 +127,7 @@ class Workload:
             model = instantiate(self.cfg.model)
         else:
             model = MLP(self.cfg) if self.cfg.name == "mlp" else GPT(self.cfg)
-        return model.to(self.dtype)
+        return model.to(device=self.device, dtype=self.dtype)
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         if self.cfg.name == "custom":
@@ -134,14 +136,20 @@ class Workload:
 
     def batch(self, step: int, rank: int, micro_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.cfg.name == "custom":
-            return self._custom(step, rank, micro_batch, self.cfg.micro_batch_size)
+            return self._placed(self._custom(step, rank, micro_batch, self.cfg.micro_batch_size))
         gen = generator(self.cfg.seed, _STREAM_TRAIN, step, rank, micro_batch)
-        return self._sample(gen, self.cfg.micro_batch_size)
+        return self._placed(self._sample(gen, self.cfg.micro_batch_size))
 
     def eval_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.cfg.name == "custom":  # a held-out batch: a step no training run reaches
-            return self._custom(-1, 0, 0, 4 * self.cfg.micro_batch_size)
-        return self._sample(generator(self.cfg.seed, _STREAM_EVAL), 4 * self.cfg.micro_batch_size)
+            return self._placed(self._custom(-1, 0, 0, 4 * self.cfg.micro_batch_size))
+        gen = generator(self.cfg.seed, _STREAM_EVAL)
+        return self._placed(self._sample(gen, 4 * self.cfg.micro_batch_size))
+
+    def _placed(self, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        if self.device.type == "cpu":
+            return batch
+        return tuple(t.to(self.device, non_blocking=True) for t in batch)
 
     def _custom(self, step: int, rank: int, micro: int, size: int) -> tuple[torch.Tensor, ...]:
         inputs, targets = self._data(self.cfg.seed, step, rank, micro, size)

@@ -32,7 +32,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from harness import environment, rank_server, stacks
+from harness import determinism, devices, environment, rank_server, stacks
 from harness.config import RunConfig, TopologyConfig, TrialSpec
 from harness.plugins import RankInfo
 from harness.trainer import RankResult, run_trial
@@ -75,11 +75,20 @@ def loopback_interface() -> str:
     return next((n for n in names if n in ("lo", "lo0")), names[0])
 
 
-def init_rank(topology: TopologyConfig, rank: int) -> None:
+def init_rank(topology: TopologyConfig, rank: int, local_rank: int | None = None) -> str:
     """Settings every rank needs before it joins, under either launcher: a fixed thread count,
-    and the pinned CPU kernels (set in its environment before it started)."""
+    the pinned CPU kernels (set in its environment before it started), its GPU and, for exact
+    replay there, what recomputation needs before NCCL and cuBLAS start. Its device."""
     torch.set_num_threads(topology.threads(rank))
     environment.check_rank(topology.cpu_kernels)
+    device = devices.rank_device(
+        topology.device or "cpu", rank if local_rank is None else local_rank, devices.gpu_count()
+    )
+    if device.type == "cuda":
+        if topology.deterministic:
+            determinism.apply(topology.backend)
+        torch.cuda.set_device(device)
+    return str(device)
 
 
 def _rank_main(
@@ -99,7 +108,7 @@ def _rank_main(
     # The simulation listens on loopback only (docs/design.md, section 7); torchrun ranks use
     # the interface their host name resolves to, as on any cluster.
     os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
-    init_rank(topology, rank)
+    device = init_rank(topology, rank)
     Path(workdir, f"rank{rank}.pid").write_text(str(os.getpid()))
     try:
         # A store, not a file:// URL: in a URL a relative path (the default out is) reads as a
@@ -107,7 +116,7 @@ def _rank_main(
         # waited for that folder to appear (the first-run hang of issue 17).
         rendezvous = dist.FileStore(init_file, topology.world_size)
         dist.init_process_group(
-            "gloo",
+            topology.backend,
             store=rendezvous,
             rank=rank,
             world_size=topology.world_size,
@@ -116,7 +125,7 @@ def _rank_main(
     except Exception as exc:  # reported to the parent, which judges the start
         _report_error(results, rank, exc)
     beat()  # joined: the world has started once every rank has
-    info = RankInfo(rank, topology.world_size, topology.ranks_per_node)
+    info = RankInfo(rank, topology.world_size, topology.ranks_per_node, device)
     while True:
         try:
             task = tasks.get(timeout=1.0)
