@@ -176,7 +176,7 @@ def test_a_world_whose_rank_cannot_start_is_reported_and_started_afresh(tmp_path
 def _reference_and_interrupted(tmp_path, stop_signal: int):
     args = [
         *SMALL,
-        "workload.steps=30",
+        "workload.steps=20",
         "campaign.seeds=6",
         "fault=grad_scale",
         "fault.steps=[5]",
