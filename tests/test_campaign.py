@@ -104,7 +104,7 @@ def test_detectors_only_observe(tmp_path, run_ok):
 
 def test_rerun_resumes_without_duplicates_and_refuses_another_campaign(tmp_path, run_ok):
     out = tmp_path / "run"
-    args = [*FAST, *NAN_FAULT, "campaign.seeds=3"]
+    args = [*FAST, *NAN_FAULT, "campaign.seeds=3", "workload.steps=8"]
     run_ok(*args, f"out={out}", cwd=tmp_path)
     complete = (out / "trials.csv").read_text().splitlines(keepends=True)
     # An interruption mid-write: the last row torn, the trial before it never recorded.

@@ -110,11 +110,11 @@ def test_a_diverged_replica_is_never_benign(tmp_path, run_ok, workload):
 
 def test_a_trial_stopped_in_act_mode_takes_the_effect_of_its_observe_run(tmp_path, run_ok):
     """Replay in act mode stops the scaled gradient at its audit step; judged on the stopped
-    run it would compare a 5-step model with a 12-step golden run."""
+    run it would compare a 5-step model with an 8-step golden run."""
     tables = {}
     for mode in ("act", "observe"):
         out = tmp_path / mode
-        run_ok("workload.steps=12", "detectors=[replay]", f"detectors.replay.mode={mode}",
+        run_ok("workload.steps=8", "detectors=[replay]", f"detectors.replay.mode={mode}",
                "campaign=single", "fault=grad_scale", "fault.factor=1000.0", "fault.steps=[5]",
                "campaign.seeds=1", "campaign.noise_seeds=2", f"out={out}",
                cwd=tmp_path)  # fmt: skip

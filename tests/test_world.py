@@ -64,6 +64,9 @@ def test_sigkilled_rank_costs_one_trial_and_the_campaign_goes_on(tmp_path):
     assert not any(p.name == str(victim) for p in with_pid)
 
 
+# Slow set; the default run's twin is tests/test_multihost.py, whose agents run the command the
+# plan prints (pins included) across three hosts and write the spawned simulation's rows.
+@pytest.mark.slow
 def test_torchrun_runs_the_same_worker_code_and_writes_the_same_rows(tmp_path, run_ok):
     args = [
         *FAST,
