@@ -64,6 +64,15 @@ def test_sigkilled_rank_costs_one_trial_and_the_campaign_goes_on(tmp_path):
     assert not any(p.name == str(victim) for p in with_pid)
 
 
+def spawned_and_planned(tmp_path: Path, run_ok, args: list[str]) -> tuple[Path, Path, str]:
+    """The campaign run in a spawned world, and planned for torchrun: both folders, and the
+    torchrun command the plan printed."""
+    spawned, planned = tmp_path / "spawned", tmp_path / "planned"
+    run_ok(*args, f"out={spawned}", cwd=tmp_path)
+    proc = run_ok(*args, "launcher=torchrun", f"out={planned}", cwd=tmp_path)
+    return spawned, planned, proc.stdout.strip().splitlines()[-1]
+
+
 # Slow set; the default run's twin is tests/test_multihost.py, whose agents run the command the
 # plan prints (pins included) across three hosts and write the spawned simulation's rows.
 @pytest.mark.slow
@@ -75,10 +84,8 @@ def test_torchrun_runs_the_same_worker_code_and_writes_the_same_rows(tmp_path, r
         "topology.nodes=1",
         "topology.ranks_per_node=4",
     ]
-    spawned, planned = tmp_path / "spawned", tmp_path / "planned"
-    run_ok(*args, f"out={spawned}", cwd=tmp_path)
-    proc = run_ok(*args, "launcher=torchrun", f"out={planned}", cwd=tmp_path)
-    words = proc.stdout.strip().splitlines()[-1].split()
+    spawned, planned, printed = spawned_and_planned(tmp_path, run_ok, args)
+    words = printed.split()
     # The command carries the kernel pins: torch reads them as it loads, before the worker runs.
     pins = dict(w.split("=", 1) for w in words if "=" in w and not w.startswith("-"))
     assert pins == environment.pins("avx2")
@@ -113,14 +120,12 @@ def test_torchrun_recovers_in_a_shrunk_world_and_times_overhead_as_the_spawned_w
         "campaign.seeds=1",
         "++campaign.overhead={steps:3,rounds:1}",
     ]
-    spawned, planned = tmp_path / "spawned", tmp_path / "planned"
-    run_ok(*args, f"out={spawned}", cwd=tmp_path)
-    proc = run_ok(*args, "launcher=torchrun", f"out={planned}", cwd=tmp_path)
+    spawned, planned, printed = spawned_and_planned(tmp_path, run_ok, args)
     # Four nodes of one rank: four agents on this machine, on loopback.
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))
         endpoint = f"127.0.0.1:{free.getsockname()[1]}"
-    words = proc.stdout.strip().splitlines()[-1].replace("HOST:PORT", endpoint).split()
+    words = printed.replace("HOST:PORT", endpoint).split()
     env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", GLOO_SOCKET_IFNAME="lo")
     env.update(environment.pins("avx2"))
     agents = [
