@@ -24,13 +24,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from harness.comm import rider_slots
+from harness.runtime.comm import rider_slots
 
 TIMEOUT_S = 120
 
 
 def _loopback() -> str:
-    """harness.world.loopback_interface, without importing the trainer into every process."""
+    """harness.launch.world.loopback_interface, without importing the trainer into every process."""
     names = [name for _, name in socket.if_nameindex()]
     return next((n for n in names if n in ("lo", "lo0")), names[0])
 

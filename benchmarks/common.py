@@ -18,9 +18,10 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from detectors import detector_class
-from harness.config import RunConfig, run_config
-from harness.plugins import Bucket, Detector, DetectorContext, EventLog, RankInfo
-from harness.workloads import Workload, WorkloadConfig
+from harness.config.load import run_config
+from harness.config.schema import RunConfig
+from harness.runtime.plugins import Bucket, Detector, DetectorContext, EventLog, RankInfo
+from harness.runtime.workloads import Workload, WorkloadConfig
 
 # harness.cli's CONFIG_DIR, not imported from there: that would load the report's pandas and
 # matplotlib into every rank a world spawns (spawn re-imports the main module).

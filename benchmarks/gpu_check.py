@@ -3,19 +3,19 @@
     python -m benchmarks.gpu_check --out results/runs/gpu-check              # a GPU machine
     python -m benchmarks.gpu_check --device cpu --quick --out /tmp/gc        # the same, on a CPU
 
-Everything runs through the harness: a spawned world (harness/world.py) of real DDP ranks on
+Everything runs through the harness: a spawned world (harness/launch/world.py) of real DDP ranks on
 the device, the campaigns' trainer, its comm hook and the detectors as they ship. On one or
 two GPUs the world is 4 ranks sharing GPU 0 over gloo (`topology.device=cuda`); with 3 or more
 GPUs it is one rank per GPU (up to 4) over NCCL.
 
 1. step: each workload's step time without checks (the harness's hook; plain DDP too), and
-   with each check alone at its default interval (harness/overhead.py's sandwich of timed
+   with each check alone at its default interval (harness/campaign/overhead.py's sandwich of timed
    runs); replay next to its floor (one forward and backward of the audited micro-batches).
 2. kernel: each check's per-call work on the device (nan_inf on a bucket, the sketch's rider
    and check, weight_consensus's fingerprints of a model) against one read pass of the same
    bytes (`torch.sum`), the device synchronised around every timing.
 3. host_reads: device-to-host reads per step of a clean trial with every check, in act mode
-   and in observe mode (harness.plugins.Verdicts counts them).
+   and in observe mode (harness.runtime.plugins.Verdicts counts them).
 
 Writes OUT/gpu_check.csv and OUT/gpu_check.md: section, workload, item, value, unit, note.
 """
@@ -36,11 +36,12 @@ import torch
 from benchmarks.common import compose_run
 from detectors import detector_class
 from detectors.fingerprint import fingerprint_words
-from harness import devices, overhead
-from harness.config import FaultConfig, RunConfig, TrialSpec
-from harness.plugins import Bucket, DetectorContext, EventLog, RankInfo
-from harness.workloads import Workload
-from harness.world import World
+from harness.campaign import overhead
+from harness.config.schema import FaultConfig, RunConfig, TrialSpec
+from harness.launch.world import World
+from harness.runtime import devices
+from harness.runtime.plugins import Bucket, DetectorContext, EventLog, RankInfo
+from harness.runtime.workloads import Workload
 
 CHECKS = ("nan_inf", "grad_stats", "allreduce_sketch", "weight_consensus", "replay")
 COLUMNS = ["section", "workload", "item", "value", "unit", "note"]
@@ -55,7 +56,7 @@ GPT_GPU = (
 @dataclass(frozen=True)
 class Plan:
     workloads: dict[str, tuple[str, ...]]
-    steps: int  # timed steps per run (after harness/overhead.py's warm-up)
+    steps: int  # timed steps per run (after harness/campaign/overhead.py's warm-up)
     rounds: int
     kernel_numel: int  # elements of the bucket the kernels read
     reps: int  # timed calls per kernel and round
@@ -90,7 +91,7 @@ def configure(plan: Plan, device: str, workload: tuple[str, ...]) -> RunConfig:
 
 
 def step_rows(name: str, run: RunConfig, world: World) -> list[dict]:
-    """Section 1: step times, from harness/overhead.py's ratios and one reference run."""
+    """Section 1: step times, from harness/campaign/overhead.py's ratios and one reference run."""
     base = overhead.timed_runs(run)[overhead.REFERENCE][0]
     outcome = world.run(base, TrialSpec(f"gpu-reference-{name}", run.workload.seed, FaultConfig()))
     reference = overhead.amortized_step([overhead.step_series(outcome, "reference")], 1) * 1e3

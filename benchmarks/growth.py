@@ -31,7 +31,7 @@ from benchmarks.common import Rotation, bucket, detector, gpt, gpt_config, param
 from benchmarks.kernels import STEP, fingerprint_table, sketch_work
 from benchmarks.timing import Figure, interleaved, median, paired_ratio
 from benchmarks.worlds import Worlds, base_run, steps_for, time_configs, with_detectors
-from harness.workloads import Workload
+from harness.runtime.workloads import Workload
 
 CHECKS = ("nan_inf", "weight_consensus", "allreduce_sketch")
 PER_STEP = {"read": 1, "nan_inf": 1, "allreduce_sketch": 1, "weight_consensus": 10, "replay": 5,

@@ -26,8 +26,8 @@ import torch
 from benchmarks.common import Rotation, params_of
 from benchmarks.timing import Figure, interleaved, median
 from benchmarks.worlds import Timings, Worlds, base_run, steps_for, time_configs, with_detectors
-from harness.config import RunConfig
-from harness.workloads import Workload
+from harness.config.schema import RunConfig
+from harness.runtime.workloads import Workload
 
 CHECKS = ("nan_inf", "weight_consensus", "allreduce_sketch")
 OVERHEAD_COLUMNS = ["detector", "interval", "overhead_pct", "floor_pct"]

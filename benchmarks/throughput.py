@@ -23,9 +23,9 @@ from pathlib import Path
 
 from benchmarks.common import compose_run
 from benchmarks.timing import Figure
-from harness.campaign import run_campaign
-from harness.config import RunConfig, TrialSpec
-from harness.world import World
+from harness.campaign.run import run_campaign
+from harness.config.schema import RunConfig, TrialSpec
+from harness.launch.world import World
 
 GPT = ("workload=gpt", "campaign.seeds=1", "campaign.noise_seeds=2",
        "campaign.scenarios=[{site:grad,model:bitflip,ranks:[1],bit:exponent_msb,"

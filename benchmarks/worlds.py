@@ -1,4 +1,4 @@
-"""Timing whole training steps in real simulated worlds (harness.world), detectors included.
+"""Timing whole training steps in real simulated worlds (harness.launch.world), detectors included.
 
 A world serves many trials, and each trial may carry its own RunConfig, so one world times
 every detector configuration in turn, each between two trials without detectors.
@@ -29,9 +29,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from benchmarks.common import compose_run
-from harness.config import FaultConfig, RunConfig, TrialSpec, detector_configs
-from harness.overhead import WARMUP_STEPS, amortized_step
-from harness.world import World
+from harness.campaign.overhead import WARMUP_STEPS, amortized_step
+from harness.config.load import detector_configs
+from harness.config.schema import FaultConfig, RunConfig, TrialSpec
+from harness.launch.world import World
 
 # No checkpoint in a timed trial: writing one is I/O on rank 0, not a detector's cost.
 NO_CHECKPOINT = "checkpoint.interval=1000000"

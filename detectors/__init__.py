@@ -9,7 +9,7 @@ import importlib
 import pkgutil
 from typing import Any
 
-from harness.plugins import Detector, DetectorContext, EventLog
+from harness.runtime.plugins import Detector, DetectorContext, EventLog
 
 
 def available() -> tuple[str, ...]:

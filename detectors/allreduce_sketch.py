@@ -3,8 +3,8 @@ contribution consistently, at no collective of its own.
 
 A sum is linear: projected onto any weights, the sum of the buckets equals the sum of their
 projections. Each rank projects its local bucket (already divided by the world size) before the
-collective and the harness sums the result with the bucket (its rider region, harness/comm.py).
-After the collective every rank projects what it received and compares.
+collective and the harness sums the result with the bucket (its rider region,
+harness/runtime/comm.py). After the collective every rank projects what it received and compares.
 
 Why a faulty reduction cannot forge this in step with the data (issue 14):
 - Per-rank slots. Rank r writes its projection and a tag (step + 1) into slots that only it
@@ -44,7 +44,8 @@ A wrong value delivered to one receiver (`scope=rank`) alarms that rank; a wrong
 every rank. Each rank also checks its own slots came back exactly as it sent them.
 
 Slots used: 2 * world_size + 1 (a tag and a projection per rank, the summed norms), within the
-harness's fixed rider region (harness/comm.py, rider_slots) next to grad_stats' 2 * world_size.
+harness's fixed rider region (harness/runtime/comm.py, rider_slots) next to grad_stats' 2 *
+world_size.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ from typing import Any
 import torch
 
 from harness.errors import ConfigError
-from harness.plugins import Bucket, Detector
+from harness.runtime.plugins import Bucket, Detector
 
 BLOCKS = 4096
 # Elements of a 16-bit bucket converted to float32 at a time (512 KiB: stays in cache).

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from harness.errors import ConfigError
-from harness.plugins import Bucket, Detector
+from harness.runtime.plugins import Bucket, Detector
 
 
 class GradStats(Detector):

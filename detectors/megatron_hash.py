@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from harness.errors import ConfigError
-from harness.plugins import Detector
+from harness.runtime.plugins import Detector
 
 
 def sha1_table(model: nn.Module) -> torch.Tensor:

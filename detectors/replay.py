@@ -13,8 +13,8 @@ and projection (needs deterministic compute); `tolerant` mode allows a relative 
 
 Where the micro-batches come from is `ctx.replay_data`'s business: in campaigns (None) any rank
 regenerates any other's from the workload (`Regenerated`); in a user's loop the guard ships the
-batch each rank trained on to the ranks that replay it (harness/batch_exchange.py). Both offer
-`ship` (every rank calls it with the same routes before the batches are needed), `losses`,
+batch each rank trained on to the ranks that replay it (harness/runtime/batch_exchange.py). Both
+offer `ship` (every rank calls it with the same routes before the batches are needed), `losses`,
 `micro_batches` and `divisor`.
 
 Replay never disturbs training: gradients come from torch.autograd.grad (param.grad is never
@@ -34,7 +34,7 @@ from torch import nn
 
 from detectors.fingerprint import signs
 from harness.errors import ConfigError
-from harness.plugins import Bucket, Detector
+from harness.runtime.plugins import Bucket, Detector
 
 # Slots of the exchanged row: own loss, own projection, own norm, then the same for the replay.
 _OWN, _REPLAY = 0, 3

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from harness.errors import ConfigError
-from harness.plugins import Detector
+from harness.runtime.plugins import Detector
 
 
 class SpikyLoss(Detector):

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from harness.errors import ConfigError
-from harness.plugins import Bucket, Detector
+from harness.runtime.plugins import Bucket, Detector
 
 
 def xor_digest(tensor: torch.Tensor) -> int:

@@ -20,7 +20,7 @@ from torch import nn
 
 from detectors.fingerprint import fingerprint_words
 from harness.errors import ConfigError
-from harness.plugins import Detector
+from harness.runtime.plugins import Detector
 
 
 class WeightConsensus(Detector):

@@ -34,9 +34,9 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import detectors
-from harness import checkpoint
 from harness.guard import Guard, SDCAlarm
-from harness.workloads import GPT, WorkloadConfig
+from harness.runtime import checkpoint
+from harness.runtime.workloads import GPT, WorkloadConfig
 
 HOOKS = {
     "none": None,

@@ -17,9 +17,11 @@ from hydra.errors import HydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from harness import stacks  # noqa: F401 - first: the rank server's stack dump (harness/stacks.py)
-from harness.campaign import CampaignError, check_out, run_campaign
-from harness.config import ConfigError, RunConfig, run_config
+from harness.campaign.run import CampaignError, check_out, run_campaign
+from harness.config.load import run_config
+from harness.config.schema import RunConfig
+from harness.errors import ConfigError
+from harness.launch import stacks  # noqa: F401 - first: the rank server's stack dump (harness/launch/stacks.py)
 
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "experiments")
 GROUPS = ("workload", "topology", "fault", "detectors", "campaign")
@@ -105,7 +107,8 @@ def plain(cfg: DictConfig) -> dict:
 def app(cfg: DictConfig) -> None:
     # Imported here: every rank of a spawned world re-imports this module (spawn reruns the
     # main module's imports), and a rank needs neither pandas nor matplotlib.
-    from harness import report, torchrun_worker
+    from harness import torchrun_worker
+    from harness.analysis import report
 
     run = validated(cfg)
     out = resolve_out(cfg)

@@ -39,7 +39,7 @@ def synthetic_digits(
 
 class WideMLP(nn.Module):
     """The same task as `SmallConvNet` through wide linear layers: about 57 MB of float32
-    parameters, so its gradients span several reduction chunks (harness/comm.py), as a real
+    parameters, so its gradients span several reduction chunks (harness/runtime/comm.py), as a real
     model's do."""
 
     def __init__(self, width: int = 2048, depth: int = 4, classes: int = 10):

@@ -18,12 +18,12 @@ The guard reduces gradients exactly as DDP's default allreduce does, so a clean 
 guard attached trains bit-identically to the same loop without it (checks that ride on the
 allreduce then pay for a small collective of their own). A comm hook you already have is
 wrapped, not replaced: `Guard(ddp, comm_hook=(state, hook))`; the sketch verifies torch's own
-linear hooks (harness/comm.py, `LINEAR_HOOKS`) and refuses any other. `inject={...}` (the keys
-of `fault.*`) rehearses a fault in your loop: which check fires, when, naming which rank.
+linear hooks (harness/runtime/comm.py, `LINEAR_HOOKS`) and refuses any other. `inject={...}` (the
+keys of `fault.*`) rehearses a fault in your loop: which check fires, when, naming which rank.
 
 Replay ships the batch each rank trained on to the rank one node back, which recomputes it with
-`replay_fn(model, batch) -> loss` on its own replica (harness/batch_exchange.py); it needs one
-backward of that loss per step (no gradient accumulation) and a deterministic forward.
+`replay_fn(model, batch) -> loss` on its own replica (harness/runtime/batch_exchange.py); it needs
+one backward of that loss per step (no gradient accumulation) and a deterministic forward.
 
 Recovery (act mode, `checkpoints=FOLDER`): an alarm writes FOLDER/quarantine.json (suspect
 machines, ranks, step, first suspect step, detector, evidence, exit code), sets aside the
@@ -31,8 +31,8 @@ checkpoints of the suspect interval (renamed `*.pt.suspect`), and `save` refuses
 The loop ends with `sys.exit(alarm.exit_code)`: EXIT_SUSPECT_HARDWARE (86) when the alarm names
 machines (restart without them), EXIT_UNATTRIBUTED (87) when it names none or all of them. On
 restart, `Guard.restore_point(FOLDER)` gives the newest checkpoint the checks approved before
-the suspect interval (harness/recovery.py), and `Guard(..., start_step=step + 1)` resumes the
-count.
+the suspect interval (harness/campaign/recovery.py), and `Guard(..., start_step=step + 1)` resumes
+the count.
 
 Node identity: ranks_per_node from the argument, else SDC_RANKS_PER_NODE, else torchrun's
 LOCAL_WORLD_SIZE; a machine name from SDC_NODE_NAME (else the host name; `{node}` in it is
@@ -54,11 +54,14 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import detectors as registry
-from harness import checkpoint, comm, recovery
-from harness.batch_exchange import ShippedBatches
-from harness.config import FaultConfig, TopologyConfig, fault_config
-from harness.plugins import PHASE_ORDER, DetectorContext, EventLog, PluginBus, RankInfo
-from harness.workloads import WorkloadConfig
+from harness.campaign import recovery
+from harness.config.load import fault_config
+from harness.config.schema import FaultConfig, TopologyConfig
+from harness.results.schema import PHASE_ORDER
+from harness.runtime import checkpoint, comm
+from harness.runtime.batch_exchange import ShippedBatches
+from harness.runtime.plugins import DetectorContext, EventLog, PluginBus, RankInfo
+from harness.runtime.workloads import WorkloadConfig
 from injectors import injector
 
 EXIT_SUSPECT_HARDWARE = 86
@@ -199,8 +202,8 @@ class Guard:
 
     def save(self, state: dict[str, Any]) -> Path | None:
         """Checkpoint the step just finished into `checkpoints` (rank 0 writes, atomically with
-        its checksum, harness/checkpoint.py) once the checks approve; the path, or None where
-        nothing was written. Refuses after an alarm."""
+        its checksum, harness/runtime/checkpoint.py) once the checks approve; the path, or None
+        where nothing was written. Refuses after an alarm."""
         if self.folder is None:
             raise ValueError("Guard.save needs Guard(..., checkpoints=FOLDER)")
         if self.alarm is not None:
@@ -216,7 +219,7 @@ class Guard:
     def restore_point(folder: str | Path) -> tuple[int, str]:
         """The newest checkpoint in `folder` that the checks approved and whose checksum
         verifies, before any suspect interval (an alarm set those aside): (step, path), or
-        (-1, "") to start from the initial weights. Load it with harness.checkpoint.load."""
+        (-1, "") to start from the initial weights. Load it with harness.runtime.checkpoint.load."""
         return recovery.restore_point(Path(folder), 2**62, [])
 
     def _raise_if_alarmed(self) -> None:

@@ -1,5 +1,5 @@
-"""Run a campaign plan under torchrun: the campaign loop of harness/campaign.py in the world
-torchrun starts (harness/torchrun_world.py), with node identity from torchrun's variables.
+"""Run a campaign plan under torchrun: the campaign loop of harness/campaign/run.py in the world
+torchrun starts (harness/launch/torchrun_world.py), with node identity from torchrun's variables.
 `sdc-bench launcher=torchrun out=DIR` writes DIR/plan.json and prints the command, for example:
 
     ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=COMPATIBLE ONEDNN_MAX_CPU_ISA=AVX2 \
@@ -19,12 +19,15 @@ from dataclasses import replace
 from pathlib import Path
 from typing import NoReturn
 
-from harness import determinism, devices, environment, report
-from harness.campaign import CRASH_LOG, CampaignError, run_campaign
-from harness.config import ConfigError, RunConfig, TopologyConfig, run_config
-from harness.plugins import RankInfo
-from harness.torchrun_world import END, STOP, TorchrunExecutor, TorchrunWorld, follow
-from harness.world import init_rank
+from harness.analysis import report
+from harness.campaign.run import CRASH_LOG, CampaignError, run_campaign
+from harness.config.load import run_config
+from harness.config.schema import RunConfig, TopologyConfig
+from harness.errors import ConfigError
+from harness.launch.torchrun_world import END, STOP, TorchrunExecutor, TorchrunWorld, follow
+from harness.launch.world import init_rank
+from harness.runtime import determinism, devices, environment
+from harness.runtime.plugins import RankInfo
 
 PLAN = "plan.json"
 
@@ -70,7 +73,7 @@ def rank_info(run: RunConfig) -> RankInfo:
 
 
 def placed(topology: TopologyConfig) -> TopologyConfig:
-    """The plan's topology with its device resolved on this machine (harness/devices.py)."""
+    """The plan's topology with its device resolved on this machine (harness/runtime/devices.py)."""
     device = devices.resolve(
         topology.device, topology.backend, topology.ranks_per_node, devices.gpu_count()
     )

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from harness.results.schema import BIT_CLASSES, classify_bit
+from harness.results.schema import class_bits as format_bits
+
 _INT_VIEW = {
     torch.float64: torch.int64,
     torch.float32: torch.int32,
@@ -12,32 +15,25 @@ _INT_VIEW = {
 }
 
 
-# Explicit mantissa widths: torch.finfo has no field for them.
-MANTISSA_BITS = {torch.float64: 52, torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}
-CLASSES = ("sign", "exponent_msb", "exponent", "mantissa")
+CLASSES = BIT_CLASSES
 
 
 def width(dtype: torch.dtype) -> int:
     return torch.finfo(dtype).bits
 
 
+def _format(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def class_bits(dtype: torch.dtype, name: str) -> list[int]:
     """The bit indices (LSB = 0) of one bit class in `dtype`."""
-    top, mantissa = width(dtype) - 1, MANTISSA_BITS[dtype]
-    return {
-        "sign": [top],
-        "exponent_msb": [top - 1],
-        "exponent": list(range(mantissa, top)),
-        "mantissa": list(range(mantissa)),
-    }[name]
+    return format_bits(_format(dtype), name)
 
 
 def classify(dtype: torch.dtype, bit: int) -> str:
     """The narrowest class a bit belongs to."""
-    for name in ("sign", "exponent_msb", "exponent", "mantissa"):
-        if bit in class_bits(dtype, name):
-            return name
-    raise ValueError(f"bit {bit} is outside {dtype}")
+    return classify_bit(_format(dtype), bit)
 
 
 def _int_view(flat: torch.Tensor) -> torch.Tensor:

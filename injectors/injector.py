@@ -2,7 +2,8 @@
 
 Sites and what they reach (docs/design.md, section 3):
     grad       a rank's local gradients before the collective (parameter names; `fault.bucket`
-               narrows it to one chunk of the harness's fixed reduction layout, harness/comm.py)
+               narrows it to one chunk of the harness's fixed reduction layout,
+               harness/runtime/comm.py)
     allreduce  the averaged gradients after it; scope `rank` on the listed ranks, scope
                `reduction` on every receiver alike (the reduction itself was wrong)
     weight     parameters right after the optimizer step (parameter names)
@@ -13,10 +14,11 @@ Sites and what they reach (docs/design.md, section 3):
                its output, or with `fault.phase=backward` the gradient its backward computes
                for its second operand (a Linear's weight), as a broken tensor core would
 
-At site allreduce the rider region (the float32 numbers summed with each chunk, harness/comm.py)
-is a target named `riders`; only that exact name reaches it, so a glob's draws over parameters
-stay what they were. The contribution models (drop, duplicate, stale) change what the faulty
-ranks send into the reduction, rider region included, so every receiver gets the same wrong sum.
+At site allreduce the rider region (the float32 numbers summed with each chunk,
+harness/runtime/comm.py) is a target named `riders`; only that exact name reaches it, so a
+glob's draws over parameters stay what they were. The contribution models (drop, duplicate,
+stale) change what the faulty ranks send into the reduction, rider region included, so every
+receiver gets the same wrong sum.
 """
 
 from __future__ import annotations
@@ -31,11 +33,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from harness.plugins import Bucket, EventLog, Plugin, RankInfo, matches
+from harness.runtime.plugins import Bucket, EventLog, Plugin, RankInfo, matches
 from injectors import bits, model_class
 
 if TYPE_CHECKING:
-    from harness.config import FaultConfig
+    from harness.config.schema import FaultConfig
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 RIDERS = "riders"
@@ -174,7 +176,7 @@ class FaultInjector(Plugin):
         self.previous: dict[int, list[torch.Tensor]] = {}
         self.struck: set[tuple[int, int]] = set()
         self.matmul: _FirstMatmul | None = None
-        # The world ranks of a sub-group reduction under way (harness/locate.py), else None.
+        # The world ranks of a sub-group reduction under way (harness/runtime/locate.py), else None.
         self.group: tuple[int, ...] | None = None
 
     def _initial_positions(self, matched: list[tuple[str, int | None]]) -> dict[str, list[int]]:
@@ -371,7 +373,7 @@ class FaultInjector(Plugin):
 
     def _first_reduction(self, step: int, index: int) -> bool:
         """A transient fault strikes a step's reduction of a chunk once: when the harness
-        re-runs that reduction (harness/comm.py, retry_reduction), the repeat runs clean."""
+        re-runs that reduction (harness/runtime/comm.py, retry_reduction), the repeat runs clean."""
         if self.fault.persistence != "transient":
             return True
         first = (step, index) not in self.struck
@@ -427,7 +429,7 @@ class FaultInjector(Plugin):
         self, step: int, index: int, parts: list[torch.Tensor], members: tuple[int, ...]
     ) -> None:
         """This rank's contribution to a reduction over the world ranks `members` alone
-        (harness/locate.py): a contribution model changes it as it changes any other."""
+        (harness/runtime/locate.py): a contribution model changes it as it changes any other."""
         self.group = members
         try:
             self.on_contribution(step, index, parts)

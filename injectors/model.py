@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from harness.config import FaultConfig
+    from harness.config.schema import FaultConfig
 
 
 class FaultModel:
@@ -27,7 +27,7 @@ class FaultModel:
 
     @classmethod
     def validate(cls, key: str, fault: FaultConfig) -> None:
-        """Raise harness.config.ConfigError for parameters this model cannot use."""
+        """Raise harness.config.load.ConfigError for parameters this model cannot use."""
 
     def corrupt(self, flat: torch.Tensor, index: int, bit: int | None = None) -> list[int] | None:
         """Change flat[index] (at `bit`, for bit-level models, when given); return the bit

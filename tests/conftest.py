@@ -13,7 +13,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from harness.cli import CONFIG_DIR
-from harness.config import RunConfig, run_config
+from harness.config.load import run_config
+from harness.config.schema import RunConfig
 
 BIN = Path(sys.executable).parent
 # Columns that measure wall time: the only ones allowed to differ between identical runs.

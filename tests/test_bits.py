@@ -11,7 +11,7 @@ import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from harness.config import FaultConfig
+from harness.config.schema import FaultConfig
 from injectors import bits
 from injectors.bitflip import BitFlip
 from injectors.scale import Scale

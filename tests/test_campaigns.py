@@ -12,9 +12,9 @@ import pytest
 
 import detectors
 import injectors
-from harness import checkpoint
 from harness.cli import CONFIG_DIR
-from harness.config import RunConfig
+from harness.config.schema import RunConfig
+from harness.runtime import checkpoint
 from tests.conftest import compose_run, rows, sdc_bench, without_timing
 
 CAMPAIGNS = sorted(p.stem for p in Path(CONFIG_DIR, "campaign").glob("*.yaml"))

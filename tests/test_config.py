@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from harness.campaign.fastforward import golden_specs
 from harness.cli import CONFIG_DIR
-from harness.config import ConfigError
+from harness.errors import ConfigError
 from tests.conftest import compose_run
 
 
@@ -20,7 +21,7 @@ def test_default_campaign_expands_scenarios_times_seeds():
     assert "none" in sites and {"bitflip", "scale", "value"} <= models
     assert len(run.trials) == len(run.scenarios) * run.seeds
     assert len({t.trial_id for t in run.trials}) == len(run.trials)
-    assert [g.seed for g in run.golden_specs()] == list(range(max(run.seeds, run.noise_seeds)))
+    assert [g.seed for g in golden_specs(run)] == list(range(max(run.seeds, run.noise_seeds)))
 
 
 def test_single_campaign_runs_the_fault_keys_seeds_times():
@@ -40,9 +41,9 @@ def test_bit_sensitivity_grids_every_bit_of_the_workload_dtype(dtype, width):
 def test_golden_runs_snapshot_the_step_before_each_fault_first_strikes():
     run = compose_run("campaign=smoke")
     assert {t.fault.first_step for t in run.trials} == {0, 5}
-    assert [g.snapshots for g in run.golden_specs()] == [(4,), ()]
+    assert [g.snapshots for g in golden_specs(run)] == [(4,), ()]
     off = compose_run("campaign=smoke", "campaign.fast_forward=false")
-    assert [g.snapshots for g in off.golden_specs()] == [(), ()]
+    assert [g.snapshots for g in golden_specs(off)] == [(), ()]
 
 
 def test_detectors_can_be_empty():

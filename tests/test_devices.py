@@ -8,10 +8,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from harness import determinism, devices
-from harness.config import exact_replay
+from harness.config.load import exact_replay
 from harness.errors import ConfigError
-from harness.workloads import Workload
+from harness.runtime import determinism, devices
+from harness.runtime.workloads import Workload
 from tests.conftest import compose_run, sdc_bench
 
 

@@ -1,5 +1,5 @@
 """Rows that reproduce wherever the pinned kernels exist: the pin, not the environment the
-campaign was started from, decides which kernels a rank runs (harness.environment)."""
+campaign was started from, decides which kernels a rank runs (harness.runtime.environment)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ import os
 import pytest
 import torch
 
-from harness import environment
-from harness.campaign import check_out, claim
-from harness.config import ConfigError
-from harness.world import World
+from harness.campaign.fastforward import golden_specs
+from harness.campaign.run import check_out, claim
+from harness.errors import ConfigError
+from harness.launch.world import World
+from harness.runtime import environment
 from tests.conftest import compose_run, rows, sdc_bench, without_timing
 
 # What a user may have in their shell when they start a campaign: nothing, or either pin.
@@ -31,7 +32,7 @@ def golden(monkeypatch, tmp_path, parent: str | None, *overrides: str) -> tuple[
     run = compose_run(*SMALL, "workload.steps=2", *overrides)
     world = World(run.topology, tmp_path, tmp_path / "store")
     try:
-        outcome = world.run(run, run.golden_specs()[0])
+        outcome = world.run(run, golden_specs(run)[0])
     finally:
         world.close()
     assert outcome.parts is not None, outcome.crash

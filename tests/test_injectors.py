@@ -13,10 +13,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from harness.comm import HookState, comm_hook
-from harness.config import FaultConfig
+from harness.config.schema import FaultConfig
 from harness.errors import ConfigError
-from harness.plugins import EventLog, PluginBus, RankInfo
+from harness.runtime.comm import HookState, comm_hook
+from harness.runtime.plugins import EventLog, PluginBus, RankInfo
 from injectors.injector import FaultInjector
 from tests.conftest import compose_run, events, rows, sdc_bench
 

@@ -6,10 +6,10 @@ import math
 
 import pytest
 
-from harness.config import FaultConfig, TrialSpec
-from harness.outcome import Golden, noise_band, trial_row
-from harness.report import bit_class, wilson
-from harness.trainer import RankResult
+from harness.analysis.report import bit_class, wilson
+from harness.config.schema import FaultConfig, TrialSpec
+from harness.results.judgement import Golden, noise_band, trial_row
+from harness.results.schema import RankResult
 from tests.conftest import compose_run
 
 GRAD_NAN = FaultConfig(site="grad", model="value", value="nan", ranks=(1,), steps=(3,))

@@ -10,10 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from harness import overhead, report
-from harness.campaign import SpawnExecutor
-from harness.config import ConfigError
-from harness.regress import load, regressions
+from harness.analysis import report
+from harness.analysis.regress import load, regressions
+from harness.campaign import overhead
+from harness.campaign.run import SpawnExecutor
+from harness.errors import ConfigError
+from harness.results import schema
 from tests.conftest import compose_run, sdc_bench
 
 BASELINE = Path(__file__).resolve().parent.parent / "results" / "baseline"
@@ -34,17 +36,17 @@ def measured(tmp_path_factory) -> Path:
     run = compose_run(*TINY, "++campaign.overhead={steps:4}")
     executor = SpawnExecutor(run.topology, out / "world", out / "store", out / "crashes.log")
     try:
-        assert overhead.measure(run, out, executor.run) == out / overhead.OVERHEAD_FILE
+        assert overhead.measure(run, out, executor.run) == out / schema.OVERHEAD_FILE
     finally:
         executor.close()
     return out
 
 
 def test_one_row_per_detector_with_its_interval_and_replays_floor(measured):
-    with open(measured / overhead.OVERHEAD_FILE, newline="") as f:
+    with open(measured / schema.OVERHEAD_FILE, newline="") as f:
         reader = csv.DictReader(f)
         table = list(reader)
-    assert reader.fieldnames == overhead.COLUMNS
+    assert reader.fieldnames == schema.OVERHEAD_COLUMNS
     assert [(r["detector"], r["interval"]) for r in table] == [
         ("hook", ""),
         ("nan_inf", ""),
@@ -85,10 +87,10 @@ def test_a_resumed_campaign_keeps_its_table_and_one_without_overhead_times_nothi
         raise AssertionError(f"timed {spec.trial_id} again")
 
     run = compose_run(*TINY, "++campaign.overhead={steps:4}")
-    assert overhead.measure(run, measured, never) == measured / overhead.OVERHEAD_FILE
+    assert overhead.measure(run, measured, never) == measured / schema.OVERHEAD_FILE
     # A campaign that does not ask for overhead times nothing.
     assert overhead.measure(compose_run(*TINY), tmp_path, never) is None
-    assert not (tmp_path / overhead.OVERHEAD_FILE).exists()
+    assert not (tmp_path / schema.OVERHEAD_FILE).exists()
 
 
 @pytest.mark.parametrize(
@@ -118,7 +120,7 @@ def test_the_command_refuses_it_with_one_line_and_exit_2(tmp_path):
 def test_regress_reads_the_table_a_campaign_writes(measured, tmp_path):
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
-        for source in (BASELINE / "trials.csv", measured / overhead.OVERHEAD_FILE):
+        for source in (BASELINE / "trials.csv", measured / schema.OVERHEAD_FILE):
             (tmp_path / name / source.name).write_bytes(source.read_bytes())
     assert load(tmp_path / "a").overhead is not None
     assert regressions(load(tmp_path / "a"), load(tmp_path / "b")) == []

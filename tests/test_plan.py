@@ -1,4 +1,5 @@
-"""The planner (harness/plan.py, `sdc-plan`) on small tables written here: no world is spawned.
+"""The planner (harness/analysis/plan.py, `sdc-plan`) on small tables written here: no world is
+spawned.
 
 Most cases use a job whose arithmetic is done by hand: 1 GPU, one-hour steps, a checkpoint every
 2 steps (a detected fault redoes 1 step from the last checkpoint, plus its time to detection),
@@ -15,9 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from harness import overhead, plan_report, report
-from harness.outcome import COLUMNS
-from harness.plan import LLAMA3_RATE, Job, amortized, load, overheads, plan
+from harness.analysis import plan_report, report
+from harness.analysis.plan import LLAMA3_RATE, Job, amortized, load, overheads, plan
+from harness.campaign import overhead
+from harness.results import schema
+from harness.results.schema import COLUMNS
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "sweep"
 HAND = Job(
@@ -64,7 +67,7 @@ def write_run(folder: Path, trials: list[dict], costs: list[tuple]) -> Path:
     report.pd.DataFrame(trials, columns=COLUMNS).to_csv(folder / "trials.csv", index=False)
     measured = ["detector", "interval", "overhead_pct", "floor_pct"]  # other columns blank
     rows = [dict(zip(measured, c, strict=True)) for c in costs]
-    overhead.write(folder / overhead.OVERHEAD_FILE, rows)
+    overhead.write(folder / schema.OVERHEAD_FILE, rows)
     return folder
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness import checkpoint
-from harness.outcome import COLUMNS, Golden
-from harness.records import Records
+from harness.results.judgement import Golden
+from harness.results.records import Records
+from harness.results.schema import COLUMNS
+from harness.runtime import checkpoint
 
 
 def _row(trial_id):

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from harness import checkpoint
-from harness.recovery import restore_point
+from harness.campaign.recovery import restore_point
+from harness.runtime import checkpoint
 from tests.conftest import events, rows
 
 # Audits at steps 0, 5, 10; checkpoints (each after a consensus) after steps 1, 3, 5, ...
@@ -63,7 +63,7 @@ def test_with_a_spare_a_caught_fault_ends_bit_identical_to_the_golden_run(tmp_pa
 
 def test_with_a_spare_recovery_on_a_model_over_one_mib_ends_bit_identical(tmp_path, run_ok):
     """gpt's gradients span two reduction chunks: the recovered segment reduces every step in
-    the layout the golden run did (harness/comm.py)."""
+    the layout the golden run did (harness/runtime/comm.py)."""
     out, (row, reduction) = _campaign(
         tmp_path,
         run_ok,
@@ -137,7 +137,7 @@ def test_a_wrong_reduction_is_re_run_and_a_repeating_one_quarantines_only_its_no
     is re-run once from the local contributions kept before the collective: a transient one
     ends there, with no rollback, no quarantine, bit-identical to the golden run. A permanent
     one on node 1's reduction fails the repeat too; reductions in sub-groups that each leave
-    one node out find that only the group without node 1 sums right (harness/locate.py), and
+    one node out find that only the group without node 1 sums right (harness/runtime/locate.py), and
     node 1 alone is quarantined. A permanently stale contribution (its previous step's chunk,
     also on a repeat) is named by the sketch's tags and located alike."""
     out, table = _campaign(

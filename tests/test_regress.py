@@ -14,8 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import environment, overhead, regress
-from harness.regress import load, regressions
+from harness.analysis import regress
+from harness.analysis.regress import load, regressions
+from harness.campaign import overhead
+from harness.results import machine, schema
+from harness.runtime import environment
 from tests.conftest import BIN
 
 # Clean trials and a NaN in rank 3's local gradient, 4 seeds each: the fewest for which a catch
@@ -108,7 +111,7 @@ def test_runs_record_their_environment_and_the_report_shows_it_in_one_line(runs)
         assert "ATEN_CPU_CAPABILITY=avx2" in env["math_settings"]
     report = (runs["baseline"] / "report.md").read_text().splitlines()
     lines = [line for line in report if line.startswith("Environment: ")]
-    assert lines == [f"Environment: {environment.summary(env)}  "]
+    assert lines == [f"Environment: {machine.summary(env)}  "]
 
 
 def test_another_environment_is_named_and_compared_statistically_only(runs, tmp_path):
@@ -174,19 +177,19 @@ def test_a_new_false_positive_and_an_overhead_a_quarter_above_baseline_regress(r
 
 
 def test_overhead_as_campaigns_write_it_30_percent_above_baseline_regresses(runs, tmp_path):
-    """overhead.csv as harness/overhead.py writes it: a blank interval and a blank floor for a
-    check without them, and one file per job of a sweep (the medians over jobs count)."""
+    """overhead.csv as harness/campaign/overhead.py writes it: a blank interval and a blank floor
+    for a check without them, and one file per job of a sweep (the medians over jobs count)."""
     measured = [
         {"detector": "nan_inf", "interval": "", "overhead_pct": 20.0, "floor_pct": ""},
         {"detector": "replay", "interval": 5, "overhead_pct": 30.0, "floor_pct": 8.0},
     ]
     baseline = copy(runs["baseline"], tmp_path / "a")
     current = copy(runs["baseline"], tmp_path / "b")
-    overhead.write(baseline / overhead.OVERHEAD_FILE, measured)
+    overhead.write(baseline / schema.OVERHEAD_FILE, measured)
     for job, scale in (("0", 1.3), ("1", 1.3)):
         (current / job).mkdir()
         grown = [dict(row, overhead_pct=scale * row["overhead_pct"]) for row in measured]
-        overhead.write(current / job / overhead.OVERHEAD_FILE, grown)
+        overhead.write(current / job / schema.OVERHEAD_FILE, grown)
     proc = sdc_regress(baseline, current)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert regression_rows(proc.stdout) == [
@@ -222,7 +225,7 @@ def test_an_overhead_growth_within_measurement_noise_is_no_regression(runs, tmp_
     measured = [{"detector": "replay", "interval": 5, "overhead_pct": 4.0, "floor_pct": 0.5}]
     baseline = copy(runs["baseline"], tmp_path / "a")
     current = copy(runs["baseline"], tmp_path / "b")
-    overhead.write(baseline / overhead.OVERHEAD_FILE, measured)
-    overhead.write(current / overhead.OVERHEAD_FILE, [dict(measured[0], overhead_pct=8.0)])
+    overhead.write(baseline / schema.OVERHEAD_FILE, measured)
+    overhead.write(current / schema.OVERHEAD_FILE, [dict(measured[0], overhead_pct=8.0)])
     proc = sdc_regress(baseline, current)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from detectors.replay import agree, derived_rtol, triple
-from harness.workloads import Workload, WorkloadConfig
+from harness.runtime.workloads import Workload, WorkloadConfig
 
 FACTORS = (1.01, 1.02, 1.05, 1.1, 1.2, 1.5, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0)
 RTOL = {"float32": 1e-5, "bfloat16": derived_rtol(torch.bfloat16),

@@ -8,7 +8,9 @@ import math
 import re
 from pathlib import Path
 
-from harness import overhead, report
+from harness.analysis import report
+from harness.campaign import overhead
+from harness.results import schema
 
 BASELINE = Path(__file__).resolve().parent.parent / "results" / "baseline"
 # Two jobs of an audit_frequency sweep, one replay interval each; both timed nan_inf as well.
@@ -41,8 +43,8 @@ def sweep(root: Path) -> Path:
     escaped_trials(root / "0")
     (root / "1").mkdir()
     for job, measured in JOBS.items():
-        rows = [dict(zip(overhead.REQUIRED, values, strict=True)) for values in measured]
-        overhead.write(root / job / overhead.OVERHEAD_FILE, rows)
+        rows = [dict(zip(schema.OVERHEAD_REQUIRED, values, strict=True)) for values in measured]
+        overhead.write(root / job / schema.OVERHEAD_FILE, rows)
     return root
 
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.campaign import SpawnExecutor
-from harness.world import CRASH_ONCE_ENV, SILENCE_GRACE_S, World
+from harness.campaign.run import SpawnExecutor
+from harness.launch.world import CRASH_ONCE_ENV, SILENCE_GRACE_S, World
 from tests.conftest import BIN, compose_run, rows, sdc_bench, without_timing
 
 SMALL = ["workload.steps=8", "campaign.noise_seeds=2", "topology.collective_timeout_s=5"]
@@ -132,8 +132,9 @@ def test_a_rank_hung_outside_any_collective_is_found_by_its_silence_with_its_sta
     assert not world.alive
 
 
-# Interpreter start-up of the rank server that ranks fork from (harness/rank_server.py), before
-# any harness code: the first server stalls, as one stuck in its imports would; the next starts.
+# Interpreter start-up of the rank server that ranks fork from (harness/launch/rank_server.py),
+# before any harness code: the first server stalls, as one stuck in its imports would; the next
+# starts.
 STALL_ONCE = """
 import os, sys, time
 if "multiprocessing.forkserver" in " ".join(sys.orig_argv) and "STALL_ONCE" in os.environ:

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from harness import environment
+from harness.runtime import environment
 from tests.conftest import BIN, sdc_bench
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "slurm_torchrun.sbatch"

@@ -1,5 +1,5 @@
 """Sweeps through the public command: `sdc-bench -m` runs one job per folder, and at its end a
-merged report of every job sits at the top of the sweep folder (harness/sweep.py)."""
+merged report of every job sits at the top of the sweep folder (harness/analysis/sweep.py)."""
 
 from __future__ import annotations
 

@@ -6,9 +6,9 @@ from dataclasses import replace
 
 import torch
 
-from harness.config import FaultConfig, TrialSpec
-from harness.workloads import Workload
-from harness.world import World
+from harness.config.schema import FaultConfig, TrialSpec
+from harness.launch.world import World
+from harness.runtime.workloads import Workload
 from tests.conftest import compose_run
 
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from harness.comm import fixed_layout
 from harness.examples import WideMLP
+from harness.runtime.comm import fixed_layout
 from tests.conftest import rows, without_timing
 
 # A loss-value fault is always masked (backward never reads the loss value); a gradient bit

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from harness import environment, stacks
-from harness.world import crash_cause
+from harness.launch import stacks
+from harness.launch.world import crash_cause
+from harness.runtime import environment
 from tests.conftest import BIN, FAST, rows, without_timing
 
 
@@ -222,7 +223,7 @@ def test_a_hung_ranks_cause_names_the_innermost_frames_of_its_main_thread():
             f'  File "{lib}/distributed_c10d.py", line 1899 in init_process_group',
             f'  File "{lib}/c10d_logger.py", line 97 in wrapper',
             f'  File "{lib}/c10d_logger.py", line 83 in wrapper',
-            f'  File "{root}/harness/world.py", line 96 in _rank_main',
+            f'  File "{root}/harness/launch/world.py", line 96 in _rank_main',
         ]
     )
     frames = stacks.innermost(dump)

@@ -8,7 +8,7 @@ between two runs of the same step:
   (or :16:8), read when cuBLAS creates a handle;
 - NCCL's choice of algorithm and protocol per message size and topology, which sets the order
   in which a reduction adds: NCCL_ALGO and NCCL_PROTO fixed to one each, read when NCCL starts.
-The ranks set them before either starts (`apply`, from harness.world.init_rank); `settings`
+The ranks set them before either starts (`apply`, from harness.launch.world.init_rank); `settings`
 is the preflight: it refuses, in one line, an environment that already fixed them otherwise.
 """
 

@@ -13,14 +13,14 @@ folder, no trials.csv, missing columns), before anything is compared. A regressi
 - a new blind spot (docs/design.md, section 5): a cell that is one now and was not in the baseline.
 
 Before the verdict it says whether both runs computed in the same environment (campaign.json,
-harness.environment). Only then can rows compare bit for bit: golden losses, `golden_match` and
-which trials are masked (bit-identical to their golden run). It reports how many shared trials
+harness.runtime.environment). Only then can rows compare bit for bit: golden losses, `golden_match`
+and which trials are masked (bit-identical to their golden run). It reports how many shared trials
 kept their effect and golden loss, as information: a change of code may change them. Across
 environments these are not compared at all, since a masked trial there may turn benign from
 rounding alone; every regression above is a rate with its interval and compares either way.
 
-Every count comes from the report's own functions (harness.report), so a regression is judged on
-exactly the numbers the report shows.
+Every count comes from the report's own functions (harness.analysis.report), so a regression is
+judged on exactly the numbers the report shows.
 """
 
 from __future__ import annotations
@@ -32,8 +32,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness import environment
-from harness.report import (
+from harness.analysis.report import (
     ANY,
     Cell,
     Counts,
@@ -47,6 +46,7 @@ from harness.report import (
     rate_text,
     wilson,
 )
+from harness.results import machine
 
 OVERHEAD_GROWTH = 0.25
 # Two measurements of the nightly's overheads (100 steps, 5 rounds) on an idle 2-core machine
@@ -67,7 +67,7 @@ def load(folder: Path) -> Run:
     """Read a run or sweep folder; any problem raises ReportError naming the folder or file."""
     trials = _trials(folder)
     runs = [Path(r) for r in sorted(trials["run"].unique())]
-    return Run(trials, load_overhead([folder]), environment.of_runs(runs))
+    return Run(trials, load_overhead([folder]), machine.of_runs(runs))
 
 
 def _trials(folder: Path) -> pd.DataFrame:
@@ -187,7 +187,7 @@ def regressions(base: Run, cur: Run) -> list[dict[str, str]]:
 def environment_lines(base: Run, cur: Run) -> list[str]:
     """Whether the two runs' rows can compare bit for bit, and what compares either way."""
     before, after = base.environment, cur.environment
-    if environment.same_numbers(before, after):
+    if machine.same_numbers(before, after):
         shared = base.trials.merge(cur.trials, on="trial_id", suffixes=("_base", "_cur"))
         kept = (shared["effect_base"] == shared["effect_cur"]) & (
             shared["golden_final_loss_base"] == shared["golden_final_loss_cur"]
@@ -203,7 +203,7 @@ def environment_lines(base: Run, cur: Run) -> list[str]:
         runs = "runs" if before is None and after is None else "run"
         lines = [f"environment unknown for the {which} {runs} (none recorded, or mixed in a sweep)"]
     else:
-        changed = environment.differences(before, after)
+        changed = machine.differences(before, after)
         lines = ["environments differ: " + "; ".join(
             f"{f} {before.get(f, '?')} -> {after.get(f, '?')}" for f in changed
         )]  # fmt: skip

@@ -17,10 +17,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from harness import checkpoint
-from harness.config import RunConfig, Segment, TrialSpec
-from harness.outcome import merge_alerts
-from harness.world import Outcome
+from harness.config.schema import RunConfig, Segment, TrialSpec
+from harness.launch.world import Outcome
+from harness.results.judgement import merge_alerts
+from harness.runtime import checkpoint
 
 
 @dataclass
@@ -175,7 +175,7 @@ def run_with_recovery(run: RunConfig, spec: TrialSpec, execute, out: Path) -> Ou
 
 def _suspect_ranks(outcome: Outcome, alerts: list[dict[str, Any]], stop: int) -> set[int]:
     """The ranks a stop at step `stop` suspects: the node that sub-group reductions located
-    when a repeated reduction fault named none (harness/locate.py), else every alert's."""
+    when a repeated reduction fault named none (harness/runtime/locate.py), else every alert's."""
     located = {
         r
         for p in outcome.parts

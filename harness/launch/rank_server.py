@@ -5,10 +5,10 @@ A rank started from a fresh interpreter imports torch again, seconds of CPU each
 on a loaded 2-core machine took 18 s to start a world, and a campaign starts a fresh world after
 every crash. A rank forked from the server starts in milliseconds, with torch already loaded.
 
-torch reads its CPU kernel choice (harness.environment's pins) once, when it loads: in the
+torch reads its CPU kernel choice (harness.runtime.environment's pins) once, when it loads: in the
 server. So the server starts inside the pinned environment, and starts again when a world asks
-for another one. It imports harness.stacks first, so a server stuck in its imports can show
-where, like any rank (harness/stacks.py).
+for another one. It imports harness.launch.stacks first, so a server stuck in its imports can show
+where, like any rank (harness/launch/stacks.py).
 
 multiprocessing's forkserver is the server; it exposes no way to stop or signal it, so `stop`
 reaches its two private fields (Python 3.11-3.13 alike).
@@ -23,11 +23,12 @@ from multiprocessing import forkserver, get_context
 from multiprocessing.context import BaseContext
 from pathlib import Path
 
-from harness import environment, stacks
+from harness.launch import stacks
+from harness.runtime import environment
 
 # The main module first (every forked rank would import it again otherwise), then stacks, whose
 # import registers the server's stack dump before torch loads.
-PRELOAD = ["__main__", "harness.stacks", "harness.world"]
+PRELOAD = ["__main__", "harness.launch.stacks", "harness.launch.world"]
 
 _environment: dict[str, str] | None = None  # what the running server started with
 

@@ -18,21 +18,7 @@ import torch
 from torch import nn
 
 from harness.errors import ConfigError
-
-# The step's points, in the order they happen (docs/design.md, section 3). The index orders alerts
-# within a step, which `contained` relies on.
-PHASES = (
-    "forward",
-    "loss",
-    "pre_allreduce",
-    "post_allreduce",
-    "audit",
-    "optimizer",
-    "post_update",
-    "consensus",
-    "checkpoint",
-)
-PHASE_ORDER = {name: i for i, name in enumerate(PHASES)}
+from harness.results.schema import PHASE_ORDER
 
 
 @dataclass(frozen=True)
@@ -40,7 +26,9 @@ class RankInfo:
     rank: int
     world_size: int
     ranks_per_node: int
-    device: str = "cpu"  # where this rank's model, data and checks live (harness/devices.py)
+    device: str = (
+        "cpu"  # where this rank's model, data and checks live (harness/runtime/devices.py)
+    )
 
     @property
     def node(self) -> int:
@@ -59,7 +47,7 @@ class Bucket:
     riders: dict[int, torch.Tensor] = field(default_factory=dict)
     # What the collective sums of this rank's buffer: `contribution` times it, rounded to `wire`
     # (None: summed in the buffer's own dtype). 1 and None unless a wrapped comm hook divides
-    # and compresses the bucket after the riders were taken (harness/comm.py).
+    # and compresses the bucket after the riders were taken (harness/runtime/comm.py).
     contribution: float = 1.0
     wire: torch.dtype | None = None
     # The whole summed rider region (every plug-in's slots and the unused ones), when it exists.
@@ -185,7 +173,7 @@ class Plugin:
         self, step: int, index: int, parts: list[torch.Tensor], members: tuple[int, ...]
     ) -> None:
         """`on_contribution` for a diagnostic reduction over the world ranks `members` alone
-        (harness/locate.py); checks do not see these."""
+        (harness/runtime/locate.py); checks do not see these."""
 
     def on_group_reduced(self, step: int, bucket: Bucket, members: tuple[int, ...]) -> None:
         """`on_reduced_grad` for a diagnostic reduction over `members` alone."""
@@ -207,11 +195,11 @@ class DetectorContext:
 
     info: RankInfo
     model: nn.Module
-    workload: Any  # harness.workloads.Workload: regenerates any rank's micro-batch
+    workload: Any  # harness.runtime.workloads.Workload: regenerates any rank's micro-batch
     steps: int
     data: tuple[tuple[int, ...], ...]  # whose micro-batches each rank trains on
     # Where replay gets another rank's micro-batches: None regenerates them from `workload`; a
-    # user's loop ships them instead (harness/batch_exchange.py).
+    # user's loop ships them instead (harness/runtime/batch_exchange.py).
     replay_data: Any = None
 
     def batches(self, rank: int) -> list[tuple[int, int]]:
@@ -277,7 +265,7 @@ class Detector(Plugin):
         """Take over the state a golden run's check held at a snapshot."""
 
     def read(self, tensor: torch.Tensor) -> Any:
-        """A tensor's values on the host, counted (harness.plugins.Verdicts)."""
+        """A tensor's values on the host, counted (harness.runtime.plugins.Verdicts)."""
         return self._log.verdicts.read(tensor)
 
     def defer(

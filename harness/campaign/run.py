@@ -15,15 +15,24 @@ from typing import Protocol
 
 from tqdm import tqdm
 
-from harness import environment, overhead, stacks
-from harness.config import ConfigError, RunConfig, TopologyConfig, TrialSpec
-from harness.fastforward import drop_snapshots, fast_forwarded, has_snapshots
-from harness.outcome import Judged, golden_from, noise_band, trial_row
-from harness.records import Records
-from harness.recovery import run_with_recovery, scratch_folders
-from harness.world import Outcome, World, WorldStartError
+from harness.campaign import overhead
+from harness.campaign.fastforward import (
+    drop_snapshots,
+    fast_forwarded,
+    golden_specs,
+    has_snapshots,
+)
+from harness.campaign.recovery import run_with_recovery, scratch_folders
+from harness.config.schema import RunConfig, TopologyConfig, TrialSpec
+from harness.errors import ConfigError
+from harness.launch import stacks
+from harness.launch.world import Outcome, World, WorldStartError
+from harness.results import machine
+from harness.results.judgement import Judged, golden_from, noise_band, trial_row
+from harness.results.records import Records
+from harness.runtime import environment
 
-CAMPAIGN_FILE = environment.CAMPAIGN_FILE
+CAMPAIGN_FILE = machine.CAMPAIGN_FILE
 CRASH_LOG = "crashes.log"
 
 
@@ -62,7 +71,7 @@ def check_out(out: Path, run: RunConfig) -> None:
         )
     if held is not None:
         before, now = held[1], environment.describe(run.topology)
-        changed = [f for f in environment.differences(before, now) if f in environment.NUMERIC]
+        changed = [f for f in machine.differences(before, now) if f in machine.NUMERIC]
         if changed:
             was = ", ".join(f"{f} {(before or {}).get(f, '?')} -> {now[f]}" for f in changed)
             raise ConfigError(
@@ -89,7 +98,7 @@ def claim(out: Path, run: RunConfig) -> None:
 
 class Executor(Protocol):
     """Where a campaign's trials run: spawned worlds here, torchrun's world in
-    harness/torchrun_world.py. `lost` names what ended a world that cannot be replaced (the
+    harness/launch/torchrun_world.py. `lost` names what ended a world that cannot be replaced (the
     campaign then stops after recording the trial it crashed); None while trials can run."""
 
     lost: str | None
@@ -186,7 +195,7 @@ class Campaign:
         starting = {t.seed for t in trials if t.fault.first_step > 0}
         self.pending = [
             g
-            for g in run.golden_specs()
+            for g in golden_specs(run)
             if g.seed not in self.goldens
             or (g.seed in starting and not has_snapshots(out / "store", g, run))
         ]

@@ -17,7 +17,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from harness import report
+from harness.analysis import report
 
 SWEEP_FILE = "sweep.md"
 

@@ -6,12 +6,12 @@ need, and two runs with the same seed see exactly the same data.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from hydra.utils import instantiate
 from torch import nn
+
+from harness.config.schema import WorkloadConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -25,32 +25,6 @@ def generator(*key: int) -> torch.Generator:
     for part in key:
         seed = (seed * 0x100000001B3 ^ (part & 0xFFFFFFFFFFFFFFFF)) % (1 << 63)
     return torch.Generator().manual_seed(seed)
-
-
-@dataclass(frozen=True)
-class WorkloadConfig:
-    name: str
-    steps: int
-    dtype: str
-    seed: int
-    micro_batches: int
-    micro_batch_size: int
-    lr: float
-    # mlp
-    in_dim: int = 64
-    hidden: int = 256
-    classes: int = 10
-    # gpt
-    vocab: int = 128
-    context: int = 64
-    d_model: int = 128
-    layers: int = 2
-    heads: int = 4
-    # custom: Hydra targets the user names (instantiated from their config, never from results)
-    model: dict | None = None  # the nn.Module
-    data: dict | None = None  # (seed, step, rank, micro_batch, size) -> (inputs, targets)
-    loss: dict | None = None  # (outputs, targets) -> scalar
-    optimizer: dict | None = None  # partial: (params) -> optimizer
 
 
 class MLP(nn.Module):

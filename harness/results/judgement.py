@@ -11,30 +11,12 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from harness.config import FaultConfig, RunConfig, TrialSpec, check_interval
-from harness.plugins import PHASE_ORDER
-from harness.trainer import RankResult
+from harness.config.schema import FaultConfig, RunConfig, TrialSpec, check_interval
+from harness.results.schema import PHASE_ORDER, RankResult
 
 # Faults that enter the gradient of their own step: containing them means alerting before
 # that step's optimizer update.
 GRADIENT_SITES = {"grad", "allreduce", "activation", "loss"}
-
-CONTRACT_COLUMNS = [
-    "trial_id", "seed", "workload", "dtype", "nodes", "ranks_per_node", "site", "model", "bit",
-    "factor", "value", "scope", "persistence", "fired", "inject_step", "injected_ranks", "effect",
-    "detected", "first_detector", "detect_step", "ttd_steps", "ttd_seconds", "contained",
-    "alerts", "suspect_ranks", "suspect_nodes", "attribution_correct", "recovered", "final_loss",
-    "golden_final_loss", "loss_delta", "step_time_s",
-]  # fmt: skip
-# Beyond the contract (docs/design.md, section 4): what the report and audits of the table need.
-EXTRA_COLUMNS = [
-    "campaign", "detectors", "detected_by", "alert_detectors", "fault_ranks", "fault_steps",
-    "golden_match", "replicas_agree", "divergent_ranks", "noise_band", "stopped_step",
-    "recoveries", "restore_step", "steps_lost", "recovery_s", "quarantined_nodes", "final_nodes",
-    "recovery_verdict", "crash_cause", "start_step", "check_intervals", "detect_steps", "damage",
-    "effect_from",
-]  # fmt: skip
-COLUMNS = CONTRACT_COLUMNS + EXTRA_COLUMNS
 
 
 @dataclass(frozen=True)
@@ -117,8 +99,8 @@ def trial_row(
     judged: Judged | None = None,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The trial's row for trials.csv and its events for events.jsonl; `recovery` holds what
-    harness.recovery did (None: recovery was off); `judged` the observe twin's result when a
-    check stopped this trial."""
+    harness.campaign.recovery did (None: recovery was off); `judged` the observe twin's result when
+    a check stopped this trial."""
     judged = judged or Judged(parts, crash)
     fault: FaultConfig = spec.fault
     events = [e for p in parts or [] for e in p.events]

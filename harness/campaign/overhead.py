@@ -5,7 +5,7 @@ overhead = step time with the detector alone / step time without detectors - 1, 
 against two references: the harness's comm hook without checks (`overhead_pct`: what the check
 itself costs) and plain DDP without the harness's hook (`overhead_vs_ddp_pct`: what a job
 pays). The `hook` row is the hook's own cost against plain DDP (its fixed layout reduces after
-backward instead of overlapping with it, and copies each chunk; harness/comm.py).
+backward instead of overlapping with it, and copies each chunk; harness/runtime/comm.py).
 A step's time is its slowest rank's (the ranks wait for each other in the allreduce). A check
 that runs every k steps makes the series periodic, and a plain median over steps would return
 the steps it skips: the median is taken at each position of the cycle (step mod k) and the
@@ -38,14 +38,12 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
-from harness.config import FaultConfig, RunConfig, TrialSpec, check_interval
+from harness.config.schema import FaultConfig, RunConfig, TrialSpec, check_interval
+from harness.results.schema import OVERHEAD_COLUMNS, OVERHEAD_FILE
 
 if TYPE_CHECKING:  # the world imports the trainer: not needed to read the result tables
-    from harness.world import Outcome
+    from harness.launch.world import Outcome
 
-OVERHEAD_FILE = "overhead.csv"
-COLUMNS = ["detector", "interval", "overhead_pct", "floor_pct", "overhead_vs_ddp_pct"]
-REQUIRED = COLUMNS[:4]  # the contract's (docs/design.md, section 4); older tables lack the last
 WARMUP_STEPS = 2  # the first steps allocate, and DDP rebuilds its buckets after step 0
 REFERENCE = "none"
 FLOOR = "floor"  # more micro-batches per step, no detectors: replay's floor
@@ -180,7 +178,7 @@ def write(path: Path, table: list[dict[str, object]]) -> Path:
     """Whole or not at all: a reader never sees half a table."""
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer = csv.DictWriter(f, fieldnames=OVERHEAD_COLUMNS)
         writer.writeheader()
         writer.writerows(table)
     tmp.replace(path)

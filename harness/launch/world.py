@@ -8,8 +8,8 @@ Liveness rather than one long deadline: each rank stamps a shared clock once it 
 world and at every step. A world whose ranks have not all joined within
 topology.startup_timeout_s did not start (`WorldStartError`, not a crash of any trial); a rank
 silent (no heartbeat, no CPU time used) for longer than the collective timeout plus a grace while
-a trial runs is hung. A hung rank is asked for its Python stack (harness/stacks.py) before the
-world goes; topology.trial_timeout_s stays as the last resort for a trial that never ends.
+a trial runs is hung. A hung rank is asked for its Python stack (harness/launch/stacks.py) before
+the world goes; topology.trial_timeout_s stays as the last resort for a trial that never ends.
 """
 
 from __future__ import annotations
@@ -32,10 +32,12 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from harness import determinism, devices, environment, rank_server, stacks
-from harness.config import RunConfig, TopologyConfig, TrialSpec
-from harness.plugins import RankInfo
-from harness.trainer import RankResult, run_trial
+from harness.config.schema import RunConfig, TopologyConfig, TrialSpec
+from harness.launch import rank_server, stacks
+from harness.results.schema import RankResult
+from harness.runtime import determinism, devices, environment
+from harness.runtime.plugins import RankInfo
+from harness.runtime.trainer import run_trial
 
 _POLL_S = 0.2
 # After the first rank reports an error, how long the others get to report theirs.
@@ -58,7 +60,7 @@ class Outcome:
 
     parts: list[RankResult] | None = None
     crash: str | None = None
-    recovery: dict | None = None  # what harness.recovery did, when it ran
+    recovery: dict | None = None  # what harness.campaign.recovery did, when it ran
     stacks: dict[int, str] = field(default_factory=dict)  # hung ranks' full stack dumps
 
 

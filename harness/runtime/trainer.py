@@ -12,13 +12,11 @@ site a hook point. It knows the plug-in hooks, never a concrete injector or dete
 """
 
 import hashlib
-import math
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,34 +24,14 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import detectors
-from harness import checkpoint, devices, fastforward
-from harness.comm import HookState, harness_ddp, retry_reduction
-from harness.config import RunConfig, TrialSpec
-from harness.locate import faulty_node_ranks
-from harness.plugins import DetectorContext, EventLog, PluginBus, RankInfo
-from harness.workloads import Workload
+from harness.config.schema import RunConfig, TrialSpec
+from harness.results.schema import RankResult
+from harness.runtime import checkpoint, devices, snapshots
+from harness.runtime.comm import HookState, harness_ddp, retry_reduction
+from harness.runtime.locate import faulty_node_ranks
+from harness.runtime.plugins import DetectorContext, EventLog, PluginBus, RankInfo
+from harness.runtime.workloads import Workload
 from injectors import injector
-
-
-@dataclass
-class RankResult:
-    """What one rank reports about one trial."""
-
-    trial_id: str
-    rank: int
-    events: list[dict[str, Any]] = field(default_factory=list)
-    losses: list[float] = field(default_factory=list)
-    step_times: list[float] = field(default_factory=list)
-    final_loss: float = math.nan
-    weights_digest: str = ""
-    weights_finite: bool = True
-    # Non-finite elements in the optimizer state: an Adam moment that overflowed to inf freezes
-    # its weight for the rest of the run (its update is m / inf = 0).
-    optimizer_nonfinite: int = 0
-    stopped_step: int | None = None
-    stopped_by: str = ""
-    # Device-to-host reads of the checks' results in each step (docs/design.md, section 6).
-    host_reads: list[int] = field(default_factory=list)
 
 
 def weights_digest(model: nn.Module) -> str:
@@ -86,8 +64,8 @@ def _stop_point(
     With `kept` (the hook state keeping the step's local contributions, recovery on): when
     every rank alarmed on the received sum alone, the reduction itself was wrong and names no
     node; it is re-run once from the kept local gradients (no rollback, no quarantine). If the
-    repeat alarms too, sub-group reductions locate the node that breaks it (harness/locate.py)
-    before the step stops (issue 14)."""
+    repeat alarms too, sub-group reductions locate the node that breaks it
+    (harness/runtime/locate.py) before the step stops (issue 14)."""
     if not acting:
         return bus.resolve(extra)
     flags = bus.stop_flags()
@@ -153,7 +131,7 @@ def run_trial(
             state_dict = checkpoint.load(Path(spec.segment.checkpoint), device)
             model.load_state_dict(state_dict["model"])
             optimizer.load_state_dict(state_dict["optimizer"])
-            fastforward.load_checks(Path(spec.segment.checkpoint), built, info)
+            snapshots.load_checks(Path(spec.segment.checkpoint), built, info)
     state = HookState(bus, model, info.world_size)
     state.keep = run.recovery.enabled and acting and spec.hook
     ddp = harness_ddp(model, state) if spec.hook else DDP(model)
@@ -191,8 +169,8 @@ def run_trial(
                 if approved:
                     _checkpoint(store / spec.trial_id, step, model, optimizer, info, log)
             if step in spec.snapshots:
-                snapshot = fastforward.snapshot_path(store, spec.seed, step)
-                fastforward.save_snapshot(snapshot, model, optimizer, built, info)
+                snapshot = snapshots.snapshot_path(store, spec.seed, step)
+                snapshots.save_snapshot(snapshot, model, optimizer, built, info)
             devices.synchronize(device)  # the clock times the step's work, not its queueing
             result.step_times.append(time.perf_counter() - started)
             result.host_reads.append(bus.host_reads - reads)

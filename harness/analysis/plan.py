@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.report import (
+from harness.analysis.report import (
     Counts,
     ReportError,
     load_overhead,

@@ -3,10 +3,10 @@
 
 A wrong reduction names no node: every rank receives the same wrong sum and every rank's check
 alarms on it. When the step's reduction, re-run from the local contributions kept before the
-collective (harness/comm.py, `retry_reduction`), is wrong again, the fault repeats on hardware
-that takes part in every reduction. Reducing the kept contributions once more in sub-groups, one
-per node that leaves out only that node, finds it: with one faulty node, the group without it
-is the only one whose sum comes out right.
+collective (harness/runtime/comm.py, `retry_reduction`), is wrong again, the fault repeats on
+hardware that takes part in every reduction. Reducing the kept contributions once more in
+sub-groups, one per node that leaves out only that node, finds it: with one faulty node, the group
+without it is the only one whose sum comes out right.
 
 Each group's sum is checked against the exact (float64) sum of its members' contributions as
 they reached every rank by another route: an all_gather, which copies and adds nothing, so a
@@ -24,8 +24,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from harness.comm import HookState, kept_parts, reduce_in_group
-from harness.plugins import EventLog, RankInfo
+from harness.runtime.comm import HookState, kept_parts, reduce_in_group
+from harness.runtime.plugins import EventLog, RankInfo
 
 
 def faulty_node_ranks(state: HookState, step: int, info: RankInfo, log: EventLog) -> list[int]:

@@ -18,10 +18,17 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness import environment, figures, overhead
-from harness.outcome import CONTRACT_COLUMNS, EXTRA_COLUMNS
-from harness.workloads import DTYPES
-from injectors import bits
+from harness.analysis import figures
+from harness.results import machine
+from harness.results.schema import (
+    BIT_CLASSES,
+    CONTRACT_COLUMNS,
+    EXTRA_COLUMNS,
+    OVERHEAD_COLUMNS,
+    OVERHEAD_FILE,
+    OVERHEAD_REQUIRED,
+    classify_bit,
+)
 
 Z95 = 1.959963984540054
 TRIAL_SETS = ("all fired", "non-masked", "harmful")
@@ -56,9 +63,9 @@ def bit_class(dtype: str, bit: object) -> str:
     """A configured bit as its class; a configured class stays itself."""
     if bit == "" or bit is None or (isinstance(bit, float) and math.isnan(bit)):
         return ""
-    if str(bit) in bits.CLASSES:
+    if str(bit) in BIT_CLASSES:
         return str(bit)
-    return bits.classify(DTYPES[dtype], int(float(bit)))
+    return classify_bit(dtype, int(float(bit)))
 
 
 def load_trials(dirs: list[Path]) -> pd.DataFrame:
@@ -323,7 +330,7 @@ def load_overhead(dirs: list[Path]) -> pd.DataFrame | None:
     """Every overhead.csv under the given folders (a sweep holds one per job), one row per
     (detector, interval) with the medians over the runs that measured it and their number;
     None when no run measured overhead."""
-    files = [f for d in dirs for f in sorted(d.rglob(overhead.OVERHEAD_FILE))]
+    files = [f for d in dirs for f in sorted(d.rglob(OVERHEAD_FILE))]
     if not files:
         return None
     frames = []
@@ -332,7 +339,7 @@ def load_overhead(dirs: list[Path]) -> pd.DataFrame | None:
             table = pd.read_csv(f, dtype=str, keep_default_na=False)
         except (ValueError, OSError) as exc:  # pandas: an empty or malformed file
             raise ReportError(f"{f}: unreadable: {exc}") from None
-        missing = [c for c in overhead.REQUIRED if c not in table.columns]
+        missing = [c for c in OVERHEAD_REQUIRED if c not in table.columns]
         if missing:
             raise ReportError(f"{f}: missing columns: {', '.join(missing)}")
         if "overhead_vs_ddp_pct" not in table.columns:  # measured before plain DDP was
@@ -342,7 +349,7 @@ def load_overhead(dirs: list[Path]) -> pd.DataFrame | None:
                 table[column] = pd.to_numeric(table[column].replace("", math.nan))
         except ValueError as exc:
             raise ReportError(f"{f}: unreadable: {exc}") from None
-        frames.append(table[overhead.COLUMNS])
+        frames.append(table[OVERHEAD_COLUMNS])
     table = pd.concat(frames, ignore_index=True)
     merged = table.groupby(["detector", "interval"], as_index=False).agg(
         overhead_pct=("overhead_pct", "median"),
@@ -424,8 +431,8 @@ def overhead_section(table: pd.DataFrame, folder: Path) -> str:
         "## Overhead against audit interval\n\nStep time with the check alone over the step "
         "time without checks, minus 1 (docs/design.md, section 5): the median over steps, "
         "amortized over the check's interval, measured on this run's workload and world after "
-        "its trials (harness/overhead.py), against two references: the harness's comm hook "
-        "without checks (the check's own cost) and plain DDP without the hook (what a job "
+        "its trials (harness/campaign/overhead.py), against two references: the harness's comm "
+        "hook without checks (the check's own cost) and plain DDP without the hook (what a job "
         "pays). The `hook` row is the hook's own cost against plain DDP. Floor: the least the "
         "check could cost; for replay one forward and backward of the audited micro-batches "
         "per interval, measured in the same world. "
@@ -506,7 +513,7 @@ DEFINITIONS = """## Definitions (docs/design.md, section 5)
 
 def environment_line(df: pd.DataFrame) -> str:
     """Where the rows were computed (campaign.json), one line; runs that differ are joined."""
-    lines = [environment.summary(environment.recorded(Path(r))) for r in sorted(df["run"].unique())]
+    lines = [machine.summary(machine.recorded(Path(r))) for r in sorted(df["run"].unique())]
     return "; ".join(dict.fromkeys(lines))
 
 
@@ -551,7 +558,7 @@ def write_report(df: pd.DataFrame, out: Path, dirs: list[Path] | None = None) ->
     if measured is not None:
         sections.append(overhead_section(measured, folder))
     if measured is not None and by_interval:
-        from harness import plan_report  # it builds on this module's tables
+        from harness.analysis import plan_report  # it builds on this module's tables
 
         sections.append(plan_report.report_section(df, measured, folder))
     recovered = recovery(df)

@@ -1,5 +1,5 @@
-"""The plan (harness/plan.py) as text and figure: `sdc-plan`'s output, plan.md, plan.png, and the
-section that the report of a run with overhead.csv and several audit intervals includes.
+"""The plan (harness/analysis/plan.py) as text and figure: `sdc-plan`'s output, plan.md, plan.png,
+and the section that the report of a run with overhead.csv and several audit intervals includes.
 
 Bad input (a missing folder, no trials.csv or overhead.csv, a negative rate) exits 2 with one
 line, before anything is written.
@@ -16,9 +16,9 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import pandas as pd
 
-# harness.plan imports harness.report, whose figures module picks the Agg backend on its first
-# import (a batch job has no display) and leaves a notebook's backend alone after that.
-from harness.plan import (
+# harness.analysis.plan imports harness.analysis.report, whose figures module picks the Agg backend
+# on its first import (a batch job has no display) and leaves a notebook's backend alone after that.
+from harness.analysis.plan import (
     FIGURE_FILE,
     LLAMA3_SOURCE,
     NAMED_SETS,
@@ -31,11 +31,11 @@ from harness.plan import (
     load,
     plan,
 )
-from harness.report import markdown_table, rate_text
+from harness.analysis.report import markdown_table, rate_text
 
 MODEL = (
     "Expected GPU-hours lost per day of the job, for each set of checks at each audit interval "
-    "the run measured (harness/plan.py):\n\n"
+    "the run measured (harness/analysis/plan.py):\n\n"
     "    loss = overhead x 24 h x GPUs\n"
     "         + events/day x P(caught) x GPUs x (time to detection + rollback + restart)\n"
     "         + events/day x P(damaged, not caught) x GPUs x escape cost\n\n"

@@ -40,7 +40,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from harness.plugins import Bucket, PluginBus
+from harness.runtime.plugins import Bucket, PluginBus
 
 FIRST_CHUNK_BYTES = 1 << 20
 CHUNK_BYTES = 25 << 20
@@ -224,7 +224,8 @@ def reduce_in_group(
     state: HookState, step: int, kept: tuple, group: Any, members: tuple[int, ...]
 ) -> list[torch.Tensor]:
     """One kept chunk reduced over the world ranks `members` alone (a diagnostic reduction,
-    harness/locate.py), through the plug-ins' group hooks; the reduced parts. Members only."""
+    harness/runtime/locate.py), through the plug-ins' group hooks; the reduced parts. Members
+    only."""
     _, view, names, sizes, spans, shared, _, _ = kept
     parts = kept_parts(kept)
     state.bus.group_contribution(step, view.index, parts, members)

@@ -1,7 +1,7 @@
 """Python stacks of a world's ranks on request, so that a hang explains itself.
 
 A rank registers faulthandler on SIGUSR1, writing to its own file in the world's folder, as it
-starts. The rank server that ranks fork from (harness/rank_server.py) registers as soon as it
+starts. The rank server that ranks fork from (harness/launch/rank_server.py) registers as soon as it
 imports this module, before torch, so even a server stuck in its imports can show where. When
 the parent judges a rank hung it signals it, reads the dump, puts the innermost frames of the
 rank's main thread in the crash cause and the whole dump in the run's crashes.log.
@@ -59,7 +59,7 @@ def register(folder: Path) -> None:
 
 
 def register_from_env() -> None:
-    """In the rank server as it starts (harness/rank_server.py): register in the folder that
+    """In the rank server as it starts (harness/launch/rank_server.py): register in the folder that
     FOLDER_ENV names, before its imports, once."""
     folder = os.environ.get(FOLDER_ENV)
     if folder and _registered is None:

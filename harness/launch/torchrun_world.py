@@ -1,5 +1,5 @@
 """The world torchrun starts (one agent per host, its ranks on every host) run as the campaign's
-world: rank 0 runs harness/campaign.py's loop, as the spawned campaign's parent does, and its
+world: rank 0 runs harness/campaign/run.py's loop, as the spawned campaign's parent does, and its
 executor hands each trial to every rank, trains its own part and gathers the others'.
 
 Control goes through torchrun's rendezvous store, which every rank reaches: rank 0 posts task n
@@ -30,11 +30,12 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from harness import stacks
-from harness.config import RunConfig, TrialSpec
-from harness.plugins import RankInfo
-from harness.trainer import RankResult, run_trial
-from harness.world import PEER_FAILURE, Outcome, shutdown
+from harness.config.schema import RunConfig, TrialSpec
+from harness.launch import stacks
+from harness.launch.world import PEER_FAILURE, Outcome, shutdown
+from harness.results.schema import RankResult
+from harness.runtime.plugins import RankInfo
+from harness.runtime.trainer import run_trial
 
 # How long rank 0 waits for the other ranks' reports once its own part of a trial failed.
 REPORT_GRACE_S = 5.0
@@ -94,7 +95,7 @@ class TorchrunWorld:
     def __init__(self, run: RunConfig, rank: int, size: int, store_dir: Path, device: str = "cpu"):
         topo = run.topology
         self.rank, self.size, self.per_node = rank, size, topo.ranks_per_node
-        self.device = device  # this rank's (harness/devices.py)
+        self.device = device  # this rank's (harness/runtime/devices.py)
         self.backend = topo.backend
         self.timeout = timedelta(seconds=topo.collective_timeout_s)
         self.store_dir = store_dir
@@ -226,7 +227,7 @@ class TorchrunWorld:
 
 
 class TorchrunExecutor:
-    """Rank 0's executor for harness.campaign.run_campaign: each trial goes to every rank.
+    """Rank 0's executor for harness.campaign.run.run_campaign: each trial goes to every rank.
     `log` (the run's crashes.log) gets each crash's cause."""
 
     def __init__(self, world: TorchrunWorld, log: Path):

@@ -14,7 +14,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from harness.outcome import COLUMNS, Golden
+from harness.results.judgement import Golden
+from harness.results.schema import COLUMNS
 
 
 def _append_lines(path: Path, text: str) -> None:

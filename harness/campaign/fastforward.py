@@ -16,53 +16,34 @@ import shutil
 from dataclasses import replace
 from pathlib import Path
 
-from torch import nn
-
-from harness import checkpoint
-from harness.config import RunConfig, Segment, TrialSpec, golden_id
-from harness.plugins import Detector, RankInfo
+from harness.config.schema import FaultConfig, RunConfig, Segment, TrialSpec, golden_id
+from harness.runtime import checkpoint, snapshots
 
 
-def snapshot_path(store: Path, seed: int, step: int) -> Path:
-    return store / golden_id(seed) / f"ff_{step:06d}.pt"
+def golden_specs(run: RunConfig) -> list[TrialSpec]:
+    """The golden runs: one per seed that trials or the noise band use, each saving the
+    snapshots its trials start from."""
+    seeds = range(run.workload.seed, run.workload.seed + max(run.seeds, run.noise_seeds))
+    return [
+        TrialSpec(golden_id(s), s, FaultConfig(), golden=True, snapshots=snapshot_steps(run, s))
+        for s in seeds
+    ]
 
 
-def _checks_path(snapshot: Path, rank: int) -> Path:
-    return snapshot.with_name(f"{snapshot.stem}.rank{rank}.pt")
-
-
-def save_snapshot(
-    snapshot: Path, model: nn.Module, optimizer, checks: list[Detector], info: RankInfo
-) -> None:
-    """Rank 0 saves the weights and optimizer state (the replicas are identical); every rank
-    saves its own checks' state. A snapshot is only a shortcut: one that cannot be written (a
-    full disk) is skipped, and its trials train from step 0."""
-    try:
-        if info.rank == 0:
-            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
-            checkpoint.save(snapshot, state)
-        states = {check.name: check.state_dict() for check in checks}
-        checkpoint.save(_checks_path(snapshot, info.rank), states)
-    except OSError:
-        return
-
-
-def load_checks(snapshot: Path, checks: list[Detector], info: RankInfo) -> None:
-    """Hand each check the state its golden twin held at the snapshot, if one was saved (a
-    recovery checkpoint carries none: checks restart after a rollback)."""
-    path = _checks_path(snapshot, info.rank)
-    if not path.exists():
-        return
-    states = checkpoint.load(path)
-    for check in checks:
-        check.load_state_dict(states[check.name])
+def snapshot_steps(run: RunConfig, seed: int) -> tuple[int, ...]:
+    """The steps whose end state the golden run of `seed` saves for its trials to start from
+    (a trial whose fault first strikes at step s starts from the snapshot after s - 1)."""
+    if not run.fast_forward:
+        return ()
+    starts = {t.fault.first_step for t in run.trials if t.seed == seed}
+    return tuple(sorted(s - 1 for s in starts if s > 0))
 
 
 def _verified(store: Path, seed: int, step: int, world: int) -> Path | None:
     """The snapshot after `step` of the golden run of `seed`, if it and every rank's check
     state match their checksums."""
-    snapshot = snapshot_path(store, seed, step)
-    files = [snapshot, *(_checks_path(snapshot, r) for r in range(world))]
+    snapshot = snapshots.snapshot_path(store, seed, step)
+    files = [snapshot, *(snapshots.checks_path(snapshot, r) for r in range(world))]
     return snapshot if all(checkpoint.verify(f) for f in files) else None
 
 
@@ -112,5 +93,5 @@ def drop_snapshots(store: Path, run: RunConfig) -> None:
     """Once every trial has run, the golden runs' stores are no longer needed."""
     if run.checkpoint.keep:
         return
-    for golden in run.golden_specs():
+    for golden in golden_specs(run):
         shutil.rmtree(store / golden.trial_id, ignore_errors=True)

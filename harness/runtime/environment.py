@@ -9,7 +9,6 @@ world sets them around each Process.start(), and torchrun's command line carries
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import re
@@ -17,14 +16,11 @@ import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
+from harness.config.schema import TopologyConfig
 from harness.errors import ConfigError
-
-if TYPE_CHECKING:  # harness.config validates cpu_kernels with this module
-    from harness.config import TopologyConfig
 
 CPU_KERNELS = ("avx2", "avx512", "default", "native")
 # torch's own test before it uses a capability (a pin the CPU lacks would crash on SIGILL).
@@ -42,12 +38,7 @@ RECORDED_VARIABLES = (
     "OMP_NUM_THREADS",
     "MKL_NUM_THREADS",
 )
-# Fields whose difference changes the numbers a run computes; the others say where and from
-# which code it ran (a code change is the commit's to say, and may or may not change them).
-NUMERIC = ("torch", "machine", "cpu_capability", "math_library", "math_settings", "threads",
-           "device", "backend")  # fmt: skip
 UNKNOWN = "unknown"
-CAMPAIGN_FILE = "campaign.json"
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -169,45 +160,3 @@ def describe(topology: TopologyConfig) -> dict[str, str]:
         "device": topology.device or "cpu",
         "backend": topology.backend,
     }
-
-
-def recorded(folder: Path) -> dict[str, str] | None:
-    """The environment a run folder's campaign.json records (None when it records none)."""
-    try:
-        return json.loads((folder / CAMPAIGN_FILE).read_text()).get("environment")
-    except (OSError, ValueError):
-        return None
-
-
-def of_runs(folders: list[Path]) -> dict[str, str] | None:
-    """The one environment the given run folders share; None when one is unknown or they differ."""
-    found = [recorded(f) for f in folders]
-    if not found or any(e is None for e in found) or any(e != found[0] for e in found):
-        return None
-    return found[0]
-
-
-def summary(env: dict[str, str] | None) -> str:
-    """The environment in one line (the report's header)."""
-    if not env:
-        return "unknown (not recorded)"
-    return (
-        f"commit {env['commit'][:12]}{'+dirty' if env['commit'].endswith('+dirty') else ''}, "
-        f"torch {env['torch']}, Python {env['python']}, {env['cpu']} ({env['machine']}), "
-        f"kernels {env['cpu_capability']} (cpu_kernels={env['cpu_kernels']}), "
-        f"{env['math_library']} [{env['math_settings']}], {env['threads']} thread(s)/rank, "
-        f"{env['device']}/{env['backend']}"
-    )
-
-
-def differences(before: dict[str, str] | None, after: dict[str, str] | None) -> list[str]:
-    """The fields two environments differ in; every numeric field when either is unknown."""
-    if not before or not after:
-        return list(NUMERIC)
-    fields = [*NUMERIC, *(k for k in sorted({*before, *after}) if k not in NUMERIC)]
-    return [f for f in fields if before.get(f) != after.get(f)]
-
-
-def same_numbers(before: dict[str, str] | None, after: dict[str, str] | None) -> bool:
-    """Whether two runs computed under the same numeric environment (both known)."""
-    return not any(f in NUMERIC for f in differences(before, after))

@@ -1,0 +1,240 @@
+"""What a run is, as plain frozen dataclasses: every layer reads these, and ranks receive them
+instead of an OmegaConf object. Built and checked from the composed Hydra config by
+harness/config/load.py; this module imports neither torch nor any other part of the harness.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+SITES_WITH_SCOPE = {"allreduce": ("rank", "reduction")}
+SCOPES = ("rank", "reduction")
+PERSISTENCE = ("transient", "intermittent", "permanent")
+SELECT = ("random", "largest")
+MATMUL_PHASES = ("forward", "backward")
+WORKLOADS = ("mlp", "gpt", "custom")
+CUSTOM_TARGETS = ("model", "data", "loss", "optimizer")
+BACKENDS = ("gloo", "nccl")
+LAUNCHERS = ("spawn", "torchrun")
+BIT_WIDTH = {"float32": 32, "bfloat16": 16, "float16": 16}
+
+
+@dataclass(frozen=True)
+class WorkloadConfig:
+    name: str
+    steps: int
+    dtype: str
+    seed: int
+    micro_batches: int
+    micro_batch_size: int
+    lr: float
+    # mlp
+    in_dim: int = 64
+    hidden: int = 256
+    classes: int = 10
+    # gpt
+    vocab: int = 128
+    context: int = 64
+    d_model: int = 128
+    layers: int = 2
+    heads: int = 4
+    # custom: Hydra targets the user names (instantiated from their config, never from results)
+    model: dict | None = None  # the nn.Module
+    data: dict | None = None  # (seed, step, rank, micro_batch, size) -> (inputs, targets)
+    loss: dict | None = None  # (outputs, targets) -> scalar
+    optimizer: dict | None = None  # partial: (params) -> optimizer
+
+
+@dataclass(frozen=True)
+class TopologyConfig:
+    nodes: int
+    ranks_per_node: int
+    spares: int
+    backend: str
+    threads_per_rank: int | tuple[int, ...]
+    collective_timeout_s: float
+    trial_timeout_s: float
+    # The CPU kernels every rank is pinned to (harness.runtime.environment): rows reproduce on any
+    # machine that has them; `native` lets each machine choose its own.
+    cpu_kernels: str = "avx2"
+    startup_timeout_s: float = 60.0
+    # cpu or cuda (harness/runtime/devices.py); None until resolved on the machine that runs the
+    # ranks.
+    device: str | None = None
+    # Set by validation, not a key: a check compares replays bit for bit on cuda, so the ranks
+    # fix what GPU recomputation needs before NCCL and cuBLAS start
+    # (harness/runtime/determinism.py).
+    deterministic: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    def threads(self, rank: int) -> int:
+        if isinstance(self.threads_per_rank, int):
+            return self.threads_per_rank
+        return self.threads_per_rank[rank]
+
+
+@dataclass(frozen=True)
+class FaultConfig:
+    site: str = "none"
+    model: str = "none"
+    bit: int | str | None = None
+    factor: float | None = None
+    value: str | None = None
+    scope: str | None = None
+    ranks: tuple[int, ...] = ()
+    steps: tuple[int, ...] = ()
+    persistence: str = "transient"
+    probability: float = 0.5
+    tensor: str = "*"
+    index: int | None = None
+    elements: int = 1
+    select: str = "random"
+    nbits: int = 1
+    adjacent: bool = True
+    stuck_at: int | None = None
+    ber: float | None = None
+    schedule: tuple[dict[str, Any], ...] = ()
+    bucket: int | None = None
+    follows: str = "hardware"
+    # Issue 14's fault shapes: a burst's sub-model and stride, a matmul fault's pass.
+    burst_model: str | None = None
+    stride: int = 1
+    phase: str = "forward"
+
+    @property
+    def clean(self) -> bool:
+        return self.site == "none"
+
+    @property
+    def first_step(self) -> int:
+        """The first step at which this fault can strike (0 for a clean trial): until then a
+        trial is its golden run."""
+        if self.clean:
+            return 0
+        steps = [e["step"] for e in self.schedule] or list(self.steps)
+        # A stale contribution is the previous step's: the trial must run that step too.
+        return max(min(steps, default=0) - (self.model == "stale"), 0)
+
+    def label(self) -> str:
+        if self.clean:
+            return "clean"
+        parts = [self.site, self.model]
+        if self.bit is not None:
+            parts.append(f"b{self.bit}" if isinstance(self.bit, int) else self.bit)
+        if self.factor is not None:
+            parts.append(f"x{self.factor:g}")
+        if self.value is not None:
+            parts.append(self.value)
+        if self.stuck_at is not None:
+            parts.append(f"at{self.stuck_at}")
+        if self.burst_model is not None:
+            parts.append(f"{self.burst_model}k{self.elements}")
+            if self.stride > 1:
+                parts.append(f"s{self.stride}")
+        if self.phase != "forward":
+            parts.append(self.phase)
+        if self.nbits > 1:
+            parts.append(f"n{self.nbits}{'adj' if self.adjacent else 'rnd'}")
+        if self.ber is not None:
+            parts.append(f"ber{self.ber:g}")
+        if self.select != "random":
+            parts.append(self.select)
+        if self.scope:
+            parts.append(self.scope)
+        if self.schedule:
+            parts.append("schedule")
+        elif self.persistence != "transient":
+            parts.append(self.persistence)
+        return "-".join(parts)
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    interval: int
+    keep: bool
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Where a trial resumes after a recovery, and on which hardware.
+
+    `hardware[r]` is the original rank whose machine new rank r runs on (-1: a healthy spare);
+    `data[r]` lists the original ranks whose micro-batches new rank r trains on, so the global
+    batch stays the same when the world shrinks.
+    """
+
+    start_step: int
+    checkpoint: str
+    hardware: tuple[int, ...]
+    data: tuple[tuple[int, ...], ...]
+
+
+def golden_id(seed: int) -> str:
+    return f"golden-s{seed}"
+
+
+@dataclass(frozen=True)
+class TrialSpec:
+    trial_id: str
+    seed: int
+    fault: FaultConfig
+    golden: bool = False
+    segment: Segment | None = None
+    # Golden runs only: the steps after which to save a fast-forward snapshot.
+    snapshots: tuple[int, ...] = ()
+    # The checks with this trial's parameters, when its scenario changes them (None: the run's).
+    checks: dict[str, dict[str, Any]] | None = None
+    # False: plain DDP without the harness's comm hook (overhead's outermost reference).
+    hook: bool = True
+
+
+@dataclass(frozen=True)
+class OverheadConfig:
+    """`campaign.overhead`: clean timed runs after the trials (harness/campaign/overhead.py)."""
+
+    steps: int  # timed steps per run, after the warm-up
+    rounds: int = 1  # reference/detector sandwiches; overhead.csv keeps the median over rounds
+
+
+@dataclass(frozen=True)
+class RecoveryConfig:
+    enabled: bool = False
+    max_recoveries: int = 3
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    campaign: str
+    workload: WorkloadConfig
+    topology: TopologyConfig
+    detectors: dict[str, dict[str, Any]]
+    checkpoint: CheckpointConfig
+    seeds: int
+    noise_seeds: int
+    scenarios: tuple[FaultConfig, ...]
+    launcher: str = "spawn"
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    trials: tuple[TrialSpec, ...] = field(default=())
+    fast_forward: bool = True
+    overhead: OverheadConfig | None = None
+
+    @property
+    def reference_seeds(self) -> range:
+        """The golden runs whose spread is the harm threshold: a fixed set, not the trial seeds."""
+        return range(self.workload.seed, self.workload.seed + self.noise_seeds)
+
+    def checks(self, spec: TrialSpec) -> dict[str, dict[str, Any]]:
+        """The checks of one trial: the run's, with its scenario's parameters."""
+        return self.detectors if spec.checks is None else spec.checks
+
+
+def check_interval(params: dict[str, Any]) -> int | None:
+    """A check's interval in steps, or None for one without (every step, or explicit steps)."""
+    if params.get("steps") is not None:
+        return None
+    value = params.get("interval")
+    return value if isinstance(value, int) and not isinstance(value, bool) else None

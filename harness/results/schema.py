@@ -1,0 +1,94 @@
+"""What a run leaves behind, as the rest of the harness and every reader of its tables see it:
+the step's phases that events name, what each rank reports about a trial, the columns of
+trials.csv and overhead.csv (docs/design.md, section 4), and the bit classes of the `bit` column.
+Analysis reads runs through this module alone; it imports neither torch nor the harness.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+# The step's points, in the order they happen (docs/design.md, section 3). The index orders alerts
+# within a step, which `contained` relies on.
+PHASES = (
+    "forward",
+    "loss",
+    "pre_allreduce",
+    "post_allreduce",
+    "audit",
+    "optimizer",
+    "post_update",
+    "consensus",
+    "checkpoint",
+)
+PHASE_ORDER = {name: i for i, name in enumerate(PHASES)}
+
+
+@dataclass
+class RankResult:
+    """What one rank reports about one trial."""
+
+    trial_id: str
+    rank: int
+    events: list[dict[str, Any]] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    step_times: list[float] = field(default_factory=list)
+    final_loss: float = math.nan
+    weights_digest: str = ""
+    weights_finite: bool = True
+    # Non-finite elements in the optimizer state: an Adam moment that overflowed to inf freezes
+    # its weight for the rest of the run (its update is m / inf = 0).
+    optimizer_nonfinite: int = 0
+    stopped_step: int | None = None
+    stopped_by: str = ""
+    # Device-to-host reads of the checks' results in each step (docs/design.md, section 6).
+    host_reads: list[int] = field(default_factory=list)
+
+
+CONTRACT_COLUMNS = [
+    "trial_id", "seed", "workload", "dtype", "nodes", "ranks_per_node", "site", "model", "bit",
+    "factor", "value", "scope", "persistence", "fired", "inject_step", "injected_ranks", "effect",
+    "detected", "first_detector", "detect_step", "ttd_steps", "ttd_seconds", "contained",
+    "alerts", "suspect_ranks", "suspect_nodes", "attribution_correct", "recovered", "final_loss",
+    "golden_final_loss", "loss_delta", "step_time_s",
+]  # fmt: skip
+# Beyond the contract (docs/design.md, section 4): what the report and audits of the table need.
+EXTRA_COLUMNS = [
+    "campaign", "detectors", "detected_by", "alert_detectors", "fault_ranks", "fault_steps",
+    "golden_match", "replicas_agree", "divergent_ranks", "noise_band", "stopped_step",
+    "recoveries", "restore_step", "steps_lost", "recovery_s", "quarantined_nodes", "final_nodes",
+    "recovery_verdict", "crash_cause", "start_step", "check_intervals", "detect_steps", "damage",
+    "effect_from",
+]  # fmt: skip
+COLUMNS = CONTRACT_COLUMNS + EXTRA_COLUMNS
+
+OVERHEAD_FILE = "overhead.csv"
+OVERHEAD_COLUMNS = ["detector", "interval", "overhead_pct", "floor_pct", "overhead_vs_ddp_pct"]
+# The contract's (docs/design.md, section 4); older tables lack the last.
+OVERHEAD_REQUIRED = OVERHEAD_COLUMNS[:4]
+
+# (bits, mantissa bits) of each floating-point format a fault can target.
+FLOAT_FORMATS = {"float64": (64, 52), "float32": (32, 23), "bfloat16": (16, 7), "float16": (16, 10)}
+BIT_CLASSES = ("sign", "exponent_msb", "exponent", "mantissa")
+
+
+def class_bits(fmt: str, name: str) -> list[int]:
+    """The bit indices (LSB = 0) of one bit class in the format `fmt` (a FLOAT_FORMATS key)."""
+    width, mantissa = FLOAT_FORMATS[fmt]
+    top = width - 1
+    return {
+        "sign": [top],
+        "exponent_msb": [top - 1],
+        "exponent": list(range(mantissa, top)),
+        "mantissa": list(range(mantissa)),
+    }[name]
+
+
+def classify_bit(fmt: str, bit: int) -> str:
+    """The narrowest class a bit of `fmt` belongs to."""
+    for name in BIT_CLASSES:
+        if bit in class_bits(fmt, name):
+            return name
+    raise ValueError(f"bit {bit} is outside {fmt}")
