@@ -108,7 +108,7 @@ def app(cfg: DictConfig) -> None:
     # Imported here: every rank of a spawned world re-imports this module (spawn reruns the
     # main module's imports), and a rank needs neither pandas nor matplotlib.
     from harness import torchrun_worker
-    from harness.analysis import report
+    from harness.analysis import report, tables
 
     run = validated(cfg)
     out = resolve_out(cfg)
@@ -126,7 +126,7 @@ def app(cfg: DictConfig) -> None:
     except KeyboardInterrupt:
         print(f"sdc-bench: interrupted; rerun with out={out} to resume", file=sys.stderr)
         sys.exit(130)
-    df = report.load_trials([trials.parent])
+    df = tables.load_trials([trials.parent])
     path = report.write_report(df, out)
     print(report.summary(df))
     print(f"trials: {trials}\nreport: {path}")

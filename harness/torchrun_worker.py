@@ -19,7 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import NoReturn
 
-from harness.analysis import report
+from harness.analysis import report, tables
 from harness.campaign.run import CRASH_LOG, CampaignError, run_campaign
 from harness.config.load import run_config
 from harness.config.schema import RunConfig, TopologyConfig
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
         raise
     executor.end(END)
     world.leave()
-    df = report.load_trials([trials.parent])
+    df = tables.load_trials([trials.parent])
     print(report.summary(df))
     print(f"trials: {trials}\nreport: {report.write_report(df, out)}")
 

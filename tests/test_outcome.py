@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from harness.analysis.report import bit_class, wilson
+from harness.analysis.tables import bit_class, wilson
 from harness.config.schema import FaultConfig, TrialSpec
 from harness.results.judgement import Golden, noise_band, trial_row
 from harness.results.schema import RankResult

@@ -14,9 +14,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
-from harness.analysis import plan_report, report
+from harness.analysis import plan_report, report, tables
 from harness.analysis.plan import LLAMA3_RATE, Job, amortized, load, overheads, plan
 from harness.campaign import overhead
 from harness.results import schema
@@ -64,7 +65,7 @@ def trial(step: int, seed: int, harmful: bool, on: str, every: str = "", found: 
 
 def write_run(folder: Path, trials: list[dict], costs: list[tuple]) -> Path:
     folder.mkdir(parents=True)
-    report.pd.DataFrame(trials, columns=COLUMNS).to_csv(folder / "trials.csv", index=False)
+    pd.DataFrame(trials, columns=COLUMNS).to_csv(folder / "trials.csv", index=False)
     measured = ["detector", "interval", "overhead_pct", "floor_pct"]  # other columns blank
     rows = [dict(zip(measured, c, strict=True)) for c in costs]
     overhead.write(folder / schema.OVERHEAD_FILE, rows)
@@ -153,7 +154,7 @@ def test_a_check_timed_at_several_intervals_costs_its_fitted_run_over_k():
     )
     # Noise that drives the fit below zero: the check costs nothing, not less.
     assert amortized([1, 2, 10], [2.0, -8.0, -30.0]) == 0.0
-    table = report.pd.DataFrame(
+    table = pd.DataFrame(
         {
             "detector": ["replay"] * 3 + ["nan_inf"],
             "interval": ["1", "5", "20", ""],
@@ -174,8 +175,8 @@ def test_a_check_timed_at_several_intervals_costs_its_fitted_run_over_k():
 def test_the_range_is_the_wilson_bounds_carried_through(tmp_path):
     result = plan(*load([every_step_run(tmp_path / "run")]), HAND)
     option, found = result.best
-    caught_lo, caught_hi = report.wilson(4, 4)
-    _, escaped_hi = report.wilson(0, 4)
+    caught_lo, caught_hi = tables.wilson(4, 4)
+    _, escaped_hi = tables.wilson(0, 4)
     assert found.low == pytest.approx(24 * 0.05 + caught_lo * 2)
     assert found.high == pytest.approx(24 * 0.05 + caught_hi * 2 + escaped_hi * 20)
     assert found.low < found.expected < found.high
@@ -241,7 +242,7 @@ def test_sdc_plan_on_the_notebook_fixture_writes_its_plan_and_figure(tmp_path, c
 
 
 def test_the_report_of_a_run_with_several_intervals_has_the_plan(tmp_path):
-    df = report.load_trials([FIXTURE])
+    df = tables.load_trials([FIXTURE])
     text = report.write_report(df, tmp_path, [FIXTURE]).read_text()
     section = text.split("## How often to audit")[1].split("\n## ")[0]
     assert "Recommended:" in section and "(figures/plan.png)" in section

@@ -8,7 +8,7 @@ import math
 import re
 from pathlib import Path
 
-from harness.analysis import report
+from harness.analysis import report, tables
 from harness.campaign import overhead
 from harness.results import schema
 
@@ -58,8 +58,8 @@ def images_render_from_disk(out: Path) -> list[str]:
 
 
 def test_escape_impact_counts_the_damage_of_harmful_faults_no_detector_caught(tmp_path):
-    df = report.load_trials([escaped_trials(tmp_path / "run")])
-    rows = report.escapes(df)
+    df = tables.load_trials([escaped_trials(tmp_path / "run")])
+    rows = tables.escapes(df)
     assert sum(int(r["escaped / harmful"].split("/")[0]) for r in rows) == 3
     assert sum(r["final loss NaN/Inf"] for r in rows) == 1
     for row in rows:
@@ -72,7 +72,7 @@ def test_escape_impact_counts_the_damage_of_harmful_faults_no_detector_caught(tm
 
 def test_report_without_overhead_has_escapes_and_no_overhead_section(tmp_path):
     out = escaped_trials(tmp_path / "run")
-    report.write_report(report.load_trials([out]), out)
+    report.write_report(tables.load_trials([out]), out)
     text = (out / "report.md").read_text()
     assert "## Escape impact" in text and "(figures/escapes.png)" in text
     assert "Overhead" not in text
@@ -81,14 +81,14 @@ def test_report_without_overhead_has_escapes_and_no_overhead_section(tmp_path):
 
 def test_sweep_report_merges_every_jobs_overhead_next_to_its_floor(tmp_path):
     root = sweep(tmp_path / "sweep")
-    merged = report.load_overhead([root])
+    merged = tables.load_overhead([root])
     assert list(merged["detector"]) == ["nan_inf", "replay", "replay"]
     assert list(merged["interval"]) == ["", "1", "5"]
     nan_inf = merged.iloc[0]
     assert nan_inf["overhead_pct"] == 2.0 and nan_inf["runs"] == 2  # the median of two jobs
     assert math.isnan(nan_inf["floor_pct"])
 
-    report.write_report(report.load_trials([root]), root, [root])
+    report.write_report(tables.load_trials([root]), root, [root])
     text = (root / "report.md").read_text()
     section = text.split("## Overhead against audit interval")[1].split("\n## ")[0]
     # Tables measured before plain DDP was a reference show a dash in that column.
@@ -100,29 +100,29 @@ def test_sweep_report_merges_every_jobs_overhead_next_to_its_floor(tmp_path):
 
 
 def test_blind_spot_and_counts_are_numbers(tmp_path):
-    df = report.load_trials([escaped_trials(tmp_path / "run")])
-    cells = {c.key: c for c in report.cell_stats(df)}
+    df = tables.load_trials([escaped_trials(tmp_path / "run")])
+    cells = {c.key: c for c in tables.cell_stats(df)}
     assert all(isinstance(c.blind, bool) for c in cells.values())
-    assert report.blind_spot((0, 4)) and not report.blind_spot((4, 4))
-    assert not report.blind_spot((0, 0))  # no harmful trials: nothing to be blind to
-    counts = report.catch_counts(df)
-    assert set(counts) == set(report.TRIAL_SETS)
-    k, n = counts["harmful"][report.ANY]
+    assert tables.blind_spot((0, 4)) and not tables.blind_spot((4, 4))
+    assert not tables.blind_spot((0, 0))  # no harmful trials: nothing to be blind to
+    counts = tables.catch_counts(df)
+    assert set(counts) == set(tables.TRIAL_SETS)
+    k, n = counts["harmful"][tables.ANY]
     assert n - k == 3  # exactly the three escapes
-    assert report.false_positive_counts(df)["nan_inf"][1] == (df["site"] == "none").sum()
+    assert tables.false_positive_counts(df)["nan_inf"][1] == (df["site"] == "none").sum()
 
 
 def test_catch_rate_against_audit_interval_counts_each_checks_own_alerts(tmp_path):
     """The notebook fixture: a replay sweep at intervals 1, 5 and 20 over the same faults at step
     10; replay catches the audited step's faults at intervals 1 and 5 (10 is a multiple of
     both) and none at 20."""
-    df = report.load_trials([Path(__file__).resolve().parent / "fixtures" / "sweep"])
-    outcomes = report.interval_outcomes(df)
+    df = tables.load_trials([Path(__file__).resolve().parent / "fixtures" / "sweep"])
+    outcomes = tables.interval_outcomes(df)
     per_interval = outcomes.groupby("interval")["caught"].agg(["sum", "size"])
     fired = int(df["fired"].sum())
     assert per_interval["size"].sum() == fired
     assert per_interval.loc[20, "sum"] == 0 < per_interval.loc[5, "sum"]
     assert set(outcomes.loc[outcomes["caught"], "ttd_steps"]) == {0}
-    rows = report.audit_intervals(df)
+    rows = tables.audit_intervals(df)
     assert {(r["check"], r["interval"]) for r in rows} == {("replay", k) for k in (1, 5, 20)}
     assert "## Catch rate against audit interval" in report.write_report(df, tmp_path).read_text()

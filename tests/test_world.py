@@ -210,7 +210,7 @@ def test_a_crash_names_its_root_cause_before_the_peers_that_lost_it():
 
 
 def test_a_hung_ranks_cause_names_the_innermost_frames_of_its_main_thread():
-    root = Path(stacks.__file__).resolve().parent.parent
+    root = Path(stacks.__file__).resolve().parents[2]
     lib = "/venv/lib/python3.11/site-packages/torch/distributed"
     dump = "\n".join(
         [

@@ -28,14 +28,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.analysis.report import (
-    Counts,
-    ReportError,
-    load_overhead,
-    load_trials,
-    pairs,
-    wilson,
-)
+from harness.analysis.tables import Counts, ReportError, load_overhead, load_trials, pairs, wilson
 
 PLAN_FILE = "plan.md"
 FIGURE_FILE = "plan.png"

@@ -31,7 +31,7 @@ from harness.analysis.plan import (
     load,
     plan,
 )
-from harness.analysis.report import markdown_table, rate_text
+from harness.analysis.tables import markdown_table, rate_text
 
 MODEL = (
     "Expected GPU-hours lost per day of the job, for each set of checks at each audit interval "

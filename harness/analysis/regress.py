@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.analysis.report import (
+from harness.analysis.tables import (
     ANY,
     Cell,
     Counts,

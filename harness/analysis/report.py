@@ -8,403 +8,35 @@ interval: a 3/3 catch rate is not a 100% detector, and the interval says so.
 from __future__ import annotations
 
 import argparse
-import html
 import json
 import math
-import re
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
+from markdown_it import MarkdownIt
 
 from harness.analysis import figures
-from harness.results import machine
-from harness.results.schema import (
-    BIT_CLASSES,
-    CONTRACT_COLUMNS,
-    EXTRA_COLUMNS,
-    OVERHEAD_COLUMNS,
-    OVERHEAD_FILE,
-    OVERHEAD_REQUIRED,
-    classify_bit,
+from harness.analysis.tables import (
+    ESCAPE_CELL,
+    ReportError,
+    audit_intervals,
+    catch_rates,
+    cells,
+    detection_times,
+    detector_names,
+    escapes,
+    false_positives,
+    harmful_escapes,
+    load_overhead,
+    load_trials,
+    markdown_table,
+    per_trial,
+    recovery,
+    sees_and_misses,
+    wilson,
 )
-
-Z95 = 1.959963984540054
-TRIAL_SETS = ("all fired", "non-masked", "harmful")
-DAMAGING = ("harmful", "latent")
-ANY = "any detector"
-
-Counts = tuple[int, int]  # (k, n): k successes in n trials
-
-
-class ReportError(ValueError):
-    pass
-
-
-def wilson(k: int, n: int) -> tuple[float, float]:
-    """95% Wilson score interval for k successes in n trials."""
-    if n == 0:
-        return (math.nan, math.nan)
-    p = k / n
-    denom = 1 + Z95**2 / n
-    center = (p + Z95**2 / (2 * n)) / denom
-    half = Z95 * math.sqrt(p * (1 - p) / n + Z95**2 / (4 * n * n)) / denom
-    return (max(0.0, center - half), min(1.0, center + half))
-
-
-def blind_spot(harmful: Counts) -> bool:
-    """docs/design.md section 5: harmful trials whose catch rate's upper bound is below 50%."""
-    k, n = harmful
-    return n > 0 and wilson(k, n)[1] < 0.5
-
-
-def bit_class(dtype: str, bit: object) -> str:
-    """A configured bit as its class; a configured class stays itself."""
-    if bit == "" or bit is None or (isinstance(bit, float) and math.isnan(bit)):
-        return ""
-    if str(bit) in BIT_CLASSES:
-        return str(bit)
-    return classify_bit(dtype, int(float(bit)))
-
-
-def load_trials(dirs: list[Path]) -> pd.DataFrame:
-    """Every trials.csv under the given folders (a sweep folder holds one per job)."""
-    files = []
-    for d in dirs:
-        if not d.is_dir():
-            raise ReportError(f"{d}: not a folder")
-        found = sorted(d.rglob("trials.csv"))
-        if not found:
-            raise ReportError(f"{d}: no trials.csv in it or below it")
-        files += found
-    frames = []
-    for f in files:
-        df = pd.read_csv(f, keep_default_na=False, na_values=[""], dtype={"trial_id": str})
-        missing = [c for c in CONTRACT_COLUMNS if c not in df.columns]
-        if missing:
-            raise ReportError(f"{f}: missing columns: {', '.join(missing)}")
-        for column in EXTRA_COLUMNS:
-            if column not in df.columns:
-                df[column] = ""
-        frames.append(df.assign(run=str(f.parent)))
-    df = pd.concat(frames, ignore_index=True)
-    for col in (
-        "fired",
-        "detected",
-        "contained",
-        "attribution_correct",
-        "golden_match",
-        "replicas_agree",
-    ):
-        df[col] = df[col].map({True: True, False: False, "True": True, "False": False})
-    df["bit_class"] = [bit_class(d, b) for d, b in zip(df["dtype"], df["bit"], strict=True)]
-    for col in ("detected_by", "alert_detectors", "detectors"):
-        # A column with no value in any row reads as float NaN: make it text before filling.
-        df[col] = df[col].astype(object).fillna("").astype(str)
-    return df
-
-
-def rate_text(k: int, n: int) -> str:
-    if n == 0:
-        return "n=0"
-    lo, hi = wilson(k, n)
-    return f"{k}/{n} = {k / n:.0%} [{lo:.0%}, {hi:.0%}]"
-
-
-def markdown_table(rows: list[dict[str, object]]) -> str:
-    if not rows:
-        return "_none_\n"
-    cols = list(rows[0])
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
-    return "\n".join(lines) + "\n"
-
-
-def _detectors(df: pd.DataFrame) -> list[str]:
-    return sorted({d for ds in df["detectors"] for d in ds.split(";") if d})
-
-
-def _names(column: pd.Series, name: str) -> pd.Series:
-    """Whether each `;`-joined entry of `column` names `name`."""
-    return column.map(lambda s: name in s.split(";")).astype(bool)
-
-
-def catch_counts(df: pd.DataFrame) -> dict[str, dict[str, Counts]]:
-    """(k, n) caught per trial set (TRIAL_SETS) and per column (ANY, then each detector)."""
-    fired = df[df["fired"] == True]  # noqa: E712 (a column of booleans)
-    subsets = (fired, fired[fired["effect"] != "masked"], fired[fired["effect"] == "harmful"])
-    found = {}
-    for label, subset in zip(TRIAL_SETS, subsets, strict=True):
-        found[label] = {ANY: (int(subset["detected"].sum()), len(subset))}
-        for d in _detectors(df):
-            # Over the trials in which the detector ran: a merged sweep mixes detector sets.
-            on = subset[_names(subset["detectors"], d)]
-            found[label][d] = (int(_names(on["detected_by"], d).sum()), len(on))
-    return found
-
-
-def catch_rates(df: pd.DataFrame) -> list[dict[str, object]]:
-    return [
-        {"trials": label, **{column: rate_text(*kn) for column, kn in by.items()}}
-        for label, by in catch_counts(df).items()
-    ]
-
-
-@dataclass(frozen=True)
-class Cell:
-    """One scenario cell (site, model, bit class) of fired trials, as numbers."""
-
-    site: str
-    model: str
-    bit_class: str  # "-" for a fault without a bit
-    fired: Counts
-    harmful: Counts
-    effects: str
-
-    @property
-    def key(self) -> tuple[str, str, str]:
-        return (self.site, self.model, self.bit_class)
-
-    @property
-    def blind(self) -> bool:
-        return blind_spot(self.harmful)
-
-
-def cell_stats(df: pd.DataFrame) -> list[Cell]:
-    """Catch counts per (site, model, bit class), among fired and among harmful or latent
-    trials (the damage a blind spot lets through)."""
-    fired = df[df["fired"] == True]  # noqa: E712
-    found = []
-    for (site, model, klass), g in fired.groupby(["site", "model", "bit_class"], dropna=False):
-        harmful = g[g["effect"].isin(DAMAGING)]
-        effects = ", ".join(f"{e} {c}" for e, c in g["effect"].value_counts().items())
-        found.append(
-            Cell(
-                site=site,
-                model=model,
-                bit_class=klass or "-",
-                fired=(int(g["detected"].sum()), len(g)),
-                harmful=(int(harmful["detected"].sum()), len(harmful)),
-                effects=effects,
-            )
-        )
-    return found
-
-
-def cells(df: pd.DataFrame) -> list[dict[str, object]]:
-    """Catch rate per (site, model, bit class), and whether the cell is a blind spot."""
-    return [
-        {
-            "site": c.site,
-            "model": c.model,
-            "bit class": c.bit_class,
-            "catch rate (fired)": rate_text(*c.fired),
-            "catch rate (harmful or latent)": rate_text(*c.harmful),
-            "effects": c.effects,
-            "blind spot": "**yes**" if c.blind else "no",
-        }
-        for c in cell_stats(df)
-    ]
-
-
-ESCAPE_CELL = ["site", "model", "persistence", "bit_class"]
-
-
-def harmful_escapes(df: pd.DataFrame) -> pd.DataFrame:
-    """Harmful trials that no detector caught, with their scenario cell's columns filled."""
-    harmful = df[(df["fired"] == True) & (df["effect"] == "harmful")]  # noqa: E712
-    missed = harmful[harmful["detected"] != True]  # noqa: E712
-    return missed.fillna({"persistence": ""})
-
-
-def escapes(df: pd.DataFrame) -> list[dict[str, object]]:
-    """The loss damage (loss_delta, final loss minus its golden run's) of harmful trials that no
-    detector caught, per scenario cell (ESCAPE_CELL). A blank loss_delta is a final loss that is
-    not a number: the damage has no size, and is counted apart."""
-    harmful = df[(df["fired"] == True) & (df["effect"] == "harmful")]  # noqa: E712
-    totals = harmful.fillna({"persistence": ""}).groupby(ESCAPE_CELL, dropna=False).size()
-    rows = []
-    for key, missed in harmful_escapes(df).groupby(ESCAPE_CELL, dropna=False):
-        delta = pd.to_numeric(missed["loss_delta"], errors="coerce")
-        finite = delta[delta.map(math.isfinite)]
-        labels = (c.replace("_", " ") for c in ESCAPE_CELL)
-        row: dict[str, object] = dict(zip(labels, (k or "-" for k in key), strict=True))
-        row["escaped / harmful"] = f"{len(missed)}/{totals[key]}"
-        row["loss_delta median"] = f"{finite.median():.4g}" if len(finite) else "-"
-        row["largest abs loss_delta"] = f"{finite.abs().max():.4g}" if len(finite) else "-"
-        row["final loss NaN/Inf"] = len(missed) - len(finite)
-        rows.append(row)
-    return rows
-
-
-def sees_and_misses(df: pd.DataFrame) -> list[dict[str, object]]:
-    """Per scenario (site, model, scope, persistence): what share of fired trials each detector
-    caught, with n and a 95% Wilson interval. A dash: the detector was not on in those trials."""
-    fired = df[df["fired"] == True]  # noqa: E712
-    keys = ["site", "model", "scope", "persistence"]
-    rows = []
-    for key, g in fired.fillna({"scope": ""}).groupby(keys, dropna=False):
-        row: dict[str, object] = dict(zip(keys, (k or "-" for k in key), strict=True))
-        for d in _detectors(df):
-            on = g[_names(g["detectors"], d)]
-            caught = _names(on["detected_by"], d)
-            row[d] = rate_text(int(caught.sum()), len(on)) if len(on) else "-"
-        row["harmful"] = int((g["effect"] == "harmful").sum())
-        rows.append(row)
-    return rows
-
-
-def recovery(df: pd.DataFrame) -> str:
-    """What recovery did: trials recovered, steps lost, time, nodes that left, verdicts."""
-    tried = df[pd.to_numeric(df["recoveries"], errors="coerce").fillna(0) > 0]
-    verdicts = df[df["recovery_verdict"].notna() & (df["recovery_verdict"] != "")]
-    if tried.empty and verdicts.empty:
-        return ""
-    rows = []
-    for _, r in pd.concat([tried, verdicts]).drop_duplicates("trial_id").iterrows():
-        shrunk = pd.notna(r["final_nodes"]) and int(r["final_nodes"]) < int(r["nodes"])
-        rows.append(
-            {
-                "trial": r["trial_id"],
-                "recovered": r["recovered"],
-                "quarantined nodes": r["quarantined_nodes"] if pd.notna(r["quarantined_nodes"])
-                else "-",
-                "world after": f"{int(r['final_nodes'])} nodes" + (" (shrunk)" if shrunk else "")
-                if pd.notna(r["final_nodes"]) else "-",
-                "restored from step": r["restore_step"],
-                "steps lost": r["steps_lost"],
-                "recovery s": r["recovery_s"],
-                "matches golden": r["golden_match"],
-                "effect": r["effect"],
-                "verdict": r["recovery_verdict"] if pd.notna(r["recovery_verdict"]) else "-",
-            }
-        )  # fmt: skip
-    same = int(tried["golden_match"].fillna(False).astype(bool).sum())
-    head = (f"{len(tried)} trials recovered at least once; {same} of them ended bit-identical to "
-            "their golden run. A restore step of -1 means from the initial weights.")  # fmt: skip
-    return "## Recovery\n\n" + head + "\n\n" + markdown_table(rows)
-
-
-def false_positive_counts(df: pd.DataFrame) -> dict[str, Counts]:
-    """Per detector: (clean trials it alerted in, clean trials)."""
-    clean = df[df["site"] == "none"]
-    found = {}
-    for d in _detectors(df):
-        on = clean[_names(clean["detectors"], d)]
-        found[d] = (int(_names(on["alert_detectors"], d).sum()), len(on))
-    return found
-
-
-def false_positives(df: pd.DataFrame) -> list[dict[str, object]]:
-    return [
-        {"detector": d, "clean trials with an alert": rate_text(*kn)}
-        for d, kn in false_positive_counts(df).items()
-    ]
-
-
-def _per_trial(df: pd.DataFrame) -> str:
-    clean = df[df["site"] == "none"]
-    return f"{clean['alerts'].sum()}/{len(clean)}" if len(clean) else "no clean trials"
-
-
-def detection_times(df: pd.DataFrame) -> list[dict[str, object]]:
-    caught = df[df["detected"] == True]  # noqa: E712
-    rows = []
-    for d, g in caught.groupby("first_detector"):
-        ttd = g["ttd_steps"]
-        rows.append(
-            {
-                "first detector": d,
-                "n": len(g),
-                "ttd steps (median / max)": f"{ttd.median():g} / {ttd.max():g}",
-                "ttd seconds (median)": f"{g['ttd_seconds'].median():.4f}",
-                "contained": rate_text(int(g["contained"].sum()), len(g)),
-                "attribution correct": rate_text(int(g["attribution_correct"].sum()), len(g)),
-            }
-        )
-    return rows
-
-
-def load_overhead(dirs: list[Path]) -> pd.DataFrame | None:
-    """Every overhead.csv under the given folders (a sweep holds one per job), one row per
-    (detector, interval) with the medians over the runs that measured it and their number;
-    None when no run measured overhead."""
-    files = [f for d in dirs for f in sorted(d.rglob(OVERHEAD_FILE))]
-    if not files:
-        return None
-    frames = []
-    for f in files:
-        try:
-            table = pd.read_csv(f, dtype=str, keep_default_na=False)
-        except (ValueError, OSError) as exc:  # pandas: an empty or malformed file
-            raise ReportError(f"{f}: unreadable: {exc}") from None
-        missing = [c for c in OVERHEAD_REQUIRED if c not in table.columns]
-        if missing:
-            raise ReportError(f"{f}: missing columns: {', '.join(missing)}")
-        if "overhead_vs_ddp_pct" not in table.columns:  # measured before plain DDP was
-            table["overhead_vs_ddp_pct"] = ""
-        try:
-            for column in ("overhead_pct", "floor_pct", "overhead_vs_ddp_pct"):
-                table[column] = pd.to_numeric(table[column].replace("", math.nan))
-        except ValueError as exc:
-            raise ReportError(f"{f}: unreadable: {exc}") from None
-        frames.append(table[OVERHEAD_COLUMNS])
-    table = pd.concat(frames, ignore_index=True)
-    merged = table.groupby(["detector", "interval"], as_index=False).agg(
-        overhead_pct=("overhead_pct", "median"),
-        floor_pct=("floor_pct", "median"),
-        overhead_vs_ddp_pct=("overhead_vs_ddp_pct", "median"),
-        runs=("overhead_pct", "size"),
-    )
-    merged["steps"] = pd.to_numeric(merged["interval"].replace("", math.nan))
-    return merged.sort_values(["detector", "steps"], ignore_index=True)
-
-
-def pairs(text: object) -> dict[str, int]:
-    """`name=value;...` (check_intervals, detect_steps) as a mapping; blank: empty."""
-    if not isinstance(text, str):
-        return {}
-    return {k: int(v) for k, v in (item.split("=") for item in text.split(";") if item)}
-
-
-INTERVAL_COLUMNS = ["check", "interval", "persistence", "caught", "ttd_steps"]
-
-
-def interval_outcomes(df: pd.DataFrame) -> pd.DataFrame:
-    """One row per fired trial and periodic check in it: the check's interval there, whether the
-    check itself caught the fault (whichever alerted first) and its time to detection."""
-    rows = []
-    for r in df[df["fired"] == True].itertuples(index=False):  # noqa: E712
-        found = pairs(r.detect_steps)
-        for check, k in pairs(r.check_intervals).items():
-            step = found.get(check)
-            ttd = math.nan if step is None else step - int(r.inject_step)
-            rows.append((check, k, r.persistence, step is not None, ttd))
-    return pd.DataFrame(rows, columns=INTERVAL_COLUMNS)
-
-
-def audit_intervals(df: pd.DataFrame) -> list[dict[str, object]]:
-    """Catch rate and time to detection of each periodic check at each interval it ran at, per
-    persistence: what an audit interval buys. Empty unless a check ran at several intervals."""
-    outcomes = interval_outcomes(df)
-    if outcomes.empty or outcomes.groupby("check")["interval"].nunique().max() < 2:
-        return []
-    rows = []
-    for (check, k, persistence), g in outcomes.groupby(["check", "interval", "persistence"]):
-        ttd = g["ttd_steps"].dropna()
-        rows.append(
-            {
-                "check": check,
-                "interval": k,
-                "persistence": persistence,
-                "caught": rate_text(int(g["caught"].sum()), len(g)),
-                "ttd steps (median / max)": f"{ttd.median():g} / {ttd.max():g}"
-                if len(ttd)
-                else "-",
-            }
-        )
-    return rows
+from harness.results import machine
 
 
 def _pct(x: float) -> str:
@@ -541,7 +173,7 @@ def write_report(df: pd.DataFrame, out: Path, dirs: list[Path] | None = None) ->
         "## What each detector sees and misses\n\nFired trials caught by each detector, per "
         "scenario (k/n, 95% Wilson interval).\n\n" + markdown_table(sees_and_misses(df)),
         "## False positives (clean trials)\n\n"
-        f"Alerts per clean trial, all detectors: {_per_trial(df)}\n\n"
+        f"Alerts per clean trial, all detectors: {per_trial(df)}\n\n"
         + markdown_table(false_positives(df)),
         "## Time to detection, containment and attribution\n\n"
         + markdown_table(detection_times(df)),
@@ -588,7 +220,9 @@ def _write(path: Path, text: str) -> Path:
 
 
 def _figures(df: pd.DataFrame, folder: Path) -> str:
-    rates = figures.catch_rate_by_detector(df, _detectors(df), wilson, folder / "catch_rate.png")
+    rates = figures.catch_rate_by_detector(
+        df, detector_names(df), wilson, folder / "catch_rate.png"
+    )
     drawn = [
         ("Catch rate by detector (95% Wilson intervals)", rates),
         (
@@ -605,43 +239,18 @@ def _figures(df: pd.DataFrame, folder: Path) -> str:
     return "\n\n".join(lines)
 
 
-def _inline(text: str) -> str:
-    text = html.escape(text)
-    text = re.sub(r"\*\*(.+?)\*\*", r"<b>\1</b>", text)
-    return re.sub(r"`(.+?)`", r"<code>\1</code>", text)
+# CommonMark with GFM tables, raw HTML escaped: a crash cause quoting `<module>` stays text.
+_MARKDOWN = MarkdownIt("commonmark", {"html": False}).enable("table")
+_STYLE = ("body{font-family:sans-serif;max-width:1100px;margin:2em auto;padding:0 1em}"
+          "table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #bbb;"
+          "padding:3px 8px;font-size:90%}th{background:#eee}img{max-width:100%}")  # fmt: skip
 
 
 def to_html(markdown: str) -> str:
-    """The report's own small markdown (headings, tables, images, paragraphs) as a page."""
-    body, table = [], []
-    for line in markdown.splitlines() + [""]:
-        if line.startswith("|"):
-            table.append([c.strip() for c in line.strip("|").split("|")])
-            continue
-        if table:
-            head, rows = table[0], table[2:]
-            body.append("<table><tr>" + "".join(f"<th>{_inline(c)}</th>" for c in head) + "</tr>")
-            body += ["<tr>" + "".join(f"<td>{_inline(c)}</td>" for c in r) + "</tr>" for r in rows]
-            body.append("</table>")
-            table = []
-        image = re.fullmatch(r"!\[(.*)\]\((.*)\)", line.strip())
-        if line.startswith("## "):
-            body.append(f"<h2>{_inline(line[3:])}</h2>")
-        elif line.startswith("# "):
-            body.append(f"<h1>{_inline(line[2:])}</h1>")
-        elif image:
-            alt, src = (html.escape(g) for g in image.groups())
-            body.append(
-                f'<figure><img src="{src}" alt="{alt}"><figcaption>{alt}</figcaption></figure>'
-            )
-        elif line.strip():
-            body.append(f"<p>{_inline(line)}</p>")
-    style = ("body{font-family:sans-serif;max-width:1100px;margin:2em auto;padding:0 1em}"
-             "table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #bbb;"
-             "padding:3px 8px;font-size:90%}th{background:#eee}img{max-width:100%}")  # fmt: skip
+    """report.md as a page that opens from disk, figures included (relative paths)."""
     return (
-        f"<!doctype html><html><head><meta charset='utf-8'><title>SDC detection coverage"
-        f"</title><style>{style}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n"
+        "<!doctype html><html><head><meta charset='utf-8'><title>SDC detection coverage"
+        f"</title><style>{_STYLE}</style></head><body>\n{_MARKDOWN.render(markdown)}</body></html>\n"
     )
 
 

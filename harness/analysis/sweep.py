@@ -17,7 +17,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from harness.analysis import report
+from harness.analysis import report, tables
 
 SWEEP_FILE = "sweep.md"
 
@@ -48,7 +48,7 @@ def write_merged_report(sweep_dir: Path) -> Path | None:
     """report.md/html and figures/ over all jobs, and sweep.md; None when no job wrote trials.
 
     A job without trials.csv (it failed, or only wrote a torchrun plan) is listed as missing.
-    Raises report.ReportError for a trials.csv that cannot be read.
+    Raises tables.ReportError for a trials.csv that cannot be read.
     """
     jobs = job_dirs(sweep_dir)
     missing = [job for job in jobs if not (job / "trials.csv").exists()]
@@ -57,7 +57,7 @@ def write_merged_report(sweep_dir: Path) -> Path | None:
             f"sdc-bench: no job of {sweep_dir} wrote trials.csv; no merged report", file=sys.stderr
         )
         return None
-    df = report.load_trials([sweep_dir])
+    df = tables.load_trials([sweep_dir])
     path = report.write_report(df, sweep_dir, [sweep_dir])
     counts = df["run"].value_counts()
     lines = [
@@ -105,7 +105,7 @@ class MergedReport(Callback):
         assert self.sweep_dir is not None, "on_multirun_start sets it"
         try:
             write_merged_report(self.sweep_dir)
-        except report.ReportError as exc:
+        except tables.ReportError as exc:
             print(f"sdc-bench: merged report failed: {exc}", file=sys.stderr)
             return False
         return True

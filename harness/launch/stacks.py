@@ -29,7 +29,7 @@ _MAIN = "main thread "
 _FRAME = re.compile(r'^\s+File "(?P<path>.*)", line (?P<line>\d+) in (?P<func>.*)$')
 _THREAD = re.compile(r"^(?:Current thread|Thread) (?P<id>0x[0-9a-fA-F]+)")
 
-_PROJECT = Path(__file__).resolve().parent.parent
+_PROJECT = Path(__file__).resolve().parents[2]
 _registered: IO[str] | None = None  # kept open for faulthandler for the life of the rank
 
 

@@ -39,7 +39,7 @@ RECORDED_VARIABLES = (
     "MKL_NUM_THREADS",
 )
 UNKNOWN = "unknown"
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def architecture() -> str:
