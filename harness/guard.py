@@ -55,7 +55,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import detectors as registry
 from harness.campaign import recovery
-from harness.config.load import fault_config
+from harness.config.faults import fault_config
 from harness.config.schema import FaultConfig, TopologyConfig
 from harness.results.schema import PHASE_ORDER
 from harness.runtime import checkpoint, comm

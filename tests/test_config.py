@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,6 +12,8 @@ from harness.campaign.fastforward import golden_specs
 from harness.cli import CONFIG_DIR
 from harness.errors import ConfigError
 from tests.conftest import compose_run
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_default_campaign_expands_scenarios_times_seeds():
@@ -78,3 +82,23 @@ def test_ranges_expand():
         "campaign=single", "fault=grad_scale", "fault.steps=[2:5,9]", "fault.ranks=[1:4]"
     )
     assert run.trials[0].fault.steps == (2, 3, 4, 9) and run.trials[0].fault.ranks == (1, 2, 3)
+
+
+def test_fault_targets_are_checked_on_a_model_that_is_never_allocated():
+    """A gpt of 1.6e9 parameters (6.4 GB in float32): its names and sizes come from a `meta`
+    model, so checking a fault against it takes no more memory than a tiny one."""
+    script = (
+        "import resource, sys\n"
+        "sys.path.insert(0, '.')\n"
+        "from tests.conftest import compose_run\n"
+        "run = compose_run('campaign=single', 'workload=gpt', 'workload.d_model=4096',\n"
+        "                  'workload.layers=8', 'fault.site=weight', 'fault.model=bitflip',\n"
+        "                  'fault.tensor=blocks.7.*')\n"
+        "assert run.scenarios[0].tensor == 'blocks.7.*'\n"
+        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert int(proc.stdout.split()[-1]) < 1500  # MiB: torch and Hydra loaded, no model

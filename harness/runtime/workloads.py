@@ -6,6 +6,8 @@ need, and two runs with the same seed see exactly the same data.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 import torch.nn.functional as F
 from hydra.utils import instantiate
@@ -96,11 +98,14 @@ class Workload:
             self._transitions = torch.softmax(logits, dim=1)
 
     def build_model(self) -> nn.Module:
+        """The model, initialised from the seed; on the `meta` device (names and shapes only, as
+        the config's checks need them) nothing is allocated or initialised."""
         torch.manual_seed(self.cfg.seed)
-        if self.cfg.name == "custom":
-            model = instantiate(self.cfg.model)
-        else:
-            model = MLP(self.cfg) if self.cfg.name == "mlp" else GPT(self.cfg)
+        with self.device if self.device.type == "meta" else nullcontext():
+            if self.cfg.name == "custom":
+                model = instantiate(self.cfg.model)
+            else:
+                model = MLP(self.cfg) if self.cfg.name == "mlp" else GPT(self.cfg)
         return model.to(device=self.device, dtype=self.dtype)
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:

@@ -1,0 +1,276 @@
+"""A fault's keys (`fault.*`, or one entry of `campaign.scenarios`) checked and turned into a
+`FaultConfig`: its site and model, the values the model needs and no value it would ignore, its
+ranks and steps within the world and the run, and the tensors it names on the workload's model.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import fields
+from typing import Any
+
+import torch
+
+import injectors
+from harness.config.schema import (
+    BIT_WIDTH,
+    MATMUL_PHASES,
+    PERSISTENCE,
+    SCOPES,
+    SELECT,
+    SITES_WITH_SCOPE,
+    FaultConfig,
+    TopologyConfig,
+    WorkloadConfig,
+)
+from harness.config.values import choice, int_list, integer, known_keys
+from harness.errors import ConfigError
+from injectors import bits, injector
+
+
+def _fault_model(key: str, value: Any) -> str:
+    return choice(key, value, ("none", *injectors.available_models()))
+
+
+def _fault_site(key: str, value: Any) -> str:
+    return choice(key, value, ("none", *injectors.SITES))
+
+
+def _fault_values(
+    key: str, raw: dict[str, Any], workload: WorkloadConfig, topology: TopologyConfig
+) -> dict[str, Any]:
+    """Every fault key checked on its own, whatever the site: a mistyped value is an error even
+    where the site would not use it."""
+    values = {f.name: f.default for f in fields(FaultConfig)}
+    values.update(raw)
+    values["model"] = _fault_model(f"{key}.model", values["model"])
+    width = BIT_WIDTH[workload.dtype]
+    bit = values["bit"]
+    if isinstance(bit, str):
+        choice(f"{key}.bit", bit, bits.CLASSES)
+    elif bit is not None:
+        values["bit"] = integer(f"{key}.bit", bit, 0, width - 1)
+    if values["value"] is not None:
+        values["value"] = _value_name(values["value"])
+    factor = values["factor"]
+    if factor is not None and (
+        isinstance(factor, bool) or not isinstance(factor, int | float) or not math.isfinite(factor)
+    ):
+        raise ConfigError(f"{key}.factor", f"'{factor}' must be a finite number")
+    if factor is not None:
+        values["factor"] = float(factor)
+    if values["scope"] is not None:
+        choice(f"{key}.scope", values["scope"], SCOPES)
+    stuck_at = values["stuck_at"]
+    if stuck_at not in (None, 0, 1) or isinstance(stuck_at, bool):
+        raise ConfigError(f"{key}.stuck_at", f"'{stuck_at}' is not allowed; allowed: 0, 1")
+    values["schedule"] = _schedule(f"{key}.schedule", values["schedule"], workload, topology)
+    for name, high in (("ranks", topology.world_size - 1), ("steps", workload.steps - 1)):
+        if name in raw:
+            values[name] = int_list(f"{key}.{name}", raw[name], 0, high)
+    choice(f"{key}.persistence", values["persistence"], PERSISTENCE)
+    choice(f"{key}.select", values["select"], SELECT)
+    choice(f"{key}.follows", values["follows"], ("hardware", "data"))
+    values["tensor"] = str(values["tensor"])  # Hydra reads a glob such as 0 as a number
+    if values["bucket"] is not None:
+        integer(f"{key}.bucket", values["bucket"], 0)
+    if values["index"] is not None:
+        integer(f"{key}.index", values["index"], 0)
+    integer(f"{key}.elements", values["elements"], 1)
+    integer(f"{key}.nbits", values["nbits"], 1, width)
+    if not isinstance(values["adjacent"], bool):
+        raise ConfigError(
+            f"{key}.adjacent", f"'{values['adjacent']}' is not allowed; allowed: true, false"
+        )
+    probability = values["probability"]
+    if (
+        isinstance(probability, bool)
+        or not isinstance(probability, int | float)
+        or not 0 < probability <= 1
+    ):
+        raise ConfigError(f"{key}.probability", f"'{probability}' must be in (0, 1]")
+    ber = values["ber"]
+    if ber is not None and (
+        isinstance(ber, bool) or not isinstance(ber, int | float) or not 0 < ber <= 1
+    ):
+        raise ConfigError(f"{key}.ber", f"'{ber}' must be a bit error rate in (0, 1]")
+    return values
+
+
+# What `fault=none` (experiments/fault/none.yaml) holds, as checked values: a scenario without a
+# site may hold these and nothing else, since it ignores every other fault key.
+NO_FAULT = {**{f.name: f.default for f in fields(FaultConfig)}, "ranks": (0,), "steps": (0,)}
+
+
+def _ignored(values: dict[str, Any], raw: dict[str, Any]) -> str | None:
+    """The first key of `raw` that a fault without a site would ignore, or None."""
+    return next((k for k in raw if values[k] != NO_FAULT[k]), None)
+
+
+def fault_config(
+    key: str, raw: dict[str, Any], workload: WorkloadConfig, topology: TopologyConfig
+) -> FaultConfig:
+    known_keys(f"{key}.", raw, [f.name for f in fields(FaultConfig)])
+    site = _fault_site(f"{key}.site", raw.get("site", "none"))
+    values = _fault_values(key, raw, workload, topology)
+    if site == "none":
+        ignored = _ignored(values, raw)
+        if ignored is not None:
+            raise ConfigError(
+                f"{key}.site",
+                f"none (no fault) ignores {key}.{ignored}={raw[ignored]}; choose a site "
+                f"(allowed: {', '.join(injectors.SITES)}) or leave {key}.{ignored} unset",
+            )
+        return FaultConfig()
+    model = values["model"]
+    if model == "none":
+        allowed = ", ".join(injectors.available_models())
+        raise ConfigError(f"{key}.model", f"site '{site}' needs a model; allowed: {allowed}")
+    if site in SITES_WITH_SCOPE:
+        values["scope"] = choice(f"{key}.scope", values["scope"] or "rank", SITES_WITH_SCOPE[site])
+    elif values["scope"] is not None:
+        raise ConfigError(f"{key}.scope", f"site '{site}' has no scope; leave it null")
+    if values["schedule"]:
+        values["ranks"], values["steps"] = (), ()
+    elif not values["ranks"] or not values["steps"]:
+        name = "ranks" if not values["ranks"] else "steps"
+        raise ConfigError(f"{key}.{name}", "a fault needs a non-empty list of integers")
+    if values["bucket"] is not None and site not in ("grad", "allreduce"):
+        raise ConfigError(
+            f"{key}.bucket", f"site '{site}' has no buckets; allowed: grad, allreduce"
+        )
+    if values["ber"] is not None and model != "bitflip":
+        raise ConfigError(f"{key}.ber", "a bit error rate needs model bitflip")
+    _shape(key, values, site, model)
+    if (
+        values["scope"] == "reduction"
+        and not injectors.model_class(model).contribution
+        and len(values["ranks"]) > 1
+    ):
+        # The reduction's result is wrong on every receiver; fault.ranks says which node's
+        # hardware computes it wrong (what recovery locates and quarantines).
+        raise ConfigError(
+            f"{key}.ranks", "scope reduction puts the fault in one node's reduction; allowed: "
+            "one rank, on the node whose reduction is broken"
+        )  # fmt: skip
+    fault = FaultConfig(**values)
+    injectors.model_class(model).validate(key, fault)
+    return fault
+
+
+def unused_fault(
+    campaign: str, raw: dict[str, Any], workload: WorkloadConfig, topology: TopologyConfig
+) -> None:
+    """A campaign with scenarios of its own ignores `fault.*`: refuse an override there."""
+    known_keys("fault.", raw, [f.name for f in fields(FaultConfig)])
+    _fault_site("fault.site", raw.get("site", "none"))
+    ignored = _ignored(_fault_values("fault", raw, workload, topology), raw)
+    if ignored is not None:
+        raise ConfigError(
+            "campaign",
+            f"'{campaign}' runs its campaign.scenarios and ignores fault.{ignored}="
+            f"{raw[ignored]}; use campaign=single to run that fault",
+        )
+
+
+def _shape(key: str, values: dict[str, Any], site: str, model: str) -> None:
+    """Issue 14's keys: a burst's sub-model and stride, a matmul fault's pass; grouped models
+    (swap, burst) draw their own positions, so they take no schedule and no `largest`."""
+    if values.get("burst_model") is not None and model != "burst":
+        raise ConfigError(f"{key}.burst_model", "only model burst has a sub-model; leave it null")
+    values["stride"] = integer(f"{key}.stride", values.get("stride", 1), 1)
+    if values["stride"] != 1 and model != "burst":
+        raise ConfigError(f"{key}.stride", "only model burst has a stride; leave it 1")
+    values["phase"] = choice(f"{key}.phase", values.get("phase", "forward"), MATMUL_PHASES)
+    if values["phase"] != "forward" and site != "matmul":
+        raise ConfigError(f"{key}.phase", "only site matmul has a backward phase; leave it forward")
+    if model in ("swap", "burst"):
+        for name, unset in (("schedule", ()), ("select", "random")):
+            if values.get(name, unset) not in (unset, None, ()):
+                raise ConfigError(
+                    f"{key}.{name}", f"model {model} draws its own group; leave it unset"
+                )
+
+
+def _schedule(
+    key: str, raw: Any, workload: WorkloadConfig, topology: TopologyConfig
+) -> tuple[dict[str, Any], ...]:
+    """An explicit list of injections: {step, rank, tensor, index[, bit]} each."""
+    if not raw:
+        return ()
+    width = BIT_WIDTH[workload.dtype]
+    entries = []
+    for i, entry in enumerate(raw):
+        k = f"{key}[{i}]"
+        if not isinstance(entry, dict):
+            raise ConfigError(k, "each entry is {step, rank, tensor, index[, bit]}")
+        known_keys(f"{k}.", entry, ["step", "rank", "tensor", "index", "bit"])
+        clean = {
+            "step": integer(f"{k}.step", entry.get("step"), 0, workload.steps - 1),
+            "rank": integer(f"{k}.rank", entry.get("rank"), 0, topology.world_size - 1),
+            "tensor": str(entry.get("tensor")),
+            "index": integer(f"{k}.index", entry.get("index"), 0),
+        }
+        if entry.get("bit") is not None:
+            clean["bit"] = integer(f"{k}.bit", entry["bit"], 0, width - 1)
+        entries.append(clean)
+    return tuple(entries)
+
+
+def check_target(key: str, fault: FaultConfig, model: torch.nn.Module) -> None:
+    """The tensors a fault names must exist at its site on this workload's model."""
+    if fault.clean:
+        return
+    reachable = dict(injector.targets(fault.site, model))
+    names = ", ".join(reachable)
+    for i, entry in enumerate(fault.schedule):
+        at = f"{key}.schedule[{i}]"
+        if entry["tensor"] not in reachable:
+            message = f"'{entry['tensor']}' is not at site {fault.site}; allowed: {names}"
+            raise ConfigError(f"{at}.tensor", message)
+        size = reachable[entry["tensor"]]
+        if size is not None and entry["index"] >= size:
+            message = f"{entry['index']} is out of range; allowed: 0..{size - 1}"
+            raise ConfigError(f"{at}.index", message)
+    if fault.schedule:
+        return
+    matched = injector.matching(fault, model)
+    if not matched:
+        message = f"'{fault.tensor}' matches nothing at site {fault.site}; allowed: {names}"
+        raise ConfigError(f"{key}.tensor", message)
+    sizes = [size for _, size in matched]
+    if fault.index is not None and None not in sizes and fault.index + fault.elements > sum(sizes):
+        high = sum(sizes) - fault.elements
+        raise ConfigError(f"{key}.index", f"{fault.index} is out of range; allowed: 0..{high}")
+
+
+def _value_name(value: Any) -> str:
+    """Hydra reads `nan` and `inf` as floats; the table and the model keep them as names."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return str(value).strip().lower()
+
+
+def expand_scenarios(
+    raw: list[dict[str, Any]], dtype: torch.dtype
+) -> list[tuple[int, dict[str, Any]]]:
+    """Each scenario may carry `grid: {key: [values]}`; it expands to the cross product.
+    `grid: {bit: all}` is every bit of the workload's dtype, so one campaign file serves every
+    dtype."""
+    expanded = []
+    for i, scenario in enumerate(raw):
+        scenario = dict(scenario)
+        grid = dict(scenario.pop("grid", None) or {})
+        if grid.get("bit") == "all":
+            grid["bit"] = list(range(bits.width(dtype)))
+        for key, values in grid.items():
+            if not isinstance(values, list | tuple):
+                raise ConfigError(
+                    f"campaign.scenarios[{i}].grid.{key}",
+                    f"'{values}' is not a list of values" + ("; or 'all'" if key == "bit" else ""),
+                )
+        keys = list(grid)
+        for combo in itertools.product(*(grid[k] for k in keys)):
+            expanded.append((i, {**scenario, **dict(zip(keys, combo, strict=True))}))
+    return expanded

@@ -1,0 +1,52 @@
+"""One config value checked against what is allowed: each failure is one `ConfigError` naming
+the dotted key, which the commands print as one line before exiting 2."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from harness.errors import ConfigError
+
+
+def choice(key: str, value: Any, allowed: tuple[str, ...] | list[str]) -> str:
+    if value not in allowed:
+        raise ConfigError(key, f"'{value}' is not allowed; allowed: {', '.join(allowed)}")
+    return value
+
+
+def integer(key: str, value: Any, low: int | None = None, high: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(key, f"'{value}' is not an integer")
+    if (low is not None and value < low) or (high is not None and value > high):
+        bounds = f"{low if low is not None else '-inf'}..{high if high is not None else 'inf'}"
+        raise ConfigError(key, f"{value} is out of range; allowed: {bounds}")
+    return value
+
+
+def positive(key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ConfigError(key, f"'{value}' must be a positive number")
+    return float(value)
+
+
+def int_list(key: str, value: Any, low: int, high: int) -> tuple[int, ...]:
+    """A list of integers; an item "A:B" or "A:B:S" stands for range(A, B, S)."""
+    items = [value] if isinstance(value, int | str) else value
+    if not isinstance(items, list | tuple) or not items:
+        raise ConfigError(key, f"'{value}' must be a non-empty list of integers in {low}..{high}")
+    expanded = []
+    for i, item in enumerate(items):
+        if isinstance(item, str):
+            try:
+                expanded += list(range(*(int(part) for part in item.split(":"))))
+            except (TypeError, ValueError):
+                raise ConfigError(f"{key}[{i}]", f"'{item}' is not a range A:B or A:B:S") from None
+        else:
+            expanded.append(item)
+    return tuple(sorted({integer(f"{key}[{i}]", v, low, high) for i, v in enumerate(expanded)}))
+
+
+def known_keys(prefix: str, raw: dict[str, Any], known: list[str]) -> None:
+    for key in raw:
+        if key not in known:
+            raise ConfigError(f"{prefix}{key}", f"unknown key; allowed: {', '.join(known)}")
