@@ -135,10 +135,11 @@ def wire_rounding(wire: torch.dtype, world: int, n: int) -> tuple[float, float]:
 
 class AllreduceSketch(Detector):
     name = "allreduce_sketch"
+    verifies_reduction = True
     defaults = {"rtol": None}
 
     @classmethod
-    def check(cls, key: str, params: dict[str, Any], topology: Any) -> None:
+    def check_params(cls, key: str, params: dict[str, Any], topology: Any) -> None:
         rtol = params["rtol"]
         if rtol is not None and (not isinstance(rtol, int | float) or not 0 < rtol < 1):
             raise ConfigError(

@@ -22,7 +22,7 @@ class GradStats(Detector):
     defaults = {"threshold": 8.0, "min_ratio": 4.0, "spike": 10.0}
 
     @classmethod
-    def check(cls, key: str, params: dict[str, Any], topology: Any) -> None:
+    def check_params(cls, key: str, params: dict[str, Any], topology: Any) -> None:
         for name in ("threshold", "min_ratio", "spike"):
             value = params[name]
             if isinstance(value, bool) or not isinstance(value, int | float) or value <= 1:

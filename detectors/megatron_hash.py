@@ -41,7 +41,7 @@ class MegatronHash(Detector):
     defaults = {"interval": 10}
 
     @classmethod
-    def check(cls, key: str, params: dict[str, Any], topology: Any) -> None:
+    def check_params(cls, key: str, params: dict[str, Any], topology: Any) -> None:
         interval = params["interval"]
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
             raise ConfigError(f"{key}.interval", f"'{interval}' must be an integer >= 1")

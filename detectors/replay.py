@@ -25,7 +25,7 @@ without. Its floor is one forward and backward of the audited rank's micro-batch
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -68,12 +68,13 @@ class Regenerated:
 
 class Replay(Detector):
     name = "replay"
+    recomputes_batches = True
     defaults = {
         "interval": 5, "steps": None, "compare": "tolerant", "rtol": None, "verdict": "majority"
     }  # fmt: skip
 
     @classmethod
-    def check(cls, key: str, params: dict[str, Any], topology: Any) -> None:
+    def check_params(cls, key: str, params: dict[str, Any], topology: Any) -> None:
         interval, steps = params["interval"], params["steps"]
         if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
             raise ConfigError(f"{key}.interval", f"'{interval}' must be an integer >= 1")
@@ -99,6 +100,19 @@ class Replay(Detector):
             raise ConfigError(
                 "topology.nodes", f"replay needs at least 3 nodes; got {topology.nodes}"
             )
+
+    @classmethod
+    def compares_bits(cls, params: dict[str, Any]) -> bool:
+        return params["compare"] == "exact"
+
+    @classmethod
+    def first_suspect_step(
+        cls, params: dict[str, Any], alarm_step: int, checkpointed: Callable[[int], bool]
+    ) -> int:
+        """The step after the last audit before the alarm: the audits vouch for their steps."""
+        audits = params["steps"] or range(0, alarm_step, params["interval"])
+        earlier = [s for s in audits if s < alarm_step]
+        return max(earlier) + 1 if earlier else 0
 
     def __init__(self, params, ctx, log):
         super().__init__(params, ctx, log)

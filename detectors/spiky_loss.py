@@ -26,7 +26,7 @@ class SpikyLoss(Detector):
     defaults = {"threshold": 10.0, "samples": 100}
 
     @classmethod
-    def check(cls, key: str, params: dict[str, Any], topology: Any) -> None:
+    def check_params(cls, key: str, params: dict[str, Any], topology: Any) -> None:
         threshold, samples = params["threshold"], params["samples"]
         if isinstance(threshold, bool) or not isinstance(threshold, int | float) or threshold <= 1:
             raise ConfigError(f"{key}.threshold", f"'{threshold}' must be a number > 1")

@@ -41,7 +41,7 @@ class TitanReplay(Detector):
     defaults = {"num_steps": 1, "num_replays": 1}
 
     @classmethod
-    def check(cls, key: str, params: dict[str, Any], topology: Any) -> None:
+    def check_params(cls, key: str, params: dict[str, Any], topology: Any) -> None:
         steps, replays = params["num_steps"], params["num_replays"]
         if isinstance(steps, bool) or not isinstance(steps, int) or (steps < 1 and steps != -1):
             raise ConfigError(f"{key}.num_steps", f"'{steps}' must be an integer >= 1, or -1")

@@ -12,6 +12,7 @@ the CPU and hashes it with SHA-1, and says it is not meant to run often.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,7 +29,7 @@ class WeightConsensus(Detector):
     defaults = {"interval": 10, "optimizer_state": False}
 
     @classmethod
-    def check(cls, key: str, params: dict[str, Any], topology: Any) -> None:
+    def check_params(cls, key: str, params: dict[str, Any], topology: Any) -> None:
         if (
             isinstance(params["interval"], bool)
             or not isinstance(params["interval"], int)
@@ -39,6 +40,16 @@ class WeightConsensus(Detector):
             raise ConfigError(
                 "topology", "weight_consensus needs at least 3 replicas for a majority"
             )
+
+    @classmethod
+    def first_suspect_step(
+        cls, params: dict[str, Any], alarm_step: int, checkpointed: Callable[[int], bool]
+    ) -> int:
+        """The step after the last consensus before the alarm: every `interval` steps and before
+        every checkpoint, the replicas were seen to agree."""
+        interval = params["interval"]
+        checked = [s for s in range(alarm_step) if (s + 1) % interval == 0 or checkpointed(s)]
+        return max(checked) + 1 if checked else 0
 
     def __init__(self, params, ctx, log):
         super().__init__(params, ctx, log)

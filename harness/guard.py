@@ -136,7 +136,8 @@ class Guard:
         self.checkpointed: set[int] = set()
         topology = _topology(world, per_node)
         self.checks = _checks(detectors, mode, topology, replay_fn, comm_hook)
-        self.shipped = ShippedBatches(replay_fn, rank) if "replay" in self.checks else None
+        recomputing = any(registry.detector_class(n).recomputes_batches for n in self.checks)
+        self.shipped = ShippedBatches(replay_fn, rank) if recomputing else None
         ctx = DetectorContext(self.info, self.model, None, 0, tuple((r,) for r in range(world)),
                               replay_data=self.shipped)  # fmt: skip
         plugins = []
@@ -211,7 +212,7 @@ class Guard:
         if not self.before_checkpoint() or self.info.rank != 0:
             return None
         step = self.state.step - 1
-        path = self.folder / f"step_{step:06d}.pt"
+        path = checkpoint.step_path(self.folder, step)
         checkpoint.save(path, {"step": step, **state})
         return path
 
@@ -244,10 +245,9 @@ class Guard:
         first = found[0]
         key = (first["step"], first["detector"])
         same = [a for a in found if (a["step"], a["detector"]) == key]
-        since = recovery.suspect_since(
-            first["detector"], self.checks[first["detector"]], first["step"],
-            self.checkpointed.__contains__,
-        )  # fmt: skip
+        since = registry.detector_class(first["detector"]).first_suspect_step(
+            self.checks[first["detector"]], first["step"], self.checkpointed.__contains__
+        )
         self.alarm = SDCAlarm(same, self.machines, since)
         if self.folder is not None and self.info.rank == 0:
             _quarantine(self.folder, self.alarm)
@@ -258,8 +258,8 @@ def _quarantine(folder: Path, alarm: SDCAlarm) -> None:
     """quarantine.json for the scheduler, and the suspect interval's checkpoints set aside."""
     folder.mkdir(parents=True, exist_ok=True)
     set_aside = []
-    for path in sorted(folder.glob("step_*.pt")):
-        if int(path.stem.split("_")[1]) >= alarm.first_suspect_step:
+    for step, path in checkpoint.saved(folder):
+        if step >= alarm.first_suspect_step:
             path.rename(path.with_name(path.name + ".suspect"))
             set_aside.append(path.name)
     record = dict(alarm.record(), set_aside=set_aside)
@@ -291,15 +291,19 @@ def _checks(
     for name in params:
         if name not in registry.available():
             raise ValueError(f"detectors: '{name}' is unknown; allowed: {registry.available()}")
-    if "replay" in params and replay_fn is None:
+    recomputing = [n for n in params if registry.detector_class(n).recomputes_batches]
+    if recomputing and replay_fn is None:
         raise ValueError(
-            "detectors: 'replay' needs Guard(..., replay_fn=fn), fn(model, batch) -> loss, and "
-            "guard.audit_batch(batch) every step"
+            f"detectors: '{recomputing[0]}' needs Guard(..., replay_fn=fn), fn(model, batch) -> "
+            "loss, and guard.audit_batch(batch) every step"
         )
-    if "allreduce_sketch" in params and comm_hook is not None and not _linear(comm_hook):
-        others = [n for n in registry.available() if n != "allreduce_sketch"]
+    verifying = [n for n in params if registry.detector_class(n).verifies_reduction]
+    if verifying and comm_hook is not None and not _linear(comm_hook):
+        others = [
+            n for n in registry.available() if not registry.detector_class(n).verifies_reduction
+        ]
         raise ValueError(
-            f"detectors: 'allreduce_sketch' cannot verify the comm hook "
+            f"detectors: '{verifying[0]}' cannot verify the comm hook "
             f"{getattr(comm_hook[1], '__name__', comm_hook[1])}: it checks a reduction that sums "
             f"every rank's bucket over the whole world (torch's "
             f"{', '.join(h.__name__ for h in comm.LINEAR_HOOKS)}); with this hook use "

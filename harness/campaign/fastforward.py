@@ -76,8 +76,8 @@ def _inherit_checkpoints(store: Path, spec: TrialSpec, start: int) -> None:
     them into the trial's store, where recovery looks for a restore point."""
     target = store / spec.trial_id
     target.mkdir(parents=True, exist_ok=True)
-    for path in (store / golden_id(spec.seed)).glob("step_*.pt"):
-        if int(path.stem.split("_")[1]) >= start:
+    for step, path in checkpoint.saved(store / golden_id(spec.seed)):
+        if step >= start:
             continue
         for source in (path, path.with_name(path.name + ".sha256")):
             destination = target / source.name

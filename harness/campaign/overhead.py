@@ -34,15 +34,13 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tqdm import tqdm
 
+import detectors
 from harness.config.schema import FaultConfig, RunConfig, TrialSpec, check_interval
-from harness.results.schema import OVERHEAD_COLUMNS, OVERHEAD_FILE
-
-if TYPE_CHECKING:  # the world imports the trainer: not needed to read the result tables
-    from harness.launch.world import Outcome
+from harness.results.schema import OVERHEAD_COLUMNS, OVERHEAD_FILE, TrialResult
 
 WARMUP_STEPS = 2  # the first steps allocate, and DDP rebuilds its buckets after step 0
 REFERENCE = "none"
@@ -53,7 +51,7 @@ HOOK = "hook"  # overhead.csv's row for the hook itself
 # forward and backward of a small model can drown in it, four of them stand well clear.
 FLOOR_SETS = 4
 
-Execute = Callable[[RunConfig, TrialSpec], "Outcome"]
+Execute = Callable[[RunConfig, TrialSpec], TrialResult]
 
 
 class OverheadError(RuntimeError):
@@ -85,7 +83,7 @@ def timed_runs(run: RunConfig) -> dict[Any, tuple[RunConfig, int]]:
         trials=(),
     )
     runs: dict[Any, tuple[RunConfig, int]] = {REFERENCE: (base, 1), PLAIN: (base, 1)}
-    if any(name == "replay" for name, _ in checks):
+    if any(detectors.detector_class(name).recomputes_batches for name, _ in checks):
         more = replace(base.workload, micro_batches=(1 + FLOOR_SETS) * base.workload.micro_batches)
         runs[FLOOR] = (replace(base, workload=more), 1)
     for (name, k), params in checks.items():
@@ -93,7 +91,7 @@ def timed_runs(run: RunConfig) -> dict[Any, tuple[RunConfig, int]]:
     return runs
 
 
-def step_series(outcome: Outcome, trial_id: str) -> list[float]:
+def step_series(outcome: TrialResult, trial_id: str) -> list[float]:
     """Seconds per step of the slowest rank."""
     if outcome.parts is None:
         raise OverheadError(f"timed run {trial_id} crashed: {outcome.crash}")
@@ -160,7 +158,7 @@ def rows(run: RunConfig, ratio: dict[Any, float]) -> list[dict[str, object]]:
     ]
     for name, k in timed_checks(run):
         floor: float | str = ""
-        if name == "replay" and k is not None:
+        if detectors.detector_class(name).recomputes_batches and k is not None:
             floor = round(100 * (ratio[FLOOR] - 1) / FLOOR_SETS / k, 4)
         out.append(
             {

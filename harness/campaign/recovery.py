@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import shutil
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import detectors
 from harness.config.schema import RunConfig, Segment, TrialSpec
-from harness.launch.world import Outcome
 from harness.results.judgement import merge_alerts
+from harness.results.schema import TrialResult
 from harness.runtime import checkpoint
 
 
@@ -68,34 +68,17 @@ class Machines:
 
 def first_suspect_step(run: RunConfig, spec: TrialSpec, detector: str, stop_step: int) -> int:
     """The earliest step the fault could have entered, given when the alarming check last
-    looked: a check that audits every k steps vouches only for the steps it saw."""
+    looked (`Detector.first_suspect_step`); consensus also runs before every checkpoint."""
     every = run.checkpoint.interval
-    return suspect_since(
-        detector, run.checks(spec).get(detector, {}), stop_step, lambda s: (s + 1) % every == 0
+    return detectors.detector_class(detector).first_suspect_step(
+        run.checks(spec).get(detector, {}), stop_step, lambda s: (s + 1) % every == 0
     )
-
-
-def suspect_since(
-    detector: str, params: dict[str, Any], stop_step: int, checkpointed: Callable[[int], bool]
-) -> int:
-    """`first_suspect_step` for any loop: `checkpointed(s)` says whether consensus ran before a
-    checkpoint at step s."""
-    if detector == "replay":
-        audits = params["steps"] or range(0, stop_step, params["interval"])
-        earlier = [s for s in audits if s < stop_step]
-        return max(earlier) + 1 if earlier else 0
-    if detector == "weight_consensus":
-        interval = params["interval"]
-        checked = [s for s in range(stop_step) if (s + 1) % interval == 0 or checkpointed(s)]
-        return max(checked) + 1 if checked else 0
-    return stop_step
 
 
 def restore_point(store: Path, before: int, log: list[dict[str, Any]]) -> tuple[int, str]:
     """The newest checkpoint saved before step `before` whose checksum verifies; (-1, "") means
     start over from the initial weights."""
-    for path in sorted(store.glob("step_*.pt"), reverse=True):
-        step = int(path.stem.split("_")[1])
+    for step, path in reversed(checkpoint.saved(store)):
         if step >= before:
             continue
         if checkpoint.verify(path):
@@ -106,7 +89,7 @@ def restore_point(store: Path, before: int, log: list[dict[str, Any]]) -> tuple[
     return -1, ""
 
 
-def run_with_recovery(run: RunConfig, spec: TrialSpec, execute, out: Path) -> Outcome:
+def run_with_recovery(run: RunConfig, spec: TrialSpec, execute, out: Path) -> TrialResult:
     """Run one trial; after each stop, quarantine, roll back and resume until it completes or
     the loop limit gives a verdict. `execute(run, spec)` runs a segment in a world."""
     machines = Machines.start(run)
@@ -173,7 +156,7 @@ def run_with_recovery(run: RunConfig, spec: TrialSpec, execute, out: Path) -> Ou
     return outcome
 
 
-def _suspect_ranks(outcome: Outcome, alerts: list[dict[str, Any]], stop: int) -> set[int]:
+def _suspect_ranks(outcome: TrialResult, alerts: list[dict[str, Any]], stop: int) -> set[int]:
     """The ranks a stop at step `stop` suspects: the node that sub-group reductions located
     when a repeated reduction fault named none (harness/runtime/locate.py), else every alert's."""
     located = {

@@ -26,10 +26,11 @@ from harness.campaign.recovery import run_with_recovery, scratch_folders
 from harness.config.schema import RunConfig, TopologyConfig, TrialSpec
 from harness.errors import ConfigError
 from harness.launch import stacks
-from harness.launch.world import Outcome, World, WorldStartError
+from harness.launch.world import World, WorldStartError
 from harness.results import machine
 from harness.results.judgement import Judged, golden_from, noise_band, trial_row
 from harness.results.records import Records
+from harness.results.schema import TrialResult
 from harness.runtime import environment
 
 CAMPAIGN_FILE = machine.CAMPAIGN_FILE
@@ -103,9 +104,9 @@ class Executor(Protocol):
 
     lost: str | None
 
-    def run(self, run: RunConfig, spec: TrialSpec) -> Outcome: ...
+    def run(self, run: RunConfig, spec: TrialSpec) -> TrialResult: ...
 
-    def run_golden(self, run: RunConfig, spec: TrialSpec) -> Outcome: ...
+    def run_golden(self, run: RunConfig, spec: TrialSpec) -> TrialResult: ...
 
     def kill(self) -> None: ...
 
@@ -126,7 +127,7 @@ class SpawnExecutor:
         self.log = log
         self.world: World | None = None
 
-    def run(self, run: RunConfig, spec: TrialSpec) -> Outcome:
+    def run(self, run: RunConfig, spec: TrialSpec) -> TrialResult:
         """Run a trial (or a recovery segment, whose world may be smaller) in a live world."""
         if self.world is not None and self.world.alive and self.world.topology != run.topology:
             self.world.close()
@@ -137,7 +138,7 @@ class SpawnExecutor:
             stacks.append_log(self.log, f"{spec.trial_id} crashed: {outcome.crash}", outcome.stacks)
         return outcome
 
-    def run_golden(self, run: RunConfig, spec: TrialSpec) -> Outcome:
+    def run_golden(self, run: RunConfig, spec: TrialSpec) -> TrialResult:
         """A golden run has no fault in it: a crash came from the world, which gets one more
         try in a fresh one."""
         outcome = self.run(run, spec)
@@ -215,7 +216,9 @@ class Campaign:
         observing = {name: dict(params, mode="observe") for name, params in checks.items()}
         return replace(spec, trial_id=f"{spec.trial_id}~observe", checks=observing)
 
-    def record(self, spec: TrialSpec, outcome: Outcome, twin: Outcome | None = None) -> dict | None:
+    def record(
+        self, spec: TrialSpec, outcome: TrialResult, twin: TrialResult | None = None
+    ) -> dict | None:
         """Store a golden result, or append a trial's row; return the row. `twin` is the
         outcome of `observe_twin(spec)`, when it has one."""
         if not self.run.checkpoint.keep and not spec.golden:

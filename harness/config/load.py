@@ -155,11 +155,15 @@ def exact_replay(
     trials: list[TrialSpec],
     env: Mapping[str, str] = os.environ,
 ) -> TopologyConfig:
-    """The topology, marked when a trial's replay compares bit for bit: on cuda its ranks then
-    fix what recomputation needs, and the environment `env` they inherit must allow it (a
-    ConfigError if not)."""
+    """The topology, marked when a trial's check compares recomputations bit for bit: on cuda its
+    ranks then fix what recomputation needs, and the environment `env` they inherit must allow
+    it (a ConfigError if not)."""
     each = [checks] + [t.checks for t in trials if t.checks is not None]
-    exact = any(c.get("replay", {}).get("compare") == "exact" for c in each)
+    exact = any(
+        detectors.detector_class(name).compares_bits(params)
+        for c in each
+        for name, params in c.items()
+    )
     if exact and topology.device == "cuda":
         determinism.settings(env, topology.backend)
     return replace(topology, deterministic=exact)

@@ -32,8 +32,8 @@ import torch.distributed as dist
 
 from harness.config.schema import RunConfig, TrialSpec
 from harness.launch import stacks
-from harness.launch.world import PEER_FAILURE, Outcome, shutdown
-from harness.results.schema import RankResult
+from harness.launch.world import PEER_FAILURE, shutdown
+from harness.results.schema import RankResult, TrialResult
 from harness.runtime.plugins import RankInfo
 from harness.runtime.trainer import run_trial
 
@@ -237,21 +237,21 @@ class TorchrunExecutor:
         self.group, self.size = 0, world.size
         self.lost: str | None = None
 
-    def run(self, run: RunConfig, spec: TrialSpec) -> Outcome:
+    def run(self, run: RunConfig, spec: TrialSpec) -> TrialResult:
         if self.lost:
-            return Outcome(crash=f"not run: {self.lost}")
+            return TrialResult(crash=f"not run: {self.lost}")
         if run.topology.world_size != self.size:
             self.group, self.size = self.group + 1, run.topology.world_size
         n, task = self.tasks, Task(self.group, run, spec)
         self.tasks += 1
         self.world.post(n, task)
         try:
-            return Outcome(parts=self.world.train(task))
+            return TrialResult(parts=self.world.train(task))
         except Exception as exc:  # a rank or a link failed: the trial crashed
             self.lost = f"torchrun's world was lost in {spec.trial_id}"
             cause = self.world.cause(n, self.size, exc)
             stacks.append_log(self.log, f"{spec.trial_id} crashed: {cause}")
-            return Outcome(crash=cause)
+            return TrialResult(crash=cause)
 
     # A golden run that crashed cannot get a second try in this world: the campaign stops, and
     # the rerun that resumes it runs the golden run again.

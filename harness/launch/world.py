@@ -24,7 +24,6 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import NoReturn
@@ -34,7 +33,7 @@ import torch.distributed as dist
 
 from harness.config.schema import RunConfig, TopologyConfig, TrialSpec
 from harness.launch import rank_server, stacks
-from harness.results.schema import RankResult
+from harness.results.schema import RankResult, TrialResult
 from harness.runtime import determinism, devices, environment
 from harness.runtime.plugins import RankInfo
 from harness.runtime.trainer import run_trial
@@ -52,16 +51,6 @@ _CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 # first time it runs in this process, as a world that fails under a golden run would.
 CRASH_ONCE_ENV = "SDC_BENCH_TEST_CRASH_ONCE"
 _crashed_once: set[str] = set()
-
-
-@dataclass
-class Outcome:
-    """A trial's result: one part per rank, or the cause of its crash."""
-
-    parts: list[RankResult] | None = None
-    crash: str | None = None
-    recovery: dict | None = None  # what harness.campaign.recovery did, when it ran
-    stacks: dict[int, str] = field(default_factory=dict)  # hung ranks' full stack dumps
 
 
 class WorldStartError(RuntimeError):
@@ -323,7 +312,7 @@ class World:
             return time.monotonic() + _ERROR_GRACE_S
         return settle
 
-    def run(self, run: RunConfig, spec: TrialSpec) -> Outcome:
+    def run(self, run: RunConfig, spec: TrialSpec) -> TrialResult:
         for q in self.tasks:
             q.put((run, spec))
         if spec.trial_id == os.environ.get(CRASH_ONCE_ENV) and spec.trial_id not in _crashed_once:
@@ -346,12 +335,12 @@ class World:
                 break
             settle = self._receive(parts, errors, settle)
         if len(parts) == len(self.procs):
-            return Outcome(parts=[parts[r] for r in range(len(self.procs))])
+            return TrialResult(parts=[parts[r] for r in range(len(self.procs))])
         cause, dumps = self._judge(set(parts), errors)
         if timed_out:
             limit = self.topology.trial_timeout_s
             cause = f"no result within topology.trial_timeout_s={limit:g}; {cause}"
-        return Outcome(crash=cause, stacks=dumps)
+        return TrialResult(crash=cause, stacks=dumps)
 
     def _judge(self, finished: set[int], errors: dict[int, str]) -> tuple[str, dict[int, str]]:
         """The cause of a failure, with the stacks of the ranks that hung; kills the world."""

@@ -47,6 +47,17 @@ class RankResult:
     host_reads: list[int] = field(default_factory=list)
 
 
+@dataclass
+class TrialResult:
+    """What a trial returned: one part per rank, or the cause of its crash (the world's answer;
+    harness/results/judgement.py judges it)."""
+
+    parts: list[RankResult] | None = None
+    crash: str | None = None
+    recovery: dict | None = None  # what harness.campaign.recovery did, when it ran
+    stacks: dict[int, str] = field(default_factory=dict)  # hung ranks' full stack dumps
+
+
 CONTRACT_COLUMNS = [
     "trial_id", "seed", "workload", "dtype", "nodes", "ranks_per_node", "site", "model", "bit",
     "factor", "value", "scope", "persistence", "fired", "inject_step", "injected_ranks", "effect",

@@ -15,6 +15,17 @@ class CorruptCheckpoint(RuntimeError):
     pass
 
 
+def step_path(folder: Path, step: int) -> Path:
+    """Where the checkpoint saved after `step` lives in `folder`: the one naming scheme that the
+    trainer, the guard, recovery and fast-forward share."""
+    return folder / f"step_{step:06d}.pt"
+
+
+def saved(folder: Path) -> list[tuple[int, Path]]:
+    """The checkpoints in `folder` as (step, path), oldest first; set-aside ones excluded."""
+    return sorted((int(p.stem.removeprefix("step_")), p) for p in folder.glob("step_*.pt"))
+
+
 def _fsync_write(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "wb") as f:

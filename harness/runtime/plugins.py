@@ -230,6 +230,12 @@ class Detector(Plugin):
     # handing each check the state it held there (`state_dict`). A check whose verdicts depend
     # on earlier steps in a way it cannot hand over sets this False: trials then run from 0.
     fast_forward = True
+    # Recomputes audited micro-batches, which must reach it: regenerable data, or in a user's
+    # loop a replay_fn and the shipped batch (harness/guard.py). Its overhead.csv row also gets
+    # a floor: one more forward and backward of those micro-batches (harness/campaign/overhead.py).
+    recomputes_batches = False
+    # Verifies the reduction's sum itself, which only a linear comm hook leaves checkable.
+    verifies_reduction = False
 
     def __init__(self, params: dict[str, Any], ctx: DetectorContext, log: EventLog):
         self.params = params
@@ -250,12 +256,27 @@ class Detector(Plugin):
             raise ConfigError(
                 f"{key}.mode", f"'{merged['mode']}' is not allowed; allowed: observe, act"
             )
-        cls.check(key, merged, topology)
+        cls.check_params(key, merged, topology)
         return merged
 
     @classmethod
-    def check(cls, key: str, params: dict[str, Any], topology: Any) -> None:
+    def check_params(cls, key: str, params: dict[str, Any], topology: Any) -> None:
         """A check's own rules for its parameters (raise ConfigError)."""
+
+    @classmethod
+    def compares_bits(cls, params: dict[str, Any]) -> bool:
+        """Whether it compares recomputations bit for bit: on cuda the ranks then fix what that
+        needs (harness/runtime/determinism.py)."""
+        return False
+
+    @classmethod
+    def first_suspect_step(
+        cls, params: dict[str, Any], alarm_step: int, checkpointed: Callable[[int], bool]
+    ) -> int:
+        """The earliest step a fault it alarms on at `alarm_step` could have entered: a check that
+        looks every step vouches for every earlier one; one that looks every k steps only for
+        those it saw. `checkpointed(s)`: whether a checkpoint followed step s."""
+        return alarm_step
 
     def state_dict(self) -> dict[str, Any]:
         """What this check carries from one step to the next (plain numbers and lists)."""

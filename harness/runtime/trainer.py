@@ -207,7 +207,7 @@ def _checkpoint(
     """Rank 0 writes, as in DDP practice: the replicas are meant to be identical."""
     if info.rank != 0:
         return
-    path = folder / f"step_{step:06d}.pt"
+    path = checkpoint.step_path(folder, step)
     state = {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict()}
     checkpoint.save(path, state)
     log.emit("checkpoint", step=step, path=str(path))
