@@ -15,7 +15,7 @@ GPUs it is one rank per GPU (up to 4) over NCCL.
    and check, weight_consensus's fingerprints of a model) against one read pass of the same
    bytes (`torch.sum`), the device synchronised around every timing.
 3. host_reads: device-to-host reads per step of a clean trial with every check, in act mode
-   and in observe mode (harness.runtime.plugins.Verdicts counts them).
+   and in observe mode (harness.runtime.verdicts.Verdicts counts them).
 
 Writes OUT/gpu_check.csv and OUT/gpu_check.md: section, workload, item, value, unit, note.
 """

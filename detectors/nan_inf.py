@@ -4,7 +4,7 @@ gradients after it, must be finite.
 One read pass per bucket: a finite sum proves every element finite, because a NaN or an infinity
 can never be summed back into a finite number. The sum accumulates in float64, where no sum of
 finite float32 (or 16-bit) elements overflows, so a non-finite sum also proves a non-finite
-element: the verdict stays on the device (harness.runtime.plugins.Verdicts) and only an alarm pays
+element: the verdict stays on the device (harness.runtime.verdicts.Verdicts) and only an alarm pays
 for the closer look that names the element. No collective: each rank judges what it holds.
 """
 

@@ -23,108 +23,18 @@ receiver gets the same wrong sum.
 
 from __future__ import annotations
 
-import math
 import random
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from harness.runtime.plugins import Bucket, EventLog, Plugin, RankInfo, matches
-from injectors import bits, model_class
+from injectors import bits, model_class, sites
 
 if TYPE_CHECKING:
     from harness.config.schema import FaultConfig
-
-MOMENTS = ("exp_avg", "exp_avg_sq")
-RIDERS = "riders"
-# The matrix multiplies a matmul fault can strike, with the position of their second operand.
-_MATMULS = {
-    F.linear: 1, torch.matmul: 1, torch.Tensor.matmul: 1, torch.Tensor.__matmul__: 1,
-    torch.mm: 1, torch.bmm: 1, torch.addmm: 2, torch.baddbmm: 2,
-}  # fmt: skip
-
-
-def _number(x: float) -> float | str:
-    """JSON has no NaN or infinity: non-finite values are written as strings."""
-    return x if math.isfinite(x) else str(x)
-
-
-def targets(site: str, model: nn.Module) -> list[tuple[str, int | None]]:
-    """The named tensors a site can reach on `model`, with their sizes where known up front."""
-    params = list(model.named_parameters())
-    if site == "optimizer":
-        return [(f"{n}.{k}", p.numel()) for n, p in params for k in MOMENTS]
-    if site == "activation":
-        return [(n, None) for n, _ in model.named_modules() if n]
-    if site == "matmul":
-        return [
-            (n, None)
-            for n, m in model.named_modules()
-            if n and any(isinstance(x, nn.Linear) for x in m.modules())
-        ]
-    if site == "loss":
-        return [("loss", 1)]
-    return [(n, p.numel()) for n, p in params]
-
-
-def matching(fault: FaultConfig, model: nn.Module) -> list[tuple[str, int | None]]:
-    if fault.site == "allreduce" and fault.tensor == RIDERS:
-        return [(RIDERS, None)]
-    return [(n, size) for n, size in targets(fault.site, model) if matches(n, fault.tensor)]
-
-
-class _ReplaceValue(torch.autograd.Function):
-    """Forward gives the corrupted value; backward passes the gradient through unchanged, as
-    when faulty hardware computed one wrong value and everything downstream used it."""
-
-    @staticmethod
-    def forward(ctx, clean: torch.Tensor, corrupted: torch.Tensor) -> torch.Tensor:
-        return corrupted.clone()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
-
-
-class _CorruptGrad(torch.autograd.Function):
-    """Forward passes the operand through; backward hands the gradient computed for it to
-    `corrupt`, which changes it in place before it flows on."""
-
-    @staticmethod
-    def forward(ctx, operand: torch.Tensor, corrupt) -> torch.Tensor:
-        ctx.corrupt = corrupt
-        return operand.clone()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        grad = grad.clone()
-        ctx.corrupt(grad)
-        return grad, None
-
-
-class _FirstMatmul(TorchFunctionMode):
-    """Active during one module's forward: the first matrix multiply in it is corrupted, its
-    output (`output`) or, through its second operand, the gradient backward computes for it."""
-
-    def __init__(self, output, gradient):
-        super().__init__()
-        self.output, self.gradient, self.done = output, gradient, False
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if self.done or func not in _MATMULS:
-            return func(*args, **kwargs)
-        self.done = True
-        if self.gradient is not None:
-            args = list(args)
-            at = _MATMULS[func]
-            args[at] = _CorruptGrad.apply(args[at], self.gradient)
-            return func(*args, **kwargs)
-        return self.output(func(*args, **kwargs))
 
 
 class FaultInjector(Plugin):
@@ -169,13 +79,13 @@ class FaultInjector(Plugin):
             self.active = bool(mine & set(fault.ranks))
         self.names = {p: n for n, p in model.named_parameters()}
         # With a bucket named, positions are drawn over that bucket's tensors when it first shows.
-        matched = [] if fault.bucket is not None else matching(fault, model)
+        matched = [] if fault.bucket is not None else sites.matching(fault, model)
         self.positions = self._initial_positions(matched)
         # Per chunk: (step, genuine contribution) of the latest step sent and of the one before.
         self.sent: dict[int, tuple[int, list[torch.Tensor]]] = {}
         self.previous: dict[int, list[torch.Tensor]] = {}
         self.struck: set[tuple[int, int]] = set()
-        self.matmul: _FirstMatmul | None = None
+        self.matmul: sites.FirstMatmul | None = None
         # The world ranks of a sub-group reduction under way (harness/runtime/locate.py), else None.
         self.group: tuple[int, ...] | None = None
 
@@ -306,8 +216,8 @@ class FaultInjector(Plugin):
             index=index,
             bit=touched[0] if touched else None,
             bits=touched,
-            old=_number(old),
-            new=_number(float(flat[index])),
+            old=sites.number(old),
+            new=sites.number(float(flat[index])),
             old_bits=old_bits,
             new_bits=new_bits,
             fired=old_bits != new_bits,
@@ -323,7 +233,7 @@ class FaultInjector(Plugin):
         if not chosen:
             return None
         self._corrupt_all(step, chosen)
-        return _ReplaceValue.apply(value, corrupted)
+        return sites.ReplaceValue.apply(value, corrupted)
 
     def watches_module(self, name: str) -> bool:
         return (
@@ -336,9 +246,9 @@ class FaultInjector(Plugin):
         if self.fault.site != "matmul" or module not in self.positions or not self._due(step):
             return
         if self.fault.phase == "backward":
-            self.matmul = _FirstMatmul(None, lambda grad: self._in_place(step, module, grad))
+            self.matmul = sites.FirstMatmul(None, lambda grad: self._in_place(step, module, grad))
         else:
-            self.matmul = _FirstMatmul(lambda out: self._replaced(step, module, out), None)
+            self.matmul = sites.FirstMatmul(lambda out: self._replaced(step, module, out), None)
         self.matmul.__enter__()
 
     def _in_place(self, step: int, name: str, grad: torch.Tensor) -> None:
@@ -419,9 +329,9 @@ class FaultInjector(Plugin):
         if self.fault.site == "allreduce" and not self.model.contribution:
             if not self._first_reduction(step, bucket.index):
                 return
-            if self.fault.tensor == RIDERS:
+            if self.fault.tensor == sites.RIDERS:
                 if bucket.rider_region is not None:
-                    self._inject(step, [(RIDERS, bucket.rider_region)])
+                    self._inject(step, [(sites.RIDERS, bucket.rider_region)])
                 return
             self._inject_bucket(step, bucket)
 
@@ -455,7 +365,7 @@ class FaultInjector(Plugin):
         named = [
             (f"{self.names[p]}.{k}", state[k])
             for p, state in optimizer.state.items()
-            for k in MOMENTS
+            for k in sites.MOMENTS
             if k in state
         ]
         self._inject(step, named)

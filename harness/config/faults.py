@@ -26,7 +26,7 @@ from harness.config.schema import (
 )
 from harness.config.values import choice, int_list, integer, known_keys
 from harness.errors import ConfigError
-from injectors import bits, injector
+from injectors import bits, sites
 
 
 def _fault_model(key: str, value: Any) -> str:
@@ -222,7 +222,7 @@ def check_target(key: str, fault: FaultConfig, model: torch.nn.Module) -> None:
     """The tensors a fault names must exist at its site on this workload's model."""
     if fault.clean:
         return
-    reachable = dict(injector.targets(fault.site, model))
+    reachable = dict(sites.targets(fault.site, model))
     names = ", ".join(reachable)
     for i, entry in enumerate(fault.schedule):
         at = f"{key}.schedule[{i}]"
@@ -235,7 +235,7 @@ def check_target(key: str, fault: FaultConfig, model: torch.nn.Module) -> None:
             raise ConfigError(f"{at}.index", message)
     if fault.schedule:
         return
-    matched = injector.matching(fault, model)
+    matched = sites.matching(fault, model)
     if not matched:
         message = f"'{fault.tensor}' matches nothing at site {fault.site}; allowed: {names}"
         raise ConfigError(f"{key}.tensor", message)
