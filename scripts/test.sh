@@ -6,7 +6,7 @@ bash scripts/setup.sh
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 # The dependency rules between harness's layers (pyproject.toml, [tool.importlinter]).
-.venv/bin/lint-imports --no-cache
+.venv/bin/lint-imports --no-cache --no-logo
 # Two workers, a test file each: most of a test's time is spent waiting on rank processes (world
 # start, collective timeouts, hang detection), which the other worker fills with work.
 exec .venv/bin/pytest --numprocesses="${SDC_TEST_WORKERS:-2}" --dist=loadfile "$@"

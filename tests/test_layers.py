@@ -19,7 +19,7 @@ PACKAGES = ("harness", "detectors", "injectors")
 def lint(tree: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(tree))
     return subprocess.run(
-        [str(LINT), "--no-cache", "--config", str(tree / "pyproject.toml")],
+        [str(LINT), "--no-cache", "--no-logo", str(tree / "pyproject.toml")],
         cwd=tree, env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
 
