@@ -4,6 +4,7 @@ section 2; the house tour in README.md):
     config -> campaign -> launch -> runtime (inside each rank) -> results -> analysis
 
 `harness.guard` (the checks in a user's own loop) and `harness.cli` (`sdc-bench`) are the entry
-points. Which package may import which is written down in `.importlinter` and checked by the test
+points. Which package may import which is written down in pyproject.toml ([tool.importlinter])
+and checked by the test
 command. No package imports anything here, so importing one sub-module stays cheap.
 """
