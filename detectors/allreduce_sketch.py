@@ -78,6 +78,9 @@ from harness.plugins import Bucket, Detector
 BLOCKS = 4096
 # Elements of a 16-bit bucket converted to float32 at a time (512 KiB: stays in cache).
 CONVERT = 1 << 17
+# Elements of a float32 bucket read at a time when its norm is taken too (4 MiB: the norm reads
+# each piece again from the last-level cache instead of from memory).
+PIECE = 1 << 20
 # Rows at least this wide are projected by a vector-matrix product (`_pass`).
 STREAM_WIDTH = 640
 # Standard deviations of the projected rounding errors the bound allows, and the standard
@@ -120,7 +123,9 @@ def _pass(
     streams through them, narrow ones as u . (rows @ v); same weights, whichever is faster on
     the CPU (the crossover measured between 424 and 848). A 16-bit bucket is converted to
     float32 a few rows at a time, in cache: a whole-bucket copy costs several times the
-    arithmetic."""
+    arithmetic. A float32 bucket larger than PIECE whose norm is taken is read a piece at a
+    time, the projection first, then the norm from the cache; a smaller one, or one on a GPU,
+    at once."""
     u, v, z = (w.to(buffer.device) for w in weights)
     flat = buffer.reshape(-1)
     if flat.dtype != torch.float32 and flat.device.type != "cpu":
@@ -129,10 +134,15 @@ def _pass(
     body = rows * width
     grid = flat[:body].view(rows, width)
     rest = flat[body:].float()
-    whole = flat.dtype == torch.float32
-    step = rows if whole else max(1, CONVERT // width)
+    if flat.dtype != torch.float32:
+        step = max(1, CONVERT // width)
+    elif norm and flat.device.type == "cpu":
+        step = max(1, PIECE // width)
+    else:
+        step = rows
+    by_piece = step < rows or flat.dtype != torch.float32
     projection = torch.dot(rest, z)
-    norms = [torch.linalg.vector_norm(flat if whole else rest)] if norm else []
+    squares = [torch.dot(rest, rest)]
     for at in range(0, rows, step):
         block = grid[at : at + step].float()  # float32 already: the rows themselves
         row_weights = u[at : at + step]
@@ -140,10 +150,13 @@ def _pass(
             projection = projection + torch.dot(row_weights @ block, v)
         else:
             projection = projection + torch.dot(block @ v, row_weights)
-        if norm and not whole:
-            norms.append(torch.linalg.vector_norm(block))
-    size = torch.linalg.vector_norm(torch.stack(norms)) if norm else projection.new_zeros(())
-    return projection, size
+        if norm and by_piece:
+            squares.append(torch.dot(block.view(-1), block.view(-1)))  # from the cache
+    if not norm:
+        return projection, projection.new_zeros(())
+    if not by_piece:
+        return projection, torch.linalg.vector_norm(flat)
+    return projection, torch.stack(squares).sum().sqrt()
 
 
 def sum_rounding(dtype: torch.dtype, world: int, per_rank: int) -> tuple[float, float]:

@@ -256,3 +256,30 @@ def test_in_bfloat16_the_sketch_catches_a_small_change_of_a_reduced_element(
     assert {(a["trial_id"], a["rank"]) for a in alerts} == {
         (r["trial_id"], rank) for r in table for rank in range(4)
     }
+
+
+def test_a_large_float32_bucket_is_read_by_pieces_with_the_same_projection_and_norm():
+    """Above PIECE elements the sketch's rider reads a float32 bucket a piece at a time (the
+    norm from the cache); its projection and norm are those of the whole bucket, in float64,
+    within the projections' rounding term of the bound, and match the check's one-piece pass."""
+    import math
+
+    import torch
+
+    from detectors import allreduce_sketch as sketch
+
+    n = 3 * sketch.PIECE + 12_345
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(n, generator=gen) * 10.0 ** torch.randint(-4, 1, (n,), generator=gen)
+    u, v, z = sketch.step_weights(3, 0, n)
+    body = u.numel() * v.numel()
+    grid = x[:body].double().view(u.numel(), v.numel())
+    exact = float(u.double() @ grid @ v.double() + x[body:].double() @ z.double())
+    norm = float(x.double().norm())
+    projection, size = sketch.rider_of(x, (u, v, z)).tolist()
+    bound = 4 * 1e-6 * math.sqrt(n) * norm
+    assert (
+        abs(projection - exact) <= bound
+        and abs(float(sketch.project(x, (u, v, z))) - exact) <= bound
+    )
+    assert math.isclose(size, norm, rel_tol=1e-4)  # float32 sums of squares
