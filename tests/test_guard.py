@@ -114,5 +114,5 @@ def test_the_sketch_bounds_a_compressed_reduction_from_the_wire_dtypes_rounding(
     expected, norms = float(riders[0]), float(riders[1])
     error = abs(float(sketch.project(total.float(), weights)) - expected)
     rho, alpha = sketch.sum_rounding(wire, world, per_rank=2)  # the cast and the division
-    assert error <= sketch.tolerance(norms, n, world, 1e-6, rho, alpha)
+    assert error <= sketch.tolerance(norms, n, 1e-6, rho, alpha)
     assert error > 4 * 1e-6 * n**0.5 * norms
