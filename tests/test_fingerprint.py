@@ -17,7 +17,7 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # Longer than MAX_FOLD words, with a remainder, so that every level of mixing is exercised.
 SIZES = st.sampled_from([7, 300, 40_003, 150_001])
-FAST = settings(max_examples=40, deadline=None)
+FAST = settings(max_examples=30, deadline=None)
 FINGERPRINTS = {"xxh3": bits_fingerprint, "mixed": lambda t: tuple(mixed_words(t).tolist())}
 METHODS = pytest.mark.parametrize("method", list(FINGERPRINTS))
 
