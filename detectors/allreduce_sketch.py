@@ -173,10 +173,9 @@ def sum_rounding(dtype: torch.dtype, world: int, per_rank: int) -> tuple[float, 
     to sum_r |c_r,i| and absolute, when each contribution was rounded `per_rank` more times on
     its way (a wrapped hook's division and cast; module docstring)."""
     info = torch.finfo(dtype)
+    unit, subnormal = info.eps / 2, info.smallest_normal * info.eps
     roundings = world - 1 + per_rank
-    return roundings * info.eps / 2, (
-        roundings + (world - 1) * per_rank
-    ) * info.smallest_normal * info.eps / 2
+    return roundings * unit, (roundings + (world - 1) * per_rank) * subnormal / 2
 
 
 def tolerance(norms, n: int, rtol: float, rho: float, alpha: float):
