@@ -4,17 +4,18 @@
 every bit of the tensor and on where each bit is, never on the order of a summation, so
 replicas with identical weights agree on any machine and thread count.
 
-On the CPU it is XXH3-128 (the `xxhash` package) of the tensor's bytes: one read pass,
-1.0-1.2x the time of `torch.sum` over the same bytes on this machine's CPU (benchmarks/kernels.py;
-docs/design.md section 6 asks for 1.25x). XXH3 adds each 8-byte word into a 64-bit accumulator
-and multiplies it, XORed with a secret that depends on its position, into another; between
-blocks of 1 KiB the accumulators are scrambled by bijections, and the final 512-bit state is
-folded into 128 bits. It is not linear, so no structured change cancels by construction: any
-change (a single flip in any dtype, a swap at any distance, opposite flips of one bit, a burst)
-goes unseen with probability about 2^-128, the rate of a random function, which SMHasher's
-tests of XXH3 support (sparse keys, single-bit changes, permutations, cyclic keys). That is a
-probability, not a proof: there is no blind window, but no guarantee either. The tests check
-every pattern above and measure the collision rate (tests/test_fingerprint.py).
+On the CPU it is XXH3-128 (the `xxhash` package) of the tensor's bytes: one read pass, 1.0-1.26x
+the time of `torch.sum` over the same bytes on this machine's CPU, depending on its load
+(benchmarks/kernels.py; docs/design.md section 6 asks for 1.25x). XXH3 adds each 8-byte word
+into a 64-bit accumulator, and the product of its two 32-bit halves, XORed with a secret that
+depends on its position, into another; between blocks of 1 KiB the accumulators are scrambled
+by bijections, and the final 512-bit state is folded into 128 bits. It is not linear, so no
+structured change cancels by construction: any change (a single flip in any dtype, a swap at
+any distance, opposite flips of one bit, a burst) goes unseen with probability about 2^-128,
+the rate of a random function, which SMHasher's tests of XXH3 support (sparse keys, single-bit
+changes, permutations, cyclic keys). That is a probability, not a proof: there is no blind
+window, but no guarantee either. The tests check every pattern above and measure the
+collision rate (tests/test_fingerprint.py).
 
 On a GPU (where a copy to the host would cost more than the check, and where no XXH3 kernel
 exists) `mixed_words` runs instead, elementwise; the CPU can run it too. A CPU rank and a GPU
