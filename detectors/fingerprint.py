@@ -1,15 +1,34 @@
 """Compact, cheap summaries of tensors that detectors compare across ranks.
 
-`bits_fingerprint` is exact on bit patterns and order-aware. The tensor's bytes are read as
+`bits_fingerprint` is exact on bit patterns and order-aware: two 64-bit words that depend on
+every bit of the tensor and on where each bit is, never on the order of a summation, so
+replicas with identical weights agree on any machine and thread count.
+
+On the CPU it is XXH3-128 (the `xxhash` package) of the tensor's bytes: one read pass, 1.0-1.26x
+the time of `torch.sum` over the same bytes on this machine's CPU, depending on its load
+(benchmarks/kernels.py; docs/design.md section 6 asks for 1.25x). XXH3 adds each 8-byte word
+into a 64-bit accumulator, and the product of its two 32-bit halves, XORed with a secret that
+depends on its position, into another; between blocks of 1 KiB the accumulators are scrambled
+by bijections, and the final 512-bit state is folded into 128 bits. It is not linear, so no
+structured change cancels by construction: any change (a single flip in any dtype, a swap at
+any distance, opposite flips of one bit, a burst) goes unseen with probability about 2^-128,
+the rate of a random function, which SMHasher's tests of XXH3 support (sparse keys, single-bit
+changes, permutations, cyclic keys). That is a probability, not a proof: there is no blind
+window, but no guarantee either. The tests check every pattern above and measure the
+collision rate (tests/test_fingerprint.py).
+
+On a GPU (where a copy to the host would cost more than the check, and where no XXH3 kernel
+exists) `mixed_words` runs instead, elementwise; the CPU can run it too. A CPU rank and a GPU
+rank therefore fingerprint the same tensor differently: a world's ranks must compute on one
+kind of device (the harness places every rank of a spawned world on one kind; under torchrun
+with `topology.device` unset, hosts with and without GPUs would mix: set it).
+
+`mixed_words` is a linear mixing with proofs instead of probabilities. The bytes are read as
 64-bit integers ("words"; 16- and 32-bit elements share a word) in rows of ROW words, and each
 row is mixed into one word by a dot product with fixed, position-dependent weights, wrapping
-modulo 2^64 (`torch.mv` on the CPU: one read pass of the data, no temporary). The row words are
-mixed again, ROW at a time, until at most MAX_FOLD remain; those are folded into two words by
-two rows of random odd weights. Integer arithmetic is exact modulo 2^64, so the result
-depends on the bits alone, never on the order of summation: replicas with identical weights
-agree on any machine, device and thread count.
-
-What it catches, and why (the tests check each; ROW = 32 words):
+modulo 2^64. The row words are mixed again, ROW at a time, until at most MAX_FOLD remain; those
+are folded into two words by two rows of random odd weights. What it catches, and why (the
+tests check each; ROW = 32 words):
 - any single changed element, in any dtype: every weight is odd, so a nonzero change of a word
   stays nonzero after the multiplication modulo 2^64, at every level;
 - two elements swapped, or the same bit flipped in opposite directions in two elements, in
@@ -22,10 +41,8 @@ What it catches, and why (the tests check each; ROW = 32 words):
   change vanishes with probability about 2^-(63 - k) for a change d with k factors of two.
 - bursts and other multi-element changes: a random change collides with probability about
   2^-64 (a change confined to those top bits: far more often); the tests measure it.
-
-Cost: one `torch.mv` of the int64 view, about 1.9x the time of `torch.sum` on this machine's
-CPU (the 1.25x target of docs/design.md section 6 is not met; a fused kernel would). On a GPU,
-where integer matrix products are not implemented, the rows are mixed elementwise.
+Its cost on the CPU is one `torch.mv` of the int64 view: 1.85-2.2x a read pass, since torch has
+no vectorised integer matrix-vector product (`mm` and multiply-then-sum are slower still).
 
 `signs` gives a fixed Rademacher (+1/-1) vector per tensor name: a projection onto it is linear,
 continuous (small rounding differences stay small) and moved by any single-element change.
@@ -38,19 +55,41 @@ import random
 import zlib
 
 import torch
+import xxhash
 
 ROW = 32
 MAX_FOLD = 4096
+_MASK = (1 << 64) - 1
 
 
 def bits_fingerprint(tensor: torch.Tensor) -> tuple[int, int]:
     """Two words that change when any bit of `tensor` does (see the module docstring)."""
-    plain, weighted = fingerprint_words(tensor).tolist()
+    if tensor.device.type == "cpu":
+        return _hashed(tensor)
+    plain, weighted = mixed_words(tensor).tolist()
     return plain, weighted
 
 
 def fingerprint_words(tensor: torch.Tensor) -> torch.Tensor:
     """`bits_fingerprint` as two int64 on the tensor's device, unread."""
+    if tensor.device.type == "cpu":
+        return torch.tensor(_hashed(tensor), dtype=torch.int64)
+    return mixed_words(tensor)
+
+
+def _hashed(tensor: torch.Tensor) -> tuple[int, int]:
+    """XXH3-128 of the tensor's bytes, as two signed 64-bit words."""
+    data = tensor.detach().contiguous().view(-1).view(torch.uint8).numpy()
+    digest = xxhash.xxh3_128_intdigest(data)
+    return _signed(digest & _MASK), _signed(digest >> 64)
+
+
+def _signed(word: int) -> int:
+    return word - (1 << 64) if word >= 1 << 63 else word
+
+
+def mixed_words(tensor: torch.Tensor) -> torch.Tensor:
+    """The linear mixing's two words (module docstring), on the tensor's device, unread."""
     words = _words(tensor)
     while words.numel() > MAX_FOLD:
         words = _mix(words)
@@ -91,8 +130,7 @@ def _weights(device: torch.device) -> torch.Tensor:
     rng = random.Random("bits_fingerprint")
     residues = rng.sample(range(1, 64, 2), ROW)
     unsigned = [(rng.getrandbits(58) << 6) | r for r in residues]
-    signed = [w - (1 << 64) if w >= 1 << 63 else w for w in unsigned]
-    return torch.tensor(signed, dtype=torch.int64, device=device)
+    return torch.tensor([_signed(w) for w in unsigned], dtype=torch.int64, device=device)
 
 
 @functools.cache
@@ -102,7 +140,7 @@ def _fold(count: int, device: torch.device) -> torch.Tensor:
     burst down one column of the rows), as plain sums cancel +d, -d."""
     rng = random.Random(f"bits_fingerprint:{count}")
     unsigned = [rng.getrandbits(64) | 1 for _ in range(2 * count)]
-    signed = [w - (1 << 64) if w >= 1 << 63 else w for w in unsigned]
+    signed = [_signed(w) for w in unsigned]
     return torch.tensor(signed, dtype=torch.int64, device=device).view(2, count)
 
 

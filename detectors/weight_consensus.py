@@ -4,8 +4,9 @@ strict majority is suspect. It runs every `interval` steps and always before a c
 refuses the checkpoint when the replicas disagree.
 
 The fingerprint is two machine words per tensor, exact on bit patterns and order-aware (swaps,
-bursts and cancelling flips change it; detectors/fingerprint.py), so the gather is a few hundred
-bytes per rank: Megatron-LM's equivalent copies every tensor to
+bursts and cancelling flips change it; detectors/fingerprint.py: XXH3-128 of the bytes on the
+CPU, about one read pass; a linear mixing on a GPU, so the ranks must share a kind of device),
+and the gather is a few hundred bytes per rank: Megatron-LM's equivalent copies every tensor to
 the CPU and hashes it with SHA-1, and says it is not meant to run often.
 """
 

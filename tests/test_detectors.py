@@ -212,3 +212,74 @@ def test_the_weight_fingerprint_sees_every_single_bit_flip_and_depends_on_the_bi
         swapped = x.clone()
         swapped[0], swapped[512 * 4096] = 2.0, 1.0
         assert bits_fingerprint(swapped) != bits_fingerprint(x)
+
+
+# A x1000 of a small reduced gradient element in bfloat16 (-1.4e-4 to -0.14 on the mlp at
+# seed 0; the gradient's norm is about 0.6), which the sketch's bfloat16 bound used to let
+# pass (0.71 there); on a gpt of 1.8 MiB of bfloat16 gradients (two chunks), one reduced
+# element set to 1.0 (its chunk's gradient norm is about 1.1, the old bound 3.4).
+SMALL_IN_BF16 = {
+    "mlp": ([], ["fc2.weight,index:44852"], "model:scale,factor:1000"),
+    "gpt": (
+        [*SMALL_GPT.split(), "workload.d_model=192", "workload.heads=6"],
+        ["head.weight,index:1000"],
+        "model:value,value:1.0",
+    ),
+}
+
+
+@pytest.mark.parametrize("workload", ["mlp", pytest.param("gpt", marks=pytest.mark.slow)])
+def test_in_bfloat16_the_sketch_catches_a_small_change_of_a_reduced_element(
+    tmp_path, run_ok, workload
+):
+    """The sketch's bound in bfloat16 follows the rounding of the reduction itself
+    (detectors/allreduce_sketch.py), not a blanket factor times sqrt(n), so a change of one
+    element far below the gradient's L1 norm is caught in its step, on every rank."""
+    extra, targets, change = SMALL_IN_BF16[workload]
+    listed = ",".join(
+        f"{{site:allreduce,scope:reduction,{change},ranks:[1],steps:[5],tensor:{t}}}"
+        for t in targets
+    )
+    out = tmp_path / "run"
+    run_ok(
+        "detectors=[allreduce_sketch]", f"workload={workload}", *extra,
+        "workload.dtype=bfloat16", "workload.steps=6", "campaign.seeds=1",
+        "campaign.noise_seeds=2", f"campaign.scenarios=[{listed}]", f"out={out}", cwd=tmp_path,
+    )  # fmt: skip
+    table = rows(out)
+    injected = [e for e in events(out) if e["kind"] == "inject"]
+    assert len(table) == len(targets) and len(injected) == 4 * len(targets)
+    assert all(abs(e["new"] - e["old"]) < 1.01 for e in injected), injected
+    for row in table:
+        assert row["first_detector"] == "allreduce_sketch" and row["detect_step"] == "5", row
+    alerts = [e for e in events(out) if e["kind"] == "alert"]
+    assert {(a["trial_id"], a["rank"]) for a in alerts} == {
+        (r["trial_id"], rank) for r in table for rank in range(4)
+    }
+
+
+def test_a_large_float32_bucket_is_read_by_pieces_with_the_same_projection_and_norm():
+    """Above PIECE elements the sketch's rider reads a float32 bucket a piece at a time (the
+    norm from the cache); its projection and norm are those of the whole bucket, in float64,
+    within the projections' rounding term of the bound, and match the check's one-piece pass."""
+    import math
+
+    import torch
+
+    from detectors import allreduce_sketch as sketch
+
+    n = 3 * sketch.PIECE + 12_345
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(n, generator=gen) * 10.0 ** torch.randint(-4, 1, (n,), generator=gen)
+    u, v, z = sketch.step_weights(3, 0, n)
+    body = u.numel() * v.numel()
+    grid = x[:body].double().view(u.numel(), v.numel())
+    exact = float(u.double() @ grid @ v.double() + x[body:].double() @ z.double())
+    norm = float(x.double().norm())
+    projection, size = sketch.rider_of(x, (u, v, z)).tolist()
+    bound = 4 * 1e-6 * math.sqrt(n) * norm
+    assert (
+        abs(projection - exact) <= bound
+        and abs(float(sketch.project(x, (u, v, z))) - exact) <= bound
+    )
+    assert math.isclose(size, norm, rel_tol=1e-4)  # float32 sums of squares

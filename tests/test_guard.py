@@ -113,7 +113,6 @@ def test_the_sketch_bounds_a_compressed_reduction_from_the_wire_dtypes_rounding(
     riders = sum(sketch.rider_of(g, weights) / world for g in buckets)
     expected, norms = float(riders[0]), float(riders[1])
     error = abs(float(sketch.project(total.float(), weights)) - expected)
-    relative, absolute = sketch.wire_rounding(wire, world, n)
-    # Every weight is at most 4 in magnitude (detectors/allreduce_sketch.py).
-    assert error <= 4 * ((1e-6 + relative) * n**0.5 * norms + absolute)
+    rho, alpha = sketch.sum_rounding(wire, world, per_rank=2)  # the cast and the division
+    assert error <= sketch.tolerance(norms, n, 1e-6, rho, alpha)
     assert error > 4 * 1e-6 * n**0.5 * norms
