@@ -77,3 +77,20 @@ def test_workloads_build_in_every_dtype_and_gpt_has_a_few_hundred_thousand_param
     # The reference workload for overhead: at least 1024 tokens per rank per step.
     cfg = run.workload
     assert cfg.micro_batch_size * cfg.micro_batches * cfg.context >= 1024
+
+
+def test_float16_training_stays_finite_where_a_gradient_element_is_zero():
+    """AdamW's eps is added in the weights' dtype: in float16 the default 1e-8 is 0, and an
+    element with a zero gradient (the mlp has one at step 0) became 0/0 = NaN in its first
+    update, so every float16 golden run ended NaN and every trial was judged against it."""
+    for name in ("mlp", "gpt"):
+        workload = Workload(compose_run(f"workload={name}", "workload.dtype=float16").workload)
+        model = workload.build_model()
+        optimizer = workload.build_optimizer(model)
+        for step in range(5):
+            loss = workload.loss(model, workload.batch(step, 0, 0))
+            assert torch.isfinite(loss), (name, step)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        assert all(torch.isfinite(p).all() for p in model.parameters()), name

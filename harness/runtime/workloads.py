@@ -111,7 +111,10 @@ class Workload:
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         if self.cfg.name == "custom":
             return instantiate(self.cfg.optimizer)(model.parameters())
-        return torch.optim.AdamW(model.parameters(), lr=self.cfg.lr)
+        # AdamW adds eps to the root of the second moment in the weights' dtype: float16 rounds
+        # 1e-8 to 0, and an element whose gradient is 0 then updates by 0/0 = NaN at step 0.
+        eps = max(1e-8, torch.finfo(self.dtype).tiny)
+        return torch.optim.AdamW(model.parameters(), lr=self.cfg.lr, eps=eps)
 
     def batch(self, step: int, rank: int, micro_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.cfg.name == "custom":
