@@ -17,7 +17,9 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # Longer than MAX_FOLD words, with a remainder, so that every level of mixing is exercised.
 SIZES = st.sampled_from([7, 300, 40_003, 150_001])
-FAST = settings(max_examples=30, deadline=None)
+# The same examples on every run: a property that holds only with high probability (the linear
+# mixing's bursts) must not fail CI at random.
+FAST = settings(max_examples=30, deadline=None, derandomize=True)
 FINGERPRINTS = {"xxh3": bits_fingerprint, "mixed": lambda t: tuple(mixed_words(t).tolist())}
 METHODS = pytest.mark.parametrize("method", list(FINGERPRINTS))
 
@@ -32,12 +34,15 @@ def _flip(x: torch.Tensor, index: int, bit: int) -> None:
     x.view(as_int)[index] ^= torch.tensor(1).bitwise_left_shift(bit).to(as_int)
 
 
+def _word_bit(x: torch.Tensor, index: int, bit: int) -> int:
+    """The position of an element's bit in the 64-bit word the linear mixing reads it in."""
+    size = x.element_size()
+    return 8 * size * (index % (8 // size)) + bit
+
+
 def _in_top_window(method: str, x: torch.Tensor, index: int, bit: int) -> bool:
     """The linear mixing's documented blind window: bits 59-63 of a 64-bit word."""
-    if method != "mixed":
-        return False
-    size = x.element_size()
-    return 8 * size * (index % (8 // size)) + bit >= 59
+    return method == "mixed" and _word_bit(x, index, bit) >= 59
 
 
 @METHODS
@@ -102,6 +107,10 @@ def test_bursts_adjacent_or_strided_change_it(method, dtype, numel, data):
     bit = data.draw(st.integers(0, 8 * x.element_size() - 1))
     hit = range(start, min(numel, start + length * stride), stride)
     assume(not all(_in_top_window(method, x, k, bit) for k in hit))
+    # The linear mixing misses an even burst of high bits with probability 2^-(63 - p)
+    # (detectors/fingerprint.py): it is held to bursts it must catch but for 2^-23 at most.
+    if method == "mixed" and len(hit) % 2 == 0:
+        assume(min(_word_bit(x, k, bit) for k in hit) < 40)
     burst = x.clone()
     for k in hit:
         _flip(burst, k, bit)
@@ -153,3 +162,14 @@ def test_the_same_bits_give_the_same_fingerprint_wherever_they_are_stored(method
         assert fingerprint(x) == fingerprint(shifted) == fingerprint(x.view(1, -1))
         strided = torch.stack([x, -x], 1)[:, 0]  # every other element of a larger tensor
         assert fingerprint(strided) == fingerprint(x)
+
+
+def test_the_even_burst_the_linear_mixing_misses_changes_the_cpu_fingerprint():
+    """Found by the burst property: 8 adjacent float64 elements with bit 56 flipped cancel in
+    the linear mixing (a sum of 8 odd weights, times 2^56, is 0 modulo 2^64 once in 128)."""
+    x = _tensor(150001, torch.float64, 150004)
+    burst = x.clone()
+    for k in range(2985, 2993):
+        _flip(burst, k, 56)
+    assert torch.equal(mixed_words(burst), mixed_words(x))  # the documented weakness
+    assert bits_fingerprint(burst) != bits_fingerprint(x)  # the CPU's check is not blind to it
