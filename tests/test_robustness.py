@@ -228,7 +228,7 @@ def test_a_full_disk_ends_with_a_clear_error_and_every_written_row_intact(tmp_pa
     out = tmp_path / "run"
     args = [
         *SMALL,
-        "campaign.seeds=8",
+        "campaign.seeds=4",  # each trial appends about 20 kB of events: the limit stops the third
         "fault=grad_nan",
         "fault.steps=[1]",
         "checkpoint.interval=1000",
@@ -252,12 +252,12 @@ def test_a_full_disk_ends_with_a_clear_error_and_every_written_row_intact(tmp_pa
     assert last.startswith("sdc-bench: campaign failed: cannot write results in")
     assert "File too large" in last
     written = rows(out)
-    assert 0 < len(written) < 8
+    assert 0 < len(written) < 4
     assert all(r["effect"] == "harmful" and r["step_time_s"] for r in written)
     # With room again, the same command completes the campaign.
     proc = sdc_bench(*args, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert len(rows(out)) == 8 and len({r["trial_id"] for r in rows(out)}) == 8
+    assert len(rows(out)) == 4 and len({r["trial_id"] for r in rows(out)}) == 4
 
 
 def _listening_addresses(pids: list[int]) -> set[str]:
