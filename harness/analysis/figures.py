@@ -70,7 +70,8 @@ def effects_by_scenario(df: pd.DataFrame, path: Path) -> Path:
             left += table[effect].to_numpy()
     ax.set_yticks(range(len(table)), [f"{s} / {m}" for s, m in table.index])
     ax.set_xlabel("share of trials")
-    ax.legend(fontsize=8, ncols=5, loc="lower center", bbox_to_anchor=(0.5, 1.0))
+    if ax.get_legend_handles_labels()[0]:  # no trial fired: nothing to name
+        ax.legend(fontsize=8, ncols=5, loc="lower center", bbox_to_anchor=(0.5, 1.0))
     return _save(fig, path)
 
 

@@ -236,7 +236,9 @@ def sees_and_misses(df: pd.DataFrame) -> list[dict[str, object]]:
     fired = df[df["fired"] == True]  # noqa: E712
     keys = ["site", "model", "scope", "persistence"]
     rows = []
-    for key, g in fired.fillna({"scope": ""}).groupby(keys, dropna=False):
+    # A column of blanks reads as float NaN, which pandas will not fill with text.
+    named = fired.astype({"scope": object}).fillna({"scope": ""})
+    for key, g in named.groupby(keys, dropna=False):
         row: dict[str, object] = dict(zip(keys, (k or "-" for k in key), strict=True))
         for d in detector_names(df):
             on = g[_names(g["detectors"], d)]
