@@ -37,7 +37,7 @@ def _both_ways(tmp_path, run_ok, *args: str) -> tuple[list[dict], list[dict]]:
     for ff in ("true", "false"):
         out = tmp_path / f"ff-{ff}"
         run_ok(*FAST, *args, f"campaign.scenarios=[{SCENARIOS}]", f"campaign.fast_forward={ff}",
-               f"out={out}", cwd=tmp_path, timeout=600)  # fmt: skip
+               f"out={out}", cwd=tmp_path)  # fmt: skip
         tables.append(rows(out))
     return tables[0], tables[1]
 
@@ -79,7 +79,7 @@ def test_the_same_trial_gets_the_same_effect_whatever_the_campaign_size(tmp_path
         out = tmp_path / f"seeds-{seeds}"
         run_ok("workload.steps=6", "detectors=[]", "campaign=single", "fault=grad_scale",
                "fault.steps=[3]", "fault.factor=30.0", f"campaign.seeds={seeds}",
-               "campaign.noise_seeds=2", f"out={out}", cwd=tmp_path, timeout=600)  # fmt: skip
+               "campaign.noise_seeds=2", f"out={out}", cwd=tmp_path)  # fmt: skip
         tables[seeds] = without_timing(rows(out))
     assert tables[4][:2] == tables[2]
     assert len({r["noise_band"] for r in tables[4]}) == 1
@@ -100,7 +100,7 @@ def test_a_diverged_replica_is_never_benign(tmp_path, run_ok, workload):
     out = tmp_path / "run"
     run_ok(*workload, "workload.steps=6", "detectors=[]", "campaign=single", "fault.site=weight",
            "fault.model=scale", "fault.factor=1.001", "fault.ranks=[2]", "fault.steps=[3]",
-           "campaign.noise_seeds=2", f"out={out}", cwd=tmp_path, timeout=600)  # fmt: skip
+           "campaign.noise_seeds=2", f"out={out}", cwd=tmp_path)  # fmt: skip
     (row,) = rows(out)
     assert row["fired"] == "True" and row["replicas_agree"] == "False"
     assert row["divergent_ranks"] == "2"
