@@ -86,20 +86,22 @@ def test_the_same_trial_gets_the_same_effect_whatever_the_campaign_size(tmp_path
 
 
 @pytest.mark.parametrize(
-    "workload",
+    ("workload", "factor"),
     [
-        pytest.param(["workload=mlp"], marks=pytest.mark.slow),  # gpt is its default-run twin
-        GPT,
-        pytest.param([*GPT, "workload.dtype=bfloat16"], marks=pytest.mark.slow),
+        pytest.param(["workload=mlp"], 1.001, marks=pytest.mark.slow),  # gpt: default-run twin
+        (GPT, 1.001),
+        # bfloat16 keeps 8 significant bits: x1.001 rounds back to the same weight (the fault
+        # would not fire); x1.01 moves every weight it hits by more than half a bfloat16 step.
+        pytest.param([*GPT, "workload.dtype=bfloat16"], 1.01, marks=pytest.mark.slow),
     ],
     ids=["mlp", "gpt", "gpt-bfloat16"],
 )
-def test_a_diverged_replica_is_never_benign(tmp_path, run_ok, workload):
+def test_a_diverged_replica_is_never_benign(tmp_path, run_ok, workload, factor):
     """A small change to one replica's weights, and no check: the loss stays in the band, but
     the data-parallel invariant is broken for good (gradients are averaged, weights are not)."""
     out = tmp_path / "run"
     run_ok(*workload, "workload.steps=6", "detectors=[]", "campaign=single", "fault.site=weight",
-           "fault.model=scale", "fault.factor=1.001", "fault.ranks=[2]", "fault.steps=[3]",
+           "fault.model=scale", f"fault.factor={factor}", "fault.ranks=[2]", "fault.steps=[3]",
            "campaign.noise_seeds=2", f"out={out}", cwd=tmp_path)  # fmt: skip
     (row,) = rows(out)
     assert row["fired"] == "True" and row["replicas_agree"] == "False"
