@@ -20,8 +20,8 @@ collision rate (tests/test_fingerprint.py).
 On a GPU (where a copy to the host would cost more than the check, and where no XXH3 kernel
 exists) `mixed_words` runs instead, elementwise; the CPU can run it too. A CPU rank and a GPU
 rank therefore fingerprint the same tensor differently: a world's ranks must compute on one
-kind of device (the harness places every rank of a spawned world on one kind; under torchrun
-with `topology.device` unset, hosts with and without GPUs would mix: set it).
+kind of device. The spawned world places every rank on one kind; a torchrun world whose hosts
+resolve different kinds is refused before its first trial (harness/launch/torchrun_world.py).
 
 `mixed_words` is a linear mixing with proofs instead of probabilities. The bytes are read as
 64-bit integers ("words"; 16- and 32-bit elements share a word) in rows of ROW words, and each

@@ -99,9 +99,9 @@ def main(argv: list[str] | None = None) -> None:
     except (ConfigError, OSError) as exc:
         fail(str(exc), 2)
     world = TorchrunWorld(run, info.rank, info.world_size, out / "store", info.device)
-    unshared = world.shared(out / "store")
-    if unshared:
-        fail(unshared if info.rank == 0 else "", 2)
+    refused = world.one_device_kind() or world.shared(out / "store")
+    if refused:
+        fail(refused if info.rank == 0 else "", 2)
     if info.rank != 0:
         _exit(follow(world))
     executor = TorchrunExecutor(world, out / CRASH_LOG)

@@ -10,6 +10,7 @@ import torch
 
 from harness.config.load import exact_replay
 from harness.errors import ConfigError
+from harness.launch.torchrun_world import mixed_devices
 from harness.runtime import determinism, devices
 from harness.runtime.workloads import Workload
 from tests.conftest import compose_run, sdc_bench
@@ -109,3 +110,16 @@ def test_the_preflight_marks_exact_replay_and_refuses_it_on_cuda_where_it_cannot
         exact_replay(on_gpu, checks, list(run.trials), env={"CUBLAS_WORKSPACE_CONFIG": ":1:1"})
     # On the CPU nothing is set: its kernels are deterministic already.
     assert exact_replay(run.topology, checks, [], env={"CUBLAS_WORKSPACE_CONFIG": ":1:1"})
+
+
+def test_a_torchrun_world_whose_hosts_resolve_different_devices_is_refused():
+    """Each host resolves `topology.device` itself: unset, hosts with and without GPUs would
+    fingerprint weights by two methods and alarm on every consensus. The world refuses before
+    its first trial (torchrun's ranks all gather their kind; the tests/test_multihost.py runs
+    take that path with every host on the CPU)."""
+    hosts = ["node-a", "node-a", "node-b", "node-b"]
+    assert mixed_devices(["cpu"] * 4, hosts) is None
+    assert mixed_devices(["cuda"] * 4, hosts) is None
+    line = mixed_devices(["cuda", "cuda", "cpu", "cpu"], hosts)
+    assert line is not None and line.startswith("topology.device: ")
+    assert "cpu on node-b; cuda on node-a" in line and "topology.device=cpu" in line

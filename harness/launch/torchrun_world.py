@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from harness.config.schema import RunConfig, TrialSpec
@@ -86,6 +87,20 @@ def crash_cause(errors: dict[int, str], size: int, hosts: list[str]) -> str:
         for host, ranks in silent.items()
     ]
     return "; ".join(own + quiet + fallout)
+
+
+def mixed_devices(kinds: list[str], hosts: list[str]) -> str | None:
+    """None when every rank computes on one kind of device; otherwise which hosts resolved to
+    which, in one line. The weight fingerprint differs between the CPU and a GPU
+    (detectors/fingerprint.py), so a mixed world would disagree with itself on every check."""
+    if len(set(kinds)) <= 1:
+        return None
+    where = {k: sorted({hosts[r] for r, kind in enumerate(kinds) if kind == k}) for k in kinds}
+    what = "; ".join(f"{kind} on {', '.join(on)}" for kind, on in sorted(where.items()))
+    return (
+        f"topology.device: the hosts resolved different devices ({what}); set "
+        "topology.device=cpu or topology.device=cuda"
+    )
 
 
 class TorchrunWorld:
@@ -190,6 +205,12 @@ class TorchrunWorld:
                     errors[rank] = self.store.get(key).decode()
             time.sleep(0.1)
         return crash_cause(errors, size, self.hosts)
+
+    def one_device_kind(self) -> str | None:
+        """`mixed_devices` over every rank's device (the same answer on every rank)."""
+        kinds: list[str] = [""] * self.size
+        dist.all_gather_object(kinds, torch.device(self.device).type)
+        return mixed_devices(kinds, self.hosts)
 
     def shared(self, folder: Path) -> str | None:
         """Whether every host sees what every other host writes in `folder`; otherwise the
