@@ -179,7 +179,9 @@ def sum_rounding(dtype: torch.dtype, world: int, per_rank: int) -> tuple[float, 
     return roundings * unit, (roundings + (world - 1) * per_rank) * subnormal / 2
 
 
-def tolerance(norms, n: int, rtol: float, rho: float, alpha: float):
+def tolerance(
+    norms: torch.Tensor | float, n: int, rtol: float, rho: float, alpha: float
+) -> torch.Tensor | float:
     """The bound on |received projection - summed projections| (module docstring), for the
     summed norms `norms` (a tensor or a float) of n-element contributions."""
     # 4 rtol sqrt(n) N + Z (7/3) ||e||_2, with ||e||_2 <= rho N + alpha sqrt(n), as two tensor

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from harness.results.schema import BIT_CLASSES, classify_bit
 from harness.results.schema import class_bits as format_bits
 
 _INT_VIEW = {
@@ -13,9 +12,6 @@ _INT_VIEW = {
     torch.bfloat16: torch.int16,
     torch.float16: torch.int16,
 }
-
-
-CLASSES = BIT_CLASSES
 
 
 def width(dtype: torch.dtype) -> int:
@@ -29,11 +25,6 @@ def _format(dtype: torch.dtype) -> str:
 def class_bits(dtype: torch.dtype, name: str) -> list[int]:
     """The bit indices (LSB = 0) of one bit class in `dtype`."""
     return format_bits(_format(dtype), name)
-
-
-def classify(dtype: torch.dtype, bit: int) -> str:
-    """The narrowest class a bit belongs to."""
-    return classify_bit(_format(dtype), bit)
 
 
 def _int_view(flat: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -89,7 +90,12 @@ def restore_point(store: Path, before: int, log: list[dict[str, Any]]) -> tuple[
     return -1, ""
 
 
-def run_with_recovery(run: RunConfig, spec: TrialSpec, execute, out: Path) -> TrialResult:
+def run_with_recovery(
+    run: RunConfig,
+    spec: TrialSpec,
+    execute: Callable[[RunConfig, TrialSpec], TrialResult],
+    out: Path,
+) -> TrialResult:
     """Run one trial; after each stop, quarantine, roll back and resume until it completes or
     the loop limit gives a verdict. `execute(run, spec)` runs a segment in a world."""
     machines = Machines.start(run)

@@ -14,7 +14,6 @@ import torch
 
 import injectors
 from harness.config.schema import (
-    BIT_WIDTH,
     MATMUL_PHASES,
     PERSISTENCE,
     SCOPES,
@@ -26,6 +25,7 @@ from harness.config.schema import (
 )
 from harness.config.values import choice, int_list, integer, known_keys
 from harness.errors import ConfigError
+from harness.results.schema import BIT_CLASSES, FLOAT_FORMATS
 from injectors import bits, sites
 
 
@@ -45,10 +45,10 @@ def _fault_values(
     values = {f.name: f.default for f in fields(FaultConfig)}
     values.update(raw)
     values["model"] = _fault_model(f"{key}.model", values["model"])
-    width = BIT_WIDTH[workload.dtype]
+    width, _ = FLOAT_FORMATS[workload.dtype]
     bit = values["bit"]
     if isinstance(bit, str):
-        choice(f"{key}.bit", bit, bits.CLASSES)
+        choice(f"{key}.bit", bit, BIT_CLASSES)
     elif bit is not None:
         values["bit"] = integer(f"{key}.bit", bit, 0, width - 1)
     if values["value"] is not None:
@@ -199,7 +199,7 @@ def _schedule(
     """An explicit list of injections: {step, rank, tensor, index[, bit]} each."""
     if not raw:
         return ()
-    width = BIT_WIDTH[workload.dtype]
+    width, _ = FLOAT_FORMATS[workload.dtype]
     entries = []
     for i, entry in enumerate(raw):
         k = f"{key}[{i}]"

@@ -17,7 +17,6 @@ WORKLOADS = ("mlp", "gpt", "custom")
 CUSTOM_TARGETS = ("model", "data", "loss", "optimizer")
 BACKENDS = ("gloo", "nccl")
 LAUNCHERS = ("spawn", "torchrun")
-BIT_WIDTH = {"float32": 32, "bfloat16": 16, "float16": 16}
 
 
 @dataclass(frozen=True)

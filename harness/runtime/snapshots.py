@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from harness.config.schema import golden_id
@@ -22,7 +23,11 @@ def checks_path(snapshot: Path, rank: int) -> Path:
 
 
 def save_snapshot(
-    snapshot: Path, model: nn.Module, optimizer, checks: list[Detector], info: RankInfo
+    snapshot: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    checks: list[Detector],
+    info: RankInfo,
 ) -> None:
     """Rank 0 saves the weights and optimizer state (the replicas are identical); every rank
     saves its own checks' state. A snapshot is only a shortcut: one that cannot be written (a
