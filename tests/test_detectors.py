@@ -283,3 +283,24 @@ def test_a_large_float32_bucket_is_read_by_pieces_with_the_same_projection_and_n
         and abs(float(sketch.project(x, (u, v, z))) - exact) <= bound
     )
     assert math.isclose(size, norm, rel_tol=1e-4)  # float32 sums of squares
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_nan_inf_judges_a_bucket_over_one_mib_exactly_in_every_dtype(dtype):
+    """One NaN or infinity anywhere in a 4 MiB bucket alarms; finite elements never do, even
+    ones whose sum overflows (the reason its verdict is a minimum and maximum)."""
+    import torch
+
+    from detectors.nan_inf import non_finite
+
+    kind = getattr(torch, dtype)
+    clean = torch.randn(1 << 20, generator=torch.Generator().manual_seed(0)).to(kind)
+    assert not non_finite(clean)
+    huge = clean.clone()
+    huge[:64] = torch.finfo(kind).max  # finite, and their sum is not
+    assert not non_finite(huge) and not torch.isfinite(huge.sum())  # summed in its dtype
+    for value in (float("nan"), float("inf"), float("-inf")):
+        for where in (0, 12345, (1 << 20) - 1):
+            bad = clean.clone()
+            bad[where] = value
+            assert non_finite(bad), (value, where)
