@@ -3,7 +3,10 @@ of a rank on the next node (ring shift by ranks_per_node), recomputes loss and g
 own replica, and the ranks compare what they recomputed with what each rank computed itself.
 On a mismatch a rank on a third node recomputes the same micro-batches, and the majority of the
 three names the suspect: the rank that computed it (its own result is the odd one out) or the
-rank that replayed it.
+rank that replayed it. The mismatched rank also recomputes its own micro-batches: when no two of
+the four results agree, not even the rank with itself, the forward does not reproduce (a
+non-deterministic op), which is no evidence against any rank: replay warns "not deterministic"
+instead of alerting.
 
 The gradient is compared through a fingerprint: one projection onto fixed +1/-1 signs per
 parameter, summed in name order, plus its L2 norm. `exact` mode compares bit patterns of loss
@@ -14,13 +17,14 @@ and projection (needs deterministic compute); `tolerant` mode allows a relative 
 Where the micro-batches come from is `ctx.replay_data`'s business: in campaigns (None) any rank
 regenerates any other's from the workload (`Regenerated`); in a user's loop the guard ships the
 batch each rank trained on to the ranks that replay it (harness/runtime/batch_exchange.py). Both
-offer `ship` (every rank calls it with the same routes before the batches are needed), `losses`,
-`micro_batches` and `divisor`.
+offer `ship` (every rank calls it with the same routes before the batches are needed), `losses`
+(each micro-batch's loss, computed under the random state its own rank computed it under, so
+dropout masks the same elements) and `divisor`.
 
 Replay never disturbs training: gradients come from torch.autograd.grad (param.grad is never
-touched) and the RNG state is restored, so a clean run with replay on ends bit-identical to one
-without. Its floor is one forward and backward of the audited rank's micro-batches per audit.
-"""
+touched) and `losses` draws from forked generators, so a clean run with replay on ends bit-
+identical to one without. Its floor is one forward and backward of the audited rank's micro-
+batches per audit."""
 
 from __future__ import annotations
 
@@ -49,21 +53,20 @@ class Regenerated:
     def __init__(self, ctx: Any):
         self.ctx = ctx
 
-    @property
-    def divisor(self) -> float:
+    def divisor(self, rank: int) -> float:
         return self.ctx.divisor
-
-    def micro_batches(self, rank: int) -> int:
-        return len(self.ctx.batches(rank))
 
     def ship(self, step: int, routes: list[tuple[int, int]]) -> None:
         """Nothing to ship: (source, destination) routes are regenerated at the destination."""
 
     def losses(self, model: nn.Module, step: int, rank: int) -> Iterator[torch.Tensor]:
-        """Each of `rank`'s micro-batch losses at `step`, computed on `model`, one at a time."""
+        """Each of `rank`'s micro-batch losses at `step`, computed on `model`, one at a time, each
+        under its micro-batch's random state (harness/runtime/workloads.py, `forward_rng`): the
+        caller's backward of a loss runs before the next is computed, inside that state."""
         workload = self.ctx.workload
         for source, m in self.ctx.batches(rank):
-            yield workload.loss(model, workload.batch(step, source, m))
+            with workload.forward_rng(step, source, m):
+                yield workload.loss(model, workload.batch(step, source, m))
 
 
 class Replay(Detector):
@@ -124,8 +127,10 @@ class Replay(Detector):
         self.rtol = params["rtol"] or (1e-5 if dtype == torch.float32 else derived_rtol(dtype))
         self.audits = set(params["steps"] or [])
         self.device = torch.device(ctx.info.device)
-        # This step's own loss, projections and squared norm, on the device until the audit.
+        # This step's own loss (summed over its micro-batches, `own_count` of them), projections
+        # and squared norm, on the device until the audit.
         self.own_loss: float | torch.Tensor = 0.0
+        self.own_count = 0
         self.own_dots: dict[str, torch.Tensor] = {}
         self.own_sq: float | torch.Tensor = 0.0
 
@@ -136,8 +141,8 @@ class Replay(Detector):
 
     def on_loss(self, step: int, loss: torch.Tensor) -> None:
         if self._audited(step):
-            micro = self.data.micro_batches(self.info.rank)
-            self.own_loss = self.own_loss + loss.detach().double() / micro
+            self.own_loss = self.own_loss + loss.detach().double()
+            self.own_count += 1
         return None
 
     def on_local_grad(self, step: int, bucket: Bucket) -> None:
@@ -159,18 +164,16 @@ class Replay(Detector):
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
         """Loss, per-parameter projections and squared norm of `rank`'s local gradient,
         recomputed on this replica, unread."""
-        rng = torch.get_rng_state()
         params = [p for _, p in self.model.named_parameters()]
         names = [n for n, _ in self.model.named_parameters()]
-        micro = self.data.micro_batches(rank)
-        total_loss, grads = 0.0, None
+        total_loss, grads, count = 0.0, None, 0
         for loss in self.data.losses(self.model, step, rank):
-            part = torch.autograd.grad(loss / self.data.divisor, params)
+            part = torch.autograd.grad(loss / self.data.divisor(rank), params)
             grads = (
                 list(part) if grads is None else [a + b for a, b in zip(grads, part, strict=True)]
             )
-            total_loss = total_loss + loss.detach().double() / micro
-        torch.set_rng_state(rng)
+            total_loss, count = total_loss + loss.detach().double(), count + 1
+        total_loss = total_loss / count
         dots, sq = {}, 0.0
         for name, g in zip(names, grads, strict=True):
             dots[name], part = _project_on_device(name, g)
@@ -194,10 +197,11 @@ class Replay(Detector):
         # Unfolded, on the device: every rank's own and replayed projections come back in one
         # read, and are folded exactly (math.fsum) on the host.
         loss, dots, sq = self._recompute_on_device(step, peer)
-        own = [self.own_loss, *(self.own_dots[n] for n in dots), self.own_sq]
+        own_loss = self.own_loss / max(self.own_count, 1)
+        own = [own_loss, *(self.own_dots[n] for n in dots), self.own_sq]
         row = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.device)
                            for v in (*own, loss, *dots.values(), sq)])  # fmt: skip
-        self.own_loss, self.own_dots, self.own_sq = 0.0, {}, 0.0
+        self.own_loss, self.own_count, self.own_dots, self.own_sq = 0.0, 0, {}, 0.0
         width = len(dots) + 2
         table = [
             torch.tensor(_triple(values[:width], dots) + _triple(values[width:], dots),
@@ -211,30 +215,53 @@ class Replay(Detector):
         ]  # fmt: skip
         if not mismatched:
             return
-        # Tie-break: the rank one node further on recomputes each mismatched rank's work.
+        # Tie-break: the rank one node further on recomputes each mismatched rank's work, and
+        # each mismatched rank its own again; both come back in one gather.
         self.data.ship(step, [(p, (p + per_node) % world) for p in mismatched])
+        again = torch.zeros(world, 3, dtype=torch.float64)
+        if self.info.rank in mismatched:
+            again[self.info.rank] = torch.tensor(
+                self._recompute(step, self.info.rank), dtype=torch.float64
+            )
         third = torch.zeros(world, 3, dtype=torch.float64)
         for p in mismatched:
             if (p + per_node) % world == self.info.rank:
                 third[p] = torch.tensor(self._recompute(step, p), dtype=torch.float64)
-        if self.params["verdict"] == "megatron":
-            self._megatron(step, table, mismatched, third)
-            return
-        thirds = self._gather_read(third.reshape(-1), world)
+        both = self._gather_read(torch.cat([again, third]).reshape(-1), world)
         for p in mismatched:
             verifier, tiebreaker = (p - per_node) % world, (p + per_node) % world
-            own, replay = table[p][_OWN : _OWN + 3], table[verifier][_REPLAY:]
-            tie = thirds[tiebreaker].reshape(world, 3)[p]
-            if self._same(replay, tie):
-                suspects, verdict = [p], "computed differently from two replays"
-            elif self._same(own, tie):
-                suspects, verdict = [verifier], "its replay disagreed with the rank and a third"
-            else:
-                suspects, verdict = [p, verifier], "three different results"
+            results = {
+                "own": table[p][_OWN : _OWN + 3],
+                "replay": table[verifier][_REPLAY:],
+                "same_rank": both[p].reshape(2, world, 3)[0][p],
+                "third": both[tiebreaker].reshape(2, world, 3)[1][p],
+            }
             evidence = {"rank": p, "verifier": verifier, "tiebreaker": tiebreaker,
-                        "verdict": verdict, "own": own.tolist(), "replay": replay.tolist(),
-                        "third": tie.tolist()}  # fmt: skip
-            self.alert(step, "audit", suspects, evidence)
+                        **{k: v.tolist() for k, v in results.items()}}  # fmt: skip
+            if self._irreproducible(results):
+                self.warn(step, "not deterministic", dict(evidence, verdict="no two of four "
+                          "computations of the same micro-batches agree, not even the rank's "
+                          "own two: the forward does not reproduce"))  # fmt: skip
+                continue
+            judge = self._megatron if self.params["verdict"] == "megatron" else self._majority
+            suspects, verdict = judge(p, verifier, results)
+            self.alert(step, "audit", suspects, dict(evidence, verdict=verdict))
+
+    def _irreproducible(self, results: dict[str, torch.Tensor]) -> bool:
+        """No two of the four computations agree: not a fault on one rank, which the others'
+        agreement would outvote, but a forward that does not reproduce."""
+        values = list(results.values())
+        return not any(self._same(a, b) for i, a in enumerate(values) for b in values[i + 1 :])
+
+    def _majority(
+        self, p: int, verifier: int, results: dict[str, torch.Tensor]
+    ) -> tuple[list[int], str]:
+        """The published tie-break: the third node's replay sides with the rank or its verifier."""
+        if self._same(results["replay"], results["third"]):
+            return [p], "computed differently from two replays"
+        if self._same(results["own"], results["third"]):
+            return [verifier], "its replay disagreed with the rank and a third"
+        return [p, verifier], "three different results"
 
     def _gather_read(self, row: torch.Tensor, world: int) -> list[torch.Tensor]:
         """Every rank's `row`, on the host (one read)."""
@@ -242,37 +269,20 @@ class Replay(Detector):
         return list(torch.tensor(self.read(table), dtype=torch.float64))
 
     def _megatron(
-        self, step: int, table: list[torch.Tensor], mismatched: list[int], third: torch.Tensor
-    ) -> None:
+        self, p: int, verifier: int, results: dict[str, torch.Tensor]
+    ) -> tuple[list[int], str]:
         """Megatron-LM's rerun verdicts (megatron/core/rerun_state_machine.py): rerun on the
         same rank first; a result it does not reproduce was a transient fault. A reproduced one
         is rerun on another node (here the rank one node further on): reproduced there too, the
         result was correct (Megatron: "possible application error"; here the replay that
         disagreed with it is the suspect); not reproduced there, the rank's hardware has a
-        persistent fault. The verdict goes into the alert."""
-        world, per_node = self.info.world_size, self.info.ranks_per_node
-        again = torch.zeros(world, 3, dtype=torch.float64)
-        if self.info.rank in mismatched:
-            again[self.info.rank] = torch.tensor(
-                self._recompute(step, self.info.rank), dtype=torch.float64
-            )
-        both = self._gather_read(torch.cat([again, third]).reshape(-1), world)
-        for p in mismatched:
-            other = (p + per_node) % world
-            own = table[p][_OWN : _OWN + 3]
-            rerun = both[p].reshape(2, world, 3)[0][p]
-            elsewhere = both[other].reshape(2, world, 3)[1][p]
-            if not self._same(own, rerun):
-                suspects, verdict = [p], "not reproduced on the same rank: transient fault"
-            elif self._same(own, elsewhere):
-                # Megatron's "correct result": here the disagreement was the verifier's replay.
-                verifier = (p - per_node) % world
-                suspects, verdict = [verifier], "reproduced on another node: the replay differed"
-            else:
-                suspects, verdict = [p], "reproduced on its own rank only: persistent fault"
-            evidence = {"rank": p, "verdict": verdict, "own": own.tolist(),
-                        "same_rank": rerun.tolist(), "other_node": elsewhere.tolist()}  # fmt: skip
-            self.alert(step, "audit", suspects, evidence)
+        persistent fault."""
+        own = results["own"]
+        if not self._same(own, results["same_rank"]):
+            return [p], "not reproduced on the same rank: transient fault"
+        if self._same(own, results["third"]):
+            return [verifier], "reproduced on another node: the replay differed"
+        return [p], "reproduced on its own rank only: persistent fault"
 
 
 # The derivation's assumptions: at most ROUNDINGS roundings to the dtype on an element's way

@@ -13,8 +13,8 @@ bit flipped in two elements), is not seen.
 
 Here the reference is the step that trained: the local gradients as the comm hook sees them
 before the collective, and the losses. The replay recomputes them with torch.autograd.grad
-(param.grad is never touched; the RNG state is restored), so training is undisturbed. The
-suspect is the rank itself.
+(param.grad is never touched), each micro-batch under its own random state in forked generators,
+so training is undisturbed. The suspect is the rank itself.
 """
 
 from __future__ import annotations
@@ -68,16 +68,15 @@ class TitanReplay(Detector):
     def _replay(self, step: int) -> tuple[list[float], dict[str, int]]:
         model, workload = self.ctx.model, self.ctx.workload
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        rng = torch.get_rng_state()
         losses, grads = [], None
         for source, m in self.ctx.batches(self.info.rank):
-            loss = workload.loss(model, workload.batch(step, source, m))
-            part = torch.autograd.grad(loss / self.ctx.divisor, [p for _, p in named])
+            with workload.forward_rng(step, source, m):  # the step's own random state
+                loss = workload.loss(model, workload.batch(step, source, m))
+                part = torch.autograd.grad(loss / self.ctx.divisor, [p for _, p in named])
             grads = (
                 list(part) if grads is None else [a + b for a, b in zip(grads, part, strict=True)]
             )
             losses.append(loss.item())
-        torch.set_rng_state(rng)
         return losses, {n: xor_digest(g) for (n, _), g in zip(named, grads, strict=True)}
 
     def on_audit(self, step: int) -> None:

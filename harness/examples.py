@@ -53,3 +53,19 @@ class WideMLP(nn.Module):
         for layer in self.hidden:
             x = F.relu(layer(x))
         return self.head(x)
+
+
+def markov_tokens(
+    seed: int, step: int, rank: int, micro: int, size: int, vocab: int = 512, context: int = 64
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token data for a language model given as `workload=custom` (a Hugging Face causal LM
+    takes the inputs as `input_ids`): sequences from a sparse random Markov chain fixed by
+    `seed`, so the loss falls visibly, drawn as a pure function of the arguments."""
+    chain = torch.Generator().manual_seed(seed)
+    transitions = torch.softmax(torch.randn(vocab, vocab, generator=chain) * 3.0, dim=1)
+    gen = torch.Generator().manual_seed(hash((seed, step, rank, micro)) & 0x7FFFFFFF)
+    tokens = torch.empty(size, context + 1, dtype=torch.long)
+    tokens[:, 0] = torch.randint(vocab, (size,), generator=gen)
+    for t in range(context):
+        tokens[:, t + 1] = torch.multinomial(transitions[tokens[:, t]], 1, generator=gen).squeeze(1)
+    return tokens[:, :-1], tokens[:, 1:]

@@ -5,7 +5,7 @@
     guard = Guard(ddp_model, detectors=["nan_inf", "replay", "weight_consensus"], mode="act",
                   replay_fn=loss_of, checkpoints="ckpt/")
     for step, batch in enumerate(loader):
-        guard.audit_batch(batch)                      # what replay ships on audit steps
+        guard.audit_batch(batch)                      # before the forward: what replay ships
         loss = guard.loss(loss_of(ddp_model, batch))  # checks see the loss; use what it returns
         loss.backward()                               # the comm hook checks around the allreduce
         guard.before_step()                           # act mode raises SDCAlarm here
@@ -21,9 +21,13 @@ wrapped, not replaced: `Guard(ddp, comm_hook=(state, hook))`; the sketch verifie
 linear hooks (harness/runtime/comm.py, `LINEAR_HOOKS`) and refuses any other. `inject={...}` (the
 keys of `fault.*`) rehearses a fault in your loop: which check fires, when, naming which rank.
 
-Replay ships the batch each rank trained on to the rank one node back, which recomputes it with
-`replay_fn(model, batch) -> loss` on its own replica (harness/runtime/batch_exchange.py); it needs
-one backward of that loss per step (no gradient accumulation) and a deterministic forward.
+Replay ships the batch each rank trained on, with torch's random state before its forward, to the
+rank one node back, which recomputes it with `replay_fn(model, batch) -> loss` on its own replica
+under that state (so dropout draws the same masks; harness/runtime/batch_exchange.py). Under
+gradient accumulation call `audit_batch` and `loss` for every micro-batch (the ones in
+`ddp.no_sync()` too) and backpropagate `loss / K`; replay recomputes all K. A forward that does
+not reproduce even so (a non-deterministic op) is reported as a warning, "not deterministic"
+(`guard.warnings`), not as an alarm against a rank.
 
 Recovery (act mode, `checkpoints=FOLDER`): an alarm writes FOLDER/quarantine.json (suspect
 machines, ranks, step, first suspect step, detector, evidence, exit code), sets aside the
@@ -137,7 +141,8 @@ class Guard:
         topology = _topology(world, per_node)
         self.checks = _checks(detectors, mode, topology, replay_fn, comm_hook)
         recomputing = any(registry.detector_class(n).recomputes_batches for n in self.checks)
-        self.shipped = ShippedBatches(replay_fn, rank) if recomputing else None
+        device = torch.device(self.info.device)
+        self.shipped = ShippedBatches(replay_fn, rank, device) if recomputing else None
         ctx = DetectorContext(self.info, self.model, None, 0, tuple((r,) for r in range(world)),
                               replay_data=self.shipped)  # fmt: skip
         plugins = []
@@ -164,12 +169,19 @@ class Guard:
         return [e for e in self.log.events if e["kind"] == "alert"]
 
     @property
+    def warnings(self) -> list[dict[str, Any]]:
+        """What a check could not judge on this rank (replay: "not deterministic")."""
+        self.bus.resolve()
+        return [e for e in self.log.events if e["kind"] == "warning"]
+
+    @property
     def injections(self) -> list[dict[str, Any]]:
         return [e for e in self.log.events if e["kind"] == "inject"]
 
     def audit_batch(self, batch: Any) -> None:
-        """The micro-batch this rank trains on at this step (tensors in plain containers), for
-        replay to ship on audit steps; call it every step, before backward."""
+        """The micro-batch this rank is about to train on (tensors in plain containers), for
+        replay to ship on audit steps; call it for every micro-batch, just before its forward
+        (the random state it keeps is the forward's)."""
         if self.shipped is not None:
             self.shipped.keep(self.state.step, batch)
 

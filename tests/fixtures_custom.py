@@ -2,9 +2,39 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 
 def unseeded_digits(seed: int, step: int, rank: int, micro: int, size: int):
     """Ignores its arguments: a data function replay and golden runs cannot use."""
     return torch.randn(size, 1, 28, 28), torch.randint(10, (size,))
+
+
+class RaisingNet(torch.nn.Module):
+    """A model whose forward always raises, as a user's model with a shape bug does."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.Linear(28 * 28, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x)  # (n, 1, 28, 28) against 784 inputs: a shape error
+
+
+class IrreproducibleNet(torch.nn.Module):
+    """Dropout drawn from a generator of its own seeded by the OS: no seeding of torch's
+    generators makes two computations of a micro-batch agree (a non-deterministic op's
+    stand-in)."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden = torch.nn.Linear(28 * 28, 64)
+        self.head = torch.nn.Linear(64, 10)
+        self.noise = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.hidden(x.flatten(1)))
+        keep = torch.rand(h.shape, generator=self.noise) > 0.1
+        return self.head(h * keep / 0.9)

@@ -62,7 +62,7 @@ CASES = [
         "fault.ranks",
         "allowed: one rank",
     ),
-    (["workload=transformer"], "workload", "allowed: custom, gpt, mlp"),
+    (["workload=transformer"], "workload", "allowed: custom, gpt, gpt2, llama, mlp"),
     (["workload.dtype=float8"], "workload.dtype", "allowed: float32, bfloat16, float16"),
     (["detectors=[nan_inf,oracle]"], "detectors", "allowed: allreduce_sketch, grad_stats, meg"),
     (["topology.nodes=0"], "topology.nodes", "1..inf"),

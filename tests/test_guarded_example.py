@@ -1,5 +1,7 @@
-"""examples/train_guarded.py under torchrun: a small GPT in a hand-written DDP loop, every check
-on, each rank its own simulated machine ("machine-0" .. "machine-3")."""
+"""examples/train_guarded.py under torchrun: a small language model in a hand-written DDP loop,
+every check on, each rank its own simulated machine ("machine-0" .. "machine-3"). The default run
+trains a transformers GPT-2 with dropout 0.1 and two accumulated micro-batches per step (the
+harness's own GPT and the other comm hooks in the slow set)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ EXAMPLE = Path(__file__).parents[1] / "examples" / "train_guarded.py"
 EVERY = {"nan_inf": {}, "grad_stats": {}, "allreduce_sketch": {}, "weight_consensus": {},
          "replay": {"interval": 1}}  # fmt: skip
 STEPS = 6
+# GPT-2 as users train it: dropout everywhere its config has one, gradient accumulation.
+GPT2 = ("--model", "gpt2", "--dropout", "0.1", "--accumulate", "2")
 
 
 def example(out: Path, *args: str) -> tuple[dict, subprocess.CompletedProcess]:
@@ -37,29 +41,41 @@ def guarded(out: Path, *args: str) -> dict:
     return example(out, "--detectors", json.dumps(EVERY), "--mode", "act", *args)[0]
 
 
-def clean_twins(tmp_path: Path, hook: str) -> None:
-    with_guard = guarded(tmp_path / "guarded", "--comm-hook", hook)
-    without, _ = example(tmp_path / "off", "--guard-off", "--comm-hook", hook)
+def clean_twins(tmp_path: Path, hook: str, *model: str) -> None:
+    with_guard = guarded(tmp_path / "guarded", "--comm-hook", hook, *model)
+    without, _ = example(tmp_path / "off", "--guard-off", "--comm-hook", hook, *model)
     assert with_guard["alerts"] == [] and with_guard["alarm"] is None
+    assert with_guard["warnings"] == []
     assert with_guard["steps"] == without["steps"] == STEPS
     assert with_guard["digest"] == without["digest"]
     assert with_guard["replay_bytes"] > 0, "replay shipped the batches"
 
 
-def test_a_clean_run_with_every_check_and_the_fp16_hook_is_bit_identical_to_no_guard(tmp_path):
-    clean_twins(tmp_path, "fp16")
+def test_gpt2_with_dropout_accumulation_and_the_fp16_hook_is_bit_identical_to_no_guard(tmp_path):
+    """Replay at every step recomputes each peer's two micro-batches under the random state
+    each was trained under (its dropout masks): no alert, and the guard changes no bit."""
+    clean_twins(tmp_path, "fp16", *GPT2)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("hook", ["none", "bf16"])
+@pytest.mark.parametrize("hook", ["none", "fp16", "bf16"])
 def test_a_clean_run_with_every_check_is_bit_identical_to_no_guard(tmp_path, hook):
-    """Slow twins of the fp16 test above."""
+    """Slow twins of the GPT-2 test above, on the harness's GPT."""
     clean_twins(tmp_path, hook)
 
 
-# A doubled largest gradient element on rank 1: within grad_stats' spread, and the sketch
+@pytest.mark.slow
+def test_llama_under_the_llm_recipe_raises_no_alert(tmp_path):
+    """A transformers Llama with autocast to bfloat16, clipping at 1.0, dropout 0.1 and two
+    accumulated micro-batches: every check, replay at every step, no alert."""
+    summary = guarded(tmp_path, "--model", "llama", "--amp", "--clip", "1.0", "--dropout", "0.1",
+                      "--accumulate", "2")  # fmt: skip
+    assert summary["alerts"] == [] and summary["warnings"] == [] and summary["steps"] == STEPS
+
+
+# The largest gradient element on rank 1 times 4: within grad_stats' spread, and the sketch
 # verifies only the sum of what was sent; replay recomputes rank 1's gradient elsewhere.
-SCALED = {"site": "grad", "model": "scale", "factor": 2.0, "ranks": [1], "steps": [4],
+SCALED = {"site": "grad", "model": "scale", "factor": 4.0, "ranks": [1], "steps": [4],
           "select": "largest"}  # fmt: skip
 
 
@@ -68,7 +84,7 @@ def scaled_gradient(tmp_path_factory) -> tuple[Path, dict, subprocess.CompletedP
     out = tmp_path_factory.mktemp("scaled")
     summary, proc = example(
         out, "--detectors", json.dumps(EVERY), "--mode", "act", "--checkpoint-every", "2",
-        "--inject", json.dumps(SCALED),
+        "--inject", json.dumps(SCALED), *GPT2,
     )  # fmt: skip
     return out, summary, proc
 
@@ -91,7 +107,7 @@ def test_a_restart_from_the_restore_point_trains_on_cleanly(scaled_gradient, tmp
     out, _, _ = scaled_gradient
     assert Guard.restore_point(out / "checkpoints")[0] == 3
     summary, _ = example(out, "--detectors", json.dumps(EVERY), "--mode", "act",
-                         "--checkpoint-every", "2", "--resume")  # fmt: skip
+                         "--checkpoint-every", "2", "--resume", *GPT2)  # fmt: skip
     assert summary["exit_code"] == 0 and summary["alarm"] is None and summary["alerts"] == []
     assert summary["steps"] == STEPS and len(summary["losses"]) == STEPS - 4
     assert all(math.isfinite(x) for x in summary["losses"])

@@ -120,8 +120,16 @@ class SpawnExecutor:
 
     lost = None  # a crash costs this world, never the next trial's: that one gets a fresh world
 
-    def __init__(self, topology: TopologyConfig, workdir: Path, store: Path, log: Path):
+    def __init__(
+        self,
+        topology: TopologyConfig,
+        workdir: Path,
+        store: Path,
+        log: Path,
+        preload: tuple[str, ...] = (),
+    ):
         self.topology = topology
+        self.preload = preload
         self.workdir = workdir
         self.store = store
         self.log = log
@@ -140,9 +148,10 @@ class SpawnExecutor:
 
     def run_golden(self, run: RunConfig, spec: TrialSpec) -> TrialResult:
         """A golden run has no fault in it: a crash came from the world, which gets one more
-        try in a fresh one."""
+        try in a fresh one, unless every rank raised the same error on the same line (the
+        workload's own, which a fresh world would raise again)."""
         outcome = self.run(run, spec)
-        if outcome.crash is None:
+        if outcome.crash is None or outcome.workload_error:
             return outcome
         self._retrying(spec.trial_id, outcome.crash)
         outcome = self.run(run, spec)
@@ -152,12 +161,12 @@ class SpawnExecutor:
 
     def _start(self, topology: TopologyConfig) -> World:
         try:
-            return World(topology, self.workdir, self.store)
+            return World(topology, self.workdir, self.store, self.preload)
         except WorldStartError as exc:
             stacks.append_log(self.log, str(exc), exc.stacks)
             self._retrying("the world's start", str(exc))
         try:
-            return World(topology, self.workdir, self.store)
+            return World(topology, self.workdir, self.store, self.preload)
         except WorldStartError as exc:
             stacks.append_log(self.log, f"{exc} (second try)", exc.stacks)
             raise CampaignError(f"{exc}, twice (stacks in {self.log})") from None
@@ -225,6 +234,11 @@ class Campaign:
             for trial_id in (spec.trial_id, f"{spec.trial_id}~observe"):
                 shutil.rmtree(self.out / "store" / trial_id, ignore_errors=True)
         if spec.golden:
+            if outcome.parts is None and outcome.workload_error:
+                raise CampaignError(
+                    f"golden run {spec.trial_id}: the workload fails on every rank, the same "
+                    f"way: {outcome.crash}"
+                )
             if outcome.parts is None:
                 raise CampaignError(f"golden run {spec.trial_id} crashed: {outcome.crash}")
             golden = golden_from(spec, outcome.parts)
@@ -259,7 +273,9 @@ def run_campaign(run: RunConfig, out: Path, executor: Executor | None = None) ->
     if run.recovery.enabled:
         scratch_folders(out, run)
     if executor is None:
-        executor = SpawnExecutor(run.topology, out / "world", out / "store", out / CRASH_LOG)
+        executor = SpawnExecutor(
+            run.topology, out / "world", out / "store", out / CRASH_LOG, run.workload.imports()
+        )
     bar = tqdm(total=len(campaign.pending), unit="trial", mininterval=1.0)
     alerts = crashes = 0
     try:

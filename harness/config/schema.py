@@ -5,6 +5,7 @@ harness/config/load.py; this module imports neither torch nor any other part of 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,7 +14,15 @@ SCOPES = ("rank", "reduction")
 PERSISTENCE = ("transient", "intermittent", "permanent")
 SELECT = ("random", "largest")
 MATMUL_PHASES = ("forward", "backward")
-WORKLOADS = ("mlp", "gpt", "custom")
+WORKLOADS = ("mlp", "gpt", "llama", "custom")
+# Lightning's precision names: (the weights' dtype, autocast's dtype or None).
+PRECISIONS = {
+    "32-true": ("float32", None),
+    "bf16-true": ("bfloat16", None),
+    "16-true": ("float16", None),
+    "bf16-mixed": ("float32", "bfloat16"),
+}
+LR_SCHEDULES = ("constant", "warmup_cosine")
 CUSTOM_TARGETS = ("model", "data", "loss", "optimizer")
 BACKENDS = ("gloo", "nccl")
 LAUNCHERS = ("spawn", "torchrun")
@@ -32,17 +41,60 @@ class WorkloadConfig:
     in_dim: int = 64
     hidden: int = 256
     classes: int = 10
-    # gpt
+    # gpt and llama
     vocab: int = 128
     context: int = 64
     d_model: int = 128
     layers: int = 2
     heads: int = 4
+    # llama: key-value heads (grouped-query attention) and the feed-forward width; None: heads,
+    # and 8/3 of d_model rounded up to a multiple of 8, as Llama sizes it
+    kv_heads: int | None = None
+    intermediate: int | None = None
+    # The recipe: Lightning's precision name (set from dtype when not given), clipping of the
+    # gradient's global norm, the learning-rate schedule, and (built-in workloads) AdamW's betas
+    # and weight decay, torch's defaults when not given.
+    precision: str | None = None
+    clip_grad_norm: float | None = None
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1
+    betas: tuple[float, float] | None = None
+    weight_decay: float | None = None
     # custom: Hydra targets the user names (instantiated from their config, never from results)
     model: dict | None = None  # the nn.Module
     data: dict | None = None  # (seed, step, rank, micro_batch, size) -> (inputs, targets)
     loss: dict | None = None  # (outputs, targets) -> scalar
     optimizer: dict | None = None  # partial: (params) -> optimizer
+
+    @property
+    def autocast(self) -> str | None:
+        """The dtype forward runs in under autocast (a mixed precision), or None."""
+        return PRECISIONS[self.precision or "32-true"][1]
+
+    def lr_factor(self, step: int) -> float:
+        """The learning rate at `step`, as a fraction of the optimizer's own: a linear warmup
+        over warmup_steps, then a cosine down to min_lr_ratio at the last step. A function of the
+        step alone, so fast-forward, recovery and resume need no scheduler state."""
+        if self.lr_schedule == "constant":
+            return 1.0
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        span = max(self.steps - 1 - self.warmup_steps, 1)
+        progress = min((step - self.warmup_steps) / span, 1.0)
+        return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (
+            1 + math.cos(math.pi * progress)
+        )
+
+    def imports(self) -> tuple[str, ...]:
+        """The packages its ranks import beyond the harness and torch (the rank server imports
+        them once, harness/launch/rank_server.py)."""
+        targets = [spec["_target_"] for spec in (self.model, self.data, self.loss, self.optimizer)
+                   if spec and "_target_" in spec]  # fmt: skip
+        roots = {str(t).split(".")[0] for t in targets} - {"harness", "torch"}
+        if self.name == "llama":
+            roots.add("transformers")
+        return tuple(sorted(roots))
 
 
 @dataclass(frozen=True)

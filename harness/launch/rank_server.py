@@ -33,15 +33,18 @@ PRELOAD = ["__main__", "harness.launch.stacks", "harness.launch.world"]
 _environment: dict[str, str] | None = None  # what the running server started with
 
 
-def context(cpu_kernels: str, folder: Path) -> BaseContext:
-    """A context whose processes fork from a server that runs the `cpu_kernels` pin; a server
-    that runs anything else is stopped first. A new server writes its stack file in `folder`."""
+def context(cpu_kernels: str, folder: Path, preload: tuple[str, ...] = ()) -> BaseContext:
+    """A context whose processes fork from a server that runs the `cpu_kernels` pin and has
+    imported `preload` too (a workload's own packages: transformers takes seconds of CPU per
+    rank); a server that runs anything else is stopped first. A new server writes its stack file
+    in `folder`."""
     global _environment
     with environment.pinned(cpu_kernels):
         wanted = {k: v for k, v in os.environ.items() if k != stacks.FOLDER_ENV}
+        wanted[" preload"] = ",".join(preload)  # not a variable name: never collides
         if wanted != _environment:
             stop()
-            forkserver.set_forkserver_preload(PRELOAD)
+            forkserver.set_forkserver_preload(PRELOAD + list(preload))
             with stacks.written_by_ranks_into(folder):
                 forkserver.ensure_running()
             _environment = wanted

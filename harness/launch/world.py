@@ -23,6 +23,7 @@ import signal
 import socket
 import threading
 import time
+import traceback
 import uuid
 from datetime import timedelta
 from pathlib import Path
@@ -141,9 +142,11 @@ def _rank_main(
 
 
 def _report_error(results: mp.Queue, rank: int, exc: Exception) -> NoReturn:
-    """Hand the error to the parent, and leave."""
+    """Hand the error to the parent, with the line that raised it, and leave."""
     lines = str(exc).splitlines() or [""]
-    results.put(("error", rank, f"{type(exc).__name__}: {lines[0][:300]}"))
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    results.put(("error", rank, f"{type(exc).__name__}: {lines[0][:300]}{where}"))
     results.close()
     results.join_thread()
     os._exit(1)
@@ -231,11 +234,13 @@ class Liveness:
 class World:
     """The rank processes of one simulated world, and the watchdog around each trial."""
 
-    def __init__(self, topology: TopologyConfig, workdir: Path, store: Path):
+    def __init__(
+        self, topology: TopologyConfig, workdir: Path, store: Path, preload: tuple[str, ...] = ()
+    ):
         self.topology = topology
         self.workdir = workdir / f"world-{uuid.uuid4().hex[:8]}"
         self.workdir.mkdir(parents=True)
-        ctx = rank_server.context(topology.cpu_kernels, workdir)
+        ctx = rank_server.context(topology.cpu_kernels, workdir, preload)
         self.tasks = [ctx.Queue() for _ in range(topology.world_size)]
         self.results = ctx.Queue()
         # When each rank last showed progress (time.monotonic, one clock for every process);
@@ -340,7 +345,9 @@ class World:
         if timed_out:
             limit = self.topology.trial_timeout_s
             cause = f"no result within topology.trial_timeout_s={limit:g}; {cause}"
-        return TrialResult(crash=cause, stacks=dumps)
+        # Every rank raised the same error on the same line: the workload fails, not the world.
+        same = len(errors) == len(self.procs) and len(set(errors.values())) == 1
+        return TrialResult(crash=cause, stacks=dumps, workload_error=same)
 
     def _judge(self, finished: set[int], errors: dict[int, str]) -> tuple[str, dict[int, str]]:
         """The cause of a failure, with the stacks of the ranks that hung; kills the world."""

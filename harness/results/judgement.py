@@ -179,6 +179,10 @@ def trial_row(
             for name, params in run.checks(spec).items()
             if (every := check_interval(params)) is not None
         ),
+        # What a check could not judge (replay: "not deterministic"), never counted as alerts.
+        "warnings": _join(
+            {f"{e['detector']}: {e['what']}" for e in events if e["kind"] == "warning"}
+        ),
     }
     for key in ("recoveries", "restore_step", "steps_lost", "recovery_s", "quarantined_nodes",
                 "final_nodes", "recovery_verdict"):  # fmt: skip

@@ -56,6 +56,9 @@ class TrialResult:
     crash: str | None = None
     recovery: dict | None = None  # what harness.campaign.recovery did, when it ran
     stacks: dict[int, str] = field(default_factory=dict)  # hung ranks' full stack dumps
+    # Every rank raised the same error on the same line: a bad workload, which a fresh world
+    # would only raise again.
+    workload_error: bool = False
 
 
 CONTRACT_COLUMNS = [
@@ -71,7 +74,7 @@ EXTRA_COLUMNS = [
     "golden_match", "replicas_agree", "divergent_ranks", "noise_band", "stopped_step",
     "recoveries", "restore_step", "steps_lost", "recovery_s", "quarantined_nodes", "final_nodes",
     "recovery_verdict", "crash_cause", "start_step", "check_intervals", "detect_steps", "damage",
-    "effect_from",
+    "effect_from", "warnings",
 ]  # fmt: skip
 COLUMNS = CONTRACT_COLUMNS + EXTRA_COLUMNS
 

@@ -255,6 +255,11 @@ class Detector(Plugin):
             evidence=evidence,
         )
 
+    def warn(self, step: int, what: str, evidence: Any) -> None:
+        """Something the check cannot judge (say, a forward that does not reproduce): recorded
+        in the trial's `warnings`, never an alert, never a stop."""
+        self._log.emit("warning", step=step, detector=self.name, what=what, evidence=evidence)
+
 
 class PluginBus:
     """Calls every plug-in's hook at one point, injectors first; reads the checks' verdicts,

@@ -7,7 +7,8 @@ site a hook point. It knows the plug-in hooks, never a concrete injector or dete
     4. allreduce -> averaged gradients (allreduce)                   |
     5. checks on averaged gradients                                 /
     6. audit (replay)
-    7. optimizer step (optimizer state), then the update (weight)
+    7. the recipe's clipping and learning rate, the optimizer step (optimizer state), then the
+       update (weight)
     8-9. consensus, then a checkpoint only if every check approves
 """
 
@@ -151,7 +152,9 @@ def run_trial(
             step_loss = torch.zeros((), dtype=torch.float64, device=device)
             for i, (source, micro) in enumerate(batches):
                 last = i == len(batches) - 1
-                with nullcontext() if last else ddp.no_sync():
+                # The micro-batch's own random state: a peer replaying it draws the same.
+                sync = nullcontext() if last else ddp.no_sync()
+                with sync, workload.forward_rng(step, source, micro):
                     loss = workload.loss(ddp, workload.batch(step, source, micro))
                     loss = bus.loss(step, loss)
                     (loss / ctx.divisor).backward()
@@ -159,6 +162,7 @@ def run_trial(
             bus.audit(step)
             if acting:
                 _stop_point(bus, acting, step, result, (state, log, info))
+            workload.prepare_update(model, optimizer, step)  # clipping, the step's learning rate
             optimizer.step()
             bus.optimizer_state(step, optimizer)
             bus.update(step, model)
@@ -183,8 +187,7 @@ def run_trial(
     if result.host_reads:
         log.emit("host_reads", most_in_a_step=max(result.host_reads), total=bus.host_reads)
 
-    with torch.no_grad():
-        result.final_loss = float(workload.loss(model, workload.eval_batch()))
+    result.final_loss = workload.eval_loss(model)
     result.weights_digest = weights_digest(model)
     result.weights_finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
     result.optimizer_nonfinite = sum(
