@@ -104,12 +104,13 @@ class EmulatedProducts(TorchFunctionMode):
         kwargs = kwargs or {}
         if func not in PRODUCTS or "out" in kwargs:
             return func(*args, **kwargs)
-        low = _autocast_dtype()
-        if low is not None:  # what autocast would hand the kernel: its dtype's operands
-            args, kwargs = _cast(args, kwargs, lambda t: t.to(low))
+        autocast = _autocast_dtype()
+        if autocast is not None:  # what autocast would hand the kernel: its dtype's operands
+            args, kwargs = _cast(args, kwargs, lambda t: t.to(autocast))
         dtypes = {a.dtype for a in (*args, *kwargs.values()) if _floating(a)}
-        if len(dtypes) != 1 or (low := dtypes.pop()) not in SIXTEEN_BIT:
+        if len(dtypes) != 1 or not dtypes <= set(SIXTEEN_BIT):
             return func(*args, **kwargs)
+        (low,) = dtypes
         wide_args, wide_kwargs = _cast(args, kwargs, lambda t: t.float())
         with torch.autocast("cpu", enabled=False):
             return func(*wide_args, **wide_kwargs).to(low)
