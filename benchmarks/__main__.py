@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import growth, kernels, step_overhead, throughput
+from benchmarks import growth, kernels, numerics, step_overhead, throughput
 from benchmarks.timing import Figure
 from benchmarks.worlds import Worlds
 
-PARTS = ("kernels", "overhead", "throughput", "growth")
+PARTS = ("kernels", "overhead", "throughput", "growth", "numerics")
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -70,6 +70,8 @@ def run_all(out: Path, quick: bool, only: list[str], rounds: int | None = None) 
         if "growth" in only:
             plan = growth.Plan.quick() if quick else growth.Plan()
             part("growth", growth.run, worlds, out, _with_rounds(plan, "world_rounds", rounds))
+    if "numerics" in only:
+        part("numerics", numerics.run, numerics.Plan.quick() if quick else numerics.Plan())
     (out / "durations.txt").write_text("\n".join(durations) + "\n")
     return figures
 

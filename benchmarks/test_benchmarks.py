@@ -5,7 +5,7 @@ Benchmarks 1-3 are one pytest-benchmark test per variant, grouped per figure, so
 shows each check next to its read pass (the `(1.0)` column is the ratio within the group).
 pytest-benchmark times the variants one after another, not interleaved as `python -m
 benchmarks` does, so on a busy machine its ratios are noisier; the figures of record are the
-latter's. Benchmarks 4-6 run once each (`pedantic`, one round), their figures stored in the
+latter's. Benchmarks 4-7 run once each (`pedantic`, one round), their figures stored in the
 JSON report's `extra_info` (`--benchmark-json=FILE`). Targets are reported, never asserted.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks import growth, kernels, step_overhead, throughput
+from benchmarks import growth, kernels, numerics, step_overhead, throughput
 from benchmarks.common import Rotation, bucket, detector, gpt
 from benchmarks.worlds import Worlds
 
@@ -93,3 +93,9 @@ def test_throughput(benchmark, tmp_path):
 @pytest.mark.benchmark(group="6 growth")
 def test_growth(benchmark, worlds, tmp_path):
     _once(benchmark, growth.run, worlds, tmp_path, growth.Plan())
+
+
+@pytest.mark.timeout(3600)
+@pytest.mark.benchmark(group="7 16-bit step on the CPU")
+def test_numerics(benchmark):
+    _once(benchmark, numerics.run, numerics.Plan())

@@ -26,7 +26,7 @@ from harness.config.schema import RunConfig, TopologyConfig
 from harness.errors import ConfigError
 from harness.launch.torchrun_world import END, STOP, TorchrunExecutor, TorchrunWorld, follow
 from harness.launch.world import init_rank
-from harness.runtime import determinism, devices, environment
+from harness.runtime import determinism, devices, environment, numerics
 from harness.runtime.plugins import RankInfo
 
 PLAN = "plan.json"
@@ -77,6 +77,7 @@ def placed(topology: TopologyConfig) -> TopologyConfig:
     device = devices.resolve(
         topology.device, topology.backend, topology.ranks_per_node, devices.gpu_count()
     )
+    numerics.resolve(topology.cpu_numerics, device)
     if device == "cuda" and topology.deterministic:
         determinism.settings(os.environ, topology.backend)
     return replace(topology, device=device)

@@ -20,7 +20,8 @@ OVERHEAD_COLUMNS = ["detector", "interval", "overhead_pct", "floor_pct"]
 # Figures that must come out as positive numbers (times, ratios of times, rates).
 POSITIVE = [
     "nan_inf_vs_sum", "fingerprint_vs_read", "fingerprint_vs_sha1", "sketch_vs_read", "step_ms",
-    "throughput_speedup", "throughput_served", "throughput_naive",
+    "throughput_speedup", "throughput_served", "throughput_naive", "bf16_step_vs_fp32_32",
+    "grad_diff_emulated_vs_native_32",
 ]  # fmt: skip
 # Overheads are differences of noisy step times: finite, of either sign at tiny sizes (and
 # replay's ratio to its floor is undefined when noise makes the floor negative).

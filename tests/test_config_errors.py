@@ -67,6 +67,7 @@ CASES = [
     (["detectors=[nan_inf,oracle]"], "detectors", "allowed: allreduce_sketch, grad_stats, meg"),
     (["topology.nodes=0"], "topology.nodes", "1..inf"),
     (["topology.cpu_kernels=avx3"], "topology.cpu_kernels", "avx2, avx512, default, native"),
+    (["topology.cpu_numerics=fast"], "topology.cpu_numerics", "allowed: emulated, native"),
     (["recovery.enabled=maybe"], "recovery.enabled", "allowed: true, false"),
     (["recovery.enabled=true", "detectors=[]"], "recovery.enabled", "choose detectors"),
     (["fault.sitee=grad"], "fault.sitee", ""),

@@ -149,6 +149,12 @@ def environment_line(df: pd.DataFrame) -> str:
     return "; ".join(dict.fromkeys(lines))
 
 
+def numerics_line(df: pd.DataFrame) -> str:
+    """Which numerics model computed the rows' 16-bit products (campaign.json), one line."""
+    lines = [machine.numerics(machine.recorded(Path(r))) for r in sorted(df["run"].unique())]
+    return "; ".join(dict.fromkeys(lines))
+
+
 def write_report(df: pd.DataFrame, out: Path, dirs: list[Path] | None = None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     folder = out / "figures"
@@ -157,6 +163,7 @@ def write_report(df: pd.DataFrame, out: Path, dirs: list[Path] | None = None) ->
         "# SDC detection coverage report",
         f"Runs: {', '.join(sorted(df['run'].unique()))}  ",
         "Environment: " + environment_line(df) + "  ",
+        "Numerics: " + numerics_line(df) + "  ",
         f"Trials: {len(df)}; workloads: {', '.join(sorted(df['workload'].unique()))}; "
         f"dtypes: {', '.join(sorted(df['dtype'].unique()))}; "
         "effects: " + ", ".join(f"{e} {n}" for e, n in df["effect"].value_counts().items()),

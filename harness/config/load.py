@@ -35,7 +35,7 @@ from harness.config.schema import (
 )
 from harness.config.values import choice, integer, known_keys, positive
 from harness.errors import ConfigError
-from harness.runtime import determinism, devices
+from harness.runtime import determinism, devices, numerics
 from harness.runtime.environment import check_cpu_kernels
 from harness.runtime.workloads import DTYPES, Workload
 
@@ -237,6 +237,8 @@ def topology_config(raw: dict[str, Any]) -> TopologyConfig:
     positive("topology.trial_timeout_s", raw.get("trial_timeout_s"))
     if "cpu_kernels" in raw:
         check_cpu_kernels("topology.cpu_kernels", raw["cpu_kernels"])
+    if raw.get("cpu_numerics") is not None:
+        choice(numerics.KEY, raw["cpu_numerics"], numerics.NUMERICS)
     positive(
         "topology.startup_timeout_s",
         raw.get("startup_timeout_s", TopologyConfig.startup_timeout_s),
@@ -253,6 +255,7 @@ def _placed(topology: TopologyConfig, launcher: str) -> TopologyConfig:
     else:
         ranks = gpus = topology.ranks_per_node
     device = devices.resolve(topology.device, topology.backend, ranks, gpus)
+    numerics.resolve(topology.cpu_numerics, device if launcher == "spawn" else topology.device)
     return replace(topology, device=device) if launcher == "spawn" else topology
 
 

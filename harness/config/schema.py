@@ -109,6 +109,9 @@ class TopologyConfig:
     # The CPU kernels every rank is pinned to (harness.runtime.environment): rows reproduce on any
     # machine that has them; `native` lets each machine choose its own.
     cpu_kernels: str = "avx2"
+    # How CPU ranks compute 16-bit matrix products (harness/runtime/numerics.py): `emulated` as a
+    # GPU's tensor cores do, through float32 kernels, or `native`; None resolves per device.
+    cpu_numerics: str | None = None
     startup_timeout_s: float = 60.0
     # cpu or cuda (harness/runtime/devices.py); None until resolved on the machine that runs the
     # ranks.

@@ -11,15 +11,18 @@ CAMPAIGN_FILE = "campaign.json"
 # Fields whose difference changes the numbers a run computes; the others say where and from
 # which code it ran (a code change is the commit's to say, and may or may not change them).
 NUMERIC = ("torch", "machine", "cpu_capability", "math_library", "math_settings", "threads",
-           "device", "backend")  # fmt: skip
+           "device", "backend", "cpu_numerics")  # fmt: skip
+# Records from before `topology.cpu_numerics` lack the field; their ranks computed natively.
+BEFORE_NUMERICS = {"cpu_numerics": "native"}
 
 
 def recorded(folder: Path) -> dict[str, str] | None:
     """The environment a run folder's campaign.json records (None when it records none)."""
     try:
-        return json.loads((folder / CAMPAIGN_FILE).read_text()).get("environment")
+        env = json.loads((folder / CAMPAIGN_FILE).read_text()).get("environment")
     except (OSError, ValueError):
         return None
+    return {**BEFORE_NUMERICS, **env} if env else env
 
 
 def of_runs(folders: list[Path]) -> dict[str, str] | None:
@@ -41,6 +44,19 @@ def summary(env: dict[str, str] | None) -> str:
         f"{env['math_library']} [{env['math_settings']}], {env['threads']} thread(s)/rank, "
         f"{env['device']}/{env['backend']}"
     )
+
+
+def numerics(env: dict[str, str] | None) -> str:
+    """How the run's 16-bit matrix products were computed, one line (the report's header)."""
+    if not env:
+        return "unknown (not recorded)"
+    if env["cpu_numerics"] == "emulated":
+        return (
+            "16-bit matrix products emulated (topology.cpu_numerics=emulated): 16-bit operands, "
+            "float32 accumulation, output rounded to 16 bits, through float32 kernels, the CPU's "
+            "model of a GPU's bf16/fp16 GEMM; float32 products unchanged"
+        )
+    return f"16-bit matrix products native on {env['device']} (topology.cpu_numerics=native)"
 
 
 def differences(before: dict[str, str] | None, after: dict[str, str] | None) -> list[str]:

@@ -21,6 +21,7 @@ import torch
 
 from harness.config.schema import TopologyConfig
 from harness.errors import ConfigError
+from harness.runtime import numerics
 
 CPU_KERNELS = ("avx2", "avx512", "default", "native")
 # torch's own test before it uses a capability (a pin the CPU lacks would crash on SIGILL).
@@ -153,6 +154,7 @@ def describe(topology: TopologyConfig) -> dict[str, str]:
         "cpu": str(torch.cpu.get_capabilities().get("cpu_name") or platform.processor()),
         "machine": architecture(),
         "cpu_kernels": topology.cpu_kernels,
+        "cpu_numerics": str(numerics.resolve(topology.cpu_numerics, topology.device or "cpu")),
         "cpu_capability": (pinned_kernels or torch.backends.cpu.get_cpu_capability()).upper(),
         "math_library": math_library(),
         "math_settings": " ".join(f"{k}={v}" for k, v in sorted(settings.items())) or "none",

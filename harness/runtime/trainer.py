@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import detectors
 from harness.config.schema import RunConfig, TrialSpec
 from harness.results.schema import RankResult
-from harness.runtime import checkpoint, devices, snapshots
+from harness.runtime import checkpoint, devices, numerics, snapshots
 from harness.runtime.comm import HookState, harness_ddp, retry_reduction
 from harness.runtime.locate import faulty_node_ranks
 from harness.runtime.plugins import DetectorContext, EventLog, PluginBus, RankInfo
@@ -105,7 +105,16 @@ def run_trial(
     beat: Callable[[], None] = lambda: None,
 ) -> RankResult:
     """Train one trial on this rank, from step 0 or from a recovery checkpoint; every rank of
-    the world calls this together. `beat` tells the parent that the rank makes progress."""
+    the world calls this together. `beat` tells the parent that the rank makes progress.
+    Everything the model computes in it (forward, backward, replay's recomputation, the final
+    evaluation) makes its 16-bit products as `topology.cpu_numerics` says."""
+    with numerics.installed(run.topology.cpu_numerics, info.device):
+        return _trained(run, spec, info, store, beat)
+
+
+def _trained(
+    run: RunConfig, spec: TrialSpec, info: RankInfo, store: Path, beat: Callable[[], None]
+) -> RankResult:
     cfg = replace(run.workload, seed=spec.seed)
     device = torch.device(info.device)
     workload = Workload(cfg, device)
