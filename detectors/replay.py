@@ -121,7 +121,10 @@ class Replay(Detector):
         super().__init__(params, ctx, log)
         self.data = ctx.replay_data or Regenerated(ctx)
         self.model = ctx.model
-        dtype = next(self.model.parameters()).dtype
+        # The dtype the products round to: autocast's under a mixed precision (the weights stay
+        # float32, but every product, and so the gradient, carries 16-bit rounding).
+        workload = ctx.workload
+        dtype = (workload and workload.autocast) or next(self.model.parameters()).dtype
         # Calibrated on clean runs with 1 and 2 threads per rank: float32 replays differ by up to
         # 2e-7 of the gradient norm, bfloat16 up to 1.1e-2 (every partial sum rounds to 8 bits).
         self.rtol = params["rtol"] or (1e-5 if dtype == torch.float32 else derived_rtol(dtype))

@@ -3,7 +3,7 @@
 
     torchrun --standalone --nproc-per-node=4 examples/train_guarded.py --out DIR
         [--model gpt|gpt2|llama] [--hidden H] [--layers L] [--heads A] [--dropout P]
-        [--accumulate K] [--amp] [--clip C]
+        [--accumulate K] [--amp] [--clip C] [--cpu-numerics emulated|native]
         [--detectors JSON] [--mode observe|act] [--inject JSON] [--comm-hook none|fp16|bf16]
         [--steps N] [--guard-off] [--resume] [--checkpoint-every K] [--ranks-per-node K]
 
@@ -12,8 +12,10 @@ its config at the sizes given (random init; the `hf` extra), with `--dropout P` 
 the config has. `--accumulate K` trains K micro-batches per step (the first K-1 under
 `ddp.no_sync()`), each passed to `guard.audit_batch` before its forward and backpropagated as
 loss / K. `--amp` runs forward and loss under `torch.autocast` in bfloat16 over float32
-weights; `--clip C` clips the gradient's global norm to C after the guard's checks
-(`guard.before_step()`) and before the optimizer step, where an LLM recipe clips.
+weights (its products through float32 kernels, as tensor cores compute them, unless
+`--cpu-numerics native`: harness/runtime/numerics.py); `--clip C` clips the gradient's global
+norm to C after the guard's checks (`guard.before_step()`) and before the optimizer step, where
+an LLM recipe clips.
 
 `--detectors` maps check names to their parameters (default: every check the guard offers, at
 its defaults, replay included); `--inject` takes the keys of `fault.*` to rehearse a fault;
@@ -48,7 +50,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import detectors
 from harness import losses
 from harness.guard import Guard, SDCAlarm
-from harness.runtime import checkpoint
+from harness.runtime import checkpoint, numerics
 from harness.runtime.workloads import GPT, WorkloadConfig
 
 HOOKS = {
@@ -147,6 +149,7 @@ def main() -> None:
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--amp", action="store_true")
     parser.add_argument("--clip", type=float, default=None)
+    parser.add_argument("--cpu-numerics", choices=numerics.NUMERICS, default="emulated")
     args = parser.parse_args()
     if args.model == "gpt" and args.dropout:
         parser.error("--dropout: the harness's gpt has no dropout; use --model gpt2 or llama")
@@ -184,42 +187,45 @@ def main() -> None:
         )  # fmt: skip
 
     alarm, exit_code, done, trained, times = None, 0, start, [], []
-    try:
-        for step in range(start, args.steps):
-            started = time.perf_counter()
-            optimizer.zero_grad(set_to_none=True)
-            step_loss = 0.0
-            for micro in range(args.accumulate):
-                last = micro == args.accumulate - 1
-                batch = user_batch(rank, step, micro)
-                with contextlib.nullcontext() if last else ddp.no_sync():
-                    if guard:
-                        guard.audit_batch(batch)  # before the forward: its random state too
-                    loss = loss_of(ddp, batch)
-                    if guard:
-                        loss = guard.loss(loss)
-                    (loss / args.accumulate).backward()
-                step_loss += loss.item() / args.accumulate
-            if guard:
-                guard.before_step()
-            if args.clip is not None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-            optimizer.step()
-            if guard:
-                guard.after_step(optimizer)
-            if (step + 1) % args.checkpoint_every == 0:
-                state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    # bfloat16 products (--amp) through float32 kernels, as tensor cores compute them: the
+    # CPU's own bfloat16 GEMM is about 45x slower (harness/runtime/numerics.py).
+    with numerics.installed(args.cpu_numerics, "cpu"):
+        try:
+            for step in range(start, args.steps):
+                started = time.perf_counter()
+                optimizer.zero_grad(set_to_none=True)
+                step_loss = 0.0
+                for micro in range(args.accumulate):
+                    last = micro == args.accumulate - 1
+                    batch = user_batch(rank, step, micro)
+                    with contextlib.nullcontext() if last else ddp.no_sync():
+                        if guard:
+                            guard.audit_batch(batch)  # before the forward: its random state too
+                        loss = loss_of(ddp, batch)
+                        if guard:
+                            loss = guard.loss(loss)
+                        (loss / args.accumulate).backward()
+                    step_loss += loss.item() / args.accumulate
                 if guard:
-                    guard.save(state)
-                elif rank == 0:
-                    checkpoint.save(folder / f"step_{step:06d}.pt", {"step": step, **state})
-            times.append(time.perf_counter() - started)
-            trained.append(step_loss)
-            done = step + 1
-    except SDCAlarm as exc:
-        alarm = {"detector": exc.detector, "step": exc.step, "suspect_ranks": exc.suspect_ranks,
-                 "suspect_machines": exc.suspect_machines}  # fmt: skip
-        exit_code = exc.exit_code
+                    guard.before_step()
+                if args.clip is not None:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+                optimizer.step()
+                if guard:
+                    guard.after_step(optimizer)
+                if (step + 1) % args.checkpoint_every == 0:
+                    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+                    if guard:
+                        guard.save(state)
+                    elif rank == 0:
+                        checkpoint.save(folder / f"step_{step:06d}.pt", {"step": step, **state})
+                times.append(time.perf_counter() - started)
+                trained.append(step_loss)
+                done = step + 1
+        except SDCAlarm as exc:
+            alarm = {"detector": exc.detector, "step": exc.step, "suspect_ranks": exc.suspect_ranks,
+                     "suspect_machines": exc.suspect_machines}  # fmt: skip
+            exit_code = exc.exit_code
 
     keys = ("step", "detector", "phase", "suspect_ranks", "rank")
     mine = [{k: a[k] for k in keys} for a in (guard.alerts if guard else [])]

@@ -71,6 +71,18 @@ CASES = [
     (["recovery.enabled=maybe"], "recovery.enabled", "allowed: true, false"),
     (["recovery.enabled=true", "detectors=[]"], "recovery.enabled", "choose detectors"),
     (["fault.sitee=grad"], "fault.sitee", ""),
+    (["workload.precision=16-mixed"], "workload.precision", "needs dynamic loss scaling"),
+    (["workload.precision=fp8"], "workload.precision", "allowed: 32-true, bf16-true, 16-true"),
+    (
+        ["workload.precision=bf16-mixed", "workload.dtype=bfloat16"],
+        "workload.dtype",
+        "contradicts workload.precision=bf16-mixed",
+    ),
+    (["workload.clip_grad_norm=0"], "workload.clip_grad_norm", "positive number"),
+    (["workload.lr_schedule=linear"], "workload.lr_schedule", "allowed: constant, warmup_cosine"),
+    (["workload.warmup_steps=3"], "workload.warmup_steps", "needs workload.lr_schedule"),
+    (["workload.betas=[0.9,1.5]"], "workload.betas", "two numbers in [0, 1)"),
+    (["workload=custom", "+workload.weight_decay=0.1"], "workload.weight_decay", "on workload"),
 ]
 
 

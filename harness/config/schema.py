@@ -74,14 +74,15 @@ class WorkloadConfig:
 
     def lr_factor(self, step: int) -> float:
         """The learning rate at `step`, as a fraction of the optimizer's own: a linear warmup
-        over warmup_steps, then a cosine down to min_lr_ratio at the last step. A function of the
+        over warmup_steps up to the full rate, then a cosine from it down to min_lr_ratio at the
+        last step. A function of the
         step alone, so fast-forward, recovery and resume need no scheduler state."""
         if self.lr_schedule == "constant":
             return 1.0
         if step < self.warmup_steps:
             return (step + 1) / self.warmup_steps
-        span = max(self.steps - 1 - self.warmup_steps, 1)
-        progress = min((step - self.warmup_steps) / span, 1.0)
+        peak = max(self.warmup_steps - 1, 0)  # the last warmup step, at the full rate
+        progress = min((step - peak) / max(self.steps - 1 - peak, 1), 1.0)
         return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (
             1 + math.cos(math.pi * progress)
         )
