@@ -254,7 +254,7 @@ def sees_and_misses(df: pd.DataFrame) -> list[dict[str, object]]:
 def recovery(df: pd.DataFrame) -> str:
     """What recovery did: how each trial got back (an in-step retry of the reduction, a rollback,
     a rollback with quarantine, counted apart), steps lost, time, nodes that left, verdicts."""
-    verdicts = df["recovery_verdict"].fillna("").astype(str)
+    verdicts = df["recovery_verdict"].map(lambda v: v if isinstance(v, str) else "")
     tried = df[verdicts != ""]
     if tried.empty:
         return ""
