@@ -91,9 +91,9 @@ def bind(out: Path, run: RunConfig, ranks: list[environment.RankEnvironment]) ->
             )  # fmt: skip
         return
     out.mkdir(parents=True, exist_ok=True)
-    held_now = {**dataclasses.asdict(run), "environment": now}
+    content = {**dataclasses.asdict(run), "environment": now}
     tmp = out / f".{CAMPAIGN_FILE}.tmp"
-    tmp.write_text(json.dumps(held_now, sort_keys=True, indent=1))
+    tmp.write_text(json.dumps(content, sort_keys=True, indent=1))
     tmp.replace(out / CAMPAIGN_FILE)
 
 
