@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     except (ConfigError, OSError) as exc:
         fail(str(exc), 2)
     world = TorchrunWorld(run, info.rank, info.world_size, out / "store", info.device)
-    refused = world.one_device_kind() or world.shared(out / "store")
+    refused = world.refusal() or world.shared(out / "store")
     if refused:
         fail(refused if info.rank == 0 else "", 2)
     if info.rank != 0:

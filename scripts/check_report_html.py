@@ -1,173 +1,155 @@
-"""Open a report.html in headless Chromium and check that the page loads and that every <img>
-on it rendered (decoded, naturalWidth > 0): the report's figures show when the folder is opened
-from disk.
+"""Open a report.html in headless Chromium, as a person sees it, and check it against the
+report.md beside it: every figure loaded (decoded, naturalWidth > 0), every table shows the rows
+report.md gives it, no raw markdown in the visible text, no link to a file or anchor that does
+not exist. A full-page screenshot goes beside the report (report.png, or --screenshot PATH).
 
     apt-get install -y chromium      # Debian's; or pass --chromium PATH
     .venv/bin/python scripts/check_report_html.py results/runs/RUN/report.html
 
-Exit 0 when the page loaded and every image rendered, 1 (with the images that did not) when not,
-2 on bad input (no such file, no Chromium). Not part of the test run: CI has no Chromium.
+Exit 0 when every check passes, 1 with one line per failure, 2 on bad input (no such file, no
+report.md beside it, no Chromium). `.ci/run` runs it on the default campaign's report.
 
-Dependency-free: the browser is driven over the DevTools protocol on a pipe
-(--remote-debugging-pipe: Chromium reads commands on fd 3 and writes replies on fd 4, each a
-JSON message ended by a NUL byte), so neither a driver package nor a port is needed.
+Playwright (the `dev` extra) drives the browser, launched on the system's Chromium through
+`executable_path`: nothing is downloaded, and the page is the one Debian's browser renders.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import select
+import re
 import shutil
-import subprocess
 import sys
-import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import unquote, urlparse
 
-FLAGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-    "--remote-debugging-pipe",
-]
-IMAGES = """[...document.images].map(i => ({
-    src: i.getAttribute("src"), complete: i.complete, width: i.naturalWidth}))"""
+from playwright.sync_api import Error as PlaywrightError
+from playwright.sync_api import sync_playwright
+
+# What the page shows, read in the page once it has loaded (the load event waits for every
+# image, so each one has loaded or failed by then).
+PAGE = """() => ({
+    images: [...document.images].map(i => ({
+        src: i.getAttribute("src"), complete: i.complete, width: i.naturalWidth})),
+    tables: [...document.querySelectorAll("table")].map(t => t.querySelectorAll("tbody tr").length),
+    links: [...document.querySelectorAll("a[href]")].map(a => ({
+        href: a.getAttribute("href"), url: a.href,
+        target: a.hash ? document.getElementById(decodeURIComponent(a.hash.slice(1))) !== null
+                       : null})),
+    text: document.body.innerText,
+})"""
+# Markdown that did not render: a pipe-table line, a heading's hashes, emphasis or a link's
+# brackets, a code fence, left as text.
+RAW_MARKDOWN = {
+    "a table line": re.compile(r"^\s*\|.*\|\s*$", re.M),
+    "a heading": re.compile(r"^#{1,6} ", re.M),
+    "bold text": re.compile(r"\*\*\S[^*]*\*\*"),
+    "a link": re.compile(r"!?\[[^\]]+\]\([^)\s]+\)"),
+    "a code fence": re.compile(r"^```", re.M),
+}
+IMAGE = re.compile(r"!\[[^\]]*\]\(([^)\s]+)\)")
 
 
-class CheckError(RuntimeError):
-    pass
+@dataclass(frozen=True)
+class Checked:
+    """What the check saw: its failures (one line each), and the counts it checked."""
+
+    failures: list[str]
+    images: int
+    tables: int
+    links: int
+    seconds: float
 
 
-class DevTools:
-    """One Chromium, spoken to over its DevTools pipe; messages are answered by id."""
+def expected(markdown: str) -> tuple[list[str], list[int]]:
+    """The images report.md shows, and each table's body rows (lines after its header and
+    separator), in page order."""
+    images = IMAGE.findall(markdown)
+    tables, run = [], 0
+    for line in [*markdown.splitlines(), ""]:
+        if line.lstrip().startswith("|"):
+            run += 1
+        elif run:
+            tables.append(run - 2)
+            run = 0
+    return images, tables
 
-    def __init__(self, chromium: str, profile: Path):
-        commands_r, self.commands = os.pipe()
-        self.replies, replies_w = os.pipe()
 
-        def child_fds() -> None:  # Chromium expects exactly fds 3 and 4
-            os.dup2(commands_r, 3)
-            os.dup2(replies_w, 4)
-
-        self.proc = subprocess.Popen(
-            [chromium, *FLAGS, f"--user-data-dir={profile}", "about:blank"],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            pass_fds=(3, 4),
-            preexec_fn=child_fds,
-        )
-        os.close(commands_r)
-        os.close(replies_w)
-        self.buffer = b""
-        self.next_id = 0
-        self.events: list[dict] = []
-
-    def send(self, method: str, session: str | None = None, timeout: float = 30, **params):
-        self.next_id += 1
-        message = {"id": self.next_id, "method": method, "params": params}
-        if session:
-            message["sessionId"] = session
-        os.write(self.commands, json.dumps(message).encode() + b"\0")
-        reply = self._until(lambda m: m.get("id") == self.next_id, timeout, method)
-        if "error" in reply:
-            raise CheckError(f"{method}: {reply['error'].get('message')}")
-        return reply["result"]
-
-    def wait_event(self, method: str, timeout: float) -> dict:
-        for i, event in enumerate(self.events):
-            if event.get("method") == method:
-                return self.events.pop(i)
-        return self._until(lambda m: m.get("method") == method, timeout, method)
-
-    def _until(self, wanted, timeout: float, what: str) -> dict:
-        deadline = time.monotonic() + timeout
-        while True:
-            while b"\0" in self.buffer:
-                raw, self.buffer = self.buffer.split(b"\0", 1)
-                message = json.loads(raw)
-                if wanted(message):
-                    return message
-                if "method" in message:
-                    self.events.append(message)
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise CheckError(f"no answer to {what} within {timeout:g} s")
-            ready, _, _ = select.select([self.replies], [], [], left)
-            if ready:
-                chunk = os.read(self.replies, 1 << 16)
-                if not chunk:
-                    raise CheckError(f"Chromium exited (code {self.proc.wait()}) during {what}")
-                self.buffer += chunk
-
-    def close(self) -> None:
+def check(page: Path, chromium: str, screenshot: Path, timeout_s: float) -> Checked:
+    """Load `page` in headless Chromium and check it against the report.md beside it."""
+    started = time.monotonic()
+    want_images, want_rows = expected(page.with_name("report.md").read_text())
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=chromium, headless=True)
         try:
-            os.write(
-                self.commands, json.dumps({"id": 0, "method": "Browser.close"}).encode() + b"\0"
-            )
-            self.proc.wait(timeout=10)
-        except (OSError, subprocess.TimeoutExpired):
-            self.proc.kill()
-            self.proc.wait()
-        os.close(self.commands)
-        os.close(self.replies)
-
-
-def check(page: Path, chromium: str, timeout: float) -> list[dict]:
-    """Load `page` and return its images as {src, complete, width}; raise CheckError when the
-    page does not load."""
-    with tempfile.TemporaryDirectory(prefix="check-report-") as profile:
-        browser = DevTools(chromium, Path(profile))
-        try:
-            target = browser.send("Target.createTarget", url="about:blank")["targetId"]
-            session = browser.send("Target.attachToTarget", targetId=target, flatten=True)[
-                "sessionId"
-            ]
-            browser.send("Page.enable", session)
-            navigated = browser.send("Page.navigate", session, url=page.resolve().as_uri())
-            if navigated.get("errorText"):
-                raise CheckError(f"{page}: {navigated['errorText']}")
-            # The load event waits for every image, so each one has loaded or failed by then.
-            browser.wait_event("Page.loadEventFired", timeout)
-            result = browser.send(
-                "Runtime.evaluate", session, expression=IMAGES, returnByValue=True
-            )["result"]
-            return result["value"]
+            tab = browser.new_page()
+            tab.goto(page.resolve().as_uri(), wait_until="load", timeout=timeout_s * 1000)
+            seen = tab.evaluate(PAGE)
+            tab.screenshot(path=str(screenshot), full_page=True)
         finally:
             browser.close()
+    failures = []
+    shown = [i["src"] for i in seen["images"]]
+    if shown != want_images:
+        failures.append(f"images: report.md shows {want_images}, the page {shown}")
+    failures += [
+        f"figure not rendered: {i['src']}"
+        for i in seen["images"]
+        if not (i["complete"] and i["width"] > 0)
+    ]
+    if seen["tables"] != want_rows:
+        failures.append(f"table rows: report.md has {want_rows}, the page shows {seen['tables']}")
+    failures += [
+        f"raw markdown ({what}): {match.group(0).strip()[:80]!r}"
+        for what, pattern in RAW_MARKDOWN.items()
+        if (match := pattern.search(seen["text"]))
+    ]
+    failures += [f"broken link: {link['href']}" for link in seen["links"] if broken(link)]
+    elapsed = time.monotonic() - started
+    return Checked(failures, len(shown), len(want_rows), len(seen["links"]), elapsed)
+
+
+def broken(link: dict) -> bool:
+    """An anchor with no element of its id, or a local file that does not exist; a link off
+    the machine is not followed (CI has no network, and the report writes none)."""
+    if link["target"] is False:
+        return True
+    url = urlparse(link["url"])
+    return url.scheme == "file" and not Path(unquote(url.path)).exists()
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("page", type=Path, help="a report.html")
     parser.add_argument("--chromium", default=shutil.which("chromium") or "/usr/bin/chromium")
+    parser.add_argument("--screenshot", type=Path, help="where the PNG goes (report.png)")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds for the page to load")
     args = parser.parse_args(argv)
-    if not args.page.is_file():
-        print(f"check_report_html: {args.page}: no such file", file=sys.stderr)
+    bad = (
+        f"{args.page}: no such file" if not args.page.is_file()
+        else f"{args.page.with_name('report.md')}: no such file"
+        if not args.page.with_name("report.md").is_file()
+        else f"no Chromium at {args.chromium} (apt-get install chromium)"
+        if not Path(args.chromium).is_file() else None
+    )  # fmt: skip
+    if bad:
+        print(f"check_report_html: {bad}", file=sys.stderr)
         return 2
-    if not Path(args.chromium).is_file():
-        print(f"check_report_html: no Chromium at {args.chromium}", file=sys.stderr)
-        return 2
+    screenshot = args.screenshot or args.page.with_name("report.png")
     try:
-        images = check(args.page, args.chromium, args.timeout)
-    except CheckError as exc:
-        print(f"check_report_html: {exc}", file=sys.stderr)
+        checked = check(args.page, args.chromium, screenshot, args.timeout)
+    except PlaywrightError as exc:
+        print(f"check_report_html: {str(exc).splitlines()[0]}", file=sys.stderr)
         return 1
-    broken = [i for i in images if not (i["complete"] and i["width"] > 0)]
-    for image in broken:
-        print(f"not rendered: {image['src']}", file=sys.stderr)
-    if not images:
-        print(f"check_report_html: {args.page} loaded, but it has no images", file=sys.stderr)
-        return 1
-    print(f"{args.page}: loaded; {len(images) - len(broken)}/{len(images)} images rendered")
-    return 1 if broken else 0
+    for failure in checked.failures:
+        print(f"check_report_html: {failure}", file=sys.stderr)
+    verdict = "failed" if checked.failures else "ok"
+    print(
+        f"{args.page}: {verdict}; {checked.images} figures, {checked.tables} tables, "
+        f"{checked.links} links checked in {checked.seconds:.1f} s; screenshot {screenshot}"
+    )
+    return 1 if checked.failures else 0
 
 
 if __name__ == "__main__":

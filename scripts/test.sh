@@ -3,6 +3,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# Debian's Chromium: the report's browser check (tests/test_report_html.py, and .ci/run) drives
+# it through Playwright, which downloads no browser of its own.
+if ! command -v chromium >/dev/null; then
+  sudo=""
+  [ "$(id -u)" = 0 ] || sudo=sudo
+  $sudo apt-get update
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y --no-install-recommends chromium
+fi
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 # The dependency rules between harness's layers (pyproject.toml, [tool.importlinter]).

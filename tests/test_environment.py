@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import json
 import os
+import platform
+import re
+import subprocess
 
 import pytest
 import torch
 
 from harness.campaign.fastforward import golden_specs
-from harness.campaign.run import check_out, claim
+from harness.campaign.run import bind, check_out
 from harness.errors import ConfigError
 from harness.launch.world import World
 from harness.runtime import environment
-from tests.conftest import compose_run, rows, sdc_bench, without_timing
+from tests.conftest import BIN, compose_run, rows, sdc_bench, without_timing
 
 # What a user may have in their shell when they start a campaign: nothing, or either pin.
 PARENT_CAPABILITY = (None, "avx2", "default")
@@ -22,9 +25,9 @@ PARENT_CAPABILITY = (None, "avx2", "default")
 SMALL = ["campaign=single", "fault=none", "campaign.seeds=1", "detectors=[]", "topology.nodes=1"]
 
 
-def golden(monkeypatch, tmp_path, parent: str | None, *overrides: str) -> tuple[float, str]:
+def golden(monkeypatch, tmp_path, parent: str | None, *overrides: str) -> tuple[float, str, dict]:
     """Seed 0's golden run in a fresh world started from a parent whose ATEN_CPU_CAPABILITY is
-    `parent`: its final loss and weights digest."""
+    `parent`: its final loss and weights digest, and the environment its ranks reported."""
     if parent is None:
         monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
     else:
@@ -36,7 +39,8 @@ def golden(monkeypatch, tmp_path, parent: str | None, *overrides: str) -> tuple[
     finally:
         world.close()
     assert outcome.parts is not None, outcome.crash
-    return outcome.parts[0].final_loss, outcome.parts[0].weights_digest
+    reported = environment.record(world.environments)
+    return outcome.parts[0].final_loss, outcome.parts[0].weights_digest, reported
 
 
 def test_the_pin_gives_the_same_weights_whatever_the_parent_has_and_native_does_not(
@@ -46,24 +50,39 @@ def test_the_pin_gives_the_same_weights_whatever_the_parent_has_and_native_does_
         parent: golden(monkeypatch, tmp_path / f"p-{parent}", parent)
         for parent in PARENT_CAPABILITY
     }
-    assert len(set(pinned.values())) == 1, pinned
-    # Unpinned, the ranks take the machine's own kernels and MKL path: other last bits.
+    assert len({(loss, digest) for loss, digest, _ in pinned.values()}) == 1, pinned
+    # Each rank reports the pins it runs, whatever the parent had.
+    for _, _, reported in pinned.values():
+        assert reported["cpu_capability"] == "AVX2"
+        assert set(environment.pins("avx2").items()) <= set(_settings(reported))
+    # Unpinned, the ranks take the machine's own kernels and MKL path: other last bits, and a
+    # record that names none of the pins (under torchrun, below, a rank's own choice).
     native = golden(monkeypatch, tmp_path / "native", None, "topology.cpu_kernels=native")
     assert native[1] != pinned[None][1]
+    assert "ATEN_CPU_CAPABILITY" not in dict(_settings(native[2]))
 
 
-def test_a_rank_whose_torch_loaded_before_the_pin_is_refused():
-    # This process loaded torch with whatever its environment said; a pin it does not run is
-    # refused with the variables to start it with.
+def _settings(env: dict[str, str]) -> list[tuple[str, str]]:
+    """math_settings as (variable, value) pairs."""
+    words = env["math_settings"].split()
+    return [] if words == ["none"] else [tuple(w.split("=", 1)) for w in words]
+
+
+def test_a_rank_that_lacks_a_pin_is_refused_naming_the_variables():
+    # This process's own report: whatever it loaded torch with, a pin it does not run is
+    # refused with the variables it lacks and those to start it with.
+    mine = environment.report("avx2", "cpu", "gloo")
     for kernels in ("avx2", "default"):
-        want = environment.pins(kernels).get("ATEN_CPU_CAPABILITY")
-        runs = torch.backends.cpu.get_cpu_capability()
-        if want is None or runs == want.upper():
-            environment.check_rank(kernels)
+        wanted = environment.pins(kernels)
+        refused = environment.refusal(kernels, [mine])
+        lacking = [k for k, v in wanted.items() if mine.variables.get(k) != v]
+        if not lacking and mine.cpu_capability == wanted["ATEN_CPU_CAPABILITY"].upper():
+            assert refused is None
         else:
-            with pytest.raises(ConfigError, match=f"ATEN_CPU_CAPABILITY={want}"):
-                environment.check_rank(kernels)
-    environment.check_rank("native")
+            assert refused is not None and "\n" not in str(refused)
+            assert all(name in str(refused) for name in lacking)
+            assert str(refused).endswith(" ".join(f"{k}={v}" for k, v in wanted.items()))
+    assert environment.refusal("native", [mine]) is None
 
 
 def test_the_pins_are_in_a_rank_environment_only_while_it_starts(monkeypatch):
@@ -81,27 +100,80 @@ def test_the_pins_are_in_a_rank_environment_only_while_it_starts(monkeypatch):
 def test_a_resume_in_another_numeric_environment_is_refused_and_a_new_commit_is_not(tmp_path):
     run = compose_run(*SMALL)
     out = tmp_path / "run"
-    claim(out, run)
+    ranks = [environment.report(run.topology.cpu_kernels, "cpu", "gloo")]
+    bind(out, run, ranks)
     held = json.loads((out / "campaign.json").read_text())
     env = held["environment"]
+    assert env == environment.record(ranks)
     assert set(env) >= {"commit", "torch", "python", "cpu", "cpu_capability", "math_library",
                         "math_settings", "threads", "device", "backend"}  # fmt: skip
-    assert (env["threads"], env["device"], env["backend"]) == ("1", "cpu", "gloo")
-    check_out(out, run)  # the same campaign, the same environment: it resumes
+    bind(out, run, ranks)  # the same campaign, the same environment: it resumes
 
     def record(**changes: str) -> None:
         (out / "campaign.json").write_text(json.dumps({**held, "environment": {**env, **changes}}))
 
     record(commit="0" * 40)
-    check_out(out, run)
+    bind(out, run, ranks)
     record(cpu_capability="SVE256", math_settings="none")
     with pytest.raises(ConfigError, match=r"another environment \(cpu_capability .* -> "):
-        check_out(out, run)
+        bind(out, run, ranks)
     # A folder from before environments were recorded: its numbers' origin is unknown.
     without = {k: v for k, v in held.items() if k != "environment"}
     (out / "campaign.json").write_text(json.dumps(without, sort_keys=True, indent=1))
     with pytest.raises(ConfigError, match="another environment"):
-        check_out(out, run)
+        bind(out, run, ranks)
+    check_out(out, run)  # before any rank reports, only the campaign's identity is checked
+
+
+# A torchrun world of 2 ranks on this host: what a user starts from the printed command.
+TORCHRUN = ["torchrun", "--standalone", "--nproc-per-node=2", "-m", "harness.torchrun_worker"]
+RECORDED = ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA", "OPENBLAS_CORETYPE",
+            "MKL_NUM_THREADS", "OMP_NUM_THREADS")  # fmt: skip
+
+
+def torchrun(run_ok, tmp_path, kernels: str, **variables: str) -> subprocess.CompletedProcess:
+    """Plan SMALL on 2 ranks with `kernels`, then run the worker under torchrun in an
+    environment with only `variables` of the recorded ones."""
+    plan = tmp_path / "plan"
+    args = [*SMALL, "workload.steps=2", "campaign.noise_seeds=2", "topology.ranks_per_node=2"]
+    run_ok(*args, f"topology.cpu_kernels={kernels}", "launcher=torchrun", f"out={plan}",
+           cwd=tmp_path)  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in RECORDED}
+    env = dict(env, PATH=f"{BIN}:{env['PATH']}", **variables)
+    return subprocess.run(
+        [*TORCHRUN, str(plan)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240
+    )
+
+
+def test_a_torchrun_worker_without_the_printed_variables_exits_2_in_one_line(tmp_path, run_ok):
+    # torch's capability here is the pin's (ATEN_CPU_CAPABILITY is set, and this CPU has AVX2),
+    # but MKL and oneDNN loaded without theirs: every rank would compute otherwise.
+    done = torchrun(run_ok, tmp_path, "avx2", ATEN_CPU_CAPABILITY="avx2")
+    lines = done.stderr.splitlines()
+    errors = [line for line in lines if "harness.torchrun_worker: error:" in line]
+    assert errors == [
+        "harness.torchrun_worker: error: topology.cpu_kernels: 'avx2' but rank 0 on "
+        f"{platform.node()} runs with MKL_CBWR=(unset), ONEDNN_MAX_CPU_ISA=(unset); start every "
+        "rank with ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=COMPATIBLE ONEDNN_MAX_CPU_ISA=AVX2"
+    ], done.stderr[-3000:]
+    # torchrun's summary of its workers' exit codes: every rank left with 2.
+    assert re.findall(r"^\s+exitcode\s*: (\d+)", done.stderr, re.M) == ["2", "2"], done.stderr[
+        -3000:
+    ]
+    assert not (tmp_path / "plan" / "campaign.json").exists()
+
+
+def test_campaign_json_records_what_the_torchrun_ranks_ran_not_the_plan(tmp_path, run_ok):
+    # Unpinned (`native`), the ranks run what their own environment chose: here torch's portable
+    # kernels and MKL's AVX2 branch, where this test's process and the planning one run AVX2.
+    done = torchrun(run_ok, tmp_path, "native", ATEN_CPU_CAPABILITY="default", MKL_CBWR="AVX2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    env = json.loads((tmp_path / "plan" / "campaign.json").read_text())["environment"]
+    # Every rank reported the same (one value per field); torchrun sets OMP_NUM_THREADS=1.
+    assert env["cpu_capability"] == "DEFAULT"
+    assert env["math_settings"] == "ATEN_CPU_CAPABILITY=default MKL_CBWR=AVX2 OMP_NUM_THREADS=1"
+    assert (env["threads"], env["device"], env["backend"]) == ("1", "cpu", "gloo")
+    assert torch.backends.cpu.get_cpu_capability() != "DEFAULT"
 
 
 @pytest.mark.slow

@@ -155,8 +155,15 @@ def test_a_wrong_reduction_is_re_run_and_a_repeating_one_quarantines_only_its_no
     for row in table:
         assert row["detected_by"] == "allreduce_sketch" and row["detect_step"] == "5"
         assert row["final_nodes"] == "4" and row["golden_match"] == "True"
-    assert [(r["quarantined_nodes"], r["recoveries"]) for r in table] == [
-        ("", "0"), ("", "0"), ("1", "1"), ("2", "1")
+    # Every way back is a recovery: the transient faults' retries, the permanent ones' rollback
+    # with quarantine (their retry, wrong again, did not get the run back).
+    assert [(r["quarantined_nodes"], r["recoveries"], r["recovered"]) for r in table] == [
+        ("", "1", "True"), ("", "1", "True"), ("1", "1", "True"), ("2", "1", "True")
+    ]  # fmt: skip
+    assert [r["recovery_verdict"] for r in table] == [
+        "retry at step 5", "retry at step 5",
+        "rollback+quarantine at step 5 to step 3 (node 1)",
+        "rollback+quarantine at step 5 to step 3 (node 2)",
     ]  # fmt: skip
     logged = events(out)
     retries = [e for e in logged if e["kind"] == "retry"]
@@ -196,7 +203,30 @@ def test_in_bfloat16_a_repeating_wrong_reduction_quarantines_only_its_node(tmp_p
             "persistence:permanent",
         ],
     )
-    assert [(r["quarantined_nodes"], r["recoveries"]) for r in table] == [("", "0"), ("3", "1")]
+    assert [(r["quarantined_nodes"], r["recoveries"]) for r in table] == [("", "1"), ("3", "1")]
     for row in table:
         assert row["detected_by"] == "allreduce_sketch" and row["detect_step"] == "5"
         assert row["final_nodes"] == "4" and row["golden_match"] == "True"
+
+
+def test_a_reduction_fault_retried_in_its_step_reads_recovered_with_its_verdict(tmp_path, run_ok):
+    """The in-step retry is a recovery like a rollback: the row says the trial recovered and
+    how, and the report counts it apart from rollbacks."""
+    out = tmp_path / "run"
+    run_ok(
+        *("campaign=single", "topology.nodes=4", "topology.spares=1", "recovery.enabled=true"),
+        *("fault.site=allreduce", "fault.scope=reduction", "fault.model=scale"),
+        *("fault.factor=1000", "fault.steps=[7]", "detectors=[nan_inf,allreduce_sketch]"),
+        *("workload.steps=9", "campaign.seeds=1", "campaign.noise_seeds=2", f"out={out}"),
+        cwd=tmp_path,
+    )
+    (row,) = rows(out)
+    assert row["detected"] == "True" and row["golden_match"] == "True"
+    assert (row["recovered"], row["recoveries"]) == ("True", "1")
+    assert row["recovery_verdict"] == "retry at step 7"
+    assert (row["quarantined_nodes"], row["restore_step"], row["steps_lost"]) == ("", "", "0")
+    report = (out / "report.md").read_text()
+    assert (
+        "1 of 1 trials that needed recovery got back: 1 by an in-step retry of the reduction, "
+        "0 by a rollback, 0 by a rollback with quarantine"
+    ) in report

@@ -19,7 +19,9 @@ from harness.results.schema import (
     OVERHEAD_COLUMNS,
     OVERHEAD_FILE,
     OVERHEAD_REQUIRED,
+    RECOVERY_KINDS,
     classify_bit,
+    recovery_kinds,
 )
 
 Z95 = 1.959963984540054
@@ -250,33 +252,43 @@ def sees_and_misses(df: pd.DataFrame) -> list[dict[str, object]]:
 
 
 def recovery(df: pd.DataFrame) -> str:
-    """What recovery did: trials recovered, steps lost, time, nodes that left, verdicts."""
-    tried = df[pd.to_numeric(df["recoveries"], errors="coerce").fillna(0) > 0]
-    verdicts = df[df["recovery_verdict"].notna() & (df["recovery_verdict"] != "")]
-    if tried.empty and verdicts.empty:
+    """What recovery did: how each trial got back (an in-step retry of the reduction, a rollback,
+    a rollback with quarantine, counted apart), steps lost, time, nodes that left, verdicts."""
+    verdicts = df["recovery_verdict"].map(lambda v: v if isinstance(v, str) else "")
+    tried = df[verdicts != ""]
+    if tried.empty:
         return ""
     rows = []
-    for _, r in pd.concat([tried, verdicts]).drop_duplicates("trial_id").iterrows():
+    for _, r in tried.iterrows():
         shrunk = pd.notna(r["final_nodes"]) and int(r["final_nodes"]) < int(r["nodes"])
         rows.append(
             {
                 "trial": r["trial_id"],
                 "recovered": r["recovered"],
+                "recoveries": r["recoveries"],
                 "quarantined nodes": r["quarantined_nodes"] if pd.notna(r["quarantined_nodes"])
                 else "-",
                 "world after": f"{int(r['final_nodes'])} nodes" + (" (shrunk)" if shrunk else "")
                 if pd.notna(r["final_nodes"]) else "-",
-                "restored from step": r["restore_step"],
+                "restored from step": r["restore_step"] if pd.notna(r["restore_step"]) else "-",
                 "steps lost": r["steps_lost"],
-                "recovery s": r["recovery_s"],
+                "recovery s": r["recovery_s"] if pd.notna(r["recovery_s"]) else "-",
                 "matches golden": r["golden_match"],
                 "effect": r["effect"],
-                "verdict": r["recovery_verdict"] if pd.notna(r["recovery_verdict"]) else "-",
+                "how": r["recovery_verdict"],
             }
         )  # fmt: skip
-    same = int(tried["golden_match"].fillna(False).astype(bool).sum())
-    head = (f"{len(tried)} trials recovered at least once; {same} of them ended bit-identical to "
-            "their golden run. A restore step of -1 means from the initial weights.")  # fmt: skip
+    recovered = tried[tried["recovered"].astype(str) == "True"]
+    kinds = [recovery_kinds(v) for v in verdicts[recovered.index]]
+    by_kind = {k: sum(k in found for found in kinds) for k in RECOVERY_KINDS}
+    same = int(recovered["golden_match"].astype(str).eq("True").sum())
+    head = (
+        f"{len(recovered)} of {len(tried)} trials that needed recovery got back: "
+        f"{by_kind['retry']} by an in-step retry of the reduction, {by_kind['rollback']} by a "
+        f"rollback, {by_kind['rollback+quarantine']} by a rollback with quarantine (a trial "
+        f"may take several); {same} of them ended bit-identical to their golden run. A "
+        "restore step of -1 means from the initial weights."
+    )
     return "## Recovery\n\n" + head + "\n\n" + markdown_table(rows)
 
 

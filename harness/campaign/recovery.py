@@ -6,6 +6,10 @@ planned end. A loop limit turns endless recovery into a verdict.
 The fault lives on hardware (docs/design.md, section 5): a spare that takes over a quarantined
 node's ranks is healthy, so re-executing the same steps does not re-inject. A fault that follows the
 data (`fault.follows=data`) keeps striking, which is what the loop limit is for.
+
+Every way a run gets back is a recovery in its row, of one of results.schema's RECOVERY_KINDS:
+the trainer's in-step retry of a wrong reduction (harness/runtime/trainer.py, `_stop_point`),
+which needs no stop here, a rollback, and a rollback that quarantined the suspect nodes.
 """
 
 from __future__ import annotations
@@ -102,6 +106,7 @@ def run_with_recovery(
     store = out / "store" / spec.trial_id
     history, extra_events = [], []
     restores, lost, recovery_s, verdict = [], 0, 0.0, ""
+    recoveries: list[str] = []  # each "KIND at step S ...", in order
     segment_run, segment_spec = run, spec
     while True:
         started = time.monotonic()
@@ -113,6 +118,7 @@ def run_with_recovery(
         stop = next(
             (p.stopped_step for p in outcome.parts or [] if p.stopped_step is not None), None
         )
+        recoveries += [f"retry at step {s}" for s in _retried(outcome, stop)]
         if stop is None:
             break
         segment = len(history)
@@ -143,6 +149,11 @@ def run_with_recovery(
             break
         restores.append(restore)
         lost += stop - restore
+        back = f"at step {stop} to step {restore}"
+        nodes = ", ".join(map(str, suspects))
+        recoveries.append(
+            f"rollback+quarantine {back} (node {nodes})" if suspects else f"rollback {back}"
+        )
         topology = replace(run.topology, nodes=len(machines.nodes))
         segment_run = replace(run, topology=topology)
         resume = Segment(restore + 1, path, machines.hardware(), tuple(machines.data))
@@ -150,16 +161,23 @@ def run_with_recovery(
     if outcome.parts:
         outcome.parts[0].events[:0] = extra_events
     outcome.recovery = {
-        "recovered": (not verdict and outcome.parts is not None) if history else "",
-        "recoveries": len(restores),
+        "recovered": (not verdict and outcome.parts is not None) if history or recoveries else "",
+        "recoveries": len(recoveries),
         "restore_step": ";".join(str(r) for r in restores),
         "steps_lost": lost,
         "recovery_s": round(recovery_s, 3) if history else "",
         "quarantined_nodes": ";".join(str(n) for n in machines.quarantined),
         "final_nodes": len(machines.nodes),
-        "recovery_verdict": verdict,
+        "recovery_verdict": "; ".join([*recoveries, verdict] if verdict else recoveries),
     }
     return outcome
+
+
+def _retried(outcome: TrialResult, stop: int | None) -> list[int]:
+    """The steps whose reduction the trainer re-ran and that then went on: a retry at the step
+    the segment stopped at did not get the run back (the repeat was wrong too)."""
+    steps = {e["step"] for p in outcome.parts or [] for e in p.events if e["kind"] == "retry"}
+    return sorted(s for s in steps if s != stop)
 
 
 def _suspect_ranks(outcome: TrialResult, alerts: list[dict[str, Any]], stop: int) -> set[int]:

@@ -57,9 +57,8 @@ def recorded(out: Path) -> tuple[str, dict | None] | None:
 
 
 def check_out(out: Path, run: RunConfig) -> None:
-    """Refuse an `out` that cannot be written, that holds a different campaign's trials, or whose
-    trials were computed in an environment that gives other numbers (their goldens would not
-    be this machine's); the same campaign in the same environment resumes."""
+    """Refuse an `out` that cannot be written or that holds a different campaign's trials (before
+    any process starts; whether the environment matches is the ranks' to say, `bind`)."""
     existing = next(p for p in (out, *out.parents) if p.exists())
     if not existing.is_dir():
         raise ConfigError("out", f"{existing} is not a folder; choose an out that can be created")
@@ -70,31 +69,32 @@ def check_out(out: Path, run: RunConfig) -> None:
         raise ConfigError(
             "out", f"{out} holds a different campaign's trials; choose a new out to keep them"
         )
-    if held is not None:
-        before, now = held[1], environment.describe(run.topology)
-        changed = [f for f in machine.differences(before, now) if f in machine.NUMERIC]
-        if changed:
-            was = ", ".join(f"{f} {(before or {}).get(f, '?')} -> {now[f]}" for f in changed)
-            raise ConfigError(
-                "out", f"{out} was computed in another environment ({was}); resume it there "
-                "or choose a new out"
-            )  # fmt: skip
     if held is None and (out / "trials.csv").exists():
         raise ConfigError("out", f"{out} holds trials of unknown origin; choose a new out")
 
 
-def claim(out: Path, run: RunConfig) -> None:
-    """Bind `out` to this campaign and record the environment it computes in (after
-    `check_out`; a resume keeps the first record, whose numeric fields it matches)."""
+def bind(out: Path, run: RunConfig, ranks: list[environment.RankEnvironment]) -> None:
+    """Bind `out` to this campaign and record the environment its ranks reported (after
+    `check_out`, before the first trial). A resume keeps the first record, and is refused when
+    the ranks now compute in an environment that gives other numbers (the trials' goldens
+    would not be theirs); a different commit or CPU model resumes."""
     check_out(out, run)
-    path = out / CAMPAIGN_FILE
-    if path.exists():
+    now = environment.record(ranks)
+    held = recorded(out)
+    if held is not None:
+        changed = [f for f in machine.differences(held[1], now) if f in machine.NUMERIC]
+        if changed:
+            was = ", ".join(f"{f} {(held[1] or {}).get(f, '?')} -> {now[f]}" for f in changed)
+            raise ConfigError(
+                "out", f"{out} was computed in another environment ({was}); resume it there "
+                "or choose a new out"
+            )  # fmt: skip
         return
     out.mkdir(parents=True, exist_ok=True)
-    held = {**dataclasses.asdict(run), "environment": environment.describe(run.topology)}
+    content = {**dataclasses.asdict(run), "environment": now}
     tmp = out / f".{CAMPAIGN_FILE}.tmp"
-    tmp.write_text(json.dumps(held, sort_keys=True, indent=1))
-    tmp.replace(path)
+    tmp.write_text(json.dumps(content, sort_keys=True, indent=1))
+    tmp.replace(out / CAMPAIGN_FILE)
 
 
 class Executor(Protocol):
@@ -103,6 +103,8 @@ class Executor(Protocol):
     campaign then stops after recording the trial it crashed); None while trials can run."""
 
     lost: str | None
+
+    def start(self, topology: TopologyConfig) -> list[environment.RankEnvironment]: ...
 
     def run(self, run: RunConfig, spec: TrialSpec) -> TrialResult: ...
 
@@ -135,12 +137,17 @@ class SpawnExecutor:
         self.log = log
         self.world: World | None = None
 
-    def run(self, run: RunConfig, spec: TrialSpec) -> TrialResult:
-        """Run a trial (or a recovery segment, whose world may be smaller) in a live world."""
-        if self.world is not None and self.world.alive and self.world.topology != run.topology:
+    def start(self, topology: TopologyConfig) -> list[environment.RankEnvironment]:
+        """A live world of `topology` (started unless one runs); what its ranks compute with."""
+        if self.world is not None and self.world.alive and self.world.topology != topology:
             self.world.close()
         if self.world is None or not self.world.alive:
-            self.world = self._start(run.topology)
+            self.world = self._start(topology)
+        return self.world.environments
+
+    def run(self, run: RunConfig, spec: TrialSpec) -> TrialResult:
+        """Run a trial (or a recovery segment, whose world may be smaller) in a live world."""
+        self.start(run.topology)
         outcome = self.world.run(run, spec)
         if outcome.crash is not None:
             stacks.append_log(self.log, f"{spec.trial_id} crashed: {outcome.crash}", outcome.stacks)
@@ -192,7 +199,7 @@ class Campaign:
     """
 
     def __init__(self, run: RunConfig, out: Path):
-        claim(out, run)
+        check_out(out, run)
         self.run = run
         self.out = out
         self.records = Records(out)
@@ -279,6 +286,7 @@ def run_campaign(run: RunConfig, out: Path, executor: Executor | None = None) ->
     bar = tqdm(total=len(campaign.pending), unit="trial", mininterval=1.0)
     alerts = crashes = 0
     try:
+        bind(out, run, executor.start(run.topology))
         for pending in campaign.pending:
             bar.set_description(pending.trial_id)
             spec = campaign.prepared(pending)

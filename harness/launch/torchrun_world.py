@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import threading
 import time
 import uuid
@@ -28,13 +27,13 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
-from harness.config.schema import RunConfig, TrialSpec
+from harness.config.schema import RunConfig, TopologyConfig, TrialSpec
 from harness.launch import stacks
 from harness.launch.world import PEER_FAILURE, shutdown
 from harness.results.schema import RankResult, TrialResult
+from harness.runtime import environment
 from harness.runtime.plugins import RankInfo
 from harness.runtime.trainer import run_trial
 
@@ -116,6 +115,10 @@ class TorchrunWorld:
         self.store_dir = store_dir
         self.record_wait = topo.collective_timeout_s + REPORT_GRACE_S + RECORD_WAIT_S
         self.hosts: list[str] = []  # each rank's host name, once the world is joined
+        # What each rank computes with, as it reported it on joining.
+        self.environments: list[environment.RankEnvironment] = []
+        self.cpu_kernels = topo.cpu_kernels
+        self.cpu_numerics = topo.cpu_numerics
         # Rank 0 may keep the others waiting for a whole recovery segment they sit out.
         wait = timedelta(seconds=topo.startup_timeout_s + topo.trial_timeout_s)
         # The agent's store outlives a restart of its workers (--max-restarts): each attempt
@@ -138,8 +141,12 @@ class TorchrunWorld:
         self.store.set(f"up/{self.rank}", "1")
         self.store.wait([f"up/{r}" for r in range(self.size)], limit)
         self._join(0, self.size)
-        self.hosts = [None] * self.size
-        dist.all_gather_object(self.hosts, socket.gethostname())
+        mine = environment.report(
+            self.cpu_kernels, self.device, dist.get_backend(), self.cpu_numerics
+        )
+        self.environments = [None] * self.size
+        dist.all_gather_object(self.environments, mine)
+        self.hosts = [e.host for e in self.environments]
 
     def _join(self, world: int, size: int) -> bool:
         """Enter world `world`, the first `size` ranks; False when this rank sits it out."""
@@ -206,11 +213,14 @@ class TorchrunWorld:
             time.sleep(0.1)
         return crash_cause(errors, size, self.hosts)
 
-    def one_device_kind(self) -> str | None:
-        """`mixed_devices` over every rank's device (the same answer on every rank)."""
-        kinds: list[str] = [""] * self.size
-        dist.all_gather_object(kinds, torch.device(self.device).type)
-        return mixed_devices(kinds, self.hosts)
+    def refusal(self) -> str | None:
+        """Why this world may not run the plan, in one line, from every rank's report (the same
+        answer on every rank): a rank that does not run the plan's kernel pins, or hosts that
+        resolved different devices."""
+        refused = environment.refusal(self.cpu_kernels, self.environments)
+        if refused:
+            return str(refused)
+        return mixed_devices([e.device for e in self.environments], self.hosts)
 
     def shared(self, folder: Path) -> str | None:
         """Whether every host sees what every other host writes in `folder`; otherwise the
@@ -257,6 +267,10 @@ class TorchrunExecutor:
         self.tasks = 0
         self.group, self.size = 0, world.size
         self.lost: str | None = None
+
+    def start(self, topology: TopologyConfig) -> list[environment.RankEnvironment]:
+        """What every rank of torchrun's world computes with (it started before the campaign)."""
+        return self.world.environments
 
     def run(self, run: RunConfig, spec: TrialSpec) -> TrialResult:
         if self.lost:

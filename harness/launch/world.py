@@ -27,7 +27,7 @@ import traceback
 import uuid
 from datetime import timedelta
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -69,10 +69,9 @@ def loopback_interface() -> str:
 
 def init_rank(topology: TopologyConfig, rank: int, local_rank: int | None = None) -> str:
     """Settings every rank needs before it joins, under either launcher: a fixed thread count,
-    the pinned CPU kernels (set in its environment before it started), its GPU and, for exact
-    replay there, what recomputation needs before NCCL and cuBLAS start. Its device."""
+    its GPU and, for exact replay there, what recomputation needs before NCCL and cuBLAS start.
+    Its device. (The CPU kernel pins were set before it started; its report shows them.)"""
     torch.set_num_threads(topology.threads(rank))
-    environment.check_rank(topology.cpu_kernels)
     device = devices.rank_device(
         topology.device or "cpu", rank if local_rank is None else local_rank, devices.gpu_count()
     )
@@ -116,7 +115,17 @@ def _rank_main(
         )
     except Exception as exc:  # reported to the parent, which judges the start
         _report_error(results, rank, exc)
-    beat()  # joined: the world has started once every rank has
+    # Joined: the world has started once every rank has reported what it computes with.
+    results.put(
+        (
+            "ok",
+            rank,
+            environment.report(
+                topology.cpu_kernels, device, dist.get_backend(), topology.cpu_numerics
+            ),
+        )
+    )
+    beat()
     info = RankInfo(rank, topology.world_size, topology.ranks_per_node, device)
     while True:
         try:
@@ -270,7 +279,11 @@ class World:
         # From a thread: each start waits for the rank server, and a server stuck in its imports
         # must not hold the world's start past its timeout.
         threading.Thread(target=self._start_ranks, daemon=True, name="sdc-world-start").start()
-        self._await_start()
+        self.environments = self._await_start()
+        refused = environment.refusal(topology.cpu_kernels, self.environments)
+        if refused:
+            self.kill()
+            raise refused
 
     def _start_ranks(self) -> None:
         for proc in self.procs:
@@ -279,20 +292,21 @@ class World:
             except (OSError, EOFError):  # the server was stopped while it hung
                 return
 
-    def _await_start(self) -> None:
-        """Return once every rank has joined; otherwise kill the world and raise
+    def _await_start(self) -> list[environment.RankEnvironment]:
+        """Every rank's report once all have joined; otherwise kill the world and raise
         WorldStartError."""
         errors: dict[int, str] = {}
+        reports: dict[int, environment.RankEnvironment] = {}
         limit = self.topology.startup_timeout_s
         deadline = time.monotonic() + limit
         settle = None
-        while not all(self.beats):
+        while len(reports) < len(self.procs):
             now = time.monotonic()
             if now >= min(deadline, settle or deadline):
                 break
-            settle = self._receive({}, errors, settle)
+            settle = self._receive(reports, errors, settle)
         else:
-            return
+            return [reports[r] for r in range(len(self.procs))]
         joined = {r for r, t in enumerate(self.beats) if t}
         if any(proc.pid is None for proc in self.procs):
             rank_server.stop()  # it never forked them: the next world gets a fresh one
@@ -302,7 +316,7 @@ class World:
         raise WorldStartError(f"world did not start: {cause}", dumps)
 
     def _receive(
-        self, parts: dict[int, RankResult], errors: dict[int, str], settle: float | None
+        self, parts: dict[int, Any], errors: dict[int, str], settle: float | None
     ) -> float | None:
         """Take one report, if one comes within a poll; return when to stop waiting for the
         others once a rank has failed."""

@@ -1,6 +1,7 @@
-"""What a run recorded about the machine it computed on (campaign.json's `environment`, written
-by harness/runtime/environment.py's `describe`): read back, summarized for the report, and
-compared between runs, which tells `sdc-regress` whether two runs' numbers may differ."""
+"""What a run recorded about the machine it computed on (campaign.json's `environment`, built by
+harness/runtime/environment.py's `record` from the ranks' reports): read back, summarized for
+the report, and compared between runs, which tells `sdc-regress` whether two runs' numbers may
+differ."""
 
 from __future__ import annotations
 

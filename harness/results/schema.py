@@ -77,6 +77,18 @@ EXTRA_COLUMNS = [
     "effect_from", "warnings",
 ]  # fmt: skip
 COLUMNS = CONTRACT_COLUMNS + EXTRA_COLUMNS
+# The ways a run gets back, as `recovery_verdict` names each recovery ("KIND at step S ...",
+# `;`-joined in order): the step's reduction re-run in the step itself, a rollback to a
+# checkpoint, and a rollback that also quarantined the suspect nodes.
+RECOVERY_KINDS = ("retry", "rollback", "rollback+quarantine")
+
+
+def recovery_kinds(verdict: str) -> list[str]:
+    """The kind of each recovery a `recovery_verdict` lists, in order (a failure's verdict,
+    the last entry when recovery gave up, is none of them)."""
+    kinds = [entry.split(" ", 1)[0] for entry in verdict.split("; ") if entry]
+    return [k for k in kinds if k in RECOVERY_KINDS]
+
 
 OVERHEAD_FILE = "overhead.csv"
 OVERHEAD_COLUMNS = ["detector", "interval", "overhead_pct", "floor_pct", "overhead_vs_ddp_pct"]

@@ -5,6 +5,10 @@ MKL, under every float32 matmul here, chooses its code path by CPU vendor and mo
 Either choice changes the last bits of a golden run, and with them which trials are "masked".
 So every rank gets the same choices in its environment before it imports torch: the spawned
 world sets them around each Process.start(), and torchrun's command line carries them.
+
+A record states what ran: each rank reports the settings it computes with, read in the rank
+(`RankEnvironment`), a rank whose settings are not the plan's pins is refused before its first
+trial (`refusal`), and campaign.json's environment is built from the ranks' reports (`record`).
 """
 
 from __future__ import annotations
@@ -15,11 +19,11 @@ import re
 import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from harness.config.schema import TopologyConfig
 from harness.errors import ConfigError
 from harness.runtime import numerics
 
@@ -41,6 +45,9 @@ RECORDED_VARIABLES = (
 )
 UNKNOWN = "unknown"
 ROOT = Path(__file__).resolve().parents[2]
+# The variables as this process had them when it loaded torch (imported above), which is when
+# torch, MKL and oneDNN read theirs: a variable set later changes nothing, so it is not recorded.
+AT_LOAD = {name: os.environ[name] for name in RECORDED_VARIABLES if name in os.environ}
 
 
 def architecture() -> str:
@@ -95,20 +102,6 @@ def pinned(cpu_kernels: str) -> Iterator[None]:
                 os.environ[name] = value
 
 
-def check_rank(cpu_kernels: str) -> None:
-    """In a rank: torch runs the pinned kernels. It does not when ATEN_CPU_CAPABILITY reached the
-    rank after torch loaded (a torchrun started without the printed variables), and the rank's
-    rows would then not reproduce."""
-    want = pins(cpu_kernels).get("ATEN_CPU_CAPABILITY")
-    have = torch.backends.cpu.get_cpu_capability()
-    if want is not None and have != want.upper():
-        variables = " ".join(f"{k}={v}" for k, v in pins(cpu_kernels).items())
-        raise ConfigError(
-            "topology.cpu_kernels",
-            f"'{cpu_kernels}' but this rank runs {have} kernels; start it with {variables}",
-        )
-
-
 def commit() -> str:
     """The project's commit, "+dirty" with uncommitted changes to tracked files."""
     try:
@@ -139,26 +132,96 @@ def math_library() -> str:
     return ", ".join(parts)
 
 
-def describe(topology: TopologyConfig) -> dict[str, str]:
-    """The environment the ranks of `topology` compute in, as strings; `cpu_capability` is what
-    every rank checks it runs (`check_rank`), or, unpinned, what torch chose here."""
-    pinned_settings = pins(topology.cpu_kernels)
-    settings = {name: os.environ[name] for name in RECORDED_VARIABLES if name in os.environ}
-    settings.update(pinned_settings)
-    pinned_kernels = pinned_settings.get("ATEN_CPU_CAPABILITY")
-    threads = topology.threads_per_rank
+@dataclass(frozen=True)
+class RankEnvironment:
+    """What one rank computes with, read in that rank (`report`)."""
+
+    host: str
+    commit: str
+    python: str
+    torch: str
+    cpu: str
+    machine: str
+    cpu_kernels: str
+    cpu_capability: str  # the kernels torch runs here
+    math_library: str
+    variables: dict[str, str]  # RECORDED_VARIABLES as this rank had them when torch loaded
+    threads: int
+    device: str  # the device kind: cpu or cuda
+    backend: str
+    cpu_numerics: str  # how its 16-bit products are computed (harness/runtime/numerics.py)
+
+
+def report(
+    cpu_kernels: str, device: str, backend: str, cpu_numerics: str | None
+) -> RankEnvironment:
+    """This rank's settings, as it runs: `device` and `backend` those it joined its world with,
+    `cpu_numerics` the key as the plan has it (resolved here, for this rank's device)."""
+    return RankEnvironment(
+        host=platform.node(),
+        commit=commit(),
+        python=platform.python_version(),
+        torch=torch.__version__,
+        cpu=str(torch.cpu.get_capabilities().get("cpu_name") or platform.processor()),
+        machine=architecture(),
+        cpu_kernels=cpu_kernels,
+        cpu_capability=torch.backends.cpu.get_cpu_capability(),
+        math_library=math_library(),
+        variables=dict(AT_LOAD),
+        threads=torch.get_num_threads(),
+        device=torch.device(device).type,
+        backend=backend,
+        cpu_numerics=str(numerics.resolve(cpu_numerics, torch.device(device).type)),
+    )
+
+
+def refusal(cpu_kernels: str, reports: list[RankEnvironment]) -> ConfigError | None:
+    """None when every rank runs the pins of `cpu_kernels`; otherwise the error, naming the
+    variables the first such rank lacks (or torch's kernels it does not run), and the variables
+    to start it with. A rank that got a pin after torch loaded (a torchrun started without the
+    printed variables) computes otherwise, and its rows would not reproduce."""
+    wanted = pins(cpu_kernels)
+    for rank, env in enumerate(reports):
+        wrong = [
+            f"{name}={env.variables.get(name, '(unset)')}"
+            for name, value in wanted.items()
+            if env.variables.get(name) != value
+        ]
+        capability = wanted.get("ATEN_CPU_CAPABILITY", "").upper()
+        if capability and env.cpu_capability != capability:
+            wrong.append(f"torch's {env.cpu_capability} kernels")
+        if wrong:
+            start = " ".join(f"{k}={v}" for k, v in wanted.items())
+            return ConfigError(
+                "topology.cpu_kernels",
+                f"'{cpu_kernels}' but rank {rank} on {env.host} runs with {', '.join(wrong)}; "
+                f"start every rank with {start}",
+            )
+    return None
+
+
+def record(reports: list[RankEnvironment]) -> dict[str, str]:
+    """campaign.json's environment: each field as every rank reported it, or, where the ranks
+    differ (per-rank threads, hosts of other kinds under cpu_kernels=native), each rank's value
+    in rank order, joined by ','."""
+    fields = {
+        "commit": [e.commit for e in reports],
+        "python": [e.python for e in reports],
+        "torch": [e.torch for e in reports],
+        "cpu": [e.cpu for e in reports],
+        "machine": [e.machine for e in reports],
+        "cpu_kernels": [e.cpu_kernels for e in reports],
+        "cpu_capability": [e.cpu_capability for e in reports],
+        "math_library": [e.math_library for e in reports],
+        "math_settings": [
+            " ".join(f"{k}={v}" for k, v in sorted(e.variables.items())) or "none" for e in reports
+        ],
+        "threads": [str(e.threads) for e in reports],
+        "device": [e.device for e in reports],
+        "backend": [e.backend for e in reports],
+        "cpu_numerics": [e.cpu_numerics for e in reports],
+    }
     return {
-        "commit": commit(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cpu": str(torch.cpu.get_capabilities().get("cpu_name") or platform.processor()),
-        "machine": architecture(),
-        "cpu_kernels": topology.cpu_kernels,
-        "cpu_numerics": str(numerics.resolve(topology.cpu_numerics, topology.device or "cpu")),
-        "cpu_capability": (pinned_kernels or torch.backends.cpu.get_cpu_capability()).upper(),
-        "math_library": math_library(),
-        "math_settings": " ".join(f"{k}={v}" for k, v in sorted(settings.items())) or "none",
-        "threads": ",".join(map(str, threads)) if isinstance(threads, tuple) else str(threads),
-        "device": topology.device or "cpu",
-        "backend": topology.backend,
+        name: values[0] if len(set(values)) == 1 else ",".join(values)
+        for name, values in fields.items()
     }
