@@ -71,7 +71,7 @@ def _settings(env: dict[str, str]) -> list[tuple[str, str]]:
 def test_a_rank_that_lacks_a_pin_is_refused_naming_the_variables():
     # This process's own report: whatever it loaded torch with, a pin it does not run is
     # refused with the variables it lacks and those to start it with.
-    mine = environment.report("avx2", "cpu", "gloo")
+    mine = environment.report("avx2", "cpu", "gloo", None)
     for kernels in ("avx2", "default"):
         wanted = environment.pins(kernels)
         refused = environment.refusal(kernels, [mine])
@@ -100,7 +100,7 @@ def test_the_pins_are_in_a_rank_environment_only_while_it_starts(monkeypatch):
 def test_a_resume_in_another_numeric_environment_is_refused_and_a_new_commit_is_not(tmp_path):
     run = compose_run(*SMALL)
     out = tmp_path / "run"
-    ranks = [environment.report(run.topology.cpu_kernels, "cpu", "gloo")]
+    ranks = [environment.report(run.topology.cpu_kernels, "cpu", "gloo", run.topology.cpu_numerics)]
     bind(out, run, ranks)
     held = json.loads((out / "campaign.json").read_text())
     env = held["environment"]
