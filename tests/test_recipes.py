@@ -8,6 +8,7 @@ import math
 
 import pytest
 
+from harness.runtime.workloads import Workload
 from tests.conftest import compose_run, rows
 
 # gpt with its 1.7 MB of float32 gradients but a quarter of the tokens per step.
@@ -104,6 +105,31 @@ def test_autocast_widens_tolerant_replay_past_a_one_percent_change(tmp_path, run
         caught[precision, compare] = rows(out)[0]["detected"]
     assert caught == {("32-true", "tolerant"): "True", ("bf16-mixed", "tolerant"): "False",
                       ("bf16-mixed", "exact"): "True"}  # fmt: skip
+
+
+# AdamW's betas and weight decay: the LLM recipe's (0.9, 0.95) and 0.1 change neither fault's
+# effect in a run this short. Adam's bias correction makes its second moment the mean of the
+# squares seen so far while the run is much shorter than its horizon 1/(1-beta2) (20 steps at
+# 0.95, 1000 at 0.999), whatever beta2 is; decoupled weight decay at lr 3e-3 shrinks a weight by
+# 3e-4 a step. The betas' horizon matters in runs of thousands of steps, which no CPU campaign
+# reaches (docs/design.md section 9).
+ADAMW_LLM = ["workload.betas=[0.9,0.95]", "workload.weight_decay=0.1"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("piece", [CLIPPED, SCHEDULED], ids=["gradient", "optimizer"])
+def test_llm_betas_and_weight_decay_change_no_effect_in_a_short_run(tmp_path, run_ok, piece):
+    scenario, _, toy_effect, _ = piece
+    before, after = _both_recipes(tmp_path, run_ok, (scenario, ADAMW_LLM, None, None))
+    assert before["effect"] == after["effect"] == toy_effect, (before, after)
+    assert before["loss_delta"] != after["loss_delta"], "the betas and decay did not apply"
+
+
+def test_betas_and_weight_decay_reach_the_optimizer():
+    workload = compose_run("workload=gpt", *ADAMW_LLM).workload
+    runtime = Workload(workload, device="meta")
+    (group,) = runtime.build_optimizer(runtime.build_model()).param_groups
+    assert (group["betas"], group["weight_decay"]) == ((0.9, 0.95), 0.1)
 
 
 # workload=llama, shortened: its warmup (3 steps) and cosine still fit.
