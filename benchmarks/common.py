@@ -70,11 +70,10 @@ def detector(
     the model's dtype); replay needs the real model and workload.
     """
     cls = detector_class(name)
-    merged = {"mode": "observe", **cls.defaults, **params}
     model = model if model is not None else nn.Linear(1, 1).to(dtype)
     data = tuple((r,) for r in range(world))  # each rank trains on its own micro-batches
     ctx = DetectorContext(RankInfo(0, world, 1), model, workload, steps=1, data=data)
-    return cls(merged, ctx, EventLog(0, 0))
+    return cls(cls.configure(name, params, None), ctx, EventLog(0, 0))
 
 
 def bucket(numel: int, dtype: torch.dtype, tensors: int = 16, index: int = 0) -> Bucket:

@@ -172,7 +172,7 @@ def _check(name: str, dtype: torch.dtype, device: torch.device):
     info = RankInfo(0, 1, 1, str(device))
     model = torch.nn.Linear(1, 1).to(device=device, dtype=dtype)
     ctx = DetectorContext(info, model, None, steps=2, data=((0,),))
-    return cls(cls.validate(name, {}, None), ctx, EventLog(0, 0))
+    return cls(cls.configure(name, {}, None), ctx, EventLog(0, 0))
 
 
 def _bucket(numel: int, dtype: torch.dtype, device: torch.device, tensors: int = 16) -> Bucket:

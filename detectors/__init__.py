@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from typing import Any
 
+from harness.core.checks import CheckConfig
 from harness.runtime.plugins import Detector, DetectorContext, EventLog
 
 
@@ -23,7 +23,5 @@ def detector_class(name: str) -> type[Detector]:
     return importlib.import_module(f"detectors.{name}").DETECTOR
 
 
-def build(
-    configs: dict[str, dict[str, Any]], ctx: DetectorContext, log: EventLog
-) -> list[Detector]:
-    return [detector_class(name)(params, ctx, log) for name, params in configs.items()]
+def build(configs: dict[str, CheckConfig], ctx: DetectorContext, log: EventLog) -> list[Detector]:
+    return [detector_class(name)(config, ctx, log) for name, config in configs.items()]

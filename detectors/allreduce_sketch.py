@@ -71,12 +71,13 @@ from __future__ import annotations
 import functools
 import math
 import zlib
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
-from harness.errors import ConfigError
-from harness.runtime.plugins import Bucket, Detector
+from harness.core.checks import CheckConfig
+from harness.core.values import fraction
+from harness.runtime.plugins import Bucket, Detector, DetectorContext, EventLog
 
 BLOCKS = 4096
 # Rows of a bucket whose BLOCKS rows would be at least STREAM_WIDTH wide: a vector-matrix product
@@ -193,20 +194,20 @@ def tolerance(
 class AllreduceSketch(Detector):
     name = "allreduce_sketch"
     verifies_reduction = True
-    defaults = {"rtol": None}
 
-    @classmethod
-    def check_params(cls, key: str, params: dict[str, Any], topology: Any) -> None:
-        rtol = params["rtol"]
-        if rtol is not None and (not isinstance(rtol, int | float) or not 0 < rtol < 1):
-            raise ConfigError(
-                f"{key}.rtol", f"'{rtol}' must be in (0, 1), or null for the dtype's default"
-            )
+    @dataclass(frozen=True)
+    class Config(CheckConfig):
+        rtol: float | None = None  # of the projections' rounding; None: 1e-6 (float32)
 
-    def __init__(self, params, ctx, log):
-        super().__init__(params, ctx, log)
+        def __post_init__(self) -> None:
+            super().__post_init__()
+            if self.rtol is not None:
+                fraction("rtol", self.rtol, ", or null for the dtype's default")
+
+    def __init__(self, config: Config, ctx: DetectorContext, log: EventLog):
+        super().__init__(config, ctx, log)
         # The float32 projections' rounding (module docstring); the sum's is derived.
-        self.rtol = params["rtol"] or 1e-6
+        self.rtol = config.rtol or 1e-6
         self.sent: dict[int, tuple[tuple[torch.Tensor, ...], torch.Tensor]] = {}
 
     def rider(self, step: int, bucket: Bucket) -> torch.Tensor:

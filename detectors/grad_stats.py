@@ -9,27 +9,32 @@ runs is measured in the campaigns, not assumed.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from harness.errors import ConfigError
-from harness.runtime.plugins import Bucket, Detector
+from harness.core.checks import CheckConfig
+from harness.core.values import above
+from harness.runtime.plugins import Bucket, Detector, DetectorContext, EventLog
 
 
 class GradStats(Detector):
     name = "grad_stats"
-    defaults = {"threshold": 8.0, "min_ratio": 4.0, "spike": 10.0}
 
-    @classmethod
-    def check_params(cls, key: str, params: dict[str, Any], topology: Any) -> None:
-        for name in ("threshold", "min_ratio", "spike"):
-            value = params[name]
-            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 1:
-                raise ConfigError(f"{key}.{name}", f"'{value}' must be a number > 1")
+    @dataclass(frozen=True)
+    class Config(CheckConfig):
+        threshold: float = 8.0  # median absolute deviations of the log norm
+        min_ratio: float = 4.0  # the band never narrower than this ratio to the median
+        spike: float = 10.0  # times the largest norm seen
 
-    def __init__(self, params, ctx, log):
-        super().__init__(params, ctx, log)
+        def __post_init__(self) -> None:
+            super().__post_init__()
+            for name in ("threshold", "min_ratio", "spike"):
+                above(name, getattr(self, name), 1)
+
+    def __init__(self, config: Config, ctx: DetectorContext, log: EventLog):
+        super().__init__(config, ctx, log)
         self.device = torch.device(ctx.info.device)
         self.losses: list[torch.Tensor] = []
         self.running_max = torch.tensor(-math.inf, dtype=torch.float64, device=self.device)
@@ -82,11 +87,11 @@ class GradStats(Detector):
         logs = norms.clamp_min(1e-30).log()
         median = logs.median()
         mad = (logs - median).abs().median()
-        spread = (mad * self.params["threshold"]).clamp_min(math.log(self.params["min_ratio"]))
+        spread = (mad * self.config.threshold).clamp_min(math.log(self.config.min_ratio))
         return torch.where(finite.all(), (logs - median).abs() > spread, ~finite)
 
     def _spikes(self, step: int, losses: torch.Tensor) -> None:
-        limit = self.params["spike"] * self.running_max
+        limit = self.config.spike * self.running_max
         spiking = (self.running_max > 0) & ~(losses <= limit)
 
         def explain(values: list[float]) -> None:

@@ -17,13 +17,14 @@ point as `weight_consensus`: after the update, every `interval` steps.
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from harness.errors import ConfigError
+from harness.core.checks import CheckConfig
+from harness.core.values import integer
 from harness.runtime.plugins import Detector
 
 
@@ -38,16 +39,21 @@ def sha1_table(model: nn.Module) -> torch.Tensor:
 
 class MegatronHash(Detector):
     name = "megatron_hash"
-    defaults = {"interval": 10}
 
-    @classmethod
-    def check_params(cls, key: str, params: dict[str, Any], topology: Any) -> None:
-        interval = params["interval"]
-        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
-            raise ConfigError(f"{key}.interval", f"'{interval}' must be an integer >= 1")
+    @dataclass(frozen=True)
+    class Config(CheckConfig):
+        interval: int = 10  # steps between comparisons
+
+        def __post_init__(self) -> None:
+            super().__post_init__()
+            integer("interval", self.interval, 1)
+
+        @property
+        def every(self) -> int:
+            return self.interval
 
     def on_update(self, step: int, model: nn.Module) -> None:
-        if (step + 1) % self.params["interval"]:
+        if (step + 1) % self.config.interval:
             return
         # Gathered where the backend gathers (a GPU under NCCL), compared on the host.
         local = sha1_table(model).to(self.info.device)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,13 +38,16 @@ import torch.distributed as dist
 from torch import nn
 
 from detectors.fingerprint import signs
+from harness.core.checks import CheckConfig
+from harness.core.values import choice, fraction, int_list, integer
 from harness.errors import ConfigError
-from harness.runtime.plugins import Bucket, Detector
+from harness.runtime.plugins import Bucket, Detector, DetectorContext, EventLog
 
 # Slots of the exchanged row: own loss, own projection, own norm, then the same for the replay.
 _OWN, _REPLAY = 0, 3
 # How a mismatch is judged: a third node's majority, or Megatron-LM's rerun flow.
 VERDICTS = ("majority", "megatron")
+COMPARES = ("tolerant", "exact")
 
 
 class Regenerated:
@@ -72,53 +76,51 @@ class Regenerated:
 class Replay(Detector):
     name = "replay"
     recomputes_batches = True
-    defaults = {
-        "interval": 5, "steps": None, "compare": "tolerant", "rtol": None, "verdict": "majority"
-    }  # fmt: skip
+
+    @dataclass(frozen=True)
+    class Config(CheckConfig):
+        interval: int = 5  # audit every N steps (step % N == 0) ...
+        steps: tuple[int, ...] | None = None  # ... or exactly these steps
+        compare: str = "tolerant"  # exact: bit patterns (needs deterministic compute)
+        rtol: float | None = None  # tolerant; None: 1e-5 in float32, derived for 16 bits
+        verdict: str = "majority"
+
+        def __post_init__(self) -> None:
+            super().__post_init__()
+            integer("interval", self.interval, 1)
+            if self.steps is not None:
+                self._normalise("steps", int_list("steps", self.steps, 0, 2**31 - 1))
+            choice("compare", self.compare, COMPARES)
+            if self.rtol is not None:
+                fraction("rtol", self.rtol, ", or null for the dtype's default")
+            choice("verdict", self.verdict, VERDICTS)
+
+        @property
+        def every(self) -> int | None:
+            return self.interval if self.steps is None else None
 
     @classmethod
-    def check_params(cls, key: str, params: dict[str, Any], topology: Any) -> None:
-        interval, steps = params["interval"], params["steps"]
-        if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
-            raise ConfigError(f"{key}.interval", f"'{interval}' must be an integer >= 1")
-        if steps is not None and (
-            not isinstance(steps, list) or not all(isinstance(s, int) and s >= 0 for s in steps)
-        ):
-            raise ConfigError(f"{key}.steps", f"'{steps}' must be a list of step indices")
-        if params["verdict"] not in VERDICTS:
-            raise ConfigError(
-                f"{key}.verdict",
-                f"'{params['verdict']}' is not allowed; allowed: {', '.join(VERDICTS)}",
-            )
-        if params["compare"] not in ("exact", "tolerant"):
-            raise ConfigError(
-                f"{key}.compare", f"'{params['compare']}' is not allowed; allowed: exact, tolerant"
-            )
-        rtol = params["rtol"]
-        if rtol is not None and (not isinstance(rtol, int | float) or not 0 < rtol < 1):
-            raise ConfigError(
-                f"{key}.rtol", f"'{rtol}' must be in (0, 1), or null for the dtype's default"
-            )
+    def check_topology(cls, config: Config, topology: Any) -> None:
         if topology.nodes < 3:
             raise ConfigError(
                 "topology.nodes", f"replay needs at least 3 nodes; got {topology.nodes}"
             )
 
     @classmethod
-    def compares_bits(cls, params: dict[str, Any]) -> bool:
-        return params["compare"] == "exact"
+    def compares_bits(cls, config: Config) -> bool:
+        return config.compare == "exact"
 
     @classmethod
     def first_suspect_step(
-        cls, params: dict[str, Any], alarm_step: int, checkpointed: Callable[[int], bool]
+        cls, config: Config, alarm_step: int, checkpointed: Callable[[int], bool]
     ) -> int:
         """The step after the last audit before the alarm: the audits vouch for their steps."""
-        audits = params["steps"] or range(0, alarm_step, params["interval"])
+        audits = config.steps or range(0, alarm_step, config.interval)
         earlier = [s for s in audits if s < alarm_step]
         return max(earlier) + 1 if earlier else 0
 
-    def __init__(self, params, ctx, log):
-        super().__init__(params, ctx, log)
+    def __init__(self, config: Config, ctx: DetectorContext, log: EventLog):
+        super().__init__(config, ctx, log)
         self.data = ctx.replay_data or Regenerated(ctx)
         self.model = ctx.model
         # The dtype the products round to: autocast's under a mixed precision (the weights stay
@@ -127,8 +129,7 @@ class Replay(Detector):
         dtype = (workload and workload.autocast) or next(self.model.parameters()).dtype
         # Calibrated on clean runs with 1 and 2 threads per rank: float32 replays differ by up to
         # 2e-7 of the gradient norm, bfloat16 up to 1.1e-2 (every partial sum rounds to 8 bits).
-        self.rtol = params["rtol"] or (1e-5 if dtype == torch.float32 else derived_rtol(dtype))
-        self.audits = set(params["steps"] or [])
+        self.rtol = config.rtol or (1e-5 if dtype == torch.float32 else derived_rtol(dtype))
         self.device = torch.device(ctx.info.device)
         # This step's own loss (summed over its micro-batches, `own_count` of them), projections
         # and squared norm, on the device until the audit.
@@ -138,9 +139,9 @@ class Replay(Detector):
         self.own_sq: float | torch.Tensor = 0.0
 
     def _audited(self, step: int) -> bool:
-        if self.params["steps"] is not None:
-            return step in self.audits
-        return step % self.params["interval"] == 0
+        if self.config.steps is not None:
+            return step in self.config.steps
+        return step % self.config.interval == 0
 
     def on_loss(self, step: int, loss: torch.Tensor) -> None:
         if self._audited(step):
@@ -187,7 +188,7 @@ class Replay(Detector):
         """Two (loss, projection, norm) triples agree. Rounding differences between replicas
         move a +1/-1 projection like a random walk, about rtol * ||g||; the smaller norm sets
         the scale, so a corrupted (huge) gradient cannot widen its own tolerance."""
-        if self.params["compare"] == "exact":
+        if self.config.compare == "exact":
             return bool(torch.equal(a[:2], b[:2]))
         return agree(a.tolist(), b.tolist(), self.rtol)
 
@@ -246,7 +247,7 @@ class Replay(Detector):
                           "computations of the same micro-batches agree, not even the rank's "
                           "own two: the forward does not reproduce"))  # fmt: skip
                 continue
-            judge = self._megatron if self.params["verdict"] == "megatron" else self._majority
+            judge = self._megatron if self.config.verdict == "megatron" else self._majority
             suspects, verdict = judge(p, verifier, results)
             self.alert(step, "audit", suspects, dict(evidence, verdict=verdict))
 

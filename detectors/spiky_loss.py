@@ -13,28 +13,31 @@ for the whole run: that is its published behaviour, measured as such.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from harness.errors import ConfigError
-from harness.runtime.plugins import Detector
+from harness.core.checks import CheckConfig
+from harness.core.values import above, integer
+from harness.runtime.plugins import Detector, DetectorContext, EventLog
 
 
 class SpikyLoss(Detector):
     name = "spiky_loss"
-    defaults = {"threshold": 10.0, "samples": 100}
 
-    @classmethod
-    def check_params(cls, key: str, params: dict[str, Any], topology: Any) -> None:
-        threshold, samples = params["threshold"], params["samples"]
-        if isinstance(threshold, bool) or not isinstance(threshold, int | float) or threshold <= 1:
-            raise ConfigError(f"{key}.threshold", f"'{threshold}' must be a number > 1")
-        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
-            raise ConfigError(f"{key}.samples", f"'{samples}' must be an integer >= 1")
+    @dataclass(frozen=True)
+    class Config(CheckConfig):
+        threshold: float = 10.0  # times the largest loss sampled
+        samples: int = 100  # the first steps' losses that set the largest
 
-    def __init__(self, params, ctx, log):
-        super().__init__(params, ctx, log)
+        def __post_init__(self) -> None:
+            super().__post_init__()
+            above("threshold", self.threshold, 1)
+            integer("samples", self.samples, 1)
+
+    def __init__(self, config: Config, ctx: DetectorContext, log: EventLog):
+        super().__init__(config, ctx, log)
         # On the device, so that no loss is read back in the step: how many samples set the
         # maximum so far, and the maximum.
         self.device = torch.device(ctx.info.device)
@@ -52,8 +55,8 @@ class SpikyLoss(Detector):
     def on_loss(self, step: int, loss: torch.Tensor) -> None:
         value = loss.detach().double().abs()
         finite = torch.isfinite(value)
-        sampling = finite & (self.count < self.params["samples"])
-        limit = self.largest * self.params["threshold"]
+        sampling = finite & (self.count < self.config.samples)
+        limit = self.largest * self.config.threshold
         spike = finite & ~sampling & (value >= limit)
         self.count = self.count + sampling.long()
         self.largest = torch.where(sampling, torch.maximum(self.largest, value), self.largest)

@@ -19,13 +19,14 @@ so training is undisturbed. The suspect is the rank itself.
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from harness.errors import ConfigError
-from harness.runtime.plugins import Bucket, Detector
+from harness.core.checks import CheckConfig
+from harness.core.values import integer
+from harness.runtime.plugins import Bucket, Detector, DetectorContext, EventLog
 
 
 def xor_digest(tensor: torch.Tensor) -> int:
@@ -38,23 +39,25 @@ def xor_digest(tensor: torch.Tensor) -> int:
 
 class TitanReplay(Detector):
     name = "titan_replay"
-    defaults = {"num_steps": 1, "num_replays": 1}
 
-    @classmethod
-    def check_params(cls, key: str, params: dict[str, Any], topology: Any) -> None:
-        steps, replays = params["num_steps"], params["num_replays"]
-        if isinstance(steps, bool) or not isinstance(steps, int) or (steps < 1 and steps != -1):
-            raise ConfigError(f"{key}.num_steps", f"'{steps}' must be an integer >= 1, or -1")
-        if isinstance(replays, bool) or not isinstance(replays, int) or replays < 1:
-            raise ConfigError(f"{key}.num_replays", f"'{replays}' must be an integer >= 1")
+    @dataclass(frozen=True)
+    class Config(CheckConfig):
+        num_steps: int = 1  # the first N steps are replayed; -1: every step
+        num_replays: int = 1
 
-    def __init__(self, params, ctx, log):
-        super().__init__(params, ctx, log)
+        def __post_init__(self) -> None:
+            super().__post_init__()
+            if self.num_steps != -1:
+                integer("num_steps", self.num_steps, 1)
+            integer("num_replays", self.num_replays, 1)
+
+    def __init__(self, config: Config, ctx: DetectorContext, log: EventLog):
+        super().__init__(config, ctx, log)
         self.losses: list[float] = []
         self.grads: dict[str, int] = {}
 
     def _checked(self, step: int) -> bool:
-        return self.params["num_steps"] == -1 or step < self.params["num_steps"]
+        return self.config.num_steps == -1 or step < self.config.num_steps
 
     def on_loss(self, step: int, loss: torch.Tensor) -> None:
         if self._checked(step):
@@ -84,7 +87,7 @@ class TitanReplay(Detector):
             return
         reference = (self.losses, self.grads)
         self.losses, self.grads = [], {}
-        for _ in range(self.params["num_replays"]):
+        for _ in range(self.config.num_replays):
             replay = self._replay(step)
             if replay != reference:
                 differing = sorted(n for n in reference[1] if reference[1][n] != replay[1].get(n))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,22 +22,31 @@ import torch.distributed as dist
 from torch import nn
 
 from detectors.fingerprint import fingerprint_words
+from harness.core.checks import CheckConfig
+from harness.core.values import flag, integer
 from harness.errors import ConfigError
-from harness.runtime.plugins import Detector
+from harness.runtime.plugins import Detector, DetectorContext, EventLog
 
 
 class WeightConsensus(Detector):
     name = "weight_consensus"
-    defaults = {"interval": 10, "optimizer_state": False}
+
+    @dataclass(frozen=True)
+    class Config(CheckConfig):
+        interval: int = 10  # steps between consensus runs (also before every checkpoint)
+        optimizer_state: bool = False  # fingerprint Adam's moments with the weights
+
+        def __post_init__(self) -> None:
+            super().__post_init__()
+            integer("interval", self.interval, 1)
+            flag("optimizer_state", self.optimizer_state)
+
+        @property
+        def every(self) -> int:
+            return self.interval
 
     @classmethod
-    def check_params(cls, key: str, params: dict[str, Any], topology: Any) -> None:
-        if (
-            isinstance(params["interval"], bool)
-            or not isinstance(params["interval"], int)
-            or (params["interval"] < 1)
-        ):
-            raise ConfigError(f"{key}.interval", f"'{params['interval']}' must be an integer >= 1")
+    def check_topology(cls, config: Config, topology: Any) -> None:
         if topology.world_size < 3:
             raise ConfigError(
                 "topology", "weight_consensus needs at least 3 replicas for a majority"
@@ -44,16 +54,16 @@ class WeightConsensus(Detector):
 
     @classmethod
     def first_suspect_step(
-        cls, params: dict[str, Any], alarm_step: int, checkpointed: Callable[[int], bool]
+        cls, config: Config, alarm_step: int, checkpointed: Callable[[int], bool]
     ) -> int:
         """The step after the last consensus before the alarm: every `interval` steps and before
         every checkpoint, the replicas were seen to agree."""
-        interval = params["interval"]
+        interval = config.interval
         checked = [s for s in range(alarm_step) if (s + 1) % interval == 0 or checkpointed(s)]
         return max(checked) + 1 if checked else 0
 
-    def __init__(self, params, ctx, log):
-        super().__init__(params, ctx, log)
+    def __init__(self, config: Config, ctx: DetectorContext, log: EventLog):
+        super().__init__(config, ctx, log)
         self.optimizer: torch.optim.Optimizer | None = None
         self.checked: dict[int, bool] = {}
 
@@ -62,7 +72,7 @@ class WeightConsensus(Detector):
 
     def _tensors(self, model: nn.Module) -> list[tuple[str, torch.Tensor]]:
         named = [(n, p) for n, p in model.named_parameters()]
-        if self.params["optimizer_state"] and self.optimizer is not None:
+        if self.config.optimizer_state and self.optimizer is not None:
             names = {p: n for n, p in named}
             for p, state in self.optimizer.state.items():
                 named += [(f"{names[p]}.{k}", state[k]) for k in ("exp_avg", "exp_avg_sq")]
@@ -101,7 +111,7 @@ class WeightConsensus(Detector):
         self.alert(step, "consensus", suspects, {"tensors": differing[:8], "agree": count})
 
     def on_update(self, step: int, model: nn.Module) -> None:
-        if (step + 1) % self.params["interval"] == 0:
+        if (step + 1) % self.config.interval == 0:
             self._consensus(step, model)
 
     def approves_checkpoint(self, step: int, model: nn.Module) -> torch.Tensor:

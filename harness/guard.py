@@ -60,7 +60,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import detectors as registry
 from harness.campaign import recovery
 from harness.config.faults import fault_config
+from harness.config.load import detector_configs
 from harness.config.schema import FaultConfig, TopologyConfig
+from harness.core.checks import CheckConfig
 from harness.results.schema import PHASE_ORDER
 from harness.runtime import checkpoint, comm
 from harness.runtime.batch_exchange import ShippedBatches
@@ -298,11 +300,11 @@ def _checks(
     topology: TopologyConfig,
     replay_fn: Callable | None,
     comm_hook: tuple[Any, Callable] | None,
-) -> dict[str, dict[str, Any]]:
+) -> dict[str, CheckConfig]:
     params = dict(chosen) if isinstance(chosen, dict) else {name: {} for name in chosen}
-    for name in params:
-        if name not in registry.available():
-            raise ValueError(f"detectors: '{name}' is unknown; allowed: {registry.available()}")
+    # A campaign's validation, so that a setting fails the same way here (ConfigError, a
+    # ValueError) as under sdc-bench.
+    configs = detector_configs({n: {**p, "mode": mode} for n, p in params.items()}, topology)
     recomputing = [n for n in params if registry.detector_class(n).recomputes_batches]
     if recomputing and replay_fn is None:
         raise ValueError(
@@ -321,12 +323,7 @@ def _checks(
             f"{', '.join(h.__name__ for h in comm.LINEAR_HOOKS)}); with this hook use "
             f"{', '.join(others)}"
         )
-    return {
-        name: registry.detector_class(name).validate(
-            f"detectors.{name}", {**p, "mode": mode}, topology
-        )
-        for name, p in params.items()
-    }
+    return configs
 
 
 def _linear(comm_hook: tuple[Any, Callable]) -> bool:

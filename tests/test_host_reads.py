@@ -36,7 +36,7 @@ def world(tmp_path_factory):
 def _trial(world, name: str, mode: str, *overrides: str, fault: FaultConfig | None = None):
     fault = fault or FaultConfig()
     run = compose_run(*BASE, *overrides)
-    run = replace(run, detectors={n: dict(p, mode=mode) for n, p in run.detectors.items()})
+    run = replace(run, detectors={n: c.in_mode(mode) for n, c in run.detectors.items()})
     outcome = world.run(run, TrialSpec(name, 0, fault))
     assert outcome.crash is None, outcome.crash
     return outcome.parts
@@ -90,7 +90,7 @@ def test_what_the_checks_keep_lives_on_the_models_device_and_is_never_read_in_th
     ctx = DetectorContext(info, model, None, 4, ((0,), (1,), (2,)))
     log = EventLog(info.rank, info.node)
     checks = [
-        module.DETECTOR(module.DETECTOR.validate("d", {"mode": "act"}, run.topology), ctx, log)
+        module.DETECTOR(module.DETECTOR.configure("d", {"mode": "act"}, run.topology), ctx, log)
         for module in (nan_inf, grad_stats, allreduce_sketch, spiky_loss)
     ]
     for step in (0, 1):

@@ -39,7 +39,8 @@ from typing import Any
 from tqdm import tqdm
 
 import detectors
-from harness.config.schema import FaultConfig, RunConfig, TrialSpec, check_interval
+from harness.config.schema import FaultConfig, RunConfig, TrialSpec
+from harness.core.checks import CheckConfig
 from harness.results.schema import OVERHEAD_COLUMNS, OVERHEAD_FILE, TrialResult
 
 WARMUP_STEPS = 2  # the first steps allocate, and DDP rebuilds its buckets after step 0
@@ -58,13 +59,13 @@ class OverheadError(RuntimeError):
     """A timed run crashed: no overhead.csv is written (the campaign's trials are intact)."""
 
 
-def timed_checks(run: RunConfig) -> dict[tuple[str, int | None], dict[str, Any]]:
-    """Every (check, interval) that the campaign's trials run, with its parameters (a scenario
+def timed_checks(run: RunConfig) -> dict[tuple[str, int | None], CheckConfig]:
+    """Every (check, interval) that the campaign's trials run, with its settings (a scenario
     may set them: audit_frequency times each interval)."""
-    found: dict[tuple[str, int | None], dict[str, Any]] = {}
+    found: dict[tuple[str, int | None], CheckConfig] = {}
     for checks in [run.checks(t) for t in run.trials] or [run.detectors]:
-        for name, params in checks.items():
-            found.setdefault((name, check_interval(params)), params)
+        for name, config in checks.items():
+            found.setdefault((name, config.every), config)
     return dict(sorted(found.items(), key=lambda item: (item[0][0], item[0][1] or 0)))
 
 
@@ -86,8 +87,8 @@ def timed_runs(run: RunConfig) -> dict[Any, tuple[RunConfig, int]]:
     if any(detectors.detector_class(name).recomputes_batches for name, _ in checks):
         more = replace(base.workload, micro_batches=(1 + FLOOR_SETS) * base.workload.micro_batches)
         runs[FLOOR] = (replace(base, workload=more), 1)
-    for (name, k), params in checks.items():
-        runs[(name, k)] = (replace(base, detectors={name: params}), cycles[(name, k)])
+    for (name, k), config in checks.items():
+        runs[(name, k)] = (replace(base, detectors={name: config}), cycles[(name, k)])
     return runs
 
 

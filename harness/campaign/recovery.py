@@ -76,7 +76,7 @@ def first_suspect_step(run: RunConfig, spec: TrialSpec, detector: str, stop_step
     looked (`Detector.first_suspect_step`); consensus also runs before every checkpoint."""
     every = run.checkpoint.interval
     return detectors.detector_class(detector).first_suspect_step(
-        run.checks(spec).get(detector, {}), stop_step, lambda s: (s + 1) % every == 0
+        run.checks(spec)[detector], stop_step, lambda s: (s + 1) % every == 0
     )
 
 

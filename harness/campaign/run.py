@@ -227,9 +227,9 @@ class Campaign:
         stop (act mode, recovery): its effect is judged on the twin, so it describes the fault,
         not how early training stopped (docs/design.md, section 5)."""
         checks = self.run.checks(spec)
-        if spec.golden or spec.fault.clean or all(p["mode"] != "act" for p in checks.values()):
+        if spec.golden or spec.fault.clean or not any(c.acts for c in checks.values()):
             return None
-        observing = {name: dict(params, mode="observe") for name, params in checks.items()}
+        observing = {name: config.in_mode("observe") for name, config in checks.items()}
         return replace(spec, trial_id=f"{spec.trial_id}~observe", checks=observing)
 
     def record(

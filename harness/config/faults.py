@@ -23,7 +23,7 @@ from harness.config.schema import (
     TopologyConfig,
     WorkloadConfig,
 )
-from harness.config.values import choice, int_list, integer, known_keys
+from harness.core.values import choice, int_list, integer, known_keys
 from harness.errors import ConfigError
 from harness.results.schema import BIT_CLASSES, FLOAT_FORMATS
 from injectors import bits, sites

@@ -33,7 +33,8 @@ from harness.config.schema import (
     TrialSpec,
     WorkloadConfig,
 )
-from harness.config.values import choice, integer, known_keys, positive
+from harness.core.checks import CheckConfig
+from harness.core.values import choice, integer, known_keys, positive
 from harness.errors import ConfigError
 from harness.runtime import determinism, devices, numerics
 from harness.runtime.environment import check_cpu_kernels
@@ -261,7 +262,7 @@ def _placed(topology: TopologyConfig, launcher: str) -> TopologyConfig:
 
 def exact_replay(
     topology: TopologyConfig,
-    checks: dict[str, dict[str, Any]],
+    checks: dict[str, CheckConfig],
     trials: list[TrialSpec],
     env: Mapping[str, str] = os.environ,
 ) -> TopologyConfig:
@@ -270,9 +271,9 @@ def exact_replay(
     it (a ConfigError if not)."""
     each = [checks] + [t.checks for t in trials if t.checks is not None]
     exact = any(
-        detectors.detector_class(name).compares_bits(params)
+        detectors.detector_class(name).compares_bits(config)
         for c in each
-        for name, params in c.items()
+        for name, config in c.items()
     )
     if exact and topology.device == "cuda":
         determinism.settings(env, topology.backend)
@@ -302,20 +303,20 @@ def recovery_config(raw: dict[str, Any]) -> RecoveryConfig:
 
 def detector_configs(
     raw: dict[str, Any] | None, topology: TopologyConfig
-) -> dict[str, dict[str, Any]]:
+) -> dict[str, CheckConfig]:
     raw = raw or {}
     allowed = detectors.available()
     out = {}
     for name, params in raw.items():
         choice("detectors", name, allowed)
-        params = dict(params or {})
-        out[name] = detectors.detector_class(name).validate(f"detectors.{name}", params, topology)
+        check = detectors.detector_class(name)
+        out[name] = check.configure(f"detectors.{name}", dict(params or {}), topology)
     return out
 
 
 def scenario_checks(
-    key: str, raw: Any, base: dict[str, dict[str, Any]], topology: TopologyConfig
-) -> dict[str, dict[str, Any]] | None:
+    key: str, raw: Any, base: dict[str, CheckConfig], topology: TopologyConfig
+) -> dict[str, CheckConfig] | None:
     """A scenario's `checks: {NAME: {param: value}}` sets parameters of the run's own checks for
     its trials (audit_frequency grids the audit interval this way, so one run compares them)."""
     if raw is None:
@@ -331,8 +332,8 @@ def scenario_checks(
             )
         if not isinstance(params, dict):
             raise ConfigError(f"{key}.{name}", f"'{params}' must be a mapping {{param: value}}")
-        merged = {**base[name], **params}
-        checks[name] = detectors.detector_class(name).validate(f"{key}.{name}", merged, topology)
+        merged = {**base[name].params(), **params}
+        checks[name] = detectors.detector_class(name).configure(f"{key}.{name}", merged, topology)
     return checks
 
 
@@ -362,7 +363,7 @@ def run_config(raw: dict[str, Any]) -> RunConfig:
         if not checks:
             raise ConfigError("recovery.enabled", "recovery acts on alerts: choose detectors")
         # Recovery acts on alerts: every check stops the step that it alarms on.
-        checks = {name: dict(params, mode="act") for name, params in checks.items()}
+        checks = {name: config.in_mode("act") for name, config in checks.items()}
     seeds = integer("campaign.seeds", campaign.get("seeds"), 1)
     noise_seeds = integer("campaign.noise_seeds", campaign.get("noise_seeds"), 2)
     fast_forward = campaign.get("fast_forward", True)

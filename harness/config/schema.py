@@ -9,6 +9,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from harness.core.checks import CheckConfig
+
 SITES_WITH_SCOPE = {"allreduce": ("rank", "reduction")}
 SCOPES = ("rank", "reduction")
 PERSISTENCE = ("transient", "intermittent", "permanent")
@@ -242,7 +244,7 @@ class TrialSpec:
     # Golden runs only: the steps after which to save a fast-forward snapshot.
     snapshots: tuple[int, ...] = ()
     # The checks with this trial's parameters, when its scenario changes them (None: the run's).
-    checks: dict[str, dict[str, Any]] | None = None
+    checks: dict[str, CheckConfig] | None = None
     # False: plain DDP without the harness's comm hook (overhead's outermost reference).
     hook: bool = True
 
@@ -266,7 +268,7 @@ class RunConfig:
     campaign: str
     workload: WorkloadConfig
     topology: TopologyConfig
-    detectors: dict[str, dict[str, Any]]
+    detectors: dict[str, CheckConfig]
     checkpoint: CheckpointConfig
     seeds: int
     noise_seeds: int
@@ -282,14 +284,6 @@ class RunConfig:
         """The golden runs whose spread is the harm threshold: a fixed set, not the trial seeds."""
         return range(self.workload.seed, self.workload.seed + self.noise_seeds)
 
-    def checks(self, spec: TrialSpec) -> dict[str, dict[str, Any]]:
+    def checks(self, spec: TrialSpec) -> dict[str, CheckConfig]:
         """The checks of one trial: the run's, with its scenario's parameters."""
         return self.detectors if spec.checks is None else spec.checks
-
-
-def check_interval(params: dict[str, Any]) -> int | None:
-    """A check's interval in steps, or None for one without (every step, or explicit steps)."""
-    if params.get("steps") is not None:
-        return None
-    value = params.get("interval")
-    return value if isinstance(value, int) and not isinstance(value, bool) else None

@@ -11,7 +11,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from harness.config.schema import FaultConfig, RunConfig, TrialSpec, check_interval
+from harness.config.schema import FaultConfig, RunConfig, TrialSpec
 from harness.results.schema import PHASE_ORDER, RankResult
 
 # Faults that enter the gradient of their own step: containing them means alerting before
@@ -176,8 +176,8 @@ def trial_row(
         # The audit interval of each periodic check in this trial (a scenario may set them).
         "check_intervals": _join(
             f"{name}={every}"
-            for name, params in run.checks(spec).items()
-            if (every := check_interval(params)) is not None
+            for name, config in run.checks(spec).items()
+            if (every := config.every) is not None
         ),
         # What a check could not judge (replay: "not deterministic"), never counted as alerts.
         "warnings": _join(

@@ -12,12 +12,12 @@ import fnmatch
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from harness.errors import ConfigError
+from harness.core.checks import CheckConfig
 from harness.results.schema import PHASE_ORDER
 from harness.runtime.verdicts import Pending, Verdicts
 
@@ -154,7 +154,8 @@ class Detector(Plugin):
     """
 
     name = "detector"
-    defaults: dict[str, Any] = {}
+    # Its settings' type: a frozen dataclass validated when made (harness/core/checks.py).
+    Config: ClassVar[type[CheckConfig]] = CheckConfig
     # A trial fast-forwards from its golden run's snapshot just before the fault's first step,
     # handing each check the state it held there (`state_dict`). A check whose verdicts depend
     # on earlier steps in a way it cannot hand over sets this False: trials then run from 0.
@@ -166,41 +167,38 @@ class Detector(Plugin):
     # Verifies the reduction's sum itself, which only a linear comm hook leaves checkable.
     verifies_reduction = False
 
-    def __init__(self, params: dict[str, Any], ctx: DetectorContext, log: EventLog):
-        self.params = params
+    def __init__(self, config: CheckConfig, ctx: DetectorContext, log: EventLog):
+        self.config = config
         self.ctx = ctx
         self.info = ctx.info
         self._log = log
+        # Set by an alert in act mode; `reduction_only` while every such alert was on the
+        # received sum alone, which a retry of the reduction may clear.
         self.stop_requested = False
+        self.reduction_only = True
 
     @classmethod
-    def validate(cls, key: str, params: dict[str, Any], topology: Any) -> dict[str, Any]:
-        """`params` completed with the defaults; a ConfigError names any bad key."""
-        allowed = {"mode": "observe", **cls.defaults}
-        for name in params:
-            if name not in allowed:
-                raise ConfigError(f"{key}.{name}", f"unknown key; allowed: {', '.join(allowed)}")
-        merged = {**allowed, **params}
-        if merged["mode"] not in ("observe", "act"):
-            raise ConfigError(
-                f"{key}.mode", f"'{merged['mode']}' is not allowed; allowed: observe, act"
-            )
-        cls.check_params(key, merged, topology)
-        return merged
+    def configure(cls, key: str, params: dict[str, Any], topology: Any) -> CheckConfig:
+        """The check's settings from `params` (defaults for the rest); a ConfigError names any
+        bad key. `topology` is None where no world is planned (the benchmarks)."""
+        config = cls.Config.parse(key, params)
+        if topology is not None:
+            cls.check_topology(config, topology)
+        return config
 
     @classmethod
-    def check_params(cls, key: str, params: dict[str, Any], topology: Any) -> None:
-        """A check's own rules for its parameters (raise ConfigError)."""
+    def check_topology(cls, config: CheckConfig, topology: Any) -> None:
+        """What the check needs of the world (raise ConfigError)."""
 
     @classmethod
-    def compares_bits(cls, params: dict[str, Any]) -> bool:
+    def compares_bits(cls, config: CheckConfig) -> bool:
         """Whether it compares recomputations bit for bit: on cuda the ranks then fix what that
         needs (harness/runtime/determinism.py)."""
         return False
 
     @classmethod
     def first_suspect_step(
-        cls, params: dict[str, Any], alarm_step: int, checkpointed: Callable[[int], bool]
+        cls, config: CheckConfig, alarm_step: int, checkpointed: Callable[[int], bool]
     ) -> int:
         """The earliest step a fault it alarms on at `alarm_step` could have entered: a check that
         looks every step vouches for every earlier one; one that looks every k steps only for
@@ -231,18 +229,15 @@ class Detector(Plugin):
         `explain(detail as floats)` runs if `flag` holds and raises the alerts (at `phase`).
         `alarm=False`: a record that never stops the step (a measurement to log)."""
         assert phase in PHASE_ORDER, phase
-        acting = alarm and self.params.get("mode") == "act"
+        acting = alarm and self.config.acts
         stops = ("post" if phase == "post_allreduce" else "pre") if acting else None
         self._log.verdicts.pending.append(Pending(flag, explain, detail, stops, time.time()))
 
     def alert(self, step: int, phase: str, suspect_ranks: Iterable[int], evidence: Any) -> None:
         assert phase in PHASE_ORDER, phase
-        if self.params.get("mode") == "act":
+        if self.config.acts:
             self.stop_requested = True
-            # Only alarms on the received sum: a retry of the reduction may clear them.
-            self.reduction_only = (
-                getattr(self, "reduction_only", True) and phase == "post_allreduce"
-            )
+            self.reduction_only = self.reduction_only and phase == "post_allreduce"
         ranks = sorted(set(suspect_ranks))
         nodes = sorted({r // self.info.ranks_per_node for r in ranks})
         self._log.emit(
@@ -272,6 +267,7 @@ class PluginBus:
         device: str | torch.device = "cpu",
     ):
         self.plugins = plugins
+        self.checks = [p for p in plugins if isinstance(p, Detector)]
         self.verdicts = verdicts if verdicts is not None else Verdicts()
         self.device = torch.device(device)
 
@@ -284,7 +280,7 @@ class PluginBus:
         """[some check stops on evidence before the collective, every stopping check alarmed
         on the received sum alone], as floats on the device, unread: pending verdicts and the
         alerts already raised together."""
-        stoppers = [p for p in self.plugins if getattr(p, "stop_requested", False)]
+        stoppers = [p for p in self.checks if p.stop_requested]
         raised = torch.tensor(
             [any(not p.reduction_only for p in stoppers), any(p.reduction_only for p in stoppers)],
             device=self.device,
@@ -380,13 +376,11 @@ class PluginBus:
         return approved
 
     def stopper(self) -> Detector | None:
-        return next((p for p in self.plugins if getattr(p, "stop_requested", False)), None)
+        return next((p for p in self.checks if p.stop_requested), None)
 
     def clear_stops(self) -> None:
-        for plugin in self.plugins:
-            if getattr(plugin, "stop_requested", False):
-                plugin.stop_requested = False
-                del plugin.reduction_only
+        for check in self.checks:
+            check.stop_requested, check.reduction_only = False, True
 
 
 def matches(name: str, pattern: str) -> bool:

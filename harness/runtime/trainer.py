@@ -127,10 +127,10 @@ def _trained(
     # snapshots hand their state to fast-forwarded trials.
     checks = run.checks(spec)
     if spec.golden:
-        checks = {name: dict(params, mode="observe") for name, params in checks.items()}
+        checks = {name: config.in_mode("observe") for name, config in checks.items()}
     ctx = DetectorContext(info, model, workload, cfg.steps, plan)
     built = detectors.build(checks, ctx, log)
-    acting = any(p.get("mode") == "act" for p in checks.values())
+    acting = any(config.acts for config in checks.values())
     bus = PluginBus(plugins + built, log.verdicts, device)
 
     optimizer = workload.build_optimizer(model)

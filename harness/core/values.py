@@ -50,3 +50,23 @@ def known_keys(prefix: str, raw: dict[str, Any], known: list[str]) -> None:
     for key in raw:
         if key not in known:
             raise ConfigError(f"{prefix}{key}", f"unknown key; allowed: {', '.join(known)}")
+
+
+def flag(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(key, f"'{value}' is not allowed; allowed: true, false")
+    return value
+
+
+def fraction(key: str, value: Any, what: str = "") -> float:
+    """A number strictly between 0 and 1 (a relative tolerance, a share)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1:
+        raise ConfigError(key, f"'{value}' must be in (0, 1){what}")
+    return float(value)
+
+
+def above(key: str, value: Any, low: float) -> float:
+    """A number strictly greater than `low` (a threshold, a ratio)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > low:
+        raise ConfigError(key, f"'{value}' must be a number > {low:g}")
+    return float(value)
