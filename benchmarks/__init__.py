@@ -1,6 +1,7 @@
-"""Performance benchmarks (issue 7): every check against what reading its data once costs.
+"""Performance benchmarks: every check against what reading its data once costs.
 
-`python -m benchmarks` runs them all and prints each figure next to its target; see README.md.
+`python -m benchmarks` runs them all and prints each figure next to its target; see
+docs/performance.md.
 Each figure is a ratio measured within one run, with the two sides interleaved, because the
 machines these run on are shared and their load changes from second to second.
 """

@@ -1,5 +1,5 @@
 """sdc-bench's harness, in sub-packages that follow a campaign's data flow (docs/design.md,
-section 3; the house tour in README.md):
+section 3; the house tour in docs/contributing.md):
 
     config -> campaign -> launch -> runtime (inside each rank) -> results -> analysis
 

@@ -1,4 +1,4 @@
-"""A bring-your-own-model example that the tests and the README use: a small convolutional net
+"""A bring-your-own-model example that the tests and docs/models.md use: a small convolutional net
 on synthetic 28x28 "digits", written as a user would write their own (`workload=custom`)."""
 
 from __future__ import annotations

@@ -63,12 +63,13 @@ from harness.config.faults import fault_config
 from harness.config.load import detector_configs
 from harness.config.schema import FaultConfig, TopologyConfig
 from harness.core.checks import CheckConfig
+from harness.core.values import choice
 from harness.results.schema import PHASE_ORDER
 from harness.runtime import checkpoint, comm
+from harness.runtime.assembly import assemble
 from harness.runtime.batch_exchange import ShippedBatches
-from harness.runtime.plugins import DetectorContext, EventLog, PluginBus, RankInfo
+from harness.runtime.plugins import DetectorContext, EventLog, RankInfo
 from harness.runtime.workloads import WorkloadConfig
-from injectors import injector
 
 EXIT_SUSPECT_HARDWARE = 86
 EXIT_UNATTRIBUTED = 87
@@ -147,18 +148,14 @@ class Guard:
         self.shipped = ShippedBatches(replay_fn, rank, device) if recomputing else None
         ctx = DetectorContext(self.info, self.model, None, 0, tuple((r,) for r in range(world)),
                               replay_data=self.shipped)  # fmt: skip
-        plugins = []
-        if inject is not None:
-            fault = _fault(inject, self.model, topology)
-            plugins += injector.build(fault, seed, self.info, self.log, self.model, None, None)
-        plugins += registry.build(self.checks, ctx, self.log)
-        self.bus = PluginBus(plugins, self.log.verdicts, self.info.device)
-        self.state = comm.HookState(self.bus, self.model, world, transparent=True, inner=comm_hook)
+        fault = None if inject is None else _fault(inject, self.model, topology)
+        rank = assemble(self.model, ctx, self.log, self.checks, fault, seed,
+                        transparent=True, inner=comm_hook)  # fmt: skip
+        self.bus, self.state = rank.bus, rank.state
         self.state.step = start_step
         self._loss_step = -1
         self._seen = 0  # events already considered for an alarm
         ddp.register_comm_hook(self.state, comm.comm_hook)
-        self.bus.install_forward_hooks(self.model, lambda: self.state.step)
 
     @property
     def step(self) -> int:
@@ -302,9 +299,8 @@ def _checks(
     comm_hook: tuple[Any, Callable] | None,
 ) -> dict[str, CheckConfig]:
     params = dict(chosen) if isinstance(chosen, dict) else {name: {} for name in chosen}
-    # A campaign's validation, so that a setting fails the same way here (ConfigError, a
-    # ValueError) as under sdc-bench.
-    configs = detector_configs({n: {**p, "mode": mode} for n, p in params.items()}, topology)
+    for name in params:
+        choice("detectors", name, registry.available())
     recomputing = [n for n in params if registry.detector_class(n).recomputes_batches]
     if recomputing and replay_fn is None:
         raise ValueError(
@@ -323,7 +319,9 @@ def _checks(
             f"{', '.join(h.__name__ for h in comm.LINEAR_HOOKS)}); with this hook use "
             f"{', '.join(others)}"
         )
-    return configs
+    # A campaign's validation, so that a setting fails the same way here (ConfigError, a
+    # ValueError) as under sdc-bench.
+    return detector_configs({n: {**p, "mode": mode} for n, p in params.items()}, topology)
 
 
 def _linear(comm_hook: tuple[Any, Callable]) -> bool:

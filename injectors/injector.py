@@ -381,8 +381,8 @@ def build(
     info: RankInfo,
     log: EventLog,
     model: nn.Module,
-    hardware: tuple[int, ...],
-    data: tuple[tuple[int, ...], ...],
+    hardware: tuple[int, ...] | None,
+    data: tuple[tuple[int, ...], ...] | None,
 ) -> list[Plugin]:
     if fault.clean:
         return []

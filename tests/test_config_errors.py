@@ -47,7 +47,11 @@ CASES = [
         "fc1.weight",
     ),
     (["fault=grad_bitflip", "fault.steps=[x:y]"], "fault.steps[0]", "not a range"),
-    (["detectors=[replay]", "detectors.replay.interval=0"], "detectors.replay.interval", "allowed: 1..inf"),
+    (
+        ["detectors=[replay]", "detectors.replay.interval=0"],
+        "detectors.replay.interval",
+        "allowed: 1..inf",
+    ),
     (
         ["detectors=[weight_consensus]", "detectors.weight_consensus.interval=-2"],
         "detectors.weight_consensus.interval",

@@ -24,15 +24,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import detectors
 from harness.config.schema import RunConfig, TrialSpec
 from harness.results.schema import RankResult
 from harness.runtime import checkpoint, devices, numerics, snapshots
+from harness.runtime.assembly import assemble
 from harness.runtime.comm import HookState, harness_ddp, retry_reduction
 from harness.runtime.locate import faulty_node_ranks
 from harness.runtime.plugins import DetectorContext, EventLog, PluginBus, RankInfo
 from harness.runtime.workloads import Workload
-from injectors import injector
 
 
 def weights_digest(model: nn.Module) -> str:
@@ -122,16 +121,15 @@ def _trained(
     log = EventLog(info.rank, info.node)
     plan = data_plan(spec, info)
     hardware = spec.segment.hardware if spec.segment else tuple(range(info.world_size))
-    plugins = injector.build(spec.fault, spec.seed, info, log, model, hardware, plan)
     # docs/design.md section 5: the golden run carries the same checks, observing only; its
     # snapshots hand their state to fast-forwarded trials.
     checks = run.checks(spec)
     if spec.golden:
         checks = {name: config.in_mode("observe") for name, config in checks.items()}
     ctx = DetectorContext(info, model, workload, cfg.steps, plan)
-    built = detectors.build(checks, ctx, log)
+    rank = assemble(model, ctx, log, checks, spec.fault, spec.seed, hardware)
+    bus, built, state = rank.bus, rank.checks, rank.state
     acting = any(config.acts for config in checks.values())
-    bus = PluginBus(plugins + built, log.verdicts, device)
 
     optimizer = workload.build_optimizer(model)
     first = 0
@@ -142,10 +140,8 @@ def _trained(
             model.load_state_dict(state_dict["model"])
             optimizer.load_state_dict(state_dict["optimizer"])
             snapshots.load_checks(Path(spec.segment.checkpoint), built, info)
-    state = HookState(bus, model, info.world_size)
     state.keep = run.recovery.enabled and acting and spec.hook
     ddp = harness_ddp(model, state) if spec.hook else DDP(model)
-    bus.install_forward_hooks(model, lambda: state.step)
     result = RankResult(spec.trial_id, info.rank, log.events)
     batches = ctx.batches(info.rank)
 

@@ -1,0 +1,56 @@
+"""One rank's plug-ins, assembled: the injector for its fault, its checks, the bus that calls
+them in the step's order, the comm hook's state that feeds the bus each bucket, and the forward
+hooks on the model. A campaign's trainer and the guard in a user's loop both assemble a rank
+here, so a check sees the same hooks, in the same order, wherever it runs.
+
+The caller owns DDP: the trainer wraps the model with the harness's fixed reduction layout
+(harness/runtime/comm.py, `harness_ddp`), the guard registers `comm.comm_hook` with this state on
+the user's own DDP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+import detectors
+from harness.config.schema import FaultConfig
+from harness.core.checks import CheckConfig
+from harness.runtime.comm import HookState
+from harness.runtime.plugins import Detector, DetectorContext, EventLog, PluginBus
+from injectors import injector
+
+
+@dataclass
+class RankPlugins:
+    checks: list[Detector]
+    bus: PluginBus
+    state: HookState
+
+
+def assemble(
+    model: nn.Module,
+    ctx: DetectorContext,
+    log: EventLog,
+    checks: dict[str, CheckConfig],
+    fault: FaultConfig | None = None,
+    seed: int = 0,
+    hardware: tuple[int, ...] | None = None,
+    transparent: bool = False,
+    inner: tuple[Any, Callable] | None = None,
+) -> RankPlugins:
+    """`fault` (None: none) strikes as planned for `seed` on the world ranks `hardware` (None:
+    a user's loop, where no fault may name a spare); `transparent` and `inner` go to the comm
+    hook (the guard: the user's reduction stays the user's)."""
+    info = ctx.info
+    plugins = [] if fault is None else injector.build(
+        fault, seed, info, log, model, hardware, ctx.data
+    )  # fmt: skip
+    built = detectors.build(checks, ctx, log)
+    bus = PluginBus(plugins + built, log.verdicts, info.device)
+    state = HookState(bus, model, info.world_size, transparent=transparent, inner=inner)
+    bus.install_forward_hooks(model, lambda: state.step)
+    return RankPlugins(built, bus, state)
