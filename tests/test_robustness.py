@@ -8,6 +8,7 @@ import os
 import resource
 import signal
 import subprocess
+import sys
 import threading
 import time
 from datetime import UTC, datetime
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from harness.campaign.run import SpawnExecutor
-from harness.launch.world import CRASH_ONCE_ENV, SILENCE_GRACE_S, World
+from harness.launch.world import SILENCE_GRACE_S, World
 from tests.conftest import BIN, compose_run, rows, sdc_bench, without_timing
 
 SMALL = ["workload.steps=8", "campaign.noise_seeds=2", "topology.collective_timeout_s=5"]
@@ -60,6 +61,27 @@ def _scenarios(*items: str) -> str:
     return "campaign.scenarios=[" + ",".join("{" + s + "}" for s in items) + "]"
 
 
+# sdc-bench in a world that loses rank 0 to SIGKILL the first time golden-s1 runs in it, as a
+# world whose node dies under a golden run would.
+KILL_UNDER_GOLDEN_ONCE = """
+import sys
+from harness import cli
+from harness.launch.world import World
+
+run, killed = World.run, []
+
+def run_losing_rank_0_once(world, config, spec):
+    if spec.trial_id == "golden-s1" and not killed:
+        killed.append(spec.trial_id)
+        world.procs[0].kill()
+    return run(world, config, spec)
+
+World.run = run_losing_rank_0_once
+sys.argv = ["sdc-bench", *sys.argv[1:]]
+cli.main()
+"""
+
+
 def test_crashing_ranks_cost_one_trial_each_and_a_golden_run_lost_to_the_world_is_retried(
     tmp_path,
 ):
@@ -70,18 +92,11 @@ def test_crashing_ranks_cost_one_trial_each_and_a_golden_run_lost_to_the_world_i
     scenarios.append("site:grad,model:value,value:nan,ranks:[1],steps:[3]")
     watcher = PidWatcher(out)
     watcher.start()
-    proc = sdc_bench(
-        *SMALL,
-        "campaign.seeds=1",
-        _scenarios(*scenarios),
-        f"out={out}",
-        cwd=tmp_path,
-        timeout=400,
-        env={
-            **os.environ,
-            CRASH_ONCE_ENV: "golden-s1",
-        },  # the harness kills a rank under this golden run once
-    )
+    proc = subprocess.run(
+        [sys.executable, "-c", KILL_UNDER_GOLDEN_ONCE, *SMALL, "campaign.seeds=1",
+         _scenarios(*scenarios), f"out={out}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=400,
+    )  # fmt: skip
     watcher.done.set()
     assert proc.returncode == 0, proc.stderr[-3000:]
     table = rows(out)

@@ -48,11 +48,6 @@ SILENCE_GRACE_S = 10.0
 _MIN_CPU_SHARE = 0.02
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
-# Test-only (tests/test_robustness.py): the trial id named here loses rank 0 to SIGKILL the
-# first time it runs in this process, as a world that fails under a golden run would.
-CRASH_ONCE_ENV = "SDC_BENCH_TEST_CRASH_ONCE"
-_crashed_once: set[str] = set()
-
 
 class WorldStartError(RuntimeError):
     """The world's ranks did not all join it: the cause, and the stacks of those that hung."""
@@ -334,9 +329,6 @@ class World:
     def run(self, run: RunConfig, spec: TrialSpec) -> TrialResult:
         for q in self.tasks:
             q.put((run, spec))
-        if spec.trial_id == os.environ.get(CRASH_ONCE_ENV) and spec.trial_id not in _crashed_once:
-            _crashed_once.add(spec.trial_id)
-            self.procs[0].kill()
         parts: dict[int, RankResult] = {}
         errors: dict[int, str] = {}
         started = time.monotonic()
