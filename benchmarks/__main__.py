@@ -1,4 +1,4 @@
-"""`python -m benchmarks`: run every benchmark of issue 7 and print each figure next to its target.
+"""`python -m benchmarks`: run every benchmark and print each figure next to its target.
 
     .venv/bin/python -m benchmarks                      # all, into results/runs/bench-<time>
     .venv/bin/python -m benchmarks --out DIR --only kernels,overhead

@@ -1,4 +1,4 @@
-"""The GPU check (issue 15): the code that ships, timed on a GPU, in one table.
+"""The GPU check: the code that ships, timed on a GPU, in one table.
 
     python -m benchmarks.gpu_check --out results/runs/gpu-check              # a GPU machine
     python -m benchmarks.gpu_check --device cpu --quick --out /tmp/gc        # the same, on a CPU

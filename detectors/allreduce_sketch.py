@@ -6,7 +6,7 @@ projections. Each rank projects its local bucket (already divided by the world s
 collective and the harness sums the result with the bucket (its rider region,
 harness/runtime/comm.py). After the collective every rank projects what it received and compares.
 
-Why a faulty reduction cannot forge this in step with the data (issue 14):
+Why a faulty reduction cannot forge this in step with the data:
 - Per-rank slots. Rank r writes its projection and a tag (step + 1) into slots that only it
   fills; every other rank sends zeros there, so the sum of the region is a gather (adding zeros
   is exact), not a sum. A contribution that is missing (drop), counted twice (duplicate) or

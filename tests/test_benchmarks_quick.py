@@ -1,4 +1,4 @@
-"""Every benchmark of issue 7 runs once at tiny sizes, so none can rot unnoticed.
+"""Every benchmark runs once at tiny sizes, so none can rot unnoticed.
 
 Only that they run and produce sane numbers (positive, finite, the contract's overhead.csv
 columns): their targets are checked by `python -m benchmarks` alone, since a shared CPU is

@@ -18,7 +18,7 @@ from harness.runtime import checkpoint
 from tests.conftest import compose_run, rows, sdc_bench, without_timing
 
 CAMPAIGNS = sorted(p.stem for p in Path(CONFIG_DIR, "campaign").glob("*.yaml"))
-# The peers' methods (issue 14) run in `peers` (and megatron_hash in `blind_spots`); the other
+# The peers' methods run in `peers` (and megatron_hash in `blind_spots`); the other
 # standard campaigns run every detector of ours.
 PEERS = {"megatron_hash", "titan_replay", "spiky_loss"}
 EVERY_DETECTOR = set(detectors.available()) - PEERS
@@ -132,7 +132,7 @@ def test_nightly_is_a_fixed_mix_against_every_detector():
     run = compose_run("campaign=nightly")
     assert set(run.detectors) == EVERY_DETECTOR
     assert any(f.clean for f in run.scenarios)
-    # Every site but matmul (issue 14), which joins the nightly with its next baseline: the mix
+    # Every site but matmul, which joins the nightly with its next baseline: the mix
     # changes only together with results/baseline.
     assert {f.site for f in run.scenarios if not f.clean} == set(injectors.SITES) - {"matmul"}
     # From 4 seeds on, n/n and 0/n have disjoint Wilson intervals: a lost catch shows.

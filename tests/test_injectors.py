@@ -450,7 +450,7 @@ def test_a_bad_burst_exits_2_with_one_line(tmp_path):
 
 
 def test_each_new_fault_is_caught_in_its_step_naming_the_right_rank(new_models):
-    """Acceptance (issue 14): each is caught by one of our checks in the step it can first be
+    """Each is caught by one of our checks in the step it can first be
     seen: a weight swap and a gradient burst name the rank; a reduction fault is flagged on
     every rank, which (the tags being per rank) also name the contribution that was wrong."""
     table, _, alerts = new_models

@@ -1,4 +1,4 @@
-"""The peers' methods as detectors (issue 14), on one small 4-rank campaign: each behaves as
+"""The peers' methods as detectors, on one small 4-rank campaign: each behaves as
 published, side by side with ours on identical faults."""
 
 from __future__ import annotations

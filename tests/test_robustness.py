@@ -348,7 +348,7 @@ def test_soak_200_trials_of_faults_crashes_and_hangs_end_with_200_rows(tmp_path)
 @pytest.mark.slow
 @pytest.mark.timeout(5400)  # about 20 minutes on an idle 2-core machine
 def test_soak_30_default_campaigns_each_in_a_fresh_world_start_and_finish(tmp_path):
-    """The first-run hang of issue 17: start-up, again and again, with nothing reused."""
+    """A first-run hang: start-up, again and again, with nothing reused."""
     for i in range(30):
         out = tmp_path / f"run{i}"
         proc = sdc_bench(f"out={out}", cwd=tmp_path, timeout=600)

@@ -99,7 +99,7 @@ def _rank_main(
     try:
         # A store, not a file:// URL: in a URL a relative path (the default out is) reads as a
         # host, file://results/runs/... as the file /runs/... on host "results", and every rank
-        # waited for that folder to appear (the first-run hang of issue 17).
+        # waited for that folder to appear: a campaign's first run hung.
         rendezvous = dist.FileStore(init_file, topology.world_size)
         dist.init_process_group(
             topology.backend,

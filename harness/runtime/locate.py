@@ -1,5 +1,5 @@
 """Which node breaks the reduction: sub-group reductions of a step's kept contributions
-(issue 14; docs/design.md, section 9).
+(docs/design.md, section 9).
 
 A wrong reduction names no node: every rank receives the same wrong sum and every rank's check
 alarms on it. When the step's reduction, re-run from the local contributions kept before the

@@ -65,7 +65,7 @@ def _stop_point(
     every rank alarmed on the received sum alone, the reduction itself was wrong and names no
     node; it is re-run once from the kept local gradients (no rollback, no quarantine). If the
     repeat alarms too, sub-group reductions locate the node that breaks it
-    (harness/runtime/locate.py) before the step stops (issue 14)."""
+    (harness/runtime/locate.py) before the step stops."""
     if not acting:
         return bus.resolve(extra)
     flags = bus.stop_flags()
