@@ -8,7 +8,7 @@ import math
 import re
 from pathlib import Path
 
-from harness.analysis import report, tables
+from harness.analysis import intervals, report, tables
 from harness.campaign import overhead
 from harness.results import schema
 
@@ -117,12 +117,12 @@ def test_catch_rate_against_audit_interval_counts_each_checks_own_alerts(tmp_pat
     10; replay catches the audited step's faults at intervals 1 and 5 (10 is a multiple of
     both) and none at 20."""
     df = tables.load_trials([Path(__file__).resolve().parent / "fixtures" / "sweep"])
-    outcomes = tables.interval_outcomes(df)
+    outcomes = intervals.interval_outcomes(df)
     per_interval = outcomes.groupby("interval")["caught"].agg(["sum", "size"])
     fired = int(df["fired"].sum())
     assert per_interval["size"].sum() == fired
     assert per_interval.loc[20, "sum"] == 0 < per_interval.loc[5, "sum"]
     assert set(outcomes.loc[outcomes["caught"], "ttd_steps"]) == {0}
-    rows = tables.audit_intervals(df)
+    rows = intervals.audit_intervals(df)
     assert {(r["check"], r["interval"]) for r in rows} == {("replay", k) for k in (1, 5, 20)}
     assert "## Catch rate against audit interval" in report.write_report(df, tmp_path).read_text()

@@ -28,7 +28,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.analysis.tables import Counts, ReportError, load_overhead, load_trials, pairs, wilson
+from harness.analysis.intervals import pairs
+from harness.analysis.tables import Counts, ReportError, load_overhead, load_trials, wilson
 
 PLAN_FILE = "plan.md"
 FIGURE_FILE = "plan.png"

@@ -17,10 +17,10 @@ import pandas as pd
 from markdown_it import MarkdownIt
 
 from harness.analysis import figures
+from harness.analysis.intervals import audit_intervals
 from harness.analysis.tables import (
     ESCAPE_CELL,
     ReportError,
-    audit_intervals,
     catch_rates,
     cells,
     detection_times,

@@ -7,32 +7,24 @@ Ranks only ever receive the dataclasses below, never an OmegaConf object.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import os
 from collections.abc import Mapping
 from dataclasses import fields, replace
 from typing import Any
 
-import torch
-
 import detectors
 from harness.config.faults import check_target, expand_scenarios, fault_config, unused_fault
 from harness.config.schema import (
     BACKENDS,
-    CUSTOM_TARGETS,
     LAUNCHERS,
-    LR_SCHEDULES,
-    PRECISIONS,
-    WORKLOADS,
     CheckpointConfig,
     OverheadConfig,
     RecoveryConfig,
     RunConfig,
     TopologyConfig,
     TrialSpec,
-    WorkloadConfig,
 )
+from harness.config.workload import workload_config
 from harness.core.checks import CheckConfig
 from harness.core.values import choice, integer, known_keys, positive
 from harness.errors import ConfigError
@@ -44,171 +36,6 @@ TOP_KEYS = [
     "workload", "topology", "fault", "detectors", "campaign", "out", "launcher", "recovery",
     "checkpoint",
 ]  # fmt: skip
-
-
-def workload_config(raw: dict[str, Any]) -> WorkloadConfig:
-    known_keys("workload.", raw, [f.name for f in fields(WorkloadConfig)])
-    choice("workload.name", raw.get("name"), WORKLOADS)
-    choice("workload.dtype", raw.get("dtype"), tuple(DTYPES))
-    integer("workload.steps", raw.get("steps"), 1)
-    integer("workload.seed", raw.get("seed"), 0)
-    integer("workload.micro_batches", raw.get("micro_batches"), 1)
-    integer("workload.micro_batch_size", raw.get("micro_batch_size"), 1)
-    positive("workload.lr", raw.get("lr"))
-    if raw["name"] == "custom":
-        _custom_targets(raw)
-    if raw["name"] == "llama" and importlib.util.find_spec("transformers") is None:
-        raise ConfigError(
-            "workload", "'llama' is built by transformers, which is not installed: "
-            "pip install -e '.[hf]' (scripts/setup.sh does)"
-        )  # fmt: skip
-    raw = _recipe(raw)
-    cfg = WorkloadConfig(**raw)
-    if cfg.name == "custom":
-        _deterministic_data(cfg)
-        _dry_step(cfg)
-    if cfg.name in ("gpt", "llama") and cfg.d_model % cfg.heads:
-        raise ConfigError("workload.heads", f"{cfg.heads} must divide d_model={cfg.d_model}")
-    if cfg.name == "llama" and cfg.heads % (cfg.kv_heads or cfg.heads):
-        raise ConfigError("workload.kv_heads", f"{cfg.kv_heads} must divide heads={cfg.heads}")
-    return cfg
-
-
-def _recipe(raw: dict[str, Any]) -> dict[str, Any]:
-    """The training recipe's keys checked, and `precision` and `dtype` made one: a precision
-    sets the weights' dtype (a mixed one keeps float32 weights); `dtype` alone is the precision's
-    old name (float32 is 32-true)."""
-    raw = dict(raw)
-    precision = raw.get("precision")
-    by_dtype = {dtype: name for name, (dtype, cast) in PRECISIONS.items() if cast is None}
-    if precision is None:
-        raw["precision"] = by_dtype[raw["dtype"]]
-    elif precision == "16-mixed":
-        raise ConfigError(
-            "workload.precision", "'16-mixed' needs dynamic loss scaling (a GradScaler, whose "
-            "scaled gradients and skipped steps the checks do not model yet); allowed: "
-            f"{', '.join(PRECISIONS)}"
-        )  # fmt: skip
-    else:
-        choice("workload.precision", precision, tuple(PRECISIONS))
-        weights = PRECISIONS[precision][0]
-        if raw["dtype"] not in ("float32", weights):
-            raise ConfigError(
-                "workload.dtype", f"'{raw['dtype']}' contradicts workload.precision={precision} "
-                f"(weights in {weights}); set one of the two"
-            )  # fmt: skip
-        raw["dtype"] = weights
-    clip = raw.get("clip_grad_norm")
-    if clip is not None:
-        positive("workload.clip_grad_norm", clip)
-    choice("workload.lr_schedule", raw.get("lr_schedule", "constant"), LR_SCHEDULES)
-    warmup = integer("workload.warmup_steps", raw.get("warmup_steps", 0), 0)
-    if raw.get("lr_schedule") != "warmup_cosine" and warmup:
-        raise ConfigError("workload.warmup_steps", "needs workload.lr_schedule=warmup_cosine")
-    ratio = raw.get("min_lr_ratio", 0.1)
-    if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 0 <= ratio <= 1:
-        raise ConfigError("workload.min_lr_ratio", f"'{ratio}' must be a number in [0, 1]")
-    for key in ("betas", "weight_decay"):
-        if raw.get(key) is not None and raw["name"] == "custom":
-            raise ConfigError(
-                f"workload.{key}", "a custom workload builds its own optimizer: set it on "
-                "workload.optimizer"
-            )  # fmt: skip
-    betas = raw.get("betas")
-    if betas is not None:
-        if (
-            not isinstance(betas, list | tuple)
-            or len(betas) != 2
-            or not all(
-                isinstance(b, int | float) and not isinstance(b, bool) and 0 <= b < 1 for b in betas
-            )
-        ):
-            raise ConfigError("workload.betas", f"'{betas}' must be two numbers in [0, 1)")
-        raw["betas"] = tuple(float(b) for b in betas)
-    decay = raw.get("weight_decay")
-    if decay is not None and (
-        isinstance(decay, bool) or not isinstance(decay, int | float) or decay < 0
-    ):
-        raise ConfigError("workload.weight_decay", f"'{decay}' must be a number >= 0")
-    for key in ("kv_heads", "intermediate"):
-        if raw.get(key) is not None:
-            integer(f"workload.{key}", raw[key], 1)
-    return raw
-
-
-def _custom_targets(raw: dict[str, Any]) -> None:
-    """Every target must name something importable; nothing is instantiated here but what the
-    user wrote in their config."""
-    for part in CUSTOM_TARGETS:
-        spec = raw.get(part)
-        if not isinstance(spec, dict) or "_target_" not in spec:
-            raise ConfigError(f"workload.{part}", "needs a Hydra target: {_target_: module.name}")
-        reason = _import_problem(str(spec["_target_"]))
-        if reason:
-            raise ConfigError(
-                f"workload.{part}._target_", f"'{spec['_target_']}' does not import ({reason})"
-            )
-
-
-def _import_problem(path: str) -> str:
-    """Why `module.attribute` cannot be found, or "" when it can (imports the module only)."""
-    parts = path.split(".")
-    for cut in range(len(parts) - 1, 0, -1):
-        try:
-            obj = importlib.import_module(".".join(parts[:cut]))
-        except ImportError as exc:
-            problem = str(exc)
-            continue
-        for name in parts[cut:]:
-            if not hasattr(obj, name):
-                return f"no {name} in {obj.__name__}"
-            obj = getattr(obj, name)
-        return ""
-    return problem if len(parts) > 1 else "not a dotted path"
-
-
-def _deterministic_data(cfg: WorkloadConfig) -> None:
-    """Replay and golden runs need data that is a pure function of its arguments."""
-    workload = Workload(cfg)
-    first, second = workload.batch(1, 1, 0), workload.batch(1, 1, 0)
-    if not all(torch.equal(a, b) for a, b in zip(first, second, strict=True)):
-        raise ConfigError(
-            "workload.data", "is not deterministic: two calls with the same (seed, step, rank, "
-            "micro-batch) returned different batches"
-        )  # fmt: skip
-
-
-def _dry_step(cfg: WorkloadConfig) -> None:
-    """One micro-batch through the user's targets, on the CPU, in this process: build the model,
-    draw a batch, forward, loss, backward, one optimizer step. A target that raises is bad input,
-    refused here in one line naming it, before any rank starts; every rank would raise the same
-    error at the same place. The CPU (not the meta device): errors that depend on values (an
-    index out of range, a dtype mismatch, a loss that is not a scalar) show only on real data."""
-    workload = Workload(cfg)
-    key = "workload.model"
-    try:
-        model = workload.build_model()
-        key = "workload.data"
-        inputs, targets = workload.batch(0, 0, 0)
-        key = "workload.model"
-        with workload.forward_rng(0, 0, 0):
-            output = model(inputs)
-            key = "workload.loss"
-            loss = workload.loss_of(output, targets)
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise TypeError(f"returned {type(loss).__name__}, not a scalar tensor")
-            loss.backward()
-        key = "workload.optimizer"
-        workload.build_optimizer(model).step()
-    except ConfigError:
-        raise
-    except Exception as exc:  # the user's code: any error it raises is the finding
-        target = getattr(cfg, key.split(".")[1])["_target_"]
-        first = (str(exc).splitlines() or [""])[0][:200]
-        raise ConfigError(
-            key,
-            f"'{target}' failed in a dry step of one micro-batch: {type(exc).__name__}: {first}",
-        ) from None
 
 
 def topology_config(raw: dict[str, Any]) -> TopologyConfig:
