@@ -1,6 +1,8 @@
 """Detectors: one module per check, each exporting `DETECTOR`, plus one config in
-experiments/detectors/. Nothing here may import `injectors` or read injection events: a check
-that could see the fault plan would make every catch rate worthless.
+experiments/detectors/; and the checks installed packages register under the entry-point group
+`sdc_bench.detectors` (harness/core/registry.py), whose defaults are their `Config`'s. Nothing
+here may import `injectors` or read injection events: a check that could see the fault plan
+would make every catch rate worthless.
 """
 
 from __future__ import annotations
@@ -8,19 +10,26 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
+from harness.core import registry
 from harness.core.checks import CheckConfig
 from harness.runtime.plugins import Detector, DetectorContext, EventLog
 
 
-def available() -> tuple[str, ...]:
+def built_in() -> tuple[str, ...]:
     names = (m.name for m in pkgutil.iter_modules(__path__))
     return tuple(
         sorted(n for n in names if hasattr(importlib.import_module(f"detectors.{n}"), "DETECTOR"))
     )
 
 
+def available() -> tuple[str, ...]:
+    return tuple(sorted({*built_in(), *registry.installed(registry.DETECTORS)}))
+
+
 def detector_class(name: str) -> type[Detector]:
-    return importlib.import_module(f"detectors.{name}").DETECTOR
+    if name in built_in():
+        return importlib.import_module(f"detectors.{name}").DETECTOR
+    return registry.installed(registry.DETECTORS)[name].load()
 
 
 def build(configs: dict[str, CheckConfig], ctx: DetectorContext, log: EventLog) -> list[Detector]:

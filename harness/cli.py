@@ -12,14 +12,17 @@ from pathlib import Path
 
 import hydra
 from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+import detectors
 from harness.campaign.run import CampaignError, check_out, run_campaign
 from harness.config.load import run_config
 from harness.config.schema import RunConfig
+from harness.core import registry
 from harness.errors import ConfigError
 from harness.launch import stacks  # noqa: F401 - first: the rank server's stack dump (harness/launch/stacks.py)
 
@@ -32,6 +35,17 @@ def fail(message: str) -> None:
     sys.exit(2)
 
 
+def store_installed_detectors() -> None:
+    """A built-in check's defaults are experiments/detectors/NAME.yaml; an installed package's
+    check (harness/core/registry.py) has its defaults in its own `Config`, stored here as the
+    same group option, so that `detectors=[nan_inf,NAME]` composes like a built-in."""
+    store = ConfigStore.instance()
+    for name in registry.installed(registry.DETECTORS):
+        if name not in detectors.built_in():
+            defaults = detectors.detector_class(name).Config().params()
+            store.store(group="detectors", name=name, node={name: defaults})
+
+
 def check_group_choices(argv: list[str]) -> None:
     """Hydra answers an unknown group option with a multi-line error and exit 1; answer it here
     with the contract's one line and exit 2."""
@@ -41,6 +55,8 @@ def check_group_choices(argv: list[str]) -> None:
         if not sep or key not in GROUPS:
             continue
         allowed = sorted(p.stem for p in Path(CONFIG_DIR, key).glob("*.yaml"))
+        if key == "detectors":
+            allowed = list(detectors.available())
         for choice in value.strip("[]").split(","):
             choice = choice.strip()
             if choice and choice not in allowed:
@@ -143,6 +159,7 @@ def implied_campaign(argv: list[str]) -> list[str]:
 def main() -> None:
     argv = implied_campaign(sys.argv[1:])
     sys.argv[1:] = argv
+    store_installed_detectors()
     check_group_choices(argv)
     preflight(argv)
     app()

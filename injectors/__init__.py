@@ -1,4 +1,5 @@
-"""Fault injectors: one module per fault model, each exporting `MODEL`.
+"""Fault injectors: one module per fault model, each exporting `MODEL`; and the models installed
+packages register under the entry-point group `sdc_bench.faults` (harness/core/registry.py).
 
 `injector.FaultInjector` places a model's corruption at a site of the step; the trainer only
 calls `build` and never names a concrete injector.
@@ -9,18 +10,25 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
+from harness.core import registry
 from injectors.model import FaultModel
 
 SITES = ("grad", "allreduce", "weight", "optimizer", "activation", "loss", "matmul")
 _NOT_MODELS = {"bits", "model", "injector", "contribution"}
 
 
-def available_models() -> tuple[str, ...]:
+def built_in_models() -> tuple[str, ...]:
     names = (m.name for m in pkgutil.iter_modules(__path__) if m.name not in _NOT_MODELS)
     return tuple(
         sorted(n for n in names if hasattr(importlib.import_module(f"injectors.{n}"), "MODEL"))
     )
 
 
+def available_models() -> tuple[str, ...]:
+    return tuple(sorted({*built_in_models(), *registry.installed(registry.FAULTS)}))
+
+
 def model_class(name: str) -> type[FaultModel]:
-    return importlib.import_module(f"injectors.{name}").MODEL
+    if name in built_in_models():
+        return importlib.import_module(f"injectors.{name}").MODEL
+    return registry.installed(registry.FAULTS)[name].load()

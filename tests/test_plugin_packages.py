@@ -1,0 +1,77 @@
+"""A detector from outside the repository: a package of its own, pip-installed from a folder,
+registers under the `sdc_bench.detectors` entry point and runs beside the built-in checks in a
+campaign, with its settings validated by its own `Config`."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import BIN, rows
+
+PACKAGE = Path(__file__).parent / "fixtures" / "detector_package"
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> dict[str, str]:
+    """The environment of a shell where the package is installed (into a folder of its own on
+    PYTHONPATH, so the test leaves the project's environment as it was)."""
+    tmp = tmp_path_factory.mktemp("plugin")
+    source, site = tmp / "source", tmp / "site"
+    shutil.copytree(PACKAGE, source)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+         "--no-build-isolation", "--no-deps", "--target", str(site), str(source)],
+        check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    return {**os.environ, "PYTHONPATH": str(site)}
+
+
+def _sdc_bench(env: dict[str, str], cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(BIN / "sdc-bench"), *args], cwd=cwd, env=env, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+
+
+def test_an_installed_detector_runs_in_the_smoke_campaign_beside_the_built_in_ones(
+    installed, tmp_path
+):
+    out = tmp_path / "run"
+    proc = _sdc_bench(installed, tmp_path, "campaign=smoke",
+                      "detectors=[nan_inf,replay,weight_consensus,allreduce_sketch,grad_norm_limit]",
+                      f"out={out}")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = {(r["site"], r["model"]): r for r in rows(out)}
+    assert len(table) == 5
+    assert all("grad_norm_limit" in r["detectors"].split(";") for r in table.values())
+    clean = table["none", "none"]
+    assert clean["alerts"] == "0", clean
+    # The NaN in rank 3's local gradient at step 5: its norm is not a number, in that step.
+    nan = table["grad", "value"]
+    assert "grad_norm_limit=5" in nan["detect_steps"].split(";"), nan
+    assert "nan_inf=5" in nan["detect_steps"].split(";"), nan
+    assert nan["suspect_ranks"] == "3", nan
+    # The built-in checks are as they are without it.
+    assert "allreduce_sketch=5" in table["allreduce", "scale"]["detect_steps"], table
+    assert "grad_norm_limit" in (out / "report.md").read_text()
+
+
+def test_an_installed_detectors_settings_are_validated_by_its_own_config(installed, tmp_path):
+    proc = _sdc_bench(installed, tmp_path, "campaign=smoke", "detectors=[nan_inf,grad_norm_limit]",
+                      "detectors.grad_norm_limit.limit=-1", f"out={tmp_path / 'run'}")  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line == "sdc-bench: error: detectors.grad_norm_limit.limit: '-1' must be a number > 0"
+    assert not (tmp_path / "run").exists()
+
+
+def test_without_the_package_the_name_is_refused_with_the_choices(tmp_path):
+    proc = _sdc_bench(dict(os.environ), tmp_path, "detectors=[nan_inf,grad_norm_limit]")
+    assert proc.returncode == 2
+    assert "detectors: 'grad_norm_limit' is not allowed; allowed: allreduce_sketch" in proc.stderr
