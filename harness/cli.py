@@ -22,7 +22,7 @@ import detectors
 from harness.campaign.run import CampaignError, check_out, run_campaign
 from harness.config.load import run_config
 from harness.config.schema import RunConfig
-from harness.core import registry
+from harness.core import logs, registry
 from harness.errors import ConfigError
 from harness.launch import stacks  # noqa: F401 - first: the rank server's stack dump (harness/launch/stacks.py)
 
@@ -157,6 +157,7 @@ def implied_campaign(argv: list[str]) -> list[str]:
 
 
 def main() -> None:
+    logs.configure("sdc-bench")
     argv = implied_campaign(sys.argv[1:])
     sys.argv[1:] = argv
     store_installed_detectors()

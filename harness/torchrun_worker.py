@@ -23,6 +23,7 @@ from harness.analysis import report, tables
 from harness.campaign.run import CRASH_LOG, CampaignError, run_campaign
 from harness.config.load import run_config
 from harness.config.schema import RunConfig, TopologyConfig
+from harness.core import logs
 from harness.errors import ConfigError
 from harness.launch.torchrun_world import END, STOP, TorchrunExecutor, TorchrunWorld, follow
 from harness.launch.world import init_rank
@@ -84,6 +85,7 @@ def placed(topology: TopologyConfig) -> TopologyConfig:
 
 
 def main(argv: list[str] | None = None) -> None:
+    logs.configure("harness.torchrun_worker")
     args = argv or sys.argv[1:]
     out = Path(args[0])
     try:

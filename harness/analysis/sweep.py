@@ -9,6 +9,7 @@ rebuild it; sweep.md is a separate file so that such a rebuild leaves it alone.
 from __future__ import annotations
 
 import atexit
+import logging
 import re
 import sys
 from pathlib import Path
@@ -19,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from harness.analysis import report, tables
 
+logger = logging.getLogger(__name__)
 SWEEP_FILE = "sweep.md"
 
 
@@ -53,9 +55,7 @@ def write_merged_report(sweep_dir: Path) -> Path | None:
     jobs = job_dirs(sweep_dir)
     missing = [job for job in jobs if not (job / "trials.csv").exists()]
     if not jobs or len(missing) == len(jobs):
-        print(
-            f"sdc-bench: no job of {sweep_dir} wrote trials.csv; no merged report", file=sys.stderr
-        )
+        logger.warning("no job of %s wrote trials.csv; no merged report", sweep_dir)
         return None
     df = tables.load_trials([sweep_dir])
     path = report.write_report(df, sweep_dir, [sweep_dir])
@@ -77,7 +77,7 @@ def write_merged_report(sweep_dir: Path) -> Path | None:
     print(f"merged report: {path} ({len(df)} trials from {len(jobs) - len(missing)} jobs)")
     if missing:
         names = ", ".join(str(job.relative_to(sweep_dir)) for job in missing)
-        print(f"sdc-bench: jobs without trials.csv: {names}", file=sys.stderr)
+        logger.warning("jobs without trials.csv: %s", names)
     return path
 
 
@@ -106,6 +106,6 @@ class MergedReport(Callback):
         try:
             write_merged_report(self.sweep_dir)
         except tables.ReportError as exc:
-            print(f"sdc-bench: merged report failed: {exc}", file=sys.stderr)
+            logger.error("merged report failed: %s", exc)
             return False
         return True

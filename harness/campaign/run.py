@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import shutil
-import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Protocol
@@ -33,6 +33,7 @@ from harness.results.records import Records
 from harness.results.schema import TrialResult
 from harness.runtime import environment
 
+logger = logging.getLogger(__name__)
 CAMPAIGN_FILE = machine.CAMPAIGN_FILE
 CRASH_LOG = "crashes.log"
 
@@ -179,7 +180,7 @@ class SpawnExecutor:
             raise CampaignError(f"{exc}, twice (stacks in {self.log})") from None
 
     def _retrying(self, what: str, cause: str) -> None:
-        tqdm.write(f"sdc-bench: {what} failed ({cause}); retrying once", file=sys.stderr)
+        logger.warning("%s failed (%s); retrying once", what, cause)
         stacks.append_log(self.log, f"{what} failed: retrying once in a fresh world")
 
     def kill(self) -> None:
