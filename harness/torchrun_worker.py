@@ -20,13 +20,14 @@ from pathlib import Path
 from typing import NoReturn
 
 from harness.analysis import report, tables
-from harness.campaign.run import CRASH_LOG, CampaignError, run_campaign
+from harness.campaign.run import CampaignError, run_campaign
 from harness.config.load import run_config
 from harness.config.schema import RunConfig, TopologyConfig
 from harness.core import logs
 from harness.errors import ConfigError
 from harness.launch.torchrun_world import END, STOP, TorchrunExecutor, TorchrunWorld, follow
 from harness.launch.world import init_rank
+from harness.results.folder import RunFolder
 from harness.runtime import determinism, devices, environment, numerics
 from harness.runtime.plugins import RankInfo
 
@@ -101,13 +102,14 @@ def main(argv: list[str] | None = None) -> None:
         info = replace(info, device=init_rank(run.topology, info.rank, local_rank))
     except (ConfigError, OSError) as exc:
         fail(str(exc), 2)
-    world = TorchrunWorld(run, info.rank, info.world_size, out / "store", info.device)
-    refused = world.refusal() or world.shared(out / "store")
+    folder = RunFolder(out)
+    world = TorchrunWorld(run, info.rank, info.world_size, folder.store, info.device)
+    refused = world.refusal() or world.shared(folder.store)
     if refused:
         fail(refused if info.rank == 0 else "", 2)
     if info.rank != 0:
         _exit(follow(world))
-    executor = TorchrunExecutor(world, out / CRASH_LOG)
+    executor = TorchrunExecutor(world, folder.crash_log)
     try:
         trials = run_campaign(run, out, executor)
     except BaseException as exc:

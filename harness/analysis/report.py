@@ -37,6 +37,7 @@ from harness.analysis.tables import (
     wilson,
 )
 from harness.results import machine
+from harness.results.folder import EVENTS_FILE
 
 
 def _pct(x: float) -> str:
@@ -104,7 +105,7 @@ def sensitivity(dirs: list[Path]) -> str:
     """The smallest one-element perturbation each check could see, from `sensitivity` events."""
     found = []
     for d in dirs:
-        for path in d.rglob("events.jsonl"):
+        for path in d.rglob(EVENTS_FILE):
             with open(path, encoding="utf-8") as f:
                 found += [e for e in map(json.loads, f) if e["kind"] == "sensitivity"]
     if not found:

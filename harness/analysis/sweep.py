@@ -19,6 +19,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from harness.analysis import report, tables
+from harness.results.folder import RunFolder
 
 logger = logging.getLogger(__name__)
 SWEEP_FILE = "sweep.md"
@@ -53,7 +54,7 @@ def write_merged_report(sweep_dir: Path) -> Path | None:
     Raises tables.ReportError for a trials.csv that cannot be read.
     """
     jobs = job_dirs(sweep_dir)
-    missing = [job for job in jobs if not (job / "trials.csv").exists()]
+    missing = [job for job in jobs if not RunFolder(job).trials.exists()]
     if not jobs or len(missing) == len(jobs):
         logger.warning("no job of %s wrote trials.csv; no merged report", sweep_dir)
         return None

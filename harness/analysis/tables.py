@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from harness.results.folder import TRIALS_FILE
 from harness.results.schema import (
     BIT_CLASSES,
     CONTRACT_COLUMNS,
@@ -68,7 +69,7 @@ def load_trials(dirs: list[Path]) -> pd.DataFrame:
     for d in dirs:
         if not d.is_dir():
             raise ReportError(f"{d}: not a folder")
-        found = sorted(d.rglob("trials.csv"))
+        found = sorted(d.rglob(TRIALS_FILE))
         if not found:
             raise ReportError(f"{d}: no trials.csv in it or below it")
         files += found

@@ -23,6 +23,7 @@ from typing import Any
 
 import detectors
 from harness.config.schema import RunConfig, Segment, TrialSpec
+from harness.results.folder import RunFolder
 from harness.results.judgement import merge_alerts
 from harness.results.schema import TrialResult
 from harness.runtime import checkpoint
@@ -103,7 +104,8 @@ def run_with_recovery(
     """Run one trial; after each stop, quarantine, roll back and resume until it completes or
     the loop limit gives a verdict. `execute(run, spec)` runs a segment in a world."""
     machines = Machines.start(run)
-    store = out / "store" / spec.trial_id
+    folder = RunFolder(out)
+    store = folder.trial_store(spec.trial_id)
     history, extra_events = [], []
     restores, lost, recovery_s, verdict = [], 0, 0.0, ""
     recoveries: list[str] = []  # each "KIND at step S ...", in order
@@ -144,7 +146,7 @@ def run_with_recovery(
                 verdict = "no healthy node left to run on"
                 break
             machines.quarantine(node)
-            shutil.rmtree(out / "nodes" / f"node{node}", ignore_errors=True)
+            shutil.rmtree(folder.node(node), ignore_errors=True)
         if verdict:
             break
         restores.append(restore)
@@ -207,4 +209,4 @@ def scratch_folders(out: Path, run: RunConfig) -> None:
     """A local scratch folder per machine node (spares included), wiped on replacement:
     nothing a recovery needs may live there, which is why checkpoints go to out/store."""
     for node in range(run.topology.nodes + run.topology.spares):
-        (out / "nodes" / f"node{node}").mkdir(parents=True, exist_ok=True)
+        RunFolder(out).node(node).mkdir(parents=True, exist_ok=True)

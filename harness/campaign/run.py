@@ -28,14 +28,13 @@ from harness.errors import ConfigError
 from harness.launch import stacks
 from harness.launch.world import World, WorldStartError
 from harness.results import machine
+from harness.results.folder import RunFolder
 from harness.results.judgement import Judged, golden_from, noise_band, trial_row
 from harness.results.records import Records
 from harness.results.schema import TrialResult
 from harness.runtime import environment
 
 logger = logging.getLogger(__name__)
-CAMPAIGN_FILE = machine.CAMPAIGN_FILE
-CRASH_LOG = "crashes.log"
 
 
 class CampaignError(RuntimeError):
@@ -46,13 +45,12 @@ def _identity(run: RunConfig) -> str:
     return json.dumps(dataclasses.asdict(run), sort_keys=True, indent=1)
 
 
-def recorded(out: Path) -> tuple[str, dict | None] | None:
-    """The identity and environment that `out`'s campaign.json holds (None without one; an
-    environment of None in a folder written before environments were recorded)."""
-    path = out / CAMPAIGN_FILE
-    if not path.exists():
+def _bound_to(out: Path) -> tuple[str, dict | None] | None:
+    """The campaign identity and environment that `out`'s campaign.json holds (None without one;
+    an environment of None in a folder written before environments were recorded)."""
+    held = RunFolder(out).campaign_record()
+    if held is None:
         return None
-    held = json.loads(path.read_text())
     env = held.pop("environment", None)
     return json.dumps(held, sort_keys=True, indent=1), env
 
@@ -65,12 +63,12 @@ def check_out(out: Path, run: RunConfig) -> None:
         raise ConfigError("out", f"{existing} is not a folder; choose an out that can be created")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError("out", f"{existing} is not writable; choose another out")
-    held = recorded(out)
+    held = _bound_to(out)
     if held is not None and held[0] != _identity(run):
         raise ConfigError(
             "out", f"{out} holds a different campaign's trials; choose a new out to keep them"
         )
-    if held is None and (out / "trials.csv").exists():
+    if held is None and RunFolder(out).trials.exists():
         raise ConfigError("out", f"{out} holds trials of unknown origin; choose a new out")
 
 
@@ -81,7 +79,7 @@ def bind(out: Path, run: RunConfig, ranks: list[environment.RankEnvironment]) ->
     would not be theirs); a different commit or CPU model resumes."""
     check_out(out, run)
     now = environment.record(ranks)
-    held = recorded(out)
+    held = _bound_to(out)
     if held is not None:
         changed = [f for f in machine.differences(held[1], now) if f in machine.NUMERIC]
         if changed:
@@ -93,9 +91,10 @@ def bind(out: Path, run: RunConfig, ranks: list[environment.RankEnvironment]) ->
         return
     out.mkdir(parents=True, exist_ok=True)
     content = {**dataclasses.asdict(run), "environment": now}
-    tmp = out / f".{CAMPAIGN_FILE}.tmp"
+    path = RunFolder(out).campaign
+    tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(content, sort_keys=True, indent=1))
-    tmp.replace(out / CAMPAIGN_FILE)
+    tmp.replace(path)
 
 
 class Executor(Protocol):
@@ -202,7 +201,7 @@ class Campaign:
     def __init__(self, run: RunConfig, out: Path):
         check_out(out, run)
         self.run = run
-        self.out = out
+        self.folder = RunFolder(out)
         self.records = Records(out)
         done = self.records.resume()
         self.goldens = self.records.goldens()
@@ -215,13 +214,13 @@ class Campaign:
             g
             for g in golden_specs(run)
             if g.seed not in self.goldens
-            or (g.seed in starting and not has_snapshots(out / "store", g, run))
+            or (g.seed in starting and not has_snapshots(self.folder.store, g, run))
         ]
         self.pending += trials
 
     def prepared(self, spec: TrialSpec) -> TrialSpec:
         """The spec to run: a trial fast-forwards from its golden run's snapshot."""
-        return fast_forwarded(self.run, spec, self.out / "store")
+        return fast_forwarded(self.run, spec, self.folder.store)
 
     def observe_twin(self, spec: TrialSpec) -> TrialSpec | None:
         """The same scenario and seed with every check observing, for a trial that a check may
@@ -240,7 +239,7 @@ class Campaign:
         outcome of `observe_twin(spec)`, when it has one."""
         if not self.run.checkpoint.keep and not spec.golden:
             for trial_id in (spec.trial_id, f"{spec.trial_id}~observe"):
-                shutil.rmtree(self.out / "store" / trial_id, ignore_errors=True)
+                shutil.rmtree(self.folder.trial_store(trial_id), ignore_errors=True)
         if spec.golden:
             if outcome.parts is None and outcome.workload_error:
                 raise CampaignError(
@@ -271,18 +270,18 @@ class Campaign:
 
     def finish(self) -> None:
         """Every trial has a row: drop the golden runs' snapshots (unless checkpoints are kept)."""
-        drop_snapshots(self.out / "store", self.run)
+        drop_snapshots(self.folder.store, self.run)
 
 
 def run_campaign(run: RunConfig, out: Path, executor: Executor | None = None) -> Path:
     """Run every pending trial of `run` into `out`, in spawned worlds unless `executor` says
     where; return trials.csv."""
-    campaign = Campaign(run, out)
+    campaign, folder = Campaign(run, out), RunFolder(out)
     if run.recovery.enabled:
         scratch_folders(out, run)
     if executor is None:
         executor = SpawnExecutor(
-            run.topology, out / "world", out / "store", out / CRASH_LOG, run.workload.imports()
+            run.topology, folder.world, folder.store, folder.crash_log, run.workload.imports()
         )
     bar = tqdm(total=len(campaign.pending), unit="trial", mininterval=1.0)
     alerts = crashes = 0

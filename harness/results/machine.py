@@ -5,10 +5,10 @@ differ."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-CAMPAIGN_FILE = "campaign.json"
+from harness.results.folder import RunFolder
+
 # Fields whose difference changes the numbers a run computes; the others say where and from
 # which code it ran (a code change is the commit's to say, and may or may not change them).
 NUMERIC = ("torch", "machine", "cpu_capability", "math_library", "math_settings", "threads",
@@ -19,11 +19,8 @@ BEFORE_NUMERICS = {"cpu_numerics": "native"}
 
 def recorded(folder: Path) -> dict[str, str] | None:
     """The environment a run folder's campaign.json records (None when it records none)."""
-    try:
-        env = json.loads((folder / CAMPAIGN_FILE).read_text()).get("environment")
-    except (OSError, ValueError):
-        return None
-    return {**BEFORE_NUMERICS, **env} if env else env
+    env = (RunFolder(folder).campaign_record() or {}).get("environment")
+    return {**BEFORE_NUMERICS, **env} if env else None
 
 
 def of_runs(folders: list[Path]) -> dict[str, str] | None:

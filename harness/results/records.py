@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from harness.results.folder import RunFolder
 from harness.results.judgement import Golden
 from harness.results.schema import COLUMNS
 
@@ -43,10 +44,8 @@ class Records:
     """trials.csv, events.jsonl and golden.jsonl of one campaign folder."""
 
     def __init__(self, out: Path):
-        self.out = out
-        self.trials = out / "trials.csv"
-        self.events = out / "events.jsonl"
-        self.golden_file = out / "golden.jsonl"
+        folder = RunFolder(out)
+        self.trials, self.events, self.golden_file = folder.trials, folder.events, folder.goldens
 
     def resume(self) -> set[str]:
         """Make the files consistent after an interruption; return the finished trial ids."""

@@ -1,0 +1,72 @@
+"""A run folder's layout: every path a campaign writes under `out`, and the campaign.json that
+binds the folder to one campaign. The campaign, recovery, the torchrun worker and the report
+all find their files here, so the layout has one owner.
+
+    out/campaign.json    the campaign's config and the environment its ranks computed in
+    out/trials.csv       one row per trial (harness/results/schema.py)
+    out/events.jsonl     every trial's events, one JSON object per line
+    out/golden.jsonl     the golden runs' results
+    out/crashes.log      crashed trials' causes and stacks
+    out/store/           the off-node store: checkpoints and snapshots (store/TRIAL/, ...)
+    out/nodes/nodeN/     each machine node's scratch, wiped when the node is replaced
+    out/world/           the spawned world's rendezvous and pid files
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+CAMPAIGN_FILE = "campaign.json"
+TRIALS_FILE = "trials.csv"
+EVENTS_FILE = "events.jsonl"
+
+
+@dataclass(frozen=True)
+class RunFolder:
+    root: Path
+
+    @property
+    def campaign(self) -> Path:
+        return self.root / CAMPAIGN_FILE
+
+    @property
+    def trials(self) -> Path:
+        return self.root / TRIALS_FILE
+
+    @property
+    def events(self) -> Path:
+        return self.root / EVENTS_FILE
+
+    @property
+    def goldens(self) -> Path:
+        return self.root / "golden.jsonl"
+
+    @property
+    def crash_log(self) -> Path:
+        return self.root / "crashes.log"
+
+    @property
+    def store(self) -> Path:
+        return self.root / "store"
+
+    @property
+    def world(self) -> Path:
+        return self.root / "world"
+
+    def trial_store(self, trial_id: str) -> Path:
+        """Where one trial's checkpoints go."""
+        return self.store / trial_id
+
+    def node(self, node: int) -> Path:
+        """A machine node's scratch folder."""
+        return self.root / "nodes" / f"node{node}"
+
+    def campaign_record(self) -> dict[str, Any] | None:
+        """campaign.json as written (None when the folder has none, or it cannot be read)."""
+        try:
+            return json.loads(self.campaign.read_text())
+        except (OSError, ValueError):
+            return None
