@@ -1,0 +1,272 @@
+"""harness/analysis/tables.py and intervals.py: Wilson intervals against the textbook formula,
+the markdown the report writes, and catch rates, false positives and audit-interval outcomes
+counted by hand on small tables with trials.csv's columns (harness/results/schema.py)."""
+
+from __future__ import annotations
+
+import math
+from statistics import NormalDist
+
+import pandas as pd
+import pytest
+
+from harness.analysis.intervals import INTERVAL_COLUMNS, interval_outcomes, pairs
+from harness.analysis.tables import (
+    ANY,
+    TRIAL_SETS,
+    Z95,
+    bit_class,
+    blind_spot,
+    catch_counts,
+    catch_rates,
+    false_positive_counts,
+    false_positives,
+    markdown_table,
+    rate_text,
+    wilson,
+)
+from harness.results.schema import COLUMNS, classify_bit, recovery_kinds
+
+
+def textbook_wilson(k: int, n: int) -> tuple[float, float]:
+    """(2np + z^2 -+ z sqrt(z^2 + 4np(1 - p))) / (2(n + z^2)), z the normal's 97.5% quantile."""
+    z = NormalDist().inv_cdf(0.975)
+    p = k / n
+    root = z * math.sqrt(z * z + 4 * n * p * (1 - p))
+    return ((2 * n * p + z * z - root) / (2 * (n + z * z)),
+            (2 * n * p + z * z + root) / (2 * (n + z * z)))  # fmt: skip
+
+
+# wilson
+
+
+def test_z95_is_the_normals_two_sided_95_percent_quantile():
+    assert NormalDist().inv_cdf(0.975) == pytest.approx(Z95, rel=1e-12)
+
+
+@pytest.mark.parametrize(("k", "n"), [(0, 1), (1, 1), (0, 10), (5, 10), (10, 10), (3, 7),
+                                      (1, 100), (99, 100), (250, 1000)])  # fmt: skip
+def test_wilson_matches_the_textbook_formula(k, n):
+    lo, hi = wilson(k, n)
+    ref_lo, ref_hi = textbook_wilson(k, n)
+    assert lo == pytest.approx(max(ref_lo, 0.0), abs=1e-12)
+    assert hi == pytest.approx(min(ref_hi, 1.0), abs=1e-12)
+
+
+def test_wilson_of_published_examples():
+    """0/10: [0, 0.2775]; 5/10: [0.2366, 0.7634] (Wilson 1927; e.g. Newcombe 1998, table I)."""
+    assert wilson(0, 10) == pytest.approx((0.0, 0.2775), abs=1e-4)
+    assert wilson(5, 10) == pytest.approx((0.2366, 0.7634), abs=1e-4)
+
+
+def test_wilson_mirrors_successes_and_failures():
+    for k in range(8):
+        lo, hi = wilson(k, 7)
+        mirror_lo, mirror_hi = wilson(7 - k, 7)
+        assert (lo, hi) == pytest.approx((1 - mirror_hi, 1 - mirror_lo), abs=1e-12)
+
+
+def test_wilson_contains_the_rate_and_narrows_with_more_trials():
+    widths = []
+    for n in (10, 100, 1000):
+        lo, hi = wilson(n // 5, n)
+        assert lo < 0.2 < hi
+        widths.append(hi - lo)
+    assert widths == sorted(widths, reverse=True)
+
+
+def test_wilson_stays_in_the_unit_interval_around_the_rate():
+    for n in (1, 2, 5, 50):
+        for k in range(n + 1):
+            lo, hi = wilson(k, n)
+            assert lo >= 0.0 and hi <= 1.0
+            assert lo - 1e-15 <= k / n <= hi + 1e-15
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug: center - half rounds to 6.9e-18 for 0/50 and center + half to 1 - 1.1e-16 for "
+    "10/10, so the interval excludes the observed rate 0 (or 1)",
+)
+@pytest.mark.parametrize(("k", "n"), [(0, 50), (10, 10)])
+def test_wilson_of_all_or_nothing_reaches_zero_or_one_exactly(k, n):
+    lo, hi = wilson(k, n)
+    assert lo <= k / n <= hi
+
+
+def test_wilson_of_no_trials_is_undefined():
+    assert all(math.isnan(x) for x in wilson(0, 0))
+
+
+# rate_text, markdown_table
+
+
+def test_rate_text_shows_count_rate_and_interval_in_percent():
+    lo, hi = textbook_wilson(3, 10)
+    assert rate_text(3, 10) == f"3/10 = 30% [{round(lo * 100)}%, {round(hi * 100)}%]"
+    assert rate_text(0, 10) == "0/10 = 0% [0%, 28%]"
+    assert rate_text(10, 10) == "10/10 = 100% [72%, 100%]"
+
+
+def test_rate_text_of_no_trials():
+    assert rate_text(0, 0) == "n=0"
+
+
+def test_markdown_table_has_a_header_a_rule_and_a_line_per_row_in_the_first_rows_order():
+    table = markdown_table([{"detector": "replay", "n": 3}, {"n": 4, "detector": "nan_inf"}])
+    assert table == ("| detector | n |\n|---|---|\n| replay | 3 |\n| nan_inf | 4 |\n")
+
+
+def test_markdown_table_of_no_rows():
+    assert markdown_table([]) == "_none_\n"
+
+
+# blind_spot: harmful trials whose catch rate's 95% upper bound is below 50%
+
+
+def test_no_harmful_trials_is_no_blind_spot():
+    assert not blind_spot((0, 0))
+
+
+def test_three_uncaught_harmful_trials_are_too_few_to_call_a_blind_spot():
+    """0/3's upper bound is 56% (textbook formula); 0/4's is 49%."""
+    assert textbook_wilson(0, 3)[1] > 0.5 > textbook_wilson(0, 4)[1]
+    assert not blind_spot((0, 3))
+    assert blind_spot((0, 4))
+
+
+@pytest.mark.parametrize(("k", "n"), [(1, 10), (2, 10), (3, 10), (5, 10), (10, 10), (8, 40)])
+def test_blind_spot_is_an_upper_bound_below_half(k, n):
+    assert blind_spot((k, n)) == (textbook_wilson(k, n)[1] < 0.5)
+
+
+# bit classes of the `bit` column
+
+
+@pytest.mark.parametrize(("dtype", "bit", "expected"), [
+    ("float32", 31, "sign"), ("float32", 30, "exponent_msb"), ("float32", 23, "exponent"),
+    ("float32", 22, "mantissa"), ("float32", "30", "exponent_msb"), ("float32", 29.0, "exponent"),
+    ("bfloat16", 15, "sign"), ("bfloat16", 7, "exponent"), ("bfloat16", 6, "mantissa"),
+    ("float16", 14, "exponent_msb"), ("float16", 10, "exponent"), ("float16", 9, "mantissa"),
+    ("float64", 62, "exponent_msb"), ("float64", 52, "exponent"),
+    ("float32", "mantissa", "mantissa"), ("float32", "", ""), ("float32", None, ""),
+    ("float32", math.nan, ""),
+])  # fmt: skip
+def test_bit_class_of_a_configured_bit(dtype, bit, expected):
+    """A bit read back from trials.csv may be an int, its text, or a float (a column with blanks);
+    a class stays itself; a blank stays blank."""
+    assert bit_class(dtype, bit) == expected
+
+
+def test_a_bit_outside_the_format_has_no_class():
+    with pytest.raises(ValueError):
+        classify_bit("float16", 16)
+
+
+def test_recovery_kinds_lists_each_recovery_and_skips_a_failure():
+    verdict = "retry at step 3; rollback to step 2 (quarantine none); gave up at step 9"
+    assert recovery_kinds(verdict) == ["retry", "rollback"]
+    assert recovery_kinds("rollback+quarantine at step 4") == ["rollback+quarantine"]
+    assert recovery_kinds("") == []
+
+
+# catch rates and false positives on a hand-built table
+
+
+def trials(*rows: dict) -> pd.DataFrame:
+    """Rows of trials.csv as load_trials leaves them: every column, booleans as bools."""
+    blank = dict.fromkeys(COLUMNS, "")
+    blank.update(fired=False, detected=False, site="grad", effect="none")
+    return pd.DataFrame([{**blank, **row} for row in rows])
+
+
+BOTH = "nan_inf;replay"
+TABLE = trials(
+    # 1-2: harmful; replay catches one, the other escapes
+    {"fired": True, "effect": "harmful", "detected": True, "detectors": BOTH,
+     "detected_by": "replay"},
+    {"fired": True, "effect": "harmful", "detected": False, "detectors": BOTH},
+    # 3: benign, caught by nan_inf
+    {"fired": True, "effect": "benign", "detected": True, "detectors": BOTH,
+     "detected_by": "nan_inf"},
+    # 4: masked, missed
+    {"fired": True, "effect": "masked", "detected": False, "detectors": BOTH},
+    # 5: harmful, caught by nan_inf in a run where replay was off
+    {"fired": True, "effect": "harmful", "detected": True, "detectors": "nan_inf",
+     "detected_by": "nan_inf"},
+    # 6: an injection that never fired: in no trial set, whatever it says
+    {"fired": False, "effect": "masked", "detected": True, "detectors": BOTH,
+     "detected_by": "replay"},
+    # 7-8: clean trials; replay alerts in one, nan_inf in none
+    {"site": "none", "detectors": BOTH, "alert_detectors": "replay"},
+    {"site": "none", "detectors": "nan_inf"},
+)  # fmt: skip
+
+
+def test_catch_counts_per_trial_set_and_detector():
+    assert catch_counts(TABLE) == {
+        "all fired": {ANY: (3, 5), "nan_inf": (2, 5), "replay": (1, 4)},
+        "non-masked": {ANY: (3, 4), "nan_inf": (2, 4), "replay": (1, 3)},
+        "harmful": {ANY: (2, 3), "nan_inf": (1, 3), "replay": (1, 2)},
+    }
+
+
+def test_catch_rates_are_the_counts_as_rate_text():
+    rows = catch_rates(TABLE)
+    assert [r["trials"] for r in rows] == list(TRIAL_SETS)
+    harmful = rows[2]
+    assert harmful == {"trials": "harmful", ANY: rate_text(2, 3), "nan_inf": rate_text(1, 3),
+                       "replay": rate_text(1, 2)}  # fmt: skip
+
+
+def test_a_detector_name_inside_another_is_not_credited():
+    table = trials({"fired": True, "effect": "harmful", "detected": True,
+                    "detectors": "replay;titan_replay", "detected_by": "titan_replay"})  # fmt: skip
+    counts = catch_counts(table)["harmful"]
+    assert counts == {ANY: (1, 1), "replay": (0, 1), "titan_replay": (1, 1)}
+
+
+def test_false_positives_count_clean_trials_where_each_detector_ran():
+    assert false_positive_counts(TABLE) == {"nan_inf": (0, 2), "replay": (1, 1)}
+    assert false_positives(TABLE) == [
+        {"detector": "nan_inf", "clean trials with an alert": rate_text(0, 2)},
+        {"detector": "replay", "clean trials with an alert": rate_text(1, 1)},
+    ]
+
+
+def test_no_fired_trials_give_empty_counts():
+    counts = catch_counts(trials({"site": "none", "detectors": "nan_inf"}))
+    assert counts["all fired"] == {ANY: (0, 0), "nan_inf": (0, 0)}
+    assert catch_rates(trials({"site": "none", "detectors": "nan_inf"}))[0][ANY] == "n=0"
+
+
+# intervals: check_intervals and detect_steps
+
+
+def test_pairs_reads_name_equals_value_lists():
+    assert pairs("replay=5;weight_consensus=10") == {"replay": 5, "weight_consensus": 10}
+    assert pairs("replay=0") == {"replay": 0}
+
+
+@pytest.mark.parametrize("blank", ["", math.nan, None])
+def test_pairs_of_a_blank_is_empty(blank):
+    assert pairs(blank) == {}
+
+
+def test_interval_outcomes_one_row_per_fired_trial_and_periodic_check():
+    table = trials(
+        {"fired": True, "inject_step": 3, "persistence": "transient",
+         "check_intervals": "replay=5;weight_consensus=10", "detect_steps": "replay=5"},
+        {"fired": True, "inject_step": 2, "persistence": "permanent",
+         "check_intervals": "replay=2", "detect_steps": "nan_inf=2;replay=4"},
+        {"fired": False, "inject_step": "", "check_intervals": "replay=5"},
+        {"fired": True, "inject_step": 1, "check_intervals": "", "detect_steps": "nan_inf=1"},
+    )  # fmt: skip
+    got = interval_outcomes(table)
+    assert list(got.columns) == INTERVAL_COLUMNS
+    rows = [tuple(r) for r in got.itertuples(index=False)]
+    assert rows[0] == ("replay", 5, "transient", True, 2)
+    assert rows[1][:4] == ("weight_consensus", 10, "transient", False)
+    assert math.isnan(rows[1][4])
+    assert rows[2] == ("replay", 2, "permanent", True, 2)
+    assert len(rows) == 3
