@@ -45,7 +45,10 @@ def wilson(k: int, n: int) -> tuple[float, float]:
     denom = 1 + Z95**2 / n
     center = (p + Z95**2 / (2 * n)) / denom
     half = Z95 * math.sqrt(p * (1 - p) / n + Z95**2 / (4 * n * n)) / denom
-    return (max(0.0, center - half), min(1.0, center + half))
+    # At k = 0 (or n) the bound is exactly 0 (or 1); center -/+ half rounds a step off it.
+    low = 0.0 if k == 0 else max(0.0, center - half)
+    high = 1.0 if k == n else min(1.0, center + half)
+    return (low, high)
 
 
 def blind_spot(harmful: Counts) -> bool:
@@ -112,7 +115,8 @@ def markdown_table(rows: list[dict[str, object]]) -> str:
         return "_none_\n"
     cols = list(rows[0])
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
+    # A `|` inside a cell (a warning's text, an override) would end the cell.
+    lines += ["| " + " | ".join(str(r[c]).replace("|", "\\|") for c in cols) + " |" for r in rows]
     return "\n".join(lines) + "\n"
 
 

@@ -34,16 +34,23 @@ def int_list(key: str, value: Any, low: int, high: int) -> tuple[int, ...]:
     items = [value] if isinstance(value, int | str) else value
     if not isinstance(items, list | tuple) or not items:
         raise ConfigError(key, f"'{value}' must be a non-empty list of integers in {low}..{high}")
-    expanded = []
+    found: set[int] = set()
     for i, item in enumerate(items):
+        # Errors name the user's item, even after ranges before it expanded.
         if isinstance(item, str):
+            parts = item.split(":")
             try:
-                expanded += list(range(*(int(part) for part in item.split(":"))))
+                if not 2 <= len(parts) <= 3:
+                    raise ValueError
+                span = range(*(int(part) for part in parts))
             except (TypeError, ValueError):
                 raise ConfigError(f"{key}[{i}]", f"'{item}' is not a range A:B or A:B:S") from None
+            if not span:
+                raise ConfigError(f"{key}[{i}]", f"'{item}' is an empty range")
+            found.update(integer(f"{key}[{i}]", v, low, high) for v in span)
         else:
-            expanded.append(item)
-    return tuple(sorted({integer(f"{key}[{i}]", v, low, high) for i, v in enumerate(expanded)}))
+            found.add(integer(f"{key}[{i}]", item, low, high))
+    return tuple(sorted(found))
 
 
 def known_keys(prefix: str, raw: dict[str, Any], known: list[str]) -> None:

@@ -83,11 +83,6 @@ def test_wilson_stays_in_the_unit_interval_around_the_rate():
             assert lo - 1e-15 <= k / n <= hi + 1e-15
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: center - half rounds to 6.9e-18 for 0/50 and center + half to 1 - 1.1e-16 for "
-    "10/10, so the interval excludes the observed rate 0 (or 1)",
-)
 @pytest.mark.parametrize(("k", "n"), [(0, 50), (10, 10)])
 def test_wilson_of_all_or_nothing_reaches_zero_or_one_exactly(k, n):
     lo, hi = wilson(k, n)
@@ -270,3 +265,8 @@ def test_interval_outcomes_one_row_per_fired_trial_and_periodic_check():
     assert math.isnan(rows[1][4])
     assert rows[2] == ("replay", 2, "permanent", True, 2)
     assert len(rows) == 3
+
+
+def test_markdown_table_escapes_a_bar_inside_a_cell():
+    table = markdown_table([{"check": "replay", "overrides": "a|b"}])
+    assert table.splitlines()[2] == "| replay | a\\|b |"

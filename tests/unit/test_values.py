@@ -157,31 +157,17 @@ def test_int_list_range_must_fit_the_bounds():
         int_list("k", "5:12", 0, 10)
 
 
-@pytest.mark.xfail(
-    strict=True, reason="bug: an empty range ('5:1') passes as an empty list of integers"
-)
 def test_int_list_rejects_a_range_that_is_empty():
     with pytest.raises(ConfigError):
         int_list("fault.steps", "5:1", 0, 10)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: a plain numeric string '5' is read as range(5), i.e. 0..4, not as step 5",
-)
-def test_int_list_does_not_read_a_numeric_string_as_range_from_zero():
-    try:
-        result = int_list("fault.steps", "5", 0, 10)
-    except ConfigError:
-        return
-    assert result == (5,)
+def test_int_list_refuses_a_string_that_is_not_a_range():
+    """A quoted "5" is neither step 5 nor range(5): the key names it as no range."""
+    error = _error(int_list, "fault.steps", "5", 0, 10)
+    assert (error.key, error.message) == ("fault.steps[0]", "'5' is not a range A:B or A:B:S")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: after a range expands, the error's index counts expanded items, not the "
-    "user's items (k[3] for the second item)",
-)
 def test_int_list_error_index_names_the_users_item_after_a_range():
     error = _error(int_list, "k", ["0:3", 99], 0, 10)
     assert error.key == "k[1]"
