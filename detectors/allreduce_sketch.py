@@ -76,6 +76,7 @@ from dataclasses import dataclass
 import torch
 
 from harness.core.checks import CheckConfig
+from harness.core.events import Sensitivity
 from harness.core.values import fraction
 from harness.runtime.plugins import Bucket, Detector, DetectorContext, EventLog
 
@@ -261,8 +262,8 @@ class AllreduceSketch(Detector):
         if step == 0:
             # The smallest change of one element this check can see, next to the gradient norm.
             def sensitivity(values: list[float]) -> None:
-                self._log.emit("sensitivity", step=step, detector=self.name, bucket=index,
-                               bound=values[0], grad_norm=values[1])  # fmt: skip
+                self._log.emit(Sensitivity(step=step, detector=self.name, bucket=index,
+                                           bound=values[0], grad_norm=values[1]))  # fmt: skip
 
             norm = bucket.buffer.float().norm().double()
             verified = ~(wrong.any() | changed)  # what the bound applies to

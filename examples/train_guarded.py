@@ -228,8 +228,8 @@ def main() -> None:
             exit_code = exc.exit_code
 
     keys = ("step", "detector", "phase", "suspect_ranks", "rank")
-    mine = [{k: a[k] for k in keys} for a in (guard.alerts if guard else [])]
-    mine += [{"warning": w["what"], "step": w["step"], "rank": w["rank"]}
+    mine = [{k: getattr(a, k) for k in keys} for a in (guard.alerts if guard else [])]
+    mine += [{"warning": w.what, "step": w.step, "rank": w.rank}
              for w in (guard.warnings if guard else [])]  # fmt: skip
     every: list[list[dict]] = [[] for _ in range(dist.get_world_size())]
     dist.all_gather_object(every, mine)

@@ -63,6 +63,7 @@ from harness.config.faults import fault_config
 from harness.config.load import detector_configs
 from harness.config.schema import FaultConfig, TopologyConfig
 from harness.core.checks import CheckConfig
+from harness.core.events import Alert, CheckWarning, Inject, of
 from harness.core.values import choice
 from harness.results.schema import PHASE_ORDER
 from harness.runtime import checkpoint, comm
@@ -83,17 +84,17 @@ QUARANTINE = "quarantine.json"
 class SDCAlarm(RuntimeError):
     """A check in act mode found silent data corruption; every rank raises it together."""
 
-    def __init__(self, alerts: list[dict[str, Any]], machines: list[str], first_suspect: int):
+    def __init__(self, alerts: list[Alert], machines: list[str], first_suspect: int):
         first = alerts[0]
-        self.detector = first["detector"]
-        self.step = first["step"]
-        self.phase = first["phase"]
+        self.detector = first.detector
+        self.step = first.step
+        self.phase = first.phase
         # One check's alerts at one step, from every rank: a wrong reduction alarms everyone.
-        self.suspect_ranks = sorted({r for a in alerts for r in a["suspect_ranks"]})
-        self.suspect_nodes = sorted({n for a in alerts for n in a["suspect_nodes"]})
+        self.suspect_ranks = sorted({r for a in alerts for r in a.suspect_ranks})
+        self.suspect_nodes = sorted({n for a in alerts for n in a.suspect_nodes})
         self.suspect_machines = sorted({machines[r] for r in self.suspect_ranks})
         self.first_suspect_step = first_suspect
-        self.evidence = first["evidence"]
+        self.evidence = first.evidence
         attributed = 0 < len(self.suspect_machines) < len(set(machines))
         self.exit_code = EXIT_SUSPECT_HARDWARE if attributed else EXIT_UNATTRIBUTED
         super().__init__(
@@ -162,20 +163,20 @@ class Guard:
         return self.state.step
 
     @property
-    def alerts(self) -> list[dict[str, Any]]:
-        """Every alert this rank raised, observe or act."""
+    def alerts(self) -> list[Alert]:
+        """Every alert this rank raised, observe or act (harness.core.events.Alert)."""
         self.bus.resolve()
-        return [e for e in self.log.events if e["kind"] == "alert"]
+        return of(Alert, self.log.events)
 
     @property
-    def warnings(self) -> list[dict[str, Any]]:
+    def warnings(self) -> list[CheckWarning]:
         """What a check could not judge on this rank (replay: "not deterministic")."""
         self.bus.resolve()
-        return [e for e in self.log.events if e["kind"] == "warning"]
+        return of(CheckWarning, self.log.events)
 
     @property
-    def injections(self) -> list[dict[str, Any]]:
-        return [e for e in self.log.events if e["kind"] == "inject"]
+    def injections(self) -> list[Inject]:
+        return of(Inject, self.log.events)
 
     def audit_batch(self, batch: Any) -> None:
         """The micro-batch this rank is about to train on (tensors in plain containers), for
@@ -242,22 +243,22 @@ class Guard:
         if self.mode != "act":
             return
         fresh, self._seen = self.log.events[self._seen :], len(self.log.events)
-        mine = [e for e in fresh if e["kind"] == "alert"] if self.bus.stopper() else []
+        mine = of(Alert, fresh) if self.bus.stopper() else []
         flag = torch.tensor([1.0 if mine else 0.0], device=self.info.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if not self.bus.verdicts.read(flag)[0]:
             return
-        gathered: list[list[dict[str, Any]]] = [[] for _ in range(self.info.world_size)]
+        gathered: list[list[Alert]] = [[] for _ in range(self.info.world_size)]
         dist.all_gather_object(gathered, mine)
         found = sorted(
             (a for alerts in gathered for a in alerts),
-            key=lambda a: (a["step"], PHASE_ORDER[a["phase"]], a["time"]),
+            key=lambda a: (a.step, PHASE_ORDER[a.phase], a.time),
         )
         first = found[0]
-        key = (first["step"], first["detector"])
-        same = [a for a in found if (a["step"], a["detector"]) == key]
-        since = registry.detector_class(first["detector"]).first_suspect_step(
-            self.checks[first["detector"]], first["step"], self.checkpointed.__contains__
+        key = (first.step, first.detector)
+        same = [a for a in found if (a.step, a.detector) == key]
+        since = registry.detector_class(first.detector).first_suspect_step(
+            self.checks[first.detector], first.step, self.checkpointed.__contains__
         )
         self.alarm = SDCAlarm(same, self.machines, since)
         if self.folder is not None and self.info.rank == 0:

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from harness.core.events import ContributionInject, ElementInject
 from harness.runtime.plugins import Bucket, EventLog, Plugin, RankInfo, matches
 from injectors import bits, model_class, sites
 
@@ -204,24 +205,23 @@ class FaultInjector(Plugin):
         touched: list[int] | None,
     ) -> None:
         new_bits = bits.to_hex(flat, index)
-        extra = {"phase": self.fault.phase} if self.fault.site == "matmul" else {}
-        if self.group is not None:
-            extra["group"] = list(self.group)
         self.log.emit(
-            "inject",
-            step=step,
-            site=self.fault.site,
-            model=self.fault.model,
-            tensor=name,
-            index=index,
-            bit=touched[0] if touched else None,
-            bits=touched,
-            old=sites.number(old),
-            new=sites.number(float(flat[index])),
-            old_bits=old_bits,
-            new_bits=new_bits,
-            fired=old_bits != new_bits,
-            **extra,
+            ElementInject(
+                step=step,
+                site=self.fault.site,
+                model=self.fault.model,
+                tensor=name,
+                index=index,
+                bit=touched[0] if touched else None,
+                bits=touched,
+                old=sites.number(old),
+                new=sites.number(float(flat[index])),
+                old_bits=old_bits,
+                new_bits=new_bits,
+                fired=old_bits != new_bits,
+                phase=self.fault.phase if self.fault.site == "matmul" else None,
+                group=None if self.group is None else list(self.group),
+            )
         )
 
     def _replaced(self, step: int, name: str, value: torch.Tensor) -> torch.Tensor | None:
@@ -307,14 +307,13 @@ class FaultInjector(Plugin):
             if self.model.contribute(parts, self.previous.get(index)) is not None:
                 new = torch.cat([p.reshape(-1) for p in parts])
                 changed = int((old != new).sum() - (old.isnan() & new.isnan()).sum())
-                extra = {} if self.group is None else {"group": list(self.group)}
-                self.log.emit(
-                    "inject", step=step, site=self.fault.site, model=self.fault.model,
-                    tensor=f"bucket{index}", bucket=index, index=None, bit=None, bits=None,
-                    elements=old.numel(), changed=changed, riders=True,
+                self.log.emit(ContributionInject(
+                    step=step, site=self.fault.site, model=self.fault.model,
+                    tensor=f"bucket{index}", bucket=index, elements=old.numel(), changed=changed,
                     old_norm=float(old.double().norm()), new_norm=float(new.double().norm()),
-                    from_step=step - 1 if stale else None, fired=changed > 0, **extra,
-                )  # fmt: skip
+                    from_step=step - 1 if stale else None, fired=changed > 0,
+                    group=None if self.group is None else list(self.group),
+                ))  # fmt: skip
 
     def _remember(self, step: int, index: int, parts: list[torch.Tensor]) -> None:
         """Keep this step's genuine contribution; the one of the step before becomes

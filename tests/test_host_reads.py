@@ -13,6 +13,7 @@ import torch
 
 from detectors import allreduce_sketch, grad_stats, nan_inf, spiky_loss
 from harness.config.schema import FaultConfig, TrialSpec
+from harness.core.events import Alert, HostReads, of
 from harness.launch.world import World
 from harness.runtime.plugins import Bucket, DetectorContext, EventLog, RankInfo
 from harness.runtime.workloads import Workload
@@ -49,8 +50,8 @@ def test_act_mode_reads_the_verdicts_once_a_step_and_at_a_checkpoint_once_more(w
         for step, reads in enumerate(part.host_reads):
             # The stop point's read; a checkpoint's own stop point reads the approval with it.
             assert reads == (2 if step in CHECKPOINT_STEPS else 1), (part.rank, step, reads)
-        (summary,) = [e for e in part.events if e["kind"] == "host_reads"]
-        assert summary["most_in_a_step"] == 2 and summary["total"] == sum(part.host_reads)
+        (summary,) = of(HostReads, part.events)
+        assert summary.most_in_a_step == 2 and summary.total == sum(part.host_reads)
 
 
 def test_observe_mode_reads_nothing_between_checkpoints(world):
@@ -67,10 +68,10 @@ def test_a_deferred_verdict_still_stops_every_rank_in_its_step_in_bfloat16(world
     assert {p.stopped_step for p in parts} == {3}
     # Every rank receives the NaN; only rank 1 held it before the collective.
     assert [p.stopped_by for p in parts] == ["nan_inf"] * 3
-    phases = [{e["phase"] for e in p.events if e["kind"] == "alert"} for p in parts]
+    phases = [{e.phase for e in of(Alert, p.events)} for p in parts]
     assert phases == [{"post_allreduce"}, {"pre_allreduce", "post_allreduce"}, {"post_allreduce"}]
-    (local,) = [e for e in parts[1].events if e.get("phase") == "pre_allreduce"]
-    assert local["step"] == 3 and local["evidence"]["value"] == "nan"
+    (local,) = [e for e in of(Alert, parts[1].events) if e.phase == "pre_allreduce"]
+    assert local.step == 3 and local.evidence["value"] == "nan"
     # Steps before the fault read once each; the alarm's explanation costs its own reads.
     assert parts[0].host_reads[:3] == [1, 1, 2]
 

@@ -190,7 +190,7 @@ def test_largest_selects_the_largest_magnitudes_across_the_matched_tensors():
     )
     log = EventLog(0, 0)
     FaultInjector(fault, 0, RankInfo(0, 1, 1), log, model).on_update(0, model)
-    hit = sorted((e["tensor"], e["index"], e["old"]) for e in log.events)
+    hit = sorted((e.tensor, e.index, e.old) for e in log.events)
     assert hit == [("0.bias", 3, 8.0), ("0.weight", 9, 7.0), ("1.weight", 7, -9.0)]
     assert model[1].weight[1, 3] == 0 and model[0].bias[3] == 0
 
@@ -215,7 +215,7 @@ def _published_example(rank: int, store: str, results) -> None:
     ddp.register_comm_hook(HookState(bus, w, 3), comm_hook)
     grad = (0.20, 0.40, 0.30)[rank]
     ddp(torch.tensor([[grad]])).sum().backward()
-    results.put((rank, float(w.weight.grad), [e["new"] for e in log.events]))
+    results.put((rank, float(w.weight.grad), [e.new for e in log.events]))
     dist.barrier()
     dist.destroy_process_group()
 

@@ -8,6 +8,7 @@ import pytest
 
 from harness.analysis.tables import bit_class, wilson
 from harness.config.schema import FaultConfig, TrialSpec
+from harness.core.events import Alert, Checkpoint, ElementInject
 from harness.results.judgement import Golden, noise_band, trial_row
 from harness.results.schema import RankResult
 from tests.conftest import compose_run
@@ -22,22 +23,25 @@ def _part(rank, events=(), loss=1.0, digest="g", finite=True):
     )
 
 
-def _inject(rank, step, t=10.0):
-    return {"kind": "inject", "rank": rank, "step": step, "fired": True, "time": t, "bit": None}
+def _inject(rank, step, t=10.0, fired=True):
+    return ElementInject(
+        rank=rank, node=rank, time=t, step=step, site="grad", model="value", tensor="w",
+        index=0, bit=None, bits=None, old=1.0, new="nan", old_bits="", new_bits="", fired=fired,
+    )  # fmt: skip
 
 
 def _alert(rank, step, phase, suspects, t=11.0, detector="d"):
-    return {
-        "kind": "alert",
-        "rank": rank,
-        "step": step,
-        "phase": phase,
-        "detector": detector,
-        "suspect_ranks": suspects,
-        "suspect_nodes": suspects,
-        "evidence": {},
-        "time": t,
-    }
+    return Alert(
+        rank=rank,
+        node=rank,
+        time=t,
+        step=step,
+        phase=phase,
+        detector=detector,
+        suspect_ranks=suspects,
+        suspect_nodes=suspects,
+        evidence={},
+    )
 
 
 def _row(fault, parts, crash=None, band=0.1):
@@ -75,7 +79,7 @@ def test_a_gradient_fault_caught_a_step_late_is_not_contained():
 
 
 def test_a_checkpoint_between_injection_and_alert_breaks_containment():
-    checkpoint = {"kind": "checkpoint", "rank": 0, "step": 4, "time": 12.0}
+    checkpoint = Checkpoint(rank=0, node=0, step=4, time=12.0, path="step_000004.pt")
     late = [
         _part(0, [checkpoint]),
         _part(1),
@@ -120,7 +124,7 @@ def test_damaged_state_inside_the_band_is_latent_not_benign():
 
 
 def test_an_injection_that_changed_nothing_has_not_fired():
-    quiet = {**_inject(1, 3), "fired": False}
+    quiet = _inject(1, 3, fired=False)
     row = _row(GRAD_NAN, [_part(0), _part(1, [quiet]), _part(2), _part(3)])
     assert row["fired"] is False and row["detected"] is False and row["contained"] == ""
 

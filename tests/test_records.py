@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from harness.core.events import Crash
 from harness.results.judgement import Golden
 from harness.results.records import Records
 from harness.results.schema import COLUMNS
@@ -17,7 +18,7 @@ def _row(trial_id):
 
 def test_resume_drops_a_torn_row_and_the_events_of_unfinished_trials(tmp_path):
     records = Records(tmp_path)
-    records.add_trial(_row("a"), [{"trial_id": "a", "kind": "inject"}])
+    records.add_trial(_row("a"), [Crash(trial_id="a", cause="hung", time=0.0)])
     records.add_golden(Golden(0, 1.0, "d"))
     with open(records.events, "a") as f:
         f.write('{"trial_id": "b", "kind": "inject"}\n{"trial_id": "b", "ki')
@@ -26,7 +27,7 @@ def test_resume_drops_a_torn_row_and_the_events_of_unfinished_trials(tmp_path):
     assert Records(tmp_path).resume() == {"a"}
     assert records.trials.read_text().count("\n") == 2
     assert [line for line in records.events.read_text().splitlines()] == [
-        '{"trial_id": "a", "kind": "inject"}'
+        '{"trial_id": "a", "kind": "crash", "cause": "hung", "time": 0.0}'
     ]
     assert records.goldens() == {0: Golden(0, 1.0, "d")}
 

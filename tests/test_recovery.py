@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from harness.campaign.recovery import restore_point
+from harness.core.events import CorruptCheckpoint
 from harness.runtime import checkpoint
 from tests.conftest import events, rows
 
@@ -123,10 +124,10 @@ def test_a_corrupted_checkpoint_is_detected_and_an_older_verified_one_is_used(tm
     data = bytearray(newest.read_bytes())
     data[len(data) // 2] ^= 0x10
     newest.write_bytes(bytes(data))
-    log: list[dict] = []
+    log: list[CorruptCheckpoint] = []
     step, path = restore_point(tmp_path, 6, log)
     assert step == 3 and torch.equal(checkpoint.load(tmp_path / path)["w"], torch.full((4,), 3.0))
-    assert [e["kind"] for e in log] == ["corrupt_checkpoint"] and log[0]["step"] == 5
+    assert [type(e) for e in log] == [CorruptCheckpoint] and log[0].step == 5
     assert restore_point(tmp_path, 3, []) == (1, str(tmp_path / "step_000001.pt"))
 
 

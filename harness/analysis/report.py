@@ -36,6 +36,7 @@ from harness.analysis.tables import (
     sees_and_misses,
     wilson,
 )
+from harness.core.events import Sensitivity, from_record, of, to_record
 from harness.results import machine
 from harness.results.folder import EVENTS_FILE
 
@@ -107,10 +108,10 @@ def sensitivity(dirs: list[Path]) -> str:
     for d in dirs:
         for path in d.rglob(EVENTS_FILE):
             with open(path, encoding="utf-8") as f:
-                found += [e for e in map(json.loads, f) if e["kind"] == "sensitivity"]
+                found += of(Sensitivity, (from_record(json.loads(line)) for line in f))
     if not found:
         return ""
-    frame = pd.DataFrame(found)
+    frame = pd.DataFrame([to_record(e) for e in found])
     frame["relative"] = frame["bound"] / frame["grad_norm"]
     lines = [
         "## Sensitivity\n",

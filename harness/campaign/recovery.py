@@ -19,10 +19,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
 
 import detectors
 from harness.config.schema import RunConfig, Segment, TrialSpec
+from harness.core.events import CorruptCheckpoint, Event, Locate, Retry, TrialAlert
 from harness.results.folder import RunFolder
 from harness.results.judgement import merge_alerts
 from harness.results.schema import TrialResult
@@ -81,7 +81,7 @@ def first_suspect_step(run: RunConfig, spec: TrialSpec, detector: str, stop_step
     )
 
 
-def restore_point(store: Path, before: int, log: list[dict[str, Any]]) -> tuple[int, str]:
+def restore_point(store: Path, before: int, log: list[Event]) -> tuple[int, str]:
     """The newest checkpoint saved before step `before` whose checksum verifies; (-1, "") means
     start over from the initial weights."""
     for step, path in reversed(checkpoint.saved(store)):
@@ -89,9 +89,7 @@ def restore_point(store: Path, before: int, log: list[dict[str, Any]]) -> tuple[
             continue
         if checkpoint.verify(path):
             return step, str(path)
-        log.append(
-            {"kind": "corrupt_checkpoint", "step": step, "path": str(path), "time": time.time()}
-        )
+        log.append(CorruptCheckpoint(step=step, path=str(path), time=time.time()))
     return -1, ""
 
 
@@ -125,20 +123,16 @@ def run_with_recovery(
             break
         segment = len(history)
         alerts = [
-            a
-            for a in merge_alerts([e for p in outcome.parts for e in p.events])
-            if a["step"] == stop
+            a for a in merge_alerts([e for p in outcome.parts for e in p.events]) if a.step == stop
         ]
-        extra_events += [dict(e, segment=segment) for p in outcome.parts for e in p.events]
+        extra_events += [replace(e, segment=segment) for p in outcome.parts for e in p.events]
         suspects = sorted({machines.node_of(r) for r in _suspect_ranks(outcome, alerts, stop)})
         history.append((stop, tuple(suspects)))
         if len(history) > run.recovery.max_recoveries:
             verdict = _verdict(history)
             break
         first = (
-            min(first_suspect_step(run, spec, a["detector"], stop) for a in alerts)
-            if alerts
-            else stop
+            min(first_suspect_step(run, spec, a.detector, stop) for a in alerts) if alerts else stop
         )
         restore, path = restore_point(store, first, extra_events)
         for node in suspects:
@@ -178,21 +172,21 @@ def run_with_recovery(
 def _retried(outcome: TrialResult, stop: int | None) -> list[int]:
     """The steps whose reduction the trainer re-ran and that then went on: a retry at the step
     the segment stopped at did not get the run back (the repeat was wrong too)."""
-    steps = {e["step"] for p in outcome.parts or [] for e in p.events if e["kind"] == "retry"}
+    steps = {e.step for p in outcome.parts or [] for e in p.events if isinstance(e, Retry)}
     return sorted(s for s in steps if s != stop)
 
 
-def _suspect_ranks(outcome: TrialResult, alerts: list[dict[str, Any]], stop: int) -> set[int]:
+def _suspect_ranks(outcome: TrialResult, alerts: list[TrialAlert], stop: int) -> set[int]:
     """The ranks a stop at step `stop` suspects: the node that sub-group reductions located
     when a repeated reduction fault named none (harness/runtime/locate.py), else every alert's."""
     located = {
         r
         for p in outcome.parts
         for e in p.events
-        if e["kind"] == "locate" and e["step"] == stop
-        for r in e["suspect_ranks"]
+        if isinstance(e, Locate) and e.step == stop
+        for r in e.suspect_ranks
     }
-    return located or {r for a in alerts for r in a["suspect_ranks"]}
+    return located or {r for a in alerts for r in a.suspect_ranks}
 
 
 def _verdict(history: list[tuple[int, tuple[int, ...]]]) -> str:

@@ -8,10 +8,11 @@ from __future__ import annotations
 import math
 import statistics
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from harness.config.schema import FaultConfig, RunConfig, TrialSpec
+from harness.core.events import Alert, Checkpoint, CheckWarning, Crash, Event, Inject, TrialAlert
 from harness.results.schema import PHASE_ORDER, RankResult
 
 # Faults that enter the gradient of their own step: containing them means alerting before
@@ -42,29 +43,32 @@ def golden_from(spec: TrialSpec, parts: list[RankResult]) -> Golden:
     return Golden(spec.seed, parts[0].final_loss, digests.pop())
 
 
-def merge_alerts(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One alert per (step, detector, phase), its suspects the union over the ranks that raised it,
-    ordered as they happened in the step."""
-    merged: dict[tuple, dict[str, Any]] = {}
+def merge_alerts(events: list[Event]) -> list[TrialAlert]:
+    """One alert per (step, detector, phase) (a `trial_alert`), its suspects the union over the
+    ranks that raised it, ordered as they happened in the step."""
+    groups: dict[tuple, list[Alert]] = {}
     for e in events:
-        if e["kind"] != "alert":
-            continue
-        key = (e["step"], e["detector"], e["phase"])
-        alert = merged.setdefault(
-            key, {**e, "suspect_ranks": set(), "suspect_nodes": set(), "raised_by": set()}
+        if isinstance(e, Alert):
+            groups.setdefault((e.step, e.detector, e.phase), []).append(e)
+    merged = [
+        TrialAlert(
+            step=step,
+            detector=detector,
+            phase=phase,
+            time=min(a.time for a in alerts),
+            evidence=alerts[0].evidence,
+            suspect_ranks=sorted({r for a in alerts for r in a.suspect_ranks}),
+            suspect_nodes=sorted({n for a in alerts for n in a.suspect_nodes}),
+            raised_by=sorted({a.rank for a in alerts}),
         )
-        alert["suspect_ranks"] |= set(e["suspect_ranks"])
-        alert["suspect_nodes"] |= set(e["suspect_nodes"])
-        alert["raised_by"].add(e["rank"])
-        alert["time"] = min(alert["time"], e["time"])
-    return sorted(
-        merged.values(), key=lambda a: (a["step"], PHASE_ORDER[a["phase"]], a["detector"])
-    )
+        for (step, detector, phase), alerts in groups.items()
+    ]
+    return sorted(merged, key=lambda a: (a.step, PHASE_ORDER[a.phase], a.detector))
 
 
-def _bit(fault: FaultConfig, injections: list[dict[str, Any]]) -> int | str:
+def _bit(fault: FaultConfig, injections: list[Inject]) -> int | str:
     """The bit actually flipped when it was one; else the configured bit, class or blank."""
-    flipped = {e["bit"] for e in injections}
+    flipped = {e.bit for e in injections}
     if len(flipped) == 1 and None not in flipped:
         return flipped.pop()
     return "" if fault.bit is None else fault.bit
@@ -103,16 +107,16 @@ def trial_row(
     a check stopped this trial."""
     judged = judged or Judged(parts, crash)
     fault: FaultConfig = spec.fault
-    events = [e for p in parts or [] for e in p.events]
-    events.sort(key=lambda e: (e.get("step", -1), e["time"]))
-    injections = [e for e in events if e["kind"] == "inject" and e["fired"]]
+    events: list[Event] = [e for p in parts or [] for e in p.events]
+    events.sort(key=lambda e: (getattr(e, "step", -1), e.time))
+    injections = [e for e in events if isinstance(e, Inject) and e.fired]
     alerts = merge_alerts(events)
-    checkpoints = sorted({e["step"] for e in events if e["kind"] == "checkpoint"})
+    checkpoints = sorted({e.step for e in events if isinstance(e, Checkpoint)})
 
     fired = bool(injections)
-    inject_step = min((e["step"] for e in injections), default=None)
-    injected_ranks = {e["rank"] for e in injections}
-    caught = [a for a in alerts if fired and a["step"] >= inject_step]
+    inject_step = min((e.step for e in injections), default=None)
+    injected_ranks = {e.rank for e in injections}
+    caught = [a for a in alerts if fired and a.step >= inject_step]
     first = caught[0] if caught else None
 
     final_loss = worst_loss(parts)
@@ -136,14 +140,14 @@ def trial_row(
         "injected_ranks": _join(injected_ranks),
         "effect": classify(fault, judged.parts, judged.crash, golden, band),
         "detected": bool(first),
-        "first_detector": first["detector"] if first else "",
-        "detect_step": first["step"] if first else "",
-        "ttd_steps": first["step"] - inject_step if first else "",
-        "ttd_seconds": first["time"] - min(e["time"] for e in injections) if first else "",
+        "first_detector": first.detector if first else "",
+        "detect_step": first.step if first else "",
+        "ttd_steps": first.step - inject_step if first else "",
+        "ttd_seconds": first.time - min(e.time for e in injections) if first else "",
         "contained": contained(fault, inject_step, first, checkpoints) if fired else "",
         "alerts": len(alerts),
-        "suspect_ranks": _join(first["suspect_ranks"]) if first else "",
-        "suspect_nodes": _join(first["suspect_nodes"]) if first else "",
+        "suspect_ranks": _join(first.suspect_ranks) if first else "",
+        "suspect_nodes": _join(first.suspect_nodes) if first else "",
         "attribution_correct": attribution(first, injected_ranks, run) if first else "",
         "recovered": recovery["recovered"] if recovery else "",
         "final_loss": _blank_if_nan(final_loss),
@@ -152,8 +156,8 @@ def trial_row(
         "step_time_s": step_time(parts),
         "campaign": run.campaign,
         "detectors": _join(run.detectors),
-        "detected_by": _join({a["detector"] for a in caught}),
-        "alert_detectors": _join({a["detector"] for a in alerts}),
+        "detected_by": _join({a.detector for a in caught}),
+        "alert_detectors": _join({a.detector for a in alerts}),
         "fault_ranks": _join(fault.ranks),
         "fault_steps": _join(fault.steps),
         "golden_match": golden_match,
@@ -181,31 +185,22 @@ def trial_row(
         ),
         # What a check could not judge (replay: "not deterministic"), never counted as alerts.
         "warnings": _join(
-            {f"{e['detector']}: {e['what']}" for e in events if e["kind"] == "warning"}
+            {f"{e.detector}: {e.what}" for e in events if isinstance(e, CheckWarning)}
         ),
     }
     for key in ("recoveries", "restore_step", "steps_lost", "recovery_s", "quarantined_nodes",
                 "final_nodes", "recovery_verdict"):  # fmt: skip
         row[key] = recovery[key] if recovery else ""
     if crash:
-        events.append({"kind": "crash", "cause": crash, "time": 0.0})
-    for alert in alerts:
-        events.append(
-            {
-                "kind": "trial_alert",
-                **{k: alert[k] for k in ("step", "detector", "phase", "time", "evidence")},
-                "suspect_ranks": sorted(alert["suspect_ranks"]),
-                "suspect_nodes": sorted(alert["suspect_nodes"]),
-                "raised_by": sorted(alert["raised_by"]),
-            }
-        )
-    return row, [{"trial_id": spec.trial_id, **e} for e in events]
+        events.append(Crash(cause=crash, time=0.0))
+    events += alerts
+    return row, [replace(e, trial_id=spec.trial_id) for e in events]
 
 
-def _first_alert_by_check(caught: list[dict[str, Any]]) -> dict[str, int]:
+def _first_alert_by_check(caught: list[TrialAlert]) -> dict[str, int]:
     first: dict[str, int] = {}
     for alert in caught:
-        first.setdefault(alert["detector"], alert["step"])
+        first.setdefault(alert.detector, alert.step)
     return first
 
 
@@ -258,27 +253,27 @@ def classify(
 
 
 def contained(
-    fault: FaultConfig, inject_step: int, first: dict[str, Any] | None, checkpoints: list[int]
+    fault: FaultConfig, inject_step: int, first: TrialAlert | None, checkpoints: list[int]
 ) -> bool:
     """Alerted before any checkpoint holding the corruption and, for faults that enter the
     gradient, before the optimizer step of the injection step."""
     if first is None:
         return False
     if fault.site in GRADIENT_SITES and (
-        first["step"] != inject_step or PHASE_ORDER[first["phase"]] >= PHASE_ORDER["optimizer"]
+        first.step != inject_step or PHASE_ORDER[first.phase] >= PHASE_ORDER["optimizer"]
     ):
         return False
     # A checkpoint at step c is written after every check of step c, so it holds a corruption
     # injected at or before c, and comes after an alert raised in step c.
-    return not any(inject_step <= c < first["step"] for c in checkpoints)
+    return not any(inject_step <= c < first.step for c in checkpoints)
 
 
-def attribution(first: dict[str, Any], injected_ranks: set[int], run: RunConfig) -> bool:
+def attribution(first: TrialAlert, injected_ranks: set[int], run: RunConfig) -> bool:
     """The suspect set names the injected ranks (or their nodes) and nothing else."""
-    if first["suspect_ranks"]:
-        return first["suspect_ranks"] == injected_ranks
+    if first.suspect_ranks:
+        return set(first.suspect_ranks) == injected_ranks
     nodes = {r // run.topology.ranks_per_node for r in injected_ranks}
-    return bool(first["suspect_nodes"]) and first["suspect_nodes"] == nodes
+    return bool(first.suspect_nodes) and set(first.suspect_nodes) == nodes
 
 
 def divergent_ranks(parts: list[RankResult] | None) -> list[int]:

@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from harness.core.events import Event, to_record
 from harness.results.folder import RunFolder
 from harness.results.judgement import Golden
 from harness.results.schema import COLUMNS
@@ -77,9 +78,10 @@ class Records:
     def add_golden(self, golden: Golden) -> None:
         _append_lines(self.golden_file, json.dumps(golden.__dict__) + "\n")
 
-    def add_trial(self, row: dict[str, Any], events: list[dict[str, Any]]) -> None:
+    def add_trial(self, row: dict[str, Any], events: list[Event]) -> None:
         if events:
-            _append_lines(self.events, "".join(json.dumps(e) + "\n" for e in events))
+            lines = "".join(json.dumps(to_record(e)) + "\n" for e in events)
+            _append_lines(self.events, lines)
         fresh = not self.trials.exists() or self.trials.stat().st_size == 0
         header = _csv_line(COLUMNS) if fresh else ""
         _append_lines(self.trials, header + _csv_line([row[c] for c in COLUMNS]))

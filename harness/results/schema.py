@@ -1,14 +1,16 @@
 """What a run leaves behind, as the rest of the harness and every reader of its tables see it:
 the step's phases that events name, what each rank reports about a trial, the columns of
 trials.csv and overhead.csv (docs/design.md, section 4), and the bit classes of the `bit` column.
-Analysis reads runs through this module alone; it imports neither torch nor the harness.
+Analysis reads runs through this module (and harness.core) alone; it imports neither torch nor
+the rest of the harness.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+
+from harness.core.events import Event
 
 # The step's points, in the order they happen (docs/design.md, section 3). The index orders alerts
 # within a step, which `contained` relies on.
@@ -32,7 +34,8 @@ class RankResult:
 
     trial_id: str
     rank: int
-    events: list[dict[str, Any]] = field(default_factory=list)
+    # The rank's events; the first part also holds recovery's, from the trial's earlier runs.
+    events: list[Event] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     step_times: list[float] = field(default_factory=list)
     final_loss: float = math.nan

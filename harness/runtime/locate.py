@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from harness.core.events import Locate
 from harness.runtime.comm import HookState, kept_parts, reduce_in_group
 from harness.runtime.plugins import EventLog, RankInfo
 
@@ -58,11 +59,12 @@ def faulty_node_ranks(state: HookState, step: int, info: RankInfo, log: EventLog
     node = right[0] if len(right) == 1 else None
     ranks = [r for r in range(world) if r // per_node == node]
     log.emit(
-        "locate",
-        step=step,
-        wrong_without=[n for n in range(nodes) if wrong[n]],
-        suspect_ranks=ranks,
-        suspect_nodes=[] if node is None else [node],
+        Locate(
+            step=step,
+            wrong_without=[n for n in range(nodes) if wrong[n]],
+            suspect_ranks=ranks,
+            suspect_nodes=[] if node is None else [node],
+        )
     )
     return ranks
 

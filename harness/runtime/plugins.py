@@ -11,13 +11,14 @@ from __future__ import annotations
 import fnmatch
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from harness.core.checks import CheckConfig
+from harness.core.events import Alert, CheckWarning, RankEvent
 from harness.results.schema import PHASE_ORDER
 from harness.runtime.verdicts import Pending, Verdicts
 
@@ -61,13 +62,13 @@ class EventLog:
 
     rank: int
     node: int
-    events: list[dict[str, Any]] = field(default_factory=list)
+    events: list[RankEvent] = field(default_factory=list)
     verdicts: Verdicts = field(default_factory=Verdicts)
 
-    def emit(self, kind: str, **fields: Any) -> None:
+    def emit(self, event: RankEvent) -> None:
+        """Record `event` stamped with this rank, its node and the time."""
         now = self.verdicts.clock if self.verdicts.clock is not None else time.time()
-        event = {"kind": kind, "rank": self.rank, "node": self.node, "time": now}
-        self.events.append(event | fields)
+        self.events.append(replace(event, rank=self.rank, node=self.node, time=now))
 
 
 class Plugin:
@@ -241,19 +242,20 @@ class Detector(Plugin):
         ranks = sorted(set(suspect_ranks))
         nodes = sorted({r // self.info.ranks_per_node for r in ranks})
         self._log.emit(
-            "alert",
-            step=step,
-            detector=self.name,
-            phase=phase,
-            suspect_ranks=ranks,
-            suspect_nodes=nodes,
-            evidence=evidence,
+            Alert(
+                step=step,
+                detector=self.name,
+                phase=phase,
+                suspect_ranks=ranks,
+                suspect_nodes=nodes,
+                evidence=evidence,
+            )
         )
 
     def warn(self, step: int, what: str, evidence: Any) -> None:
         """Something the check cannot judge (say, a forward that does not reproduce): recorded
         in the trial's `warnings`, never an alert, never a stop."""
-        self._log.emit("warning", step=step, detector=self.name, what=what, evidence=evidence)
+        self._log.emit(CheckWarning(step=step, detector=self.name, what=what, evidence=evidence))
 
 
 class PluginBus:

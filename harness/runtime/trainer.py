@@ -25,6 +25,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from harness.config.schema import RunConfig, TrialSpec
+from harness.core.events import Checkpoint, HostReads, Retry, Stop
 from harness.results.schema import RankResult
 from harness.runtime import checkpoint, devices, numerics, snapshots
 from harness.runtime.assembly import assemble
@@ -76,7 +77,7 @@ def _stop_point(
         state, log, info = kept
         if not retried:
             bus.clear_stops()
-            log.emit("retry", step=step, reason="every rank alarmed on the received sum")
+            log.emit(Retry(step=step, reason="every rank alarmed on the received sum"))
             retry_reduction(state, step)
             return _stop_point(bus, acting, step, result, kept, retried=True, extra=extra)
         faulty_node_ranks(state, step, info, log)
@@ -185,12 +186,12 @@ def _trained(
             result.host_reads.append(bus.host_reads - reads)
             losses.append(step_loss)
     except TrialStopped:
-        log.emit("stop", step=result.stopped_step, detector=result.stopped_by)
+        log.emit(Stop(step=result.stopped_step, detector=result.stopped_by))
 
     bus.resolve()
     result.losses = torch.stack(losses).tolist() if losses else []
     if result.host_reads:
-        log.emit("host_reads", most_in_a_step=max(result.host_reads), total=bus.host_reads)
+        log.emit(HostReads(most_in_a_step=max(result.host_reads), total=bus.host_reads))
 
     result.final_loss = workload.eval_loss(model)
     result.weights_digest = weights_digest(model)
@@ -218,4 +219,4 @@ def _checkpoint(
     path = checkpoint.step_path(folder, step)
     state = {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict()}
     checkpoint.save(path, state)
-    log.emit("checkpoint", step=step, path=str(path))
+    log.emit(Checkpoint(step=step, path=str(path)))

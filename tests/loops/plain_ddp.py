@@ -88,7 +88,7 @@ def main() -> None:
         digest.update(p.detach().numpy().tobytes())
     result = {"digest": digest.hexdigest(), "alarm": alarm}
     if args.guard:
-        result["alerts"] = [{k: a[k] for k in ("step", "detector", "suspect_ranks")}
+        result["alerts"] = [{k: getattr(a, k) for k in ("step", "detector", "suspect_ranks")}
                             for a in guard.alerts]  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank{rank}.json").write_text(json.dumps(result))
