@@ -20,7 +20,7 @@ from torch import nn
 from detectors import detector_class
 from harness.config.load import run_config
 from harness.config.schema import RunConfig
-from harness.runtime.plugins import Bucket, Detector, DetectorContext, EventLog, RankInfo
+from harness.core.plugins import Bucket, Detector, DetectorContext, EventLog, RankInfo
 from harness.runtime.workloads import Workload, WorkloadConfig
 
 # harness.cli's CONFIG_DIR, not imported from there: that would load the report's pandas and

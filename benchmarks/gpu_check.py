@@ -15,7 +15,7 @@ GPUs it is one rank per GPU (up to 4) over NCCL.
    and check, weight_consensus's fingerprints of a model) against one read pass of the same
    bytes (`torch.sum`), the device synchronised around every timing.
 3. host_reads: device-to-host reads per step of a clean trial with every check, in act mode
-   and in observe mode (harness.runtime.verdicts.Verdicts counts them).
+   and in observe mode (harness.core.verdicts.Verdicts counts them).
 
 Writes OUT/gpu_check.csv and OUT/gpu_check.md: section, workload, item, value, unit, note.
 """
@@ -38,9 +38,9 @@ from detectors import detector_class
 from detectors.fingerprint import fingerprint_words
 from harness.campaign import overhead
 from harness.config.schema import FaultConfig, RunConfig, TrialSpec
+from harness.core.plugins import Bucket, DetectorContext, EventLog, RankInfo
 from harness.launch.world import World
 from harness.runtime import devices
-from harness.runtime.plugins import Bucket, DetectorContext, EventLog, RankInfo
 from harness.runtime.workloads import Workload
 
 CHECKS = ("nan_inf", "grad_stats", "allreduce_sketch", "weight_consensus", "replay")

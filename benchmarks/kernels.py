@@ -25,7 +25,7 @@ from torch import nn
 from benchmarks.common import Rotation, bucket, detector, gpt, params_of
 from benchmarks.timing import Figure, interleaved, paired_ratio
 from detectors.fingerprint import bits_fingerprint
-from harness.runtime.plugins import Bucket
+from harness.core.plugins import Bucket
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
 # The gpt workload at width 512 and 16 layers, vocabulary 8192: about 59M parameters.

@@ -12,7 +12,7 @@ import pkgutil
 
 from harness.core import registry
 from harness.core.checks import CheckConfig
-from harness.runtime.plugins import Detector, DetectorContext, EventLog
+from harness.core.plugins import Detector, DetectorContext, EventLog
 
 
 def built_in() -> tuple[str, ...]:

@@ -77,8 +77,8 @@ import torch
 
 from harness.core.checks import CheckConfig
 from harness.core.events import Sensitivity
+from harness.core.plugins import Bucket, Detector, DetectorContext, EventLog
 from harness.core.values import fraction
-from harness.runtime.plugins import Bucket, Detector, DetectorContext, EventLog
 
 BLOCKS = 4096
 # Rows of a bucket whose BLOCKS rows would be at least STREAM_WIDTH wide: a vector-matrix product

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from harness.core.checks import CheckConfig
+from harness.core.plugins import Bucket, Detector, DetectorContext, EventLog
 from harness.core.values import above
-from harness.runtime.plugins import Bucket, Detector, DetectorContext, EventLog
 
 
 class GradStats(Detector):

@@ -24,8 +24,8 @@ import torch.distributed as dist
 from torch import nn
 
 from harness.core.checks import CheckConfig
+from harness.core.plugins import Detector
 from harness.core.values import integer
-from harness.runtime.plugins import Detector
 
 
 def sha1_table(model: nn.Module) -> torch.Tensor:

@@ -4,7 +4,7 @@ gradients after it, must be finite.
 One read pass per bucket: its smallest and largest element (`torch.aminmax`, one reduction
 without a temporary) are both finite exactly when every element is, since a NaN makes both NaN
 and an infinity becomes one of them; unlike a sum, finite elements can never overflow them. The
-verdict stays on the device (harness.runtime.verdicts.Verdicts) and only an alarm pays for the
+verdict stays on the device (harness.core.verdicts.Verdicts) and only an alarm pays for the
 closer look that names the element. No collective: each rank judges what it holds.
 
 A sum would be one pass too, but finite float32 elements above 1e31 (an exponent flip's size)
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from harness.runtime.plugins import Bucket, Detector
+from harness.core.plugins import Bucket, Detector
 
 
 def non_finite(flat: torch.Tensor) -> torch.Tensor:

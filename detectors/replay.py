@@ -39,9 +39,9 @@ from torch import nn
 
 from detectors.fingerprint import signs
 from harness.core.checks import CheckConfig
+from harness.core.plugins import Bucket, Detector, DetectorContext, EventLog
 from harness.core.values import choice, fraction, int_list, integer
 from harness.errors import ConfigError
-from harness.runtime.plugins import Bucket, Detector, DetectorContext, EventLog
 
 # Slots of the exchanged row: own loss, own projection, own norm, then the same for the replay.
 _OWN, _REPLAY = 0, 3

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from harness.core.checks import CheckConfig
+from harness.core.plugins import Detector, DetectorContext, EventLog
 from harness.core.values import above, integer
-from harness.runtime.plugins import Detector, DetectorContext, EventLog
 
 
 class SpikyLoss(Detector):

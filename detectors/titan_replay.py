@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 from harness.core.checks import CheckConfig
+from harness.core.plugins import Bucket, Detector, DetectorContext, EventLog
 from harness.core.values import integer
-from harness.runtime.plugins import Bucket, Detector, DetectorContext, EventLog
 
 
 def xor_digest(tensor: torch.Tensor) -> int:

@@ -23,9 +23,9 @@ from torch import nn
 
 from detectors.fingerprint import fingerprint_words
 from harness.core.checks import CheckConfig
+from harness.core.plugins import Detector, DetectorContext, EventLog
 from harness.core.values import flag, integer
 from harness.errors import ConfigError
-from harness.runtime.plugins import Detector, DetectorContext, EventLog
 
 
 class WeightConsensus(Detector):

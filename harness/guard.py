@@ -64,12 +64,12 @@ from harness.config.load import detector_configs
 from harness.config.schema import FaultConfig, TopologyConfig
 from harness.core.checks import CheckConfig
 from harness.core.events import Alert, CheckWarning, Inject, of
+from harness.core.phases import PHASE_ORDER
+from harness.core.plugins import DetectorContext, EventLog, RankInfo
 from harness.core.values import choice
-from harness.results.schema import PHASE_ORDER
 from harness.runtime import checkpoint, comm
 from harness.runtime.assembly import assemble
 from harness.runtime.batch_exchange import ShippedBatches
-from harness.runtime.plugins import DetectorContext, EventLog, RankInfo
 from harness.runtime.workloads import WorkloadConfig
 
 EXIT_SUSPECT_HARDWARE = 86

@@ -24,12 +24,12 @@ from harness.campaign.run import CampaignError, run_campaign
 from harness.config.load import run_config
 from harness.config.schema import RunConfig, TopologyConfig
 from harness.core import logs
+from harness.core.plugins import RankInfo
 from harness.errors import ConfigError
 from harness.launch.torchrun_world import END, STOP, TorchrunExecutor, TorchrunWorld, follow
 from harness.launch.world import init_rank
 from harness.results.folder import RunFolder
 from harness.runtime import determinism, devices, environment, numerics
-from harness.runtime.plugins import RankInfo
 
 PLAN = "plan.json"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from harness.results.schema import class_bits as format_bits
+from harness.core.formats import class_bits as format_bits
 
 _INT_VIEW = {
     torch.float64: torch.int64,

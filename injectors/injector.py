@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from harness.core.events import ContributionInject, ElementInject
-from harness.runtime.plugins import Bucket, EventLog, Plugin, RankInfo, matches
+from harness.core.plugins import Bucket, EventLog, Plugin, RankInfo, matches
 from injectors import bits, model_class, sites
 
 if TYPE_CHECKING:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from harness.runtime.plugins import matches
+from harness.core.plugins import matches
 
 if TYPE_CHECKING:
     from harness.config.schema import FaultConfig

@@ -12,7 +12,7 @@ import pytest
 
 from harness.core import events
 from harness.core.events import ContributionInject, ElementInject, from_record, to_record
-from harness.runtime.plugins import EventLog
+from harness.core.plugins import EventLog
 
 STAMP = {"rank": 1, "node": 0, "time": 2.5}
 # One record of each shape, as the code wrote them before events were classes.

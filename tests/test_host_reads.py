@@ -1,6 +1,6 @@
 """Checks keep their verdicts on the device (docs/design.md, section 6): a step reads them back
 at most once (act mode's stop point), observe mode only at checkpoint time and when the trial
-ends. Counted through the one way a check reads (harness.runtime.verdicts.Verdicts.read), on real
+ends. Counted through the one way a check reads (harness.core.verdicts.Verdicts.read), on real
 3-rank DDP over gloo; the placement of what the checks keep is shown on the `meta` device,
 where any host read or stray CPU tensor fails."""
 
@@ -14,8 +14,8 @@ import torch
 from detectors import allreduce_sketch, grad_stats, nan_inf, spiky_loss
 from harness.config.schema import FaultConfig, TrialSpec
 from harness.core.events import Alert, HostReads, of
+from harness.core.plugins import Bucket, DetectorContext, EventLog, RankInfo
 from harness.launch.world import World
-from harness.runtime.plugins import Bucket, DetectorContext, EventLog, RankInfo
 from harness.runtime.workloads import Workload
 from tests.conftest import compose_run
 

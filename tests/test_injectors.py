@@ -14,9 +14,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from harness.config.schema import FaultConfig
+from harness.core.plugins import EventLog, PluginBus, RankInfo
 from harness.errors import ConfigError
 from harness.runtime.comm import HookState, comm_hook
-from harness.runtime.plugins import EventLog, PluginBus, RankInfo
 from injectors.injector import FaultInjector
 from tests.conftest import compose_run, events, rows, sdc_bench
 

@@ -12,16 +12,15 @@ from pathlib import Path
 
 import pandas as pd
 
+from harness.core.formats import BIT_CLASSES, classify_bit
 from harness.results.folder import TRIALS_FILE
 from harness.results.schema import (
-    BIT_CLASSES,
     CONTRACT_COLUMNS,
     EXTRA_COLUMNS,
     OVERHEAD_COLUMNS,
     OVERHEAD_FILE,
     OVERHEAD_REQUIRED,
     RECOVERY_KINDS,
-    classify_bit,
     recovery_kinds,
 )
 

@@ -23,9 +23,9 @@ from harness.config.schema import (
     TopologyConfig,
     WorkloadConfig,
 )
+from harness.core.formats import BIT_CLASSES, FLOAT_FORMATS
 from harness.core.values import choice, int_list, integer, known_keys
 from harness.errors import ConfigError
-from harness.results.schema import BIT_CLASSES, FLOAT_FORMATS
 from injectors import bits, sites
 
 

@@ -30,11 +30,11 @@ from pathlib import Path
 import torch.distributed as dist
 
 from harness.config.schema import RunConfig, TopologyConfig, TrialSpec
+from harness.core.plugins import RankInfo
 from harness.launch import stacks
 from harness.launch.world import PEER_FAILURE, shutdown
 from harness.results.schema import RankResult, TrialResult
 from harness.runtime import environment
-from harness.runtime.plugins import RankInfo
 from harness.runtime.trainer import run_trial
 
 # How long rank 0 waits for the other ranks' reports once its own part of a trial failed.

@@ -33,10 +33,10 @@ import torch
 import torch.distributed as dist
 
 from harness.config.schema import RunConfig, TopologyConfig, TrialSpec
+from harness.core.plugins import RankInfo
 from harness.launch import rank_server, stacks
 from harness.results.schema import RankResult, TrialResult
 from harness.runtime import determinism, devices, environment
-from harness.runtime.plugins import RankInfo
 from harness.runtime.trainer import run_trial
 
 _POLL_S = 0.2

@@ -13,7 +13,8 @@ from typing import Any
 
 from harness.config.schema import FaultConfig, RunConfig, TrialSpec
 from harness.core.events import Alert, Checkpoint, CheckWarning, Crash, Event, Inject, TrialAlert
-from harness.results.schema import PHASE_ORDER, RankResult
+from harness.core.phases import PHASE_ORDER
+from harness.results.schema import RankResult
 
 # Faults that enter the gradient of their own step: containing them means alerting before
 # that step's optimizer update.

@@ -1,6 +1,6 @@
 """What a run leaves behind, as the rest of the harness and every reader of its tables see it:
-the step's phases that events name, what each rank reports about a trial, the columns of
-trials.csv and overhead.csv (docs/design.md, section 4), and the bit classes of the `bit` column.
+what each rank reports about a trial, and the columns of trials.csv and overhead.csv
+(docs/design.md, section 4).
 Analysis reads runs through this module (and harness.core) alone; it imports neither torch nor
 the rest of the harness.
 """
@@ -11,21 +11,6 @@ import math
 from dataclasses import dataclass, field
 
 from harness.core.events import Event
-
-# The step's points, in the order they happen (docs/design.md, section 3). The index orders alerts
-# within a step, which `contained` relies on.
-PHASES = (
-    "forward",
-    "loss",
-    "pre_allreduce",
-    "post_allreduce",
-    "audit",
-    "optimizer",
-    "post_update",
-    "consensus",
-    "checkpoint",
-)
-PHASE_ORDER = {name: i for i, name in enumerate(PHASES)}
 
 
 @dataclass
@@ -97,27 +82,3 @@ OVERHEAD_FILE = "overhead.csv"
 OVERHEAD_COLUMNS = ["detector", "interval", "overhead_pct", "floor_pct", "overhead_vs_ddp_pct"]
 # The contract's (docs/design.md, section 4); older tables lack the last.
 OVERHEAD_REQUIRED = OVERHEAD_COLUMNS[:4]
-
-# (bits, mantissa bits) of each floating-point format a fault can target.
-FLOAT_FORMATS = {"float64": (64, 52), "float32": (32, 23), "bfloat16": (16, 7), "float16": (16, 10)}
-BIT_CLASSES = ("sign", "exponent_msb", "exponent", "mantissa")
-
-
-def class_bits(fmt: str, name: str) -> list[int]:
-    """The bit indices (LSB = 0) of one bit class in the format `fmt` (a FLOAT_FORMATS key)."""
-    width, mantissa = FLOAT_FORMATS[fmt]
-    top = width - 1
-    return {
-        "sign": [top],
-        "exponent_msb": [top - 1],
-        "exponent": list(range(mantissa, top)),
-        "mantissa": list(range(mantissa)),
-    }[name]
-
-
-def classify_bit(fmt: str, bit: int) -> str:
-    """The narrowest class a bit of `fmt` belongs to."""
-    for name in BIT_CLASSES:
-        if bit in class_bits(fmt, name):
-            return name
-    raise ValueError(f"bit {bit} is outside {fmt}")

@@ -19,8 +19,8 @@ from torch import nn
 import detectors
 from harness.config.schema import FaultConfig
 from harness.core.checks import CheckConfig
+from harness.core.plugins import Detector, DetectorContext, EventLog, PluginBus
 from harness.runtime.comm import HookState
-from harness.runtime.plugins import Detector, DetectorContext, EventLog, PluginBus
 from injectors import injector
 
 

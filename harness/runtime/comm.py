@@ -40,7 +40,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from harness.runtime.plugins import Bucket, PluginBus
+from harness.core.plugins import Bucket, PluginBus
 
 FIRST_CHUNK_BYTES = 1 << 20
 CHUNK_BYTES = 25 << 20

@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 from harness.core.events import Locate
+from harness.core.plugins import EventLog, RankInfo
 from harness.runtime.comm import HookState, kept_parts, reduce_in_group
-from harness.runtime.plugins import EventLog, RankInfo
 
 
 def faulty_node_ranks(state: HookState, step: int, info: RankInfo, log: EventLog) -> list[int]:

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from harness.config.schema import golden_id
+from harness.core.plugins import Detector, RankInfo
 from harness.runtime import checkpoint
-from harness.runtime.plugins import Detector, RankInfo
 
 
 def snapshot_path(store: Path, seed: int, step: int) -> Path:

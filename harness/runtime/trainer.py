@@ -26,12 +26,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from harness.config.schema import RunConfig, TrialSpec
 from harness.core.events import Checkpoint, HostReads, Retry, Stop
+from harness.core.plugins import DetectorContext, EventLog, PluginBus, RankInfo
 from harness.results.schema import RankResult
 from harness.runtime import checkpoint, devices, numerics, snapshots
 from harness.runtime.assembly import assemble
 from harness.runtime.comm import HookState, harness_ddp, retry_reduction
 from harness.runtime.locate import faulty_node_ranks
-from harness.runtime.plugins import DetectorContext, EventLog, PluginBus, RankInfo
 from harness.runtime.workloads import Workload
 
 

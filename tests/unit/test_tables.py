@@ -25,7 +25,8 @@ from harness.analysis.tables import (
     rate_text,
     wilson,
 )
-from harness.results.schema import COLUMNS, classify_bit, recovery_kinds
+from harness.core.formats import classify_bit
+from harness.results.schema import COLUMNS, recovery_kinds
 
 
 def textbook_wilson(k: int, n: int) -> tuple[float, float]:

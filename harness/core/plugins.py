@@ -19,8 +19,8 @@ from torch import nn
 
 from harness.core.checks import CheckConfig
 from harness.core.events import Alert, CheckWarning, RankEvent
-from harness.results.schema import PHASE_ORDER
-from harness.runtime.verdicts import Pending, Verdicts
+from harness.core.phases import PHASE_ORDER
+from harness.core.verdicts import Pending, Verdicts
 
 
 @dataclass(frozen=True)
@@ -214,7 +214,7 @@ class Detector(Plugin):
         """Take over the state a golden run's check held at a snapshot."""
 
     def read(self, tensor: torch.Tensor) -> Any:
-        """A tensor's values on the host, counted (harness.runtime.verdicts.Verdicts)."""
+        """A tensor's values on the host, counted (harness.core.verdicts.Verdicts)."""
         return self._log.verdicts.read(tensor)
 
     def defer(
