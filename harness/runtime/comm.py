@@ -32,6 +32,7 @@ not use postponed annotations.
 """
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -91,6 +92,28 @@ def harness_ddp(model: nn.Module, state: "HookState") -> DDP:
     return ddp
 
 
+@dataclass
+class KeptChunk:
+    """One chunk's local contribution to a step's reduction, as it was before the collective
+    (checked there): what a retry of the reduction, or a sub-group reduction, sends again."""
+
+    step: int
+    view: Bucket
+    names: list[str]
+    sizes: list[int]
+    spans: list[tuple[int, int, int]]  # (rider owner, offset, length) in the rider region
+    shared: bool  # the rider region rides in the chunk's own collective
+    payload: torch.Tensor  # the chunk, with the rider region when shared
+    slot: torch.Tensor  # the rider region
+
+    def parts(self) -> list[torch.Tensor]:
+        """Fresh copies of what the chunk sends into a reduction: the chunk with its rider
+        region, or the chunk and the rider region's own collective when they cannot share one."""
+        return [self.payload.clone()] + (
+            [] if self.shared or not self.spans else [self.slot.clone()]
+        )
+
+
 class HookState:
     """What the comm hook needs; its owner sets `step` before each backward."""
 
@@ -110,9 +133,10 @@ class HookState:
         self.inner = inner
         self.layout = fixed_layout(model)
         self.step = 0
-        # With `keep`, each chunk's local contribution of the step is kept for `retry_reduction`.
-        self.keep = False
-        self.kept: list[tuple] = []
+        # With `keep_contributions`, each chunk's local contribution of the step is kept for
+        # `retry_reduction` and for locating the node that breaks a reduction.
+        self.keep_contributions = False
+        self.kept: list[KeptChunk] = []
         self.params = dict(model.named_parameters())
 
     def pack(
@@ -147,7 +171,7 @@ def _fixed_layout(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fu
     mine = [(i, names) for i, names in enumerate(state.layout) if names[0] in grads]
     assert sum(len(names) for _, names in mine) == len(grads), "a DDP bucket split a dtype"
     launched = []
-    if state.kept and state.kept[0][0] != step:
+    if state.kept and state.kept[0].step != step:
         state.kept = []
     for k, (index, names) in enumerate(mine):
         sizes = [grads[n].numel() for n in names]
@@ -164,9 +188,9 @@ def _fixed_layout(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fu
         slot, spans = state.pack(state.bus.riders(step, view), view.buffer.device)
         shared = dtype == torch.float32
         payload = torch.cat([view.buffer, slot]) if shared else view.buffer
-        if state.keep:
+        if state.keep_contributions:
             state.kept.append(
-                (step, view, names, sizes, spans, shared, payload.clone(), slot.clone())
+                KeptChunk(step, view, names, sizes, spans, shared, payload.clone(), slot.clone())
             )
         state.bus.contribution(step, index, [payload] if shared or not spans else [payload, slot])
         futures = [dist.all_reduce(payload, async_op=True).get_future()]
@@ -204,41 +228,35 @@ def retry_reduction(state: HookState, step: int) -> None:
     A transient fault of the first reduction is gone; one that repeats alarms again."""
     grads = {name: p.grad for name, p in state.params.items() if p.grad is not None}
     for kept in state.kept:
-        _, view, names, sizes, spans, shared, _, slot = kept
-        parts = kept_parts(kept)
-        state.bus.contribution(step, view.index, parts)
+        parts = kept.parts()
+        state.bus.contribution(step, kept.view.index, parts)
         for part in parts:
             dist.all_reduce(part)
-        summed = parts[0][sum(sizes) :] if shared else (parts[1] if spans else slot)
-        _deliver(state, step, view, names, sizes, spans, parts[0], summed, grads)
-
-
-def kept_parts(kept: tuple) -> list[torch.Tensor]:
-    """Fresh copies of what one kept chunk sends into a reduction: the chunk with its rider
-    region, or the chunk and the rider region's own collective when they cannot share one."""
-    _, _, _, _, spans, shared, payload, slot = kept
-    return [payload.clone()] + ([] if shared or not spans else [slot.clone()])
+        n = sum(kept.sizes)
+        summed = parts[0][n:] if kept.shared else (parts[1] if kept.spans else kept.slot)
+        _deliver(
+            state, step, kept.view, kept.names, kept.sizes, kept.spans, parts[0], summed, grads
+        )
 
 
 def reduce_in_group(
-    state: HookState, step: int, kept: tuple, group: Any, members: tuple[int, ...]
+    state: HookState, step: int, kept: KeptChunk, group: Any, members: tuple[int, ...]
 ) -> list[torch.Tensor]:
     """One kept chunk reduced over the world ranks `members` alone (a diagnostic reduction,
     harness/runtime/locate.py), through the plug-ins' group hooks; the reduced parts. Members
     only."""
-    _, view, names, sizes, spans, shared, _, _ = kept
-    parts = kept_parts(kept)
-    state.bus.group_contribution(step, view.index, parts, members)
+    parts = kept.parts()
+    state.bus.group_contribution(step, kept.view.index, parts, members)
     for part in parts:
         dist.all_reduce(part, group=group)
-    n = sum(sizes)
+    n = sum(kept.sizes)
     summed = Bucket(
-        index=view.index,
+        index=kept.view.index,
         buffer=parts[0][:n],
-        tensors=_named_views(parts[0][:n], names, sizes, state.params),
-        is_last=view.is_last,
+        tensors=_named_views(parts[0][:n], kept.names, kept.sizes, state.params),
+        is_last=kept.view.is_last,
     )
-    summed.rider_region = parts[0][n:] if shared else (parts[1] if spans else None)
+    summed.rider_region = parts[0][n:] if kept.shared else (parts[1] if kept.spans else None)
     state.bus.group_reduced(step, summed, members)
     return parts
 

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from harness.core.events import Locate
 from harness.core.plugins import EventLog, RankInfo
-from harness.runtime.comm import HookState, kept_parts, reduce_in_group
+from harness.runtime.comm import HookState, reduce_in_group
 
 
 def faulty_node_ranks(state: HookState, step: int, info: RankInfo, log: EventLog) -> list[int]:
@@ -37,8 +37,8 @@ def faulty_node_ranks(state: HookState, step: int, info: RankInfo, log: EventLog
     nodes = world // per_node
     if nodes < 2 or not state.kept:
         return []
-    gathered = [[_gather(part, world) for part in kept_parts(kept)] for kept in state.kept]
-    device = state.kept[0][6].device  # the kept payload's: where the backend gathers
+    gathered = [[_gather(part, world) for part in kept.parts()] for kept in state.kept]
+    device = state.kept[0].payload.device  # where the backend gathers
     wrong = torch.zeros(nodes, device=device)
     for left_out in range(nodes):
         members = tuple(r for r in range(world) if r // per_node != left_out)

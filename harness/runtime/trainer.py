@@ -16,7 +16,7 @@ import hashlib
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -48,45 +48,62 @@ class TrialStopped(Exception):
     """A check in act mode stopped training; every rank raises it at the same point."""
 
 
-def _stop_point(
-    bus: PluginBus,
-    acting: bool,
-    step: int,
-    result: RankResult,
-    kept: tuple[HookState, EventLog, RankInfo] | None = None,
-    retried: bool = False,
-    extra: torch.Tensor | None = None,
-) -> list[float]:
-    """With a check in act mode, the ranks agree on stopping with one small collective: a
-    rank-local verdict (say, a sketch mismatch on one receiver) must stop every rank. The
-    decision, this rank's pending verdicts and `extra` come back in one read (`extra`'s values
-    are returned; without a check in act mode, the verdicts and `extra` are read all the same).
+@dataclass
+class StopPoint:
+    """Where the ranks agree to stop a step, before its optimizer step and at a checkpoint.
 
-    With `kept` (the hook state keeping the step's local contributions, recovery on): when
-    every rank alarmed on the received sum alone, the reduction itself was wrong and names no
-    node; it is re-run once from the kept local gradients (no rollback, no quarantine). If the
-    repeat alarms too, sub-group reductions locate the node that breaks it
-    (harness/runtime/locate.py) before the step stops."""
-    if not acting:
-        return bus.resolve(extra)
-    flags = bus.stop_flags()
-    dist.all_reduce(flags)
-    both = flags if extra is None else torch.cat([flags, extra.reshape(-1).to(flags.dtype)])
-    (stop, reduction, *values) = bus.resolve(both)
-    if kept and kept[0].kept and stop == 0 and reduction == dist.get_world_size():
-        state, log, info = kept
-        if not retried:
-            bus.clear_stops()
-            log.emit(Retry(step=step, reason="every rank alarmed on the received sum"))
-            retry_reduction(state, step)
-            return _stop_point(bus, acting, step, result, kept, retried=True, extra=extra)
-        faulty_node_ranks(state, step, info, log)
-    if stop + reduction:
-        stopper = bus.stopper()
-        result.stopped_step = step
-        result.stopped_by = stopper.name if stopper else "peer"
-        raise TrialStopped
-    return values
+    With a check in act mode (`acting`), one small collective: a rank-local verdict (say, a
+    sketch mismatch on one receiver) must stop every rank. The decision, this rank's pending
+    verdicts and `extra` come back in one read (`extra`'s values are returned; without a check in
+    act mode the verdicts and `extra` are read all the same).
+
+    With recovery on, the hook `state` keeps the step's local contributions: when every rank
+    alarmed on the received sum alone, the reduction itself was wrong and names no node; it is
+    re-run once from the kept local gradients (no rollback, no quarantine). If the repeat alarms
+    too, sub-group reductions locate the node that breaks it (harness/runtime/locate.py) before
+    the step stops."""
+
+    bus: PluginBus
+    acting: bool
+    result: RankResult
+    state: HookState
+    log: EventLog
+    info: RankInfo
+
+    def reached(
+        self, step: int, extra: torch.Tensor | None = None, may_retry: bool = False
+    ) -> list[float]:
+        """Raise TrialStopped on every rank when a check stops the step; else `extra`'s values.
+        `may_retry`: before the optimizer step, where the reduction can still be re-run."""
+        if not self.acting:
+            return self.bus.resolve(extra)
+        stop, reduction, values = self._agreed(extra)
+        if may_retry and self._reduction_alone(stop, reduction):
+            self.bus.clear_stops()
+            self.log.emit(Retry(step=step, reason="every rank alarmed on the received sum"))
+            retry_reduction(self.state, step)
+            stop, reduction, values = self._agreed(extra)
+            if self._reduction_alone(stop, reduction):
+                faulty_node_ranks(self.state, step, self.info, self.log)
+        if stop + reduction:
+            stopper = self.bus.stopper()
+            self.result.stopped_step = step
+            self.result.stopped_by = stopper.name if stopper else "peer"
+            raise TrialStopped
+        return values
+
+    def _agreed(self, extra: torch.Tensor | None) -> tuple[float, float, list[float]]:
+        """[ranks stopping on their own evidence, ranks alarmed on the received sum alone] over
+        the world, and `extra`'s values, in one collective and one read."""
+        flags = self.bus.stop_flags()
+        dist.all_reduce(flags)
+        both = flags if extra is None else torch.cat([flags, extra.reshape(-1).to(flags.dtype)])
+        stop, reduction, *values = self.bus.resolve(both)
+        return stop, reduction, values
+
+    def _reduction_alone(self, stop: float, reduction: float) -> bool:
+        """Every rank alarmed on the received sum alone, and the contributions were kept."""
+        return bool(self.state.kept) and stop == 0 and reduction == dist.get_world_size()
 
 
 def data_plan(spec: TrialSpec, info: RankInfo) -> tuple[tuple[int, ...], ...]:
@@ -141,9 +158,10 @@ def _trained(
             model.load_state_dict(state_dict["model"])
             optimizer.load_state_dict(state_dict["optimizer"])
             snapshots.load_checks(Path(spec.segment.checkpoint), built, info)
-    state.keep = run.recovery.enabled and acting and spec.hook
+    state.keep_contributions = run.recovery.enabled and acting and spec.hook
     ddp = harness_ddp(model, state) if spec.hook else DDP(model)
     result = RankResult(spec.trial_id, info.rank, log.events)
+    stop_point = StopPoint(bus, acting, result, state, log, info)
     batches = ctx.batches(info.rank)
 
     losses: list[torch.Tensor] = []  # read once, when the trial ends
@@ -167,7 +185,7 @@ def _trained(
                 step_loss += loss.detach().double() / len(batches)
             bus.audit(step)
             if acting:
-                _stop_point(bus, acting, step, result, (state, log, info))
+                stop_point.reached(step, may_retry=True)
             workload.prepare_update(model, optimizer, step)  # clipping, the step's learning rate
             optimizer.step()
             bus.optimizer_state(step, optimizer)
@@ -175,7 +193,7 @@ def _trained(
             if (step + 1) % run.checkpoint.interval == 0:
                 # Observe mode reads its verdicts here, with the checks' approval.
                 approved = bus.checkpoint_approved(step, model)
-                (approved,) = _stop_point(bus, acting, step, result, extra=approved)
+                (approved,) = stop_point.reached(step, extra=approved)
                 if approved:
                     _checkpoint(store / spec.trial_id, step, model, optimizer, info, log)
             if step in spec.snapshots:
