@@ -25,7 +25,7 @@ from harness.config.schema import RunConfig, Segment, TrialSpec
 from harness.core.events import CorruptCheckpoint, Event, Locate, Retry, TrialAlert
 from harness.results.folder import RunFolder
 from harness.results.judgement import merge_alerts
-from harness.results.schema import TrialResult
+from harness.results.schema import RecoveryRecord, TrialResult
 from harness.runtime import checkpoint
 
 
@@ -104,32 +104,31 @@ def run_with_recovery(
     machines = Machines.start(run)
     folder = RunFolder(out)
     store = folder.trial_store(spec.trial_id)
-    history, extra_events = [], []
-    restores, lost, recovery_s, verdict = [], 0, 0.0, ""
-    recoveries: list[str] = []  # each "KIND at step S ...", in order
+    record = RecoveryRecord()
+    extra_events: list[Event] = []  # the stopped segments' events, each marked with its segment
     segment_run, segment_spec = run, spec
     while True:
         started = time.monotonic()
         outcome = execute(segment_run, segment_spec)
-        if history:
+        if record.stops:
             # Time not spent training: world start, checkpoint load, DDP setup.
             trained = max(sum(p.step_times) for p in outcome.parts) if outcome.parts else 0.0
-            recovery_s += time.monotonic() - started - trained
+            record.seconds += time.monotonic() - started - trained
         stop = next(
             (p.stopped_step for p in outcome.parts or [] if p.stopped_step is not None), None
         )
-        recoveries += [f"retry at step {s}" for s in _retried(outcome, stop)]
+        record.recoveries += [f"retry at step {s}" for s in _retried(outcome, stop)]
         if stop is None:
             break
-        segment = len(history)
+        segment = len(record.stops)
         alerts = [
             a for a in merge_alerts([e for p in outcome.parts for e in p.events]) if a.step == stop
         ]
         extra_events += [replace(e, segment=segment) for p in outcome.parts for e in p.events]
         suspects = sorted({machines.node_of(r) for r in _suspect_ranks(outcome, alerts, stop)})
-        history.append((stop, tuple(suspects)))
-        if len(history) > run.recovery.max_recoveries:
-            verdict = _verdict(history)
+        record.stops.append((stop, tuple(suspects)))
+        if len(record.stops) > run.recovery.max_recoveries:
+            record.verdict = _verdict(record.stops)
             break
         first = (
             min(first_suspect_step(run, spec, a.detector, stop) for a in alerts) if alerts else stop
@@ -137,17 +136,17 @@ def run_with_recovery(
         restore, path = restore_point(store, first, extra_events)
         for node in suspects:
             if len(machines.nodes) == 1:
-                verdict = "no healthy node left to run on"
+                record.verdict = "no healthy node left to run on"
                 break
             machines.quarantine(node)
             shutil.rmtree(folder.node(node), ignore_errors=True)
-        if verdict:
+        if record.verdict:
             break
-        restores.append(restore)
-        lost += stop - restore
+        record.restores.append(restore)
+        record.steps_lost += stop - restore
         back = f"at step {stop} to step {restore}"
         nodes = ", ".join(map(str, suspects))
-        recoveries.append(
+        record.recoveries.append(
             f"rollback+quarantine {back} (node {nodes})" if suspects else f"rollback {back}"
         )
         topology = replace(run.topology, nodes=len(machines.nodes))
@@ -156,16 +155,10 @@ def run_with_recovery(
         segment_spec = replace(spec, segment=resume)
     if outcome.parts:
         outcome.parts[0].events[:0] = extra_events
-    outcome.recovery = {
-        "recovered": (not verdict and outcome.parts is not None) if history or recoveries else "",
-        "recoveries": len(recoveries),
-        "restore_step": ";".join(str(r) for r in restores),
-        "steps_lost": lost,
-        "recovery_s": round(recovery_s, 3) if history else "",
-        "quarantined_nodes": ";".join(str(n) for n in machines.quarantined),
-        "final_nodes": len(machines.nodes),
-        "recovery_verdict": "; ".join([*recoveries, verdict] if verdict else recoveries),
-    }
+    record.completed = outcome.parts is not None
+    record.quarantined = tuple(machines.quarantined)
+    record.final_nodes = len(machines.nodes)
+    outcome.recovery = record
     return outcome
 
 

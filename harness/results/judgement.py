@@ -14,7 +14,7 @@ from typing import Any
 from harness.config.schema import FaultConfig, RunConfig, TrialSpec
 from harness.core.events import Alert, Checkpoint, CheckWarning, Crash, Event, Inject, TrialAlert
 from harness.core.phases import PHASE_ORDER
-from harness.results.schema import RankResult
+from harness.results.schema import RankResult, RecoveryRecord
 
 # Faults that enter the gradient of their own step: containing them means alerting before
 # that step's optimizer update.
@@ -100,7 +100,7 @@ def trial_row(
     crash: str | None,
     golden: Golden,
     band: float,
-    recovery: dict[str, Any] | None = None,
+    recovery: RecoveryRecord | None = None,
     judged: Judged | None = None,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The trial's row for trials.csv and its events for events.jsonl; `recovery` holds what
@@ -150,7 +150,7 @@ def trial_row(
         "suspect_ranks": _join(first.suspect_ranks) if first else "",
         "suspect_nodes": _join(first.suspect_nodes) if first else "",
         "attribution_correct": attribution(first, injected_ranks, run) if first else "",
-        "recovered": recovery["recovered"] if recovery else "",
+        "recovered": recovery.columns()["recovered"] if recovery else "",
         "final_loss": _blank_if_nan(final_loss),
         "golden_final_loss": golden.final_loss,
         "loss_delta": _blank_if_nan(final_loss - golden.final_loss),
@@ -191,7 +191,7 @@ def trial_row(
     }
     for key in ("recoveries", "restore_step", "steps_lost", "recovery_s", "quarantined_nodes",
                 "final_nodes", "recovery_verdict"):  # fmt: skip
-        row[key] = recovery[key] if recovery else ""
+        row[key] = recovery.columns()[key] if recovery else ""
     if crash:
         events.append(Crash(cause=crash, time=0.0))
     events += alerts

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from harness.core.events import Event
 
@@ -36,13 +37,45 @@ class RankResult:
 
 
 @dataclass
+class RecoveryRecord:
+    """What harness.campaign.recovery did for one trial, as trials.csv's recovery columns say it:
+    each stop's step and suspect nodes, each recovery ("KIND at step S ...", RECOVERY_KINDS),
+    where each rollback restored, the steps and seconds lost, and the verdict when it gave up."""
+
+    stops: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
+    recoveries: list[str] = field(default_factory=list)
+    restores: list[int] = field(default_factory=list)
+    steps_lost: int = 0
+    seconds: float = 0.0
+    verdict: str = ""
+    quarantined: tuple[int, ...] = ()
+    final_nodes: int = 0
+    completed: bool = False
+
+    def columns(self) -> dict[str, Any]:
+        """The recovery columns of the trial's row (blank where nothing was recovered)."""
+        acted = bool(self.stops or self.recoveries)
+        return {
+            "recovered": (not self.verdict and self.completed) if acted else "",
+            "recoveries": len(self.recoveries),
+            "restore_step": ";".join(str(r) for r in self.restores),
+            "steps_lost": self.steps_lost,
+            "recovery_s": round(self.seconds, 3) if self.stops else "",
+            "quarantined_nodes": ";".join(str(n) for n in self.quarantined),
+            "final_nodes": self.final_nodes,
+            "recovery_verdict": "; ".join([*self.recoveries, self.verdict] if self.verdict
+                                          else self.recoveries),
+        }  # fmt: skip
+
+
+@dataclass
 class TrialResult:
     """What a trial returned: one part per rank, or the cause of its crash (the world's answer;
     harness/results/judgement.py judges it)."""
 
     parts: list[RankResult] | None = None
     crash: str | None = None
-    recovery: dict | None = None  # what harness.campaign.recovery did, when it ran
+    recovery: RecoveryRecord | None = None  # what harness.campaign.recovery did, when it ran
     stacks: dict[int, str] = field(default_factory=dict)  # hung ranks' full stack dumps
     # Every rank raised the same error on the same line: a bad workload, which a fresh world
     # would only raise again.
