@@ -1,5 +1,8 @@
-"""A bring-your-own-model example that the tests and docs/models.md use: a small convolutional net
-on synthetic 28x28 "digits", written as a user would write their own (`workload=custom`)."""
+"""The `workload=custom` example's model and data, as a user would write their own: a small
+convolutional net on synthetic 28x28 "digits" (experiments/workload/custom.yaml's default), the
+Markov tokens gpt2.yaml trains on, and the wide MLP the verdict tests use. They live in the
+installed package, not in the root examples/ (runnable scripts: the guarded loop), because a
+Hydra `_target_` must import from any folder a campaign runs in."""
 
 from __future__ import annotations
 
