@@ -14,7 +14,7 @@ from harness.core import registry
 from injectors.model import FaultModel
 
 SITES = ("grad", "allreduce", "weight", "optimizer", "activation", "loss", "matmul")
-_NOT_MODELS = {"bits", "model", "injector", "contribution"}
+_NOT_MODELS = {"bits", "model", "injector", "contribution", "strikes"}
 
 
 def built_in_models() -> tuple[str, ...]:

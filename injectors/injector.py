@@ -19,6 +19,9 @@ harness/runtime/comm.py) is a target named `riders`; only that exact name reache
 glob's draws over parameters stay what they were. The contribution models (drop, duplicate,
 stale) change what the faulty ranks send into the reduction, rider region included, so every
 receiver gets the same wrong sum.
+
+Each site's hooks live in an object of its own (injectors/strikes.py), chosen once per fault;
+the injector hands every hook to it and keeps what all sites share.
 """
 
 from __future__ import annotations
@@ -30,9 +33,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from harness.core.events import ContributionInject, ElementInject
+from harness.core.events import ElementInject
 from harness.core.plugins import Bucket, EventLog, Plugin, RankInfo, matches
-from injectors import bits, model_class, sites
+from injectors import bits, model_class, sites, strikes
 
 if TYPE_CHECKING:
     from harness.config.schema import FaultConfig
@@ -78,19 +81,15 @@ class FaultInjector(Plugin):
             self.active = fault.ranks[0] in hardware
         else:
             self.active = bool(mine & set(fault.ranks))
-        self.names = {p: n for n, p in model.named_parameters()}
         # With a bucket named, positions are drawn over that bucket's tensors when it first shows.
         matched = [] if fault.bucket is not None else sites.matching(fault, model)
-        self.positions = self._initial_positions(matched)
-        # Per chunk: (step, genuine contribution) of the latest step sent and of the one before.
-        self.sent: dict[int, tuple[int, list[torch.Tensor]]] = {}
-        self.previous: dict[int, list[torch.Tensor]] = {}
-        self.struck: set[tuple[int, int]] = set()
-        self.matmul: sites.FirstMatmul | None = None
+        self.positions = self.initial_positions(matched)
         # The world ranks of a sub-group reduction under way (harness/runtime/locate.py), else None.
         self.group: tuple[int, ...] | None = None
+        # The hooks of the fault's site, with that site's own state.
+        self.site = strikes.for_site(self, model)
 
-    def _initial_positions(self, matched: list[tuple[str, int | None]]) -> dict[str, list[int]]:
+    def initial_positions(self, matched: list[tuple[str, int | None]]) -> dict[str, list[int]]:
         """Seeded positions over the matched tensors, concatenated in model order. A module's
         output size is only known in the forward pass: its indices are drawn there."""
         if self.fault.schedule or self.fault.ber or self.fault.select == "largest":
@@ -117,7 +116,7 @@ class FaultInjector(Plugin):
                 k -= size
         return positions
 
-    def _due(self, step: int) -> bool:
+    def due(self, step: int) -> bool:
         if not self.active:
             return False
         if self.fault.schedule:
@@ -174,9 +173,12 @@ class FaultInjector(Plugin):
         candidates.sort(key=lambda c: -c[0])
         return [(name, flat, i, None) for _, name, flat, i in candidates[: self.fault.elements]]
 
-    def _inject(self, step: int, named: list[tuple[str, torch.Tensor]]) -> None:
-        if not self._due(step):
-            return
+    def inject(self, step: int, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Corrupt the tensors at hand in place, when the fault is due at this step."""
+        if self.due(step):
+            self.corrupt(step, named)
+
+    def corrupt(self, step: int, named: list[tuple[str, torch.Tensor]]) -> None:
         with torch.no_grad():
             self._corrupt_all(step, self._choose(step, named))
 
@@ -219,14 +221,14 @@ class FaultInjector(Plugin):
                 old_bits=old_bits,
                 new_bits=new_bits,
                 fired=old_bits != new_bits,
-                phase=self.fault.phase if self.fault.site == "matmul" else None,
+                phase=self.site.phase,
                 group=None if self.group is None else list(self.group),
             )
         )
 
-    def _replaced(self, step: int, name: str, value: torch.Tensor) -> torch.Tensor | None:
+    def replaced(self, step: int, name: str, value: torch.Tensor) -> torch.Tensor | None:
         """A corrupted copy of a forward value, wired in with a straight-through gradient."""
-        if not self._due(step):
+        if not self.due(step):
             return None
         corrupted = value.detach().clone()
         chosen = self._choose(step, [(name, corrupted)])
@@ -235,104 +237,27 @@ class FaultInjector(Plugin):
         self._corrupt_all(step, chosen)
         return sites.ReplaceValue.apply(value, corrupted)
 
+    # The plug-in hooks: each goes to the site's object, which implements those of its site.
     def watches_module(self, name: str) -> bool:
-        return (
-            self.fault.site in ("activation", "matmul")
-            and self.active
-            and matches(name, self.fault.tensor)
-        )
+        return self.site.watches_module(name)
 
     def on_forward_pre(self, step: int, module: str) -> None:
-        if self.fault.site != "matmul" or module not in self.positions or not self._due(step):
-            return
-        if self.fault.phase == "backward":
-            self.matmul = sites.FirstMatmul(None, lambda grad: self._in_place(step, module, grad))
-        else:
-            self.matmul = sites.FirstMatmul(lambda out: self._replaced(step, module, out), None)
-        self.matmul.__enter__()
-
-    def _in_place(self, step: int, name: str, grad: torch.Tensor) -> None:
-        with torch.no_grad():
-            self._corrupt_all(step, self._choose(step, [(name, grad)]))
+        self.site.on_forward_pre(step, module)
 
     def on_forward(self, step: int, module: str, output: torch.Tensor) -> torch.Tensor | None:
-        if self.fault.site == "matmul":
-            if self.matmul is not None:
-                self.matmul.__exit__(None, None, None)
-                self.matmul = None
-            return None
-        return self._replaced(step, module, output)
+        return self.site.on_forward(step, module, output)
 
     def on_loss(self, step: int, loss: torch.Tensor) -> torch.Tensor | None:
-        if self.fault.site == "loss":
-            return self._replaced(step, "loss", loss)
-        return None
-
-    def _inject_bucket(self, step: int, bucket: Bucket) -> None:
-        if self.fault.bucket is not None:
-            if bucket.index != self.fault.bucket:
-                return
-            if not self.positions:
-                sizes = [(n, t.numel()) for n, t in bucket.tensors if matches(n, self.fault.tensor)]
-                self.positions = self._initial_positions(sizes)
-        self._inject(step, bucket.tensors)
+        return self.site.on_loss(step, loss)
 
     def on_local_grad(self, step: int, bucket: Bucket) -> None:
-        if self.fault.site == "grad":
-            self._inject_bucket(step, bucket)
-
-    def _first_reduction(self, step: int, index: int) -> bool:
-        """A transient fault strikes a step's reduction of a chunk once: when the harness
-        re-runs that reduction (harness/runtime/comm.py, retry_reduction), the repeat runs clean."""
-        if self.fault.persistence != "transient":
-            return True
-        first = (step, index) not in self.struck
-        self.struck.add((step, index))
-        return first
+        self.site.on_local_grad(step, bucket)
 
     def on_contribution(self, step: int, index: int, parts: list[torch.Tensor]) -> None:
-        """A contribution model changes what this rank sends into chunk `index`'s reduction;
-        one compact event per chunk: how many elements changed, the L2 norms before and after."""
-        if not (self.model.contribution and self.active):
-            return
-        if self.fault.bucket is not None and index != self.fault.bucket:
-            return
-        if not self._first_reduction(step, index):
-            return
-        stale = self.fault.model == "stale"
-        if stale:
-            self._remember(step, index, parts)
-        if self._due(step):
-            old = torch.cat([p.reshape(-1) for p in parts]).clone()
-            if self.model.contribute(parts, self.previous.get(index)) is not None:
-                new = torch.cat([p.reshape(-1) for p in parts])
-                changed = int((old != new).sum() - (old.isnan() & new.isnan()).sum())
-                self.log.emit(ContributionInject(
-                    step=step, site=self.fault.site, model=self.fault.model,
-                    tensor=f"bucket{index}", bucket=index, elements=old.numel(), changed=changed,
-                    old_norm=float(old.double().norm()), new_norm=float(new.double().norm()),
-                    from_step=step - 1 if stale else None, fired=changed > 0,
-                    group=None if self.group is None else list(self.group),
-                ))  # fmt: skip
-
-    def _remember(self, step: int, index: int, parts: list[torch.Tensor]) -> None:
-        """Keep this step's genuine contribution; the one of the step before becomes
-        `previous`. A re-run of the step's reduction (retry, sub-groups) sends the same."""
-        latest = self.sent.get(index)
-        if latest is not None and latest[0] < step:
-            self.previous[index] = latest[1]
-        if latest is None or latest[0] < step:
-            self.sent[index] = (step, [p.clone() for p in parts])
+        self.site.on_contribution(step, index, parts)
 
     def on_reduced_grad(self, step: int, bucket: Bucket) -> None:
-        if self.fault.site == "allreduce" and not self.model.contribution:
-            if not self._first_reduction(step, bucket.index):
-                return
-            if self.fault.tensor == sites.RIDERS:
-                if bucket.rider_region is not None:
-                    self._inject(step, [(sites.RIDERS, bucket.rider_region)])
-                return
-            self._inject_bucket(step, bucket)
+        self.site.on_reduced_grad(step, bucket)
 
     def on_group_contribution(
         self, step: int, index: int, parts: list[torch.Tensor], members: tuple[int, ...]
@@ -359,19 +284,10 @@ class FaultInjector(Plugin):
             self.group = None
 
     def on_optimizer_state(self, step: int, optimizer: torch.optim.Optimizer) -> None:
-        if self.fault.site != "optimizer":
-            return
-        named = [
-            (f"{self.names[p]}.{k}", state[k])
-            for p, state in optimizer.state.items()
-            for k in sites.MOMENTS
-            if k in state
-        ]
-        self._inject(step, named)
+        self.site.on_optimizer_state(step, optimizer)
 
     def on_update(self, step: int, model: nn.Module) -> None:
-        if self.fault.site == "weight":
-            self._inject(step, [(n, p.data) for n, p in model.named_parameters()])
+        self.site.on_update(step, model)
 
 
 def build(

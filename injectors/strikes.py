@@ -1,0 +1,233 @@
+"""How a fault reaches its site: one small object per site (`for_site`), implementing only the
+plug-in hooks through which that site's tensors pass. `FaultInjector` (injectors/injector.py)
+hands every hook to it and keeps what all sites share: when the fault is due, which elements it
+takes, the corruption and its events.
+
+Families: module outputs (activation, and matmul inside a module's forward), the loss, gradient
+buckets (grad before the collective, allreduce after it, and a contribution model's change to
+what a rank sends into it), and state after the step (optimizer moments, weights).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from harness.core.events import ContributionInject
+from harness.core.plugins import Bucket, Plugin, matches
+from injectors import sites
+
+if TYPE_CHECKING:
+    from injectors.injector import FaultInjector
+
+
+class Site(Plugin):
+    """A site's hooks; those it does not strike at stay Plugin's no-ops."""
+
+    # The phase an element event records: only a matmul fault has two (forward, backward).
+    phase: str | None = None
+
+    def __init__(self, injector: FaultInjector, model: nn.Module):
+        self.injector = injector
+        self.fault = injector.fault
+
+
+class ModuleOutput(Site):
+    """activation: a module's output in the forward pass, replaced by a corrupted copy."""
+
+    def watches_module(self, name: str) -> bool:
+        return self.injector.active and matches(name, self.fault.tensor)
+
+    def on_forward(self, step: int, module: str, output: torch.Tensor) -> torch.Tensor | None:
+        return self.injector.replaced(step, module, output)
+
+
+class Matmul(ModuleOutput):
+    """matmul: the first matrix multiply in a watched module's forward, caught by a torch-function
+    mode (`mode`) that is open from the module's pre-hook to its forward hook."""
+
+    def __init__(self, injector: FaultInjector, model: nn.Module):
+        super().__init__(injector, model)
+        self.phase = self.fault.phase
+        self.mode: sites.FirstMatmul | None = None
+
+    def on_forward_pre(self, step: int, module: str) -> None:
+        if module not in self.injector.positions or not self.injector.due(step):
+            return
+        injector = self.injector
+
+        def corrupt(grad: torch.Tensor) -> None:
+            injector.corrupt(step, [(module, grad)])
+
+        def replace(output: torch.Tensor) -> torch.Tensor | None:
+            return injector.replaced(step, module, output)
+
+        if self.fault.phase == "backward":
+            self.mode = sites.FirstMatmul(None, corrupt)
+        else:
+            self.mode = sites.FirstMatmul(replace, None)
+        self.mode.__enter__()
+
+    def on_forward(self, step: int, module: str, output: torch.Tensor) -> torch.Tensor | None:
+        # The corruption happened inside the forward; the output itself passes unchanged.
+        if self.mode is not None:
+            self.mode.__exit__(None, None, None)
+            self.mode = None
+        return None
+
+
+class Loss(Site):
+    """loss: the scalar loss before backward."""
+
+    def on_loss(self, step: int, loss: torch.Tensor) -> torch.Tensor | None:
+        return self.injector.replaced(step, "loss", loss)
+
+
+class FirstReduction:
+    """A transient fault strikes a step's reduction of a chunk once: when the harness re-runs
+    that reduction (harness/runtime/comm.py, retry_reduction), the repeat runs clean."""
+
+    def __init__(self, persistence: str):
+        self.transient = persistence == "transient"
+        self.struck: set[tuple[int, int]] = set()
+
+    def __call__(self, step: int, index: int) -> bool:
+        if not self.transient:
+            return True
+        first = (step, index) not in self.struck
+        self.struck.add((step, index))
+        return first
+
+
+class Buckets(Site):
+    """Gradient chunks of the harness's fixed reduction layout (harness/runtime/comm.py)."""
+
+    def inject_bucket(self, step: int, bucket: Bucket) -> None:
+        """With `fault.bucket` named, only that chunk is struck, and positions are drawn over its
+        tensors when it first shows (the injector drew none up front)."""
+        injector = self.injector
+        if self.fault.bucket is not None:
+            if bucket.index != self.fault.bucket:
+                return
+            if not injector.positions:
+                sizes = [(n, t.numel()) for n, t in bucket.tensors if matches(n, self.fault.tensor)]
+                injector.positions = injector.initial_positions(sizes)
+        injector.inject(step, bucket.tensors)
+
+
+class Gradients(Buckets):
+    """grad: a rank's local gradients, chunk by chunk, before the collective."""
+
+    def on_local_grad(self, step: int, bucket: Bucket) -> None:
+        self.inject_bucket(step, bucket)
+
+
+class Reduced(Buckets):
+    """allreduce: the averaged gradients after the collective, or its rider region (`riders`)."""
+
+    def __init__(self, injector: FaultInjector, model: nn.Module):
+        super().__init__(injector, model)
+        self.first = FirstReduction(self.fault.persistence)
+
+    def on_reduced_grad(self, step: int, bucket: Bucket) -> None:
+        if not self.first(step, bucket.index):
+            return
+        if self.fault.tensor == sites.RIDERS:
+            if bucket.rider_region is not None:
+                self.injector.inject(step, [(sites.RIDERS, bucket.rider_region)])
+            return
+        self.inject_bucket(step, bucket)
+
+
+class Contribution(Site):
+    """allreduce with a contribution model (drop, duplicate, stale): what this rank sends into
+    each chunk's reduction, rider region included, so every receiver gets the same wrong sum.
+    One compact event per chunk: how many elements changed, the L2 norms before and after."""
+
+    def __init__(self, injector: FaultInjector, model: nn.Module):
+        super().__init__(injector, model)
+        self.first = FirstReduction(self.fault.persistence)
+        self.stale = self.fault.model == "stale"
+        # Per chunk: (step, genuine contribution) of the latest step sent and of the one before.
+        self.sent: dict[int, tuple[int, list[torch.Tensor]]] = {}
+        self.previous: dict[int, list[torch.Tensor]] = {}
+
+    def on_contribution(self, step: int, index: int, parts: list[torch.Tensor]) -> None:
+        injector = self.injector
+        if not injector.active:
+            return
+        if self.fault.bucket is not None and index != self.fault.bucket:
+            return
+        if not self.first(step, index):
+            return
+        if self.stale:
+            self._remember(step, index, parts)
+        if not injector.due(step):
+            return
+        old = torch.cat([p.reshape(-1) for p in parts]).clone()
+        if injector.model.contribute(parts, self.previous.get(index)) is None:
+            return
+        new = torch.cat([p.reshape(-1) for p in parts])
+        changed = int((old != new).sum() - (old.isnan() & new.isnan()).sum())
+        group = injector.group
+        injector.log.emit(ContributionInject(
+            step=step, site=self.fault.site, model=self.fault.model,
+            tensor=f"bucket{index}", bucket=index, elements=old.numel(), changed=changed,
+            old_norm=float(old.double().norm()), new_norm=float(new.double().norm()),
+            from_step=step - 1 if self.stale else None, fired=changed > 0,
+            group=None if group is None else list(group),
+        ))  # fmt: skip
+
+    def _remember(self, step: int, index: int, parts: list[torch.Tensor]) -> None:
+        """Keep this step's genuine contribution; the one of the step before becomes
+        `previous`. A re-run of the step's reduction (retry, sub-groups) sends the same."""
+        latest = self.sent.get(index)
+        if latest is not None and latest[0] < step:
+            self.previous[index] = latest[1]
+        if latest is None or latest[0] < step:
+            self.sent[index] = (step, [p.clone() for p in parts])
+
+
+class OptimizerState(Site):
+    """optimizer: Adam's moments right after the step, named `PARAM.exp_avg`, `PARAM.exp_avg_sq`."""
+
+    def __init__(self, injector: FaultInjector, model: nn.Module):
+        super().__init__(injector, model)
+        # The optimizer's state is keyed by parameter; the fault names parameters by name.
+        self.names = {p: n for n, p in model.named_parameters()}
+
+    def on_optimizer_state(self, step: int, optimizer: torch.optim.Optimizer) -> None:
+        named = [
+            (f"{self.names[p]}.{k}", state[k])
+            for p, state in optimizer.state.items()
+            for k in sites.MOMENTS
+            if k in state
+        ]
+        self.injector.inject(step, named)
+
+
+class Weights(Site):
+    """weight: the parameters right after the optimizer step."""
+
+    def on_update(self, step: int, model: nn.Module) -> None:
+        self.injector.inject(step, [(n, p.data) for n, p in model.named_parameters()])
+
+
+BY_SITE: dict[str, type[Site]] = {
+    "grad": Gradients,
+    "allreduce": Reduced,
+    "weight": Weights,
+    "optimizer": OptimizerState,
+    "activation": ModuleOutput,
+    "loss": Loss,
+    "matmul": Matmul,
+}
+
+
+def for_site(injector: FaultInjector, model: nn.Module) -> Site:
+    # A contribution model is only valid at site allreduce (injectors/contribution.py): it acts
+    # on what is sent, never on the reduced result.
+    kind = Contribution if injector.model.contribution else BY_SITE[injector.fault.site]
+    return kind(injector, model)
