@@ -253,8 +253,12 @@ class Replay(Detector):
 
     def _irreproducible(self, results: dict[str, torch.Tensor]) -> bool:
         """No two of the four computations agree: not a fault on one rank, which the others'
-        agreement would outvote, but a forward that does not reproduce."""
+        agreement would outvote, but a forward that does not reproduce. A result that is not
+        finite never counts as that: weights already NaN give NaN every time (and NaN equals
+        nothing), which is corruption for the verdict to name."""
         values = list(results.values())
+        if not all(bool(torch.isfinite(v).all()) for v in values):
+            return False
         return not any(self._same(a, b) for i, a in enumerate(values) for b in values[i + 1 :])
 
     def _majority(

@@ -112,6 +112,22 @@ def test_a_forward_that_does_not_reproduce_is_a_warning_not_a_suspect(tmp_path, 
     assert row["alerts"] == "0" and row["warnings"] == "replay: not deterministic", row
 
 
+def test_a_nan_state_is_corruption_for_replay_not_a_forward_that_does_not_reproduce(
+    tmp_path, run_ok
+):
+    """A NaN weight on one replica spreads to every replica through the next allreduce; from
+    then on every computation of a micro-batch is NaN, and NaN equals nothing. Replay alerts on
+    that at its next audit, as on any corruption, and warns of no non-determinism."""
+    out = tmp_path / "run"
+    run_ok("campaign=single", "workload.steps=6", "campaign.noise_seeds=2",
+           "fault.site=weight", "fault.model=value", "fault.value=nan", "fault.ranks=[3]",
+           "fault.steps=[1]", "detectors=[replay]", "detectors.replay.interval=2", f"out={out}",
+           cwd=tmp_path)  # fmt: skip
+    (row,) = rows(out)
+    assert row["effect"] == "harmful" and "replay=2" in row["detect_steps"].split(";"), row
+    assert row["warnings"] == "", row
+
+
 @pytest.mark.parametrize(
     ("target", "key", "error"),
     [
