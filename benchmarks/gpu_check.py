@@ -117,7 +117,7 @@ def read_rows(name: str, run: RunConfig, world: World) -> list[dict]:
     """Section 3: host reads per step of a clean trial with every check, act and observe."""
     rows = []
     for mode in ("act", "observe"):
-        checks = {n: dict(p, mode=mode) for n, p in run.detectors.items()}
+        checks = {n: c.in_mode(mode) for n, c in run.detectors.items()}
         spec = TrialSpec(f"gpu-reads-{name}-{mode}", run.workload.seed, FaultConfig())
         outcome = world.run(replace(run, detectors=checks), spec)
         if outcome.parts is None:

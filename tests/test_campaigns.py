@@ -54,8 +54,8 @@ def test_aws_reference_is_the_published_setup(name, nodes):
     assert run.topology.nodes == nodes and run.topology.ranks_per_node == 1
     assert set(run.detectors) == PUBLISHED
     # The published intervals: consensus at the checkpoint interval, replay twice within it.
-    assert run.detectors["replay"]["interval"] == 5
-    assert run.detectors["weight_consensus"]["interval"] == run.checkpoint.interval == 10
+    assert run.detectors["replay"].interval == 5
+    assert run.detectors["weight_consensus"].interval == run.checkpoint.interval == 10
     faults = [f for f in run.scenarios if not f.clean]
     assert {f.site for f in faults} == {"grad", "weight", "allreduce"}
     assert {f.value for f in faults if f.model == "value"} == {"nan", "inf"}
@@ -109,8 +109,7 @@ def test_bit_sensitivity_flips_every_bit_of_the_dtype_at_each_site(dtype, width)
 def test_audit_frequency_runs_every_scenario_at_every_interval():
     run = compose_run("campaign=audit_frequency")
     per_interval = Counter(
-        (t.checks["replay"]["interval"], t.checks["weight_consensus"]["interval"])
-        for t in run.trials
+        (t.checks["replay"].interval, t.checks["weight_consensus"].interval) for t in run.trials
     )
     assert per_interval == {(k, k): len(run.trials) // len(INTERVALS) for k in INTERVALS}
     # The only checkpoint comes after the last step, so consensus runs at its own interval.
