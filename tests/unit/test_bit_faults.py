@@ -371,7 +371,11 @@ def test_value_rejects_what_is_neither_a_finite_number_nor_a_name(value):
 
 @pytest.mark.parametrize("value", ["nan", "inf", "-inf", "max", "zero", "random", "-3", "1e-3"])
 def test_value_accepts_names_and_finite_numbers(value):
+    """Validation passes, and the value it passed is one the model can write."""
     Value.validate("fault", fault(model="value", value=value))
+    flat = torch.tensor([1.0, -2.0, 0.5])
+    Value(fault(model="value", value=value), random.Random(0)).corrupt(flat, 1)
+    assert not same(flat[1].item(), -2.0) and flat[[0, 2]].tolist() == [1.0, 0.5]
 
 
 # grouped models: swap and burst

@@ -177,7 +177,8 @@ def test_int_list_error_index_names_the_users_item_after_a_range():
 
 
 def test_known_keys_accepts_a_subset():
-    known_keys("workload.", {"steps": 3}, ["steps", "seed"])
+    assert known_keys("workload.", {"steps": 3}, ["steps", "seed"]) is None
+    assert known_keys("workload.", {}, ["steps", "seed"]) is None
 
 
 def test_known_keys_names_the_prefixed_key_and_lists_the_allowed():
