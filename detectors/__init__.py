@@ -7,6 +7,7 @@ would make every catch rate worthless.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import pkgutil
 
@@ -15,6 +16,7 @@ from harness.core.checks import CheckConfig
 from harness.core.plugins import Detector, DetectorContext, EventLog
 
 
+@functools.cache  # the package's modules do not change in a process; build() asks per trial
 def built_in() -> tuple[str, ...]:
     names = (m.name for m in pkgutil.iter_modules(__path__))
     return tuple(

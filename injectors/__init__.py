@@ -7,6 +7,7 @@ calls `build` and never names a concrete injector.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import pkgutil
 
@@ -17,6 +18,7 @@ SITES = ("grad", "allreduce", "weight", "optimizer", "activation", "loss", "matm
 _NOT_MODELS = {"bits", "model", "injector", "contribution", "strikes"}
 
 
+@functools.cache  # the package's modules do not change in a process
 def built_in_models() -> tuple[str, ...]:
     names = (m.name for m in pkgutil.iter_modules(__path__) if m.name not in _NOT_MODELS)
     return tuple(
