@@ -128,6 +128,19 @@ def test_a_nan_state_is_corruption_for_replay_not_a_forward_that_does_not_reprod
     assert row["warnings"] == "", row
 
 
+@pytest.mark.slow
+def test_a_nan_state_is_corruption_for_replay_on_gpt_in_bfloat16(tmp_path, run_ok):
+    """The twin of the mlp test above on gpt (1.7 MB of float32 gradients) in bfloat16."""
+    out = tmp_path / "run"
+    run_ok("campaign=single", "workload=gpt", "workload.dtype=bfloat16", "workload.steps=6",
+           "campaign.noise_seeds=2", "fault.site=weight", "fault.model=value", "fault.value=nan",
+           "fault.ranks=[3]", "fault.steps=[1]", "detectors=[replay]",
+           "detectors.replay.interval=2", f"out={out}", cwd=tmp_path)  # fmt: skip
+    (row,) = rows(out)
+    assert row["effect"] == "harmful" and "replay=2" in row["detect_steps"].split(";"), row
+    assert row["warnings"] == "" and row["dtype"] == "bfloat16", row
+
+
 @pytest.mark.parametrize(
     ("target", "key", "error"),
     [
