@@ -10,9 +10,14 @@ Sites and what they reach (docs/design.md, section 3):
     optimizer  Adam's moments right after the step (`NAME.exp_avg`, `NAME.exp_avg_sq`)
     activation the output of a module in the forward pass (module names)
     loss       the scalar loss before backward (`loss`)
-    matmul     the first matrix multiply in a module's forward (modules holding an nn.Linear):
-               its output, or with `fault.phase=backward` the gradient its backward computes
-               for its second operand (a Linear's weight), as a broken tensor core would
+    matmul     the first matrix multiply in a module's forward (modules in whose forward one
+               runs, harness/core/matmuls.py): its output, or with `fault.phase=backward` the
+               gradient its backward computes for its second operand (a Linear's weight), as a
+               broken tensor core would
+
+A campaign draws activation and matmul targets only among the modules its workload's forward
+runs (`forward`, traced once when the config is validated); a user's loop, whose forward the
+harness has not run, among every module that could.
 
 At site allreduce the rider region (the float32 numbers summed with each chunk,
 harness/runtime/comm.py) is a target named `riders`; only that exact name reaches it, so a
@@ -34,6 +39,7 @@ import torch
 from torch import nn
 
 from harness.core.events import ElementInject
+from harness.core.matmuls import ForwardModules, MatmulCall
 from harness.core.plugins import Bucket, EventLog, Plugin, RankInfo, matches
 from injectors import bits, model_class, sites, strikes
 
@@ -58,6 +64,7 @@ class FaultInjector(Plugin):
         model: nn.Module,
         hardware: tuple[int, ...] | None = None,
         data: tuple[tuple[int, ...], ...] | None = None,
+        forward: ForwardModules | None = None,
     ):
         self.fault = fault
         self.seed = seed
@@ -82,7 +89,7 @@ class FaultInjector(Plugin):
         else:
             self.active = bool(mine & set(fault.ranks))
         # With a bucket named, positions are drawn over that bucket's tensors when it first shows.
-        matched = [] if fault.bucket is not None else sites.matching(fault, model)
+        matched = [] if fault.bucket is not None else sites.matching(fault, model, forward)
         self.positions = self.initial_positions(matched)
         # The world ranks of a sub-group reduction under way (harness/runtime/locate.py), else None.
         self.group: tuple[int, ...] | None = None
@@ -247,6 +254,17 @@ class FaultInjector(Plugin):
     def on_forward(self, step: int, module: str, output: torch.Tensor) -> torch.Tensor | None:
         return self.site.on_forward(step, module, output)
 
+    def watches_matmuls(self) -> bool:
+        return self.site.watches_matmuls()
+
+    def on_matmul_operands(self, step: int, call: MatmulCall) -> None:
+        self.site.on_matmul_operands(step, call)
+
+    def on_matmul_output(
+        self, step: int, call: MatmulCall, output: torch.Tensor
+    ) -> torch.Tensor | None:
+        return self.site.on_matmul_output(step, call, output)
+
     def on_loss(self, step: int, loss: torch.Tensor) -> torch.Tensor | None:
         return self.site.on_loss(step, loss)
 
@@ -298,7 +316,8 @@ def build(
     model: nn.Module,
     hardware: tuple[int, ...] | None,
     data: tuple[tuple[int, ...], ...] | None,
+    forward: ForwardModules | None = None,
 ) -> list[Plugin]:
     if fault.clean:
         return []
-    return [FaultInjector(fault, seed, info, log, model, hardware, data)]
+    return [FaultInjector(fault, seed, info, log, model, hardware, data, forward)]

@@ -1,6 +1,6 @@
 """Where a fault can land: the tensors each site reaches on a model (`targets`, `matching`), and
-the autograd and torch-function pieces through which an injector changes a forward output, a
-loss, or a matrix multiply's output or gradient (harness's step, docs/design.md section 3)."""
+the autograd pieces through which an injector changes a forward output, a loss, or a matrix
+multiply's output or gradient (harness's step, docs/design.md section 3)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,9 @@ import math
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
+from harness.core.matmuls import ForwardModules
 from harness.core.plugins import matches
 
 if TYPE_CHECKING:
@@ -19,11 +18,6 @@ if TYPE_CHECKING:
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 RIDERS = "riders"
-# The matrix multiplies a matmul fault can strike, with the position of their second operand.
-MATMULS = {
-    F.linear: 1, torch.matmul: 1, torch.Tensor.matmul: 1, torch.Tensor.__matmul__: 1,
-    torch.mm: 1, torch.bmm: 1, torch.addmm: 2, torch.baddbmm: 2,
-}  # fmt: skip
 
 
 def number(x: float) -> float | str:
@@ -31,14 +25,23 @@ def number(x: float) -> float | str:
     return x if math.isfinite(x) else str(x)
 
 
-def targets(site: str, model: nn.Module) -> list[tuple[str, int | None]]:
-    """The named tensors a site can reach on `model`, with their sizes where known up front."""
+def targets(
+    site: str, model: nn.Module, forward: ForwardModules | None = None
+) -> list[tuple[str, int | None]]:
+    """The named tensors a site can reach on `model`, with their sizes where known up front.
+    `forward` (what one forward runs, harness/core/matmuls.py) narrows the module sites to the
+    modules that run (activation) and those in whose forward a matrix multiply runs (matmul);
+    without it (a user's loop, whose forward the harness has not seen) every module that could."""
     params = list(model.named_parameters())
     if site == "optimizer":
         return [(f"{n}.{k}", p.numel()) for n, p in params for k in MOMENTS]
     if site == "activation":
-        return [(n, None) for n, _ in model.named_modules() if n]
+        ran = None if forward is None else set(forward.ran)
+        return [(n, None) for n, _ in model.named_modules() if n and (ran is None or n in ran)]
     if site == "matmul":
+        if forward is not None:
+            multiplying = set(forward.multiplying)
+            return [(n, None) for n, _ in model.named_modules() if n in multiplying]
         return [
             (n, None)
             for n, m in model.named_modules()
@@ -49,10 +52,13 @@ def targets(site: str, model: nn.Module) -> list[tuple[str, int | None]]:
     return [(n, p.numel()) for n, p in params]
 
 
-def matching(fault: FaultConfig, model: nn.Module) -> list[tuple[str, int | None]]:
+def matching(
+    fault: FaultConfig, model: nn.Module, forward: ForwardModules | None = None
+) -> list[tuple[str, int | None]]:
     if fault.site == "allreduce" and fault.tensor == RIDERS:
         return [(RIDERS, None)]
-    return [(n, size) for n, size in targets(fault.site, model) if matches(n, fault.tensor)]
+    reachable = targets(fault.site, model, forward)
+    return [(n, size) for n, size in reachable if matches(n, fault.tensor)]
 
 
 class ReplaceValue(torch.autograd.Function):
@@ -82,24 +88,3 @@ class CorruptGrad(torch.autograd.Function):
         grad = grad.clone()
         ctx.corrupt(grad)
         return grad, None
-
-
-class FirstMatmul(TorchFunctionMode):
-    """Active during one module's forward: the first matrix multiply in it is corrupted, its
-    output (`output`) or, through its second operand, the gradient backward computes for it."""
-
-    def __init__(self, output, gradient):
-        super().__init__()
-        self.output, self.gradient, self.done = output, gradient, False
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if self.done or func not in MATMULS:
-            return func(*args, **kwargs)
-        self.done = True
-        if self.gradient is not None:
-            args = list(args)
-            at = MATMULS[func]
-            args[at] = CorruptGrad.apply(args[at], self.gradient)
-            return func(*args, **kwargs)
-        return self.output(func(*args, **kwargs))

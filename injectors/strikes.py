@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from harness.core.events import ContributionInject
+from harness.core.matmuls import MatmulCall
 from harness.core.plugins import Bucket, Plugin, matches
 from injectors import sites
 
@@ -44,38 +45,56 @@ class ModuleOutput(Site):
         return self.injector.replaced(step, module, output)
 
 
-class Matmul(ModuleOutput):
-    """matmul: the first matrix multiply in a watched module's forward, caught by a torch-function
-    mode (`mode`) that is open from the module's pre-hook to its forward hook."""
+class Matmul(Site):
+    """matmul: the first matrix multiply in the target module's forward (or a child's), as the
+    harness's watch of the forward's products hands it over (harness/core/matmuls.py): its
+    output replaced, or with `fault.phase=backward` the gradient backward computes for its
+    second operand corrupted. Armed by the module's pre-hook when the fault is due, disarmed by
+    the strike or by the end of the module's forward."""
 
     def __init__(self, injector: FaultInjector, model: nn.Module):
         super().__init__(injector, model)
         self.phase = self.fault.phase
-        self.mode: sites.FirstMatmul | None = None
+        self.armed: str | None = None
+
+    def watches_module(self, name: str) -> bool:
+        return self.injector.active and name in self.injector.positions
+
+    def watches_matmuls(self) -> bool:
+        return self.injector.active
 
     def on_forward_pre(self, step: int, module: str) -> None:
-        if module not in self.injector.positions or not self.injector.due(step):
+        if self.injector.due(step):
+            self.armed = module
+
+    def on_forward(self, step: int, module: str, output: torch.Tensor) -> torch.Tensor | None:
+        self.armed = None
+        return None
+
+    def _strikes(self, call: MatmulCall, phase: str) -> str | None:
+        """The armed module, disarmed, when this call is its first product in this phase."""
+        module = self.armed
+        if module is None or self.phase != phase or module not in call.stack:
+            return None
+        self.armed = None
+        return module
+
+    def on_matmul_operands(self, step: int, call: MatmulCall) -> None:
+        module = self._strikes(call, "backward")
+        if module is None:
             return
         injector = self.injector
 
         def corrupt(grad: torch.Tensor) -> None:
             injector.corrupt(step, [(module, grad)])
 
-        def replace(output: torch.Tensor) -> torch.Tensor | None:
-            return injector.replaced(step, module, output)
+        call.args[call.second] = sites.CorruptGrad.apply(call.args[call.second], corrupt)
 
-        if self.fault.phase == "backward":
-            self.mode = sites.FirstMatmul(None, corrupt)
-        else:
-            self.mode = sites.FirstMatmul(replace, None)
-        self.mode.__enter__()
-
-    def on_forward(self, step: int, module: str, output: torch.Tensor) -> torch.Tensor | None:
-        # The corruption happened inside the forward; the output itself passes unchanged.
-        if self.mode is not None:
-            self.mode.__exit__(None, None, None)
-            self.mode = None
-        return None
+    def on_matmul_output(
+        self, step: int, call: MatmulCall, output: torch.Tensor
+    ) -> torch.Tensor | None:
+        module = self._strikes(call, "forward")
+        return None if module is None else self.injector.replaced(step, module, output)
 
 
 class Loss(Site):

@@ -24,6 +24,7 @@ from harness.config.schema import (
     WorkloadConfig,
 )
 from harness.core.formats import BIT_CLASSES, FLOAT_FORMATS
+from harness.core.matmuls import ForwardModules
 from harness.core.values import choice, int_list, integer, known_keys
 from harness.errors import ConfigError
 from injectors import bits, sites
@@ -100,6 +101,11 @@ def _fault_values(
 
 # What `fault=none` (experiments/fault/none.yaml) holds, as checked values: a scenario without a
 # site may hold these and nothing else, since it ignores every other fault key.
+# What a module site's targets are, for the error that names none matched.
+SITE_TARGETS = {
+    "activation": " (modules whose forward runs)",
+    "matmul": " (modules in whose forward a matrix multiply runs)",
+}
 NO_FAULT = {**{f.name: f.default for f in fields(FaultConfig)}, "ranks": (0,), "steps": (0,)}
 
 
@@ -218,11 +224,15 @@ def _schedule(
     return tuple(entries)
 
 
-def check_target(key: str, fault: FaultConfig, model: torch.nn.Module) -> None:
-    """The tensors a fault names must exist at its site on this workload's model."""
+def check_target(
+    key: str, fault: FaultConfig, model: torch.nn.Module, forward: ForwardModules | None = None
+) -> None:
+    """The tensors a fault names must exist at its site on this workload's model; at a module
+    site, among the modules `forward` says the forward runs (one that never runs, such as a
+    container, could never strike)."""
     if fault.clean:
         return
-    reachable = dict(sites.targets(fault.site, model))
+    reachable = dict(sites.targets(fault.site, model, forward))
     names = ", ".join(reachable)
     for i, entry in enumerate(fault.schedule):
         at = f"{key}.schedule[{i}]"
@@ -235,9 +245,10 @@ def check_target(key: str, fault: FaultConfig, model: torch.nn.Module) -> None:
             raise ConfigError(f"{at}.index", message)
     if fault.schedule:
         return
-    matched = sites.matching(fault, model)
+    matched = sites.matching(fault, model, forward)
     if not matched:
-        message = f"'{fault.tensor}' matches nothing at site {fault.site}; allowed: {names}"
+        where = SITE_TARGETS.get(fault.site, "")
+        message = f"'{fault.tensor}' matches nothing at site {fault.site}{where}; allowed: {names}"
         raise ConfigError(f"{key}.tensor", message)
     sizes = [size for _, size in matched]
     if fault.index is not None and None not in sizes and fault.index + fault.elements > sum(sizes):

@@ -24,7 +24,7 @@ from harness.config.schema import (
     TopologyConfig,
     TrialSpec,
 )
-from harness.config.workload import workload_config
+from harness.config.workload import MODULE_SITES, forward_modules, workload_config
 from harness.core.checks import CheckConfig
 from harness.core.values import choice, integer, known_keys, positive
 from harness.errors import ConfigError
@@ -210,8 +210,11 @@ def run_config(raw: dict[str, Any]) -> RunConfig:
         scenario_raw = expand_scenarios(scenarios_raw, DTYPES[workload.dtype])
         if not scenario_raw:
             raise ConfigError("campaign.scenarios", "a campaign needs at least one scenario")
-    # Names and shapes are all the fault checks need: a model on `meta` allocates nothing.
+    # Names and shapes are all the fault checks need: a model on `meta` allocates nothing. A
+    # fault at a module needs what the forward runs, found by running one.
     model = Workload(workload, device="meta").build_model()
+    module_sites = {str(s.get("site")) for _, s in scenario_raw} & set(MODULE_SITES)
+    forward = forward_modules(workload) if module_sites else None
     scenarios, trials = [], []
     for n, (i, scenario) in enumerate(scenario_raw):
         key = "fault" if campaign.get("name") == "single" else f"campaign.scenarios[{i}]"
@@ -220,7 +223,7 @@ def run_config(raw: dict[str, Any]) -> RunConfig:
             f"{key}.checks", scenario.pop("checks", None), checks, topology
         )
         fault = fault_config(key, scenario, workload, topology)
-        check_target(key, fault, model)
+        check_target(key, fault, model, forward)
         scenarios.append(fault)
         for s in range(seeds):
             seed = workload.seed + s
@@ -240,5 +243,6 @@ def run_config(raw: dict[str, Any]) -> RunConfig:
         recovery=recovery,
         trials=tuple(trials),
         fast_forward=fast_forward,
+        forward=forward,
         overhead=overhead_config(campaign.get("overhead")),
     )

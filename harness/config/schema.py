@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from harness.core.checks import CheckConfig
+from harness.core.matmuls import ForwardModules
 
 SITES_WITH_SCOPE = {"allreduce": ("rank", "reduction")}
 SCOPES = ("rank", "reduction")
@@ -278,6 +279,9 @@ class RunConfig:
     trials: tuple[TrialSpec, ...] = field(default=())
     fast_forward: bool = True
     overhead: OverheadConfig | None = None
+    # What the workload's forward runs, traced when the config was validated, where a scenario's
+    # fault strikes a module (sites activation and matmul): the targets it may draw from.
+    forward: ForwardModules | None = None
 
     @property
     def reference_seeds(self) -> range:

@@ -20,6 +20,7 @@ from harness.config.schema import (
     WORKLOADS,
     WorkloadConfig,
 )
+from harness.core.matmuls import ForwardModules, traced
 from harness.core.values import choice, integer, known_keys, positive
 from harness.errors import ConfigError
 from harness.runtime.workloads import DTYPES, Workload
@@ -188,3 +189,17 @@ def _dry_step(cfg: WorkloadConfig) -> None:
             key,
             f"'{target}' failed in a dry step of one micro-batch: {type(exc).__name__}: {first}",
         ) from None
+
+
+# The sites whose targets are modules: what a forward runs decides what they can strike.
+MODULE_SITES = ("activation", "matmul")
+
+
+def forward_modules(cfg: WorkloadConfig) -> ForwardModules:
+    """What one forward of micro-batch 0 runs, on the CPU, in this process: the modules an
+    activation or a matmul fault can strike (harness/core/matmuls.py)."""
+    workload = Workload(cfg)
+    model = workload.build_model()
+    batch = workload.batch(0, 0, 0)
+    with torch.no_grad(), workload.forward_rng(0, 0, 0):
+        return traced(model, lambda: workload.loss(model, batch))

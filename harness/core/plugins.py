@@ -19,6 +19,7 @@ from torch import nn
 
 from harness.core.checks import CheckConfig
 from harness.core.events import Alert, CheckWarning, RankEvent
+from harness.core.matmuls import MatmulCall, Watch
 from harness.core.phases import PHASE_ORDER
 from harness.core.verdicts import Pending, Verdicts
 
@@ -82,6 +83,18 @@ class Plugin:
 
     def on_forward(self, step: int, module: str, output: torch.Tensor) -> torch.Tensor | None:
         """Return a tensor to replace the module's output, or None to leave it."""
+
+    def watches_matmuls(self) -> bool:
+        """Whether it takes part in the forward's matrix multiplies (harness/core/matmuls.py)."""
+        return False
+
+    def on_matmul_operands(self, step: int, call: MatmulCall) -> None:
+        """A matrix multiply is about to run: `call.args` may be wrapped in place."""
+
+    def on_matmul_output(
+        self, step: int, call: MatmulCall, output: torch.Tensor
+    ) -> torch.Tensor | None:
+        """Return a tensor to replace the product, or None to leave it."""
 
     def on_loss(self, step: int, loss: torch.Tensor) -> torch.Tensor | None:
         """Return a tensor to replace the loss, or None to leave it."""
@@ -298,6 +311,25 @@ class PluginBus:
         return self.verdicts.resolve(extra)
 
     def install_forward_hooks(self, model: nn.Module, step_of: Callable[[], int]) -> None:
+        multipliers = [p for p in self.plugins if p.watches_matmuls()]
+        if multipliers:
+            # Operands: checks wrap first, so that an injector's wrap is nearest the product and
+            # a gradient it corrupts in backward reaches the check's wrap corrupted.
+            first = [p for p in multipliers if isinstance(p, Detector)]
+            operands = first + [p for p in multipliers if p not in first]
+
+            def multiply(call: MatmulCall) -> torch.Tensor:
+                step = step_of()
+                for plugin in operands:
+                    plugin.on_matmul_operands(step, call)
+                output = call.func(*call.args, **call.kwargs)
+                for plugin in multipliers:
+                    replaced = plugin.on_matmul_output(step, call, output)
+                    if replaced is not None:
+                        output = replaced
+                return output
+
+            Watch(multiply).install(model)
         for name, module in model.named_modules():
             watchers = [p for p in self.plugins if name and p.watches_module(name)]
             if not watchers:

@@ -19,6 +19,7 @@ from torch import nn
 import detectors
 from harness.config.schema import FaultConfig
 from harness.core.checks import CheckConfig
+from harness.core.matmuls import ForwardModules
 from harness.core.plugins import Detector, DetectorContext, EventLog, PluginBus
 from harness.runtime.comm import HookState
 from injectors import injector
@@ -41,13 +42,15 @@ def assemble(
     hardware: tuple[int, ...] | None = None,
     transparent: bool = False,
     inner: tuple[Any, Callable] | None = None,
+    forward: ForwardModules | None = None,
 ) -> RankPlugins:
     """`fault` (None: none) strikes as planned for `seed` on the world ranks `hardware` (None:
     a user's loop, where no fault may name a spare); `transparent` and `inner` go to the comm
-    hook (the guard: the user's reduction stays the user's)."""
+    hook (the guard: the user's reduction stays the user's); `forward`, what the workload's
+    forward runs, narrows the modules a fault draws its target from (injectors/sites.py)."""
     info = ctx.info
     plugins = [] if fault is None else injector.build(
-        fault, seed, info, log, model, hardware, ctx.data
+        fault, seed, info, log, model, hardware, ctx.data, forward
     )  # fmt: skip
     built = detectors.build(checks, ctx, log)
     bus = PluginBus(plugins + built, log.verdicts, info.device)

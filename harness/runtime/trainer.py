@@ -145,7 +145,7 @@ def _trained(
     if spec.golden:
         checks = {name: config.in_mode("observe") for name, config in checks.items()}
     ctx = DetectorContext(info, model, workload, cfg.steps, plan)
-    rank = assemble(model, ctx, log, checks, spec.fault, spec.seed, hardware)
+    rank = assemble(model, ctx, log, checks, spec.fault, spec.seed, hardware, forward=run.forward)
     bus, built, state = rank.bus, rank.checks, rank.state
     acting = any(config.acts for config in checks.values())
 

@@ -1,0 +1,131 @@
+"""Matrix multiplies as plug-ins see them: every call to one of `MATMULS` in a model's forward,
+caught by one torch-function mode (`Watch`) that is open from the model's forward pre-hook to its
+forward hook, with the names of the modules whose forward is running at that moment.
+
+Plug-ins take part through two hooks (harness/core/plugins.py): `on_matmul_operands` may wrap a
+call's operands before the product is computed (checks first, then injectors, so that a gradient
+an injector corrupts in backward reaches a check's wrap already corrupted), and
+`on_matmul_output` may replace the product after it (injectors first, then checks, which thus
+see what the fault made). A plug-in's own arithmetic inside those hooks is not watched: torch
+leaves a mode off while its handler runs.
+
+`traced` runs one forward under the same mode and names the modules whose forward runs and those
+in whose forward a matrix multiply runs: the targets a fault at site activation or matmul can
+strike (a container such as an `nn.ModuleList` holds layers but its own forward never runs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+# The matrix multiplies a matmul fault can strike and matmul_checksum verifies, with the position
+# of their second operand (a Linear's weight).
+MATMULS: dict[Callable, int] = {
+    F.linear: 1, torch.matmul: 1, torch.Tensor.matmul: 1, torch.Tensor.__matmul__: 1,
+    torch.mm: 1, torch.bmm: 1, torch.addmm: 2, torch.baddbmm: 2,
+}  # fmt: skip
+
+
+@dataclass
+class MatmulCall:
+    """One matrix multiply as the model's forward called it; `args` may be changed in place."""
+
+    func: Callable
+    args: list[Any]
+    kwargs: dict[str, Any]
+    # Every module whose forward is running, outermost first (the root model is not named).
+    stack: tuple[str, ...]
+
+    @property
+    def module(self) -> str:
+        """The innermost running module: where the product is computed."""
+        return self.stack[-1] if self.stack else ""
+
+    @property
+    def second(self) -> int:
+        """The position in `args` of the second operand."""
+        return MATMULS[self.func]
+
+
+@dataclass(frozen=True)
+class ForwardModules:
+    """What one forward of a workload's model runs, in the order modules first ran."""
+
+    ran: tuple[str, ...]  # modules whose forward runs
+    multiplying: tuple[str, ...]  # those in whose forward (or a child's) a matrix multiply runs
+
+
+class Watch(TorchFunctionMode):
+    """Open during a model's forward: each matrix multiply goes to `on_call`, which computes it
+    (`call.func(*call.args, **call.kwargs)`) and returns what the model gets."""
+
+    def __init__(self, on_call: Callable[[MatmulCall], Any]):
+        super().__init__()
+        self.on_call = on_call
+        self.stack: list[str] = []
+        self.ran: dict[str, None] = {}
+        self.depth = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in MATMULS:
+            return func(*args, **kwargs)
+        return self.on_call(MatmulCall(func, list(args), kwargs, tuple(self.stack)))
+
+    def install(self, model: nn.Module) -> list[Any]:
+        """Hooks that keep `stack` and open the mode for the root's forward; their handles."""
+        handles = []
+        for name, module in model.named_modules():
+            if name:
+                handles.append(module.register_forward_pre_hook(self._entered(name)))
+                handles.append(module.register_forward_hook(self._left, always_call=True))
+        handles.append(model.register_forward_pre_hook(self._open))
+        handles.append(model.register_forward_hook(self._close, always_call=True))
+        return handles
+
+    def _entered(self, name: str) -> Callable:
+        def hook(_module, _inputs):
+            self.stack.append(name)
+            self.ran[name] = None
+
+        return hook
+
+    def _left(self, _module, _inputs, _output):
+        self.stack.pop()
+
+    # A forward that calls the root again from inside (none known) opens the mode once.
+    def _open(self, _module, _inputs):
+        self.depth += 1
+        if self.depth == 1:
+            self.__enter__()
+
+    def _close(self, _module, _inputs, _output):
+        self.depth -= 1
+        if self.depth == 0:
+            self.__exit__(None, None, None)
+
+
+def traced(model: nn.Module, forward: Callable[[], Any]) -> ForwardModules:
+    """The modules one call of `forward` (a forward of `model`) runs, and those that multiply."""
+    multiplying: dict[str, None] = {}
+
+    def record(call: MatmulCall) -> Any:
+        multiplying.update(dict.fromkeys(call.stack))
+        return call.func(*call.args, **call.kwargs)
+
+    watch = Watch(record)
+    handles = watch.install(model)
+    try:
+        forward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    ran = tuple(watch.ran)
+    return ForwardModules(ran, tuple(n for n in ran if n in multiplying))
