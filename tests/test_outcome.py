@@ -97,15 +97,19 @@ def test_a_checkpoint_between_injection_and_alert_breaks_containment():
 
 
 def test_effects():
-    same = [_part(r) for r in range(4)]
-    assert _row(GRAD_NAN, same)["effect"] == "masked"
+    struck = [_part(r, [_inject(r, 3)] if r == 3 else []) for r in range(4)]
+    assert _row(GRAD_NAN, struck)["effect"] == "masked"
+    # The same run with a fault planned that never changed a value: no effect, not masked.
+    missed = [_part(r, [_inject(r, 3, fired=False)] if r == 3 else []) for r in range(4)]
+    row = _row(GRAD_NAN, missed)
+    assert (row["effect"], row["fired"]) == ("none", False)
     near = [_part(r, loss=1.05, digest="x") for r in range(4)]
     assert _row(GRAD_NAN, near, band=0.1)["effect"] == "benign"
     far = [_part(r, loss=1.5, digest="x") for r in range(4)]
     assert _row(GRAD_NAN, far, band=0.1)["effect"] == "harmful"
     crash = _row(GRAD_NAN, None, crash="rank 2 killed by SIGKILL")
     assert crash["effect"] == "crash" and crash["crash_cause"] == "rank 2 killed by SIGKILL"
-    assert _row(FaultConfig(), same)["effect"] == "none"
+    assert _row(FaultConfig(), [_part(r) for r in range(4)])["effect"] == "none"
 
 
 def test_damaged_state_inside_the_band_is_latent_not_benign():

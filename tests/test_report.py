@@ -8,6 +8,8 @@ import math
 import re
 from pathlib import Path
 
+import pandas as pd
+
 from harness.analysis import intervals, report, tables
 from harness.campaign import overhead
 from harness.results import schema
@@ -126,3 +128,16 @@ def test_catch_rate_against_audit_interval_counts_each_checks_own_alerts(tmp_pat
     rows = intervals.audit_intervals(df)
     assert {(r["check"], r["interval"]) for r in rows} == {("replay", k) for k in (1, 5, 20)}
     assert "## Catch rate against audit interval" in report.write_report(df, tmp_path).read_text()
+
+
+def test_faults_that_never_struck_are_counted_apart_from_every_effect():
+    with open(BASELINE / "trials.csv", newline="") as f:
+        table = pd.DataFrame(list(csv.DictReader(f))[::20])
+    table["fired"] = table["fired"] == "True"
+    assert (table["site"] == "none").any() and table["fired"].any()
+    assert report.never_struck(table) == 0
+    faulty = table.index[table["site"] != "none"][:3]
+    table.loc[faulty, ["fired", "effect"]] = [False, "none"]
+    line = report.effects_line(table)
+    assert line.endswith("; 3 planned faults never struck (effect none)"), line
+    assert "masked" not in report.effects_line(table.loc[faulty])

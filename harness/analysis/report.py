@@ -93,10 +93,22 @@ def escape_section(df: pd.DataFrame, folder: Path) -> str:
     return text + f"\n![Loss damage of the harmful faults no detector caught](figures/{path.name})"
 
 
+def never_struck(df: pd.DataFrame) -> int:
+    """Trials with a fault planned that never changed a value: counted apart from every effect
+    (`effect` none, `fired` False), so that fired counts can be trusted."""
+    return int(((df["site"] != "none") & (df["fired"] != True)).sum())  # noqa: E712
+
+
+def effects_line(df: pd.DataFrame) -> str:
+    effects = df["effect"].value_counts()
+    line = ", ".join(f"{e} {effects[e]}" for e in sorted(effects.index))
+    unfired = never_struck(df)
+    return line + (f"; {unfired} planned faults never struck (effect none)" if unfired else "")
+
+
 def summary(df: pd.DataFrame) -> str:
     """The short table printed at the end of a campaign."""
-    effects = df["effect"].value_counts()
-    head = f"{len(df)} trials: " + ", ".join(f"{e} {effects[e]}" for e in sorted(effects.index))
+    head = f"{len(df)} trials: " + effects_line(df)
     return (
         head + "\n\n" + markdown_table(catch_rates(df)) + "\n" + markdown_table(false_positives(df))
     )
@@ -133,7 +145,8 @@ DEFINITIONS = """## Definitions (docs/design.md, section 5)
   non-finite state, final loss within the harm threshold; `latent` loss within the threshold
   but the state damaged (replicas diverged, non-finite weights or optimizer state, weights
   frozen by an overflowed Adam moment; column `damage` says which); `harmful` NaN/Inf loss or
-  loss outside the threshold; `crash` a rank died or hung; `none` a clean trial.
+  loss outside the threshold; `crash` a rank died or hung; `none` a clean trial, or one whose
+  planned fault never struck (`fired` False), counted apart.
 - **harm threshold** (`noise_band`): max - min of the golden final loss over the fixed
   reference seeds (`campaign.noise_seeds`), never over a campaign's trial seeds, so the same
   scenario and seed get the same effect in any campaign on the same workload.
@@ -168,7 +181,7 @@ def write_report(df: pd.DataFrame, out: Path, dirs: list[Path] | None = None) ->
         "Numerics: " + numerics_line(df) + "  ",
         f"Trials: {len(df)}; workloads: {', '.join(sorted(df['workload'].unique()))}; "
         f"dtypes: {', '.join(sorted(df['dtype'].unique()))}; "
-        "effects: " + ", ".join(f"{e} {n}" for e, n in df["effect"].value_counts().items()),
+        "effects: " + effects_line(df),
         "Rates are k/n with a 95% Wilson interval. Catch rate = detected / fired "
         "(docs/design.md §5); "
         "`detected` means an alert at or after the first step in which the injection changed a "

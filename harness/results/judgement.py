@@ -18,7 +18,7 @@ from harness.results.schema import RankResult, RecoveryRecord
 
 # Faults that enter the gradient of their own step: containing them means alerting before
 # that step's optimizer update.
-GRADIENT_SITES = {"grad", "allreduce", "activation", "loss"}
+GRADIENT_SITES = {"grad", "allreduce", "activation", "loss", "matmul"}
 
 
 @dataclass(frozen=True)
@@ -139,7 +139,7 @@ def trial_row(
         "fired": fired,
         "inject_step": "" if inject_step is None else inject_step,
         "injected_ranks": _join(injected_ranks),
-        "effect": classify(fault, judged.parts, judged.crash, golden, band),
+        "effect": classify(fault, judged.parts, judged.crash, golden, band, fired),
         "detected": bool(first),
         "first_detector": first.detector if first else "",
         "detect_step": first.step if first else "",
@@ -239,14 +239,18 @@ def classify(
     crash: str | None,
     golden: Golden,
     band: float,
+    fired: bool = True,
 ) -> str:
-    """The effect (docs/design.md, section 5): crash, none, masked, harmful, latent, benign."""
+    """The effect (docs/design.md, section 5): crash, none, masked, harmful, latent, benign.
+    A planned fault that never struck (`fired` False: say, an intermittent one whose draws all
+    missed) and left the run its golden run had no effect: `none`, as a clean trial, never
+    `masked`, which would count it as a fault the model absorbed."""
     if crash or parts is None:
         return "crash"
     if fault.clean:
         return "none"
     if matches_golden(parts, golden):
-        return "masked"
+        return "masked" if fired else "none"
     final_loss = worst_loss(parts)
     if not math.isfinite(final_loss) or abs(final_loss - golden.final_loss) > band:
         return "harmful"

@@ -111,6 +111,14 @@ def test_a_clean_trial_has_no_effect():
     assert classify(CLEAN, world(rank(0, 9.0, "x")), None, GOLDEN, BAND) == "none"
 
 
+def test_a_fault_that_never_struck_is_not_masked_but_has_no_effect():
+    untouched = world(rank(0, 5.0))
+    assert classify(FAULT, untouched, None, GOLDEN, BAND, fired=False) == "none"
+    assert classify(FAULT, untouched, None, GOLDEN, BAND, fired=True) == "masked"
+    # A run that left its golden run is judged whatever the injector recorded.
+    assert classify(FAULT, world(rank(0, 9.0, "x")), None, GOLDEN, BAND, fired=False) == "harmful"
+
+
 def test_bit_identical_weights_are_masked_even_if_the_loss_differs():
     assert classify(FAULT, world(rank(0, 5.0)), None, GOLDEN, BAND) == "masked"
 
