@@ -43,7 +43,14 @@ from harness.launch.world import World
 from harness.runtime import devices
 from harness.runtime.workloads import Workload
 
-CHECKS = ("nan_inf", "grad_stats", "allreduce_sketch", "weight_consensus", "replay")
+CHECKS = (
+    "nan_inf",
+    "grad_stats",
+    "allreduce_sketch",
+    "weight_consensus",
+    "replay",
+    "matmul_checksum",
+)
 COLUMNS = ["section", "workload", "item", "value", "unit", "note"]
 # A GPT of about 17M parameters at 4096 tokens per rank per step: big enough that a step is
 # compute, not kernel launches, small enough that 4 ranks share one GPU over gloo in minutes.

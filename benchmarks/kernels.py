@@ -4,6 +4,9 @@
 2. The weight fingerprint table over a model's parameters (what `weight_consensus` gathers),
    and the peer method: Megatron-LM's copy to the CPU and SHA-1 per tensor.
 3. `allreduce_sketch` per bucket: its rider before the allreduce, its projection after.
+4. `matmul_checksum` on one product of the `gpt` workload (its MLP's first Linear, 1024 tokens
+   of 128 features into 512): the forward check against the product itself, and against one read
+   pass over the product's operands and output.
 
 The reference bucket is DDP's default (25 MiB); the reference model is the `gpt` workload
 widened to about 59M parameters, so that both, like real ones, are read from memory rather
@@ -20,11 +23,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from benchmarks.common import Rotation, bucket, detector, gpt, params_of
 from benchmarks.timing import Figure, interleaved, paired_ratio
 from detectors.fingerprint import bits_fingerprint
+from harness.core.matmuls import MatmulCall
 from harness.core.plugins import Bucket
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
@@ -135,7 +140,40 @@ def run(rounds: int = 15, quick: bool = False) -> list[Figure]:
     del model
     label = "allreduce_sketch rider + check / torch.sum"
     figures += bucket_figures("allreduce_sketch", "sketch_vs_read", label, 2.0)
+    for dtype, tag in ((torch.float32, ""), (torch.bfloat16, "_bf16")):
+        figures += checksum_figures(dtype, tag, rounds)
     return figures
+
+
+def checksum_figures(dtype: torch.dtype, tag: str, rounds: int) -> list[Figure]:
+    """matmul_checksum's forward check of one Linear of `gpt`'s MLP, through its hooks."""
+    check = detector("matmul_checksum")
+    x, weight, bias = torch.randn(16, 64, 128), torch.randn(512, 128), torch.randn(512)
+    x, weight, bias = x.to(dtype), weight.to(dtype), bias.to(dtype)
+    output = F.linear(x, weight, bias)
+
+    def checked() -> None:
+        call = MatmulCall(F.linear, [x, weight, bias], {}, ("blocks.0.fc",))
+        check.on_matmul_operands(STEP, call)
+        check.on_matmul_output(STEP, call, output)
+        check.found.clear()
+
+    times = interleaved(
+        {
+            "check": checked,
+            "product": lambda: F.linear(x, weight, bias),
+            "read": lambda: read_pass([x, weight, output]),
+        },
+        rounds,
+    )
+    name = "bfloat16" if tag else "float32"
+    return [
+        Figure(f"checksum_vs_product{tag}", f"matmul_checksum forward / the product ({name})",
+               paired_ratio(times, "check", "product")),
+        Figure(f"checksum_vs_read{tag}",
+               f"matmul_checksum forward / one read of operands and output ({name})",
+               paired_ratio(times, "check", "read")),
+    ]  # fmt: skip
 
 
 def profile(out: Path, quick: bool = False) -> None:

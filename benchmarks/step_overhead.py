@@ -13,6 +13,8 @@ The floors:
 - nan_inf, allreduce_sketch, weight_consensus: the read passes over their data that they cannot
   avoid (two over the gradient for nan_inf and for the sketch, one over the weights per
   consensus), timed in this process on one thread as `torch.sum`, relative to the same step.
+- matmul_checksum: one read pass over every product's operands and output, forward and
+  backward (a checksum reads each once at least).
 """
 
 from __future__ import annotations
@@ -26,10 +28,14 @@ import torch
 from benchmarks.common import Rotation, params_of
 from benchmarks.timing import Figure, interleaved, median
 from benchmarks.worlds import Timings, Worlds, base_run, steps_for, time_configs, with_detectors
+from detectors.matmul_checksum import product_of
 from harness.config.schema import RunConfig
+from harness.core.matmuls import MatmulCall, Watch
 from harness.runtime.workloads import Workload
 
-CHECKS = ("nan_inf", "weight_consensus", "allreduce_sketch")
+CHECKS = ("nan_inf", "weight_consensus", "allreduce_sketch", "matmul_checksum")
+# The every-step checks whose sum the published budget (3% of a step) is set for.
+BUDGETED = ("nan_inf", "weight_consensus", "allreduce_sketch")
 OVERHEAD_COLUMNS = ["detector", "interval", "overhead_pct", "floor_pct"]
 
 
@@ -62,6 +68,7 @@ def configs(plan: Plan) -> dict[str, RunConfig]:
         "nan_inf": with_detectors(base, {"nan_inf": {}}),
         "weight_consensus": with_detectors(base, consensus),
         "allreduce_sketch": with_detectors(base, {"allreduce_sketch": {}}),
+        "matmul_checksum": with_detectors(base, {"matmul_checksum": {}}),
         "checks": with_detectors(base, {"nan_inf": {}, **consensus, "allreduce_sketch": {}}),
     }
     for k in plan.replay_intervals:
@@ -95,25 +102,52 @@ def measure(worlds: Worlds, plan: Plan) -> Overheads:
     timings = time_configs(worlds, base, runs, plan.rounds, plan.cycle)
     step_s = timings.seconds("none", plan.cycle)
     cpu_step_s = timings.cpu_step(base)
-    read_s = read_pass_s(params_of(Workload(base.workload).build_model()))
-    wall = _rows(timings.ratio, plan, 100 * read_s / step_s)
-    cpu = _rows(timings.cpu_ratio, plan, 100 * read_s / cpu_step_s)
+    params = params_of(Workload(base.workload).build_model())
+    read_s = read_pass_s(params)
+    products = 2 * product_elements(base) / params  # forward and backward, in weights' reads
+    wall = _rows(timings.ratio, plan, 100 * read_s / step_s, products)
+    cpu = _rows(timings.cpu_ratio, plan, 100 * read_s / cpu_step_s, products)
     return Overheads(wall, cpu, timings, step_s, cpu_step_s)
 
 
-def _rows(ratio, plan: Plan, read_pct: float) -> list[dict]:
-    """overhead.csv rows from `ratio(config)` (a step cost over that of the bare step)."""
+def product_elements(run: RunConfig) -> int:
+    """The elements of every matrix product's operands and output in one rank's forward."""
+    workload = Workload(run.workload)
+    model = workload.build_model()
+    total = 0
+
+    def count(call: MatmulCall) -> torch.Tensor:
+        nonlocal total
+        output = call.func(*call.args, **call.kwargs)
+        product = product_of(call)
+        if product is not None:
+            total += product.left.numel() + product.right.numel() + output.numel()
+        return output
+
+    handles = Watch(count).install(model)
+    with torch.no_grad():
+        workload.loss(model, workload.batch(0, 0, 0))
+    for handle in handles:
+        handle.remove()
+    return total * run.workload.micro_batches
+
+
+def _rows(ratio, plan: Plan, read_pct: float, products: float) -> list[dict]:
+    """overhead.csv rows from `ratio(config)` (a step cost over that of the bare step);
+    `products`: matmul_checksum's floor in reads of the weights."""
 
     def overhead(name: str) -> float:
         return 100.0 * (ratio(name) - 1)
 
-    intervals = {"nan_inf": 1, "weight_consensus": plan.consensus_interval, "allreduce_sketch": 1}
+    intervals = {"nan_inf": 1, "weight_consensus": plan.consensus_interval, "allreduce_sketch": 1,
+                 "matmul_checksum": 1}  # fmt: skip
     # The read passes a check cannot avoid: the gradient before and after the allreduce; the
-    # weights once per consensus.
+    # weights once per consensus; every product's operands and output.
     passes = {"nan_inf": 2.0, "weight_consensus": 1.0 / plan.consensus_interval,
-              "allreduce_sketch": 2.0}  # fmt: skip
+              "allreduce_sketch": 2.0, "matmul_checksum": products}  # fmt: skip
     rows = [_row(n, intervals[n], overhead(n), passes[n] * read_pct) for n in CHECKS]
-    rows.append(_row("+".join(CHECKS), "", overhead("checks"), sum(passes.values()) * read_pct))
+    budget = sum(passes[n] for n in BUDGETED) * read_pct
+    rows.append(_row("+".join(BUDGETED), "", overhead("checks"), budget))
     for k in plan.replay_intervals:
         rows.append(_row("replay", k, overhead(f"replay@{k}"), overhead("floor") / k))
     return rows
@@ -179,7 +213,10 @@ def _figure(row: dict, measure: str, by: str, ratios: dict, plan: Plan) -> Figur
         return Figure(f"checks_overhead_pct{measure}", label, pct, "%",
                       target=3.0 if wall else None, note=_spread(ratios["checks"]))  # fmt: skip
     label = f"{name} (every {k}), step overhead{by}"
-    return Figure(f"{name}_overhead_pct{measure}", label, pct, "%", note=_spread(ratios[name]))
+    # The checksum's target: every product of the step checked, forward and backward.
+    target = 10.0 if wall and name == "matmul_checksum" else None
+    note = f"floor {row['floor_pct']:.3g}%; {_spread(ratios[name])}"
+    return Figure(f"{name}_overhead_pct{measure}", label, pct, "%", target=target, note=note)
 
 
 def run(worlds: Worlds, out: Path, plan: Plan) -> list[Figure]:

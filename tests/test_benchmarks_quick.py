@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from benchmarks import gpu_check
 from benchmarks.__main__ import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -88,7 +89,7 @@ def test_every_benchmark_runs_once_and_reports_sane_numbers(tmp_path, capsys):
     assert (tmp_path / "gpu" / "gpu_check.md").read_text().count("\n| ") == len(table) + 1
     items = {(r["section"], r["item"]): float(r["value"]) for r in table}
     steps = [v for (section, _), v in items.items() if section == "step"]
-    checks = ("nan_inf", "grad_stats", "allreduce_sketch", "weight_consensus", "replay")
+    checks = gpu_check.CHECKS
     assert len(steps) == 2 + len(checks) and all(v > 0 for v in steps)
     assert any("floor" in r["note"] for r in table if r["item"].startswith("replay"))
     kernels = [v for (section, _), v in items.items() if section == "kernel"]

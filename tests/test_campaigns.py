@@ -118,9 +118,9 @@ def test_audit_frequency_runs_every_scenario_at_every_interval():
 
 def test_audit_frequency_mixes_persistence_over_consecutive_steps():
     run = compose_run("campaign=audit_frequency")
-    assert set(run.detectors) == PUBLISHED | {"allreduce_sketch"}
+    assert set(run.detectors) == PUBLISHED | {"allreduce_sketch", "matmul_checksum"}
     assert {p for _, _, _, p in keys(run)} == {"transient", "intermittent", "permanent"}
-    for site in ("grad", "weight"):
+    for site in ("grad", "weight", "matmul"):
         steps = sorted(
             {f.steps[0] for f in run.scenarios if f.site == site and f.persistence == "transient"}
         )
@@ -131,9 +131,7 @@ def test_nightly_is_a_fixed_mix_against_every_detector():
     run = compose_run("campaign=nightly")
     assert set(run.detectors) == EVERY_DETECTOR
     assert any(f.clean for f in run.scenarios)
-    # Every site but matmul, which joins the nightly with its next baseline: the mix
-    # changes only together with results/baseline.
-    assert {f.site for f in run.scenarios if not f.clean} == set(injectors.SITES) - {"matmul"}
+    assert {f.site for f in run.scenarios if not f.clean} == set(injectors.SITES)
     # From 4 seeds on, n/n and 0/n have disjoint Wilson intervals: a lost catch shows.
     assert run.seeds >= 4
 
@@ -181,7 +179,7 @@ def test_fast_forwarded_trials_give_the_rows_of_trials_trained_from_step_0(smoke
     forward, full = smoke[0], tmp_path / "full"
     run_ok("campaign=smoke", "campaign.fast_forward=false", f"out={full}", cwd=tmp_path)
     fast, slow = rows(forward), rows(full)
-    assert [r["start_step"] for r in fast] == ["0", "5", "5", "5", "5"]
+    assert [r["start_step"] for r in fast] == ["0", "5", "5", "5", "5", "3"]
     assert {r["start_step"] for r in slow} == {"0"}
 
     def same(table):

@@ -68,7 +68,11 @@ CASES = [
     ),
     (["workload=transformer"], "workload", "allowed: custom, gpt, gpt2, llama, mlp"),
     (["workload.dtype=float8"], "workload.dtype", "allowed: float32, bfloat16, float16"),
-    (["detectors=[nan_inf,oracle]"], "detectors", "allowed: allreduce_sketch, grad_stats, meg"),
+    (
+        ["detectors=[nan_inf,oracle]"],
+        "detectors",
+        "allowed: allreduce_sketch, grad_stats, matmul_checksum, meg",
+    ),
     (["topology.nodes=0"], "topology.nodes", "1..inf"),
     (["topology.cpu_kernels=avx3"], "topology.cpu_kernels", "avx2, avx512, default, native"),
     (["topology.cpu_numerics=fast"], "topology.cpu_numerics", "allowed: emulated, native"),
@@ -157,6 +161,40 @@ IGNORED_OR_MISTYPED = [
         "allowed: forward, backward",
     ),
     (["campaign=single", "fault.stride=4"], "fault.site", "ignores fault.stride=4"),
+    # A container's own forward never runs: a fault there could never strike.
+    (
+        [
+            "workload=gpt",
+            "fault.site=matmul",
+            "fault.model=scale",
+            "fault.factor=2",
+            "fault.tensor=blocks",
+        ],
+        "fault.tensor",
+        "'blocks' matches nothing at site matmul (modules in whose forward a matrix multiply "
+        "runs); allowed: blocks.0, blocks.0.qkv,",
+    ),
+    (
+        [
+            "workload=gpt",
+            "fault.site=activation",
+            "fault.model=scale",
+            "fault.factor=2",
+            "fault.tensor=blocks",
+        ],
+        "fault.tensor",
+        "(modules whose forward runs); allowed: tok, pos, blocks.0, blocks.0.ln1,",
+    ),
+    (
+        ["detectors=[matmul_checksum]", "detectors.matmul_checksum.fraction=0"],
+        "detectors.matmul_checksum.fraction",
+        "must be a number > 0",
+    ),
+    (
+        ["detectors=[matmul_checksum]", "detectors.matmul_checksum.fraction=1.5"],
+        "detectors.matmul_checksum.fraction",
+        "must be in (0, 1) or 1 (every product)",
+    ),
     (["campaign=default", "fault=grad_nan"], "campaign", "use campaign=single"),
 ]
 

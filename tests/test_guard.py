@@ -88,7 +88,8 @@ def test_the_sketch_refuses_a_hook_it_cannot_verify_and_names_the_alternatives(o
     with pytest.raises(ValueError, match="cannot verify the comm hook powerSGD_hook") as error:
         Guard(one_rank, ["allreduce_sketch"], comm_hook=(state, powerSGD_hook.powerSGD_hook))
     assert str(error.value).endswith(
-        "use grad_stats, megatron_hash, nan_inf, replay, spiky_loss, titan_replay, weight_consensus"
+        "use grad_stats, matmul_checksum, megatron_hash, nan_inf, replay, spiky_loss, "
+        "titan_replay, weight_consensus"
     )
 
 

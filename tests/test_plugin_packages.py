@@ -48,7 +48,7 @@ def test_an_installed_detector_runs_in_the_smoke_campaign_beside_the_built_in_on
                       f"out={out}")  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     table = {(r["site"], r["model"]): r for r in rows(out)}
-    assert len(table) == 5
+    assert len(table) == 6
     assert all("grad_norm_limit" in r["detectors"].split(";") for r in table.values())
     clean = table["none", "none"]
     assert clean["alerts"] == "0", clean
