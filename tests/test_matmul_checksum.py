@@ -36,7 +36,13 @@ CLEAN = {
 class Rank:
     """One rank's model, optimizer, injector (optional) and matmul_checksum on one bus."""
 
-    def __init__(self, run: RunConfig, fault: FaultConfig | None, seed: int):
+    def __init__(
+        self,
+        run: RunConfig,
+        fault: FaultConfig | None,
+        seed: int,
+        config: MatmulChecksum.Config | None = None,
+    ):
         self.workload = Workload(replace(run.workload, seed=seed))
         self.model = self.workload.build_model()
         info = RankInfo(0, 1, 1)
@@ -47,12 +53,13 @@ class Rank:
             plugins = injector.build(
                 fault, seed, info, self.log, self.model, None, ctx.data, run.forward
             )
-        self.check = MatmulChecksum(MatmulChecksum.Config(), ctx, self.log)
+        self.check = MatmulChecksum(config or MatmulChecksum.Config(), ctx, self.log)
         self.bus = PluginBus([*plugins, self.check], self.log.verdicts)
         self.step = 0
         self.bus.install_forward_hooks(self.model, lambda: self.step)
         self.optimizer = self.workload.build_optimizer(self.model)
         self.worst = 0.0  # the largest ratio of a checksum error to its bound
+        self.checked: list[list[str]] = []  # per step, the products whose checks were deferred
 
     def train(self, step: int) -> None:
         self.step = step
@@ -60,6 +67,7 @@ class Rank:
         with self.workload.forward_rng(step, 0, 0):
             loss = self.workload.loss(self.model, self.workload.batch(step, 0, 0))
         loss.backward()
+        self.checked.append([key for _, _, key, _ in self.check.found])
         self.bus.audit(step)
         ratios = [p.detail for p in self.log.verdicts.pending]
         self.worst = max([self.worst, *(float(r.max()) for r in ratios)])
@@ -79,6 +87,24 @@ def test_clean_runs_stay_far_inside_the_bound(overrides):
         rank.train(step)
     assert rank.alerts() == []
     assert 0 < rank.worst < 0.5, rank.worst
+
+
+def test_interval_and_fraction_check_a_seeded_share_of_the_products():
+    run = compose_run("workload=gpt")
+    every = Rank(run, None, 0)
+    config = MatmulChecksum.Config(interval=2, fraction=0.5)
+    sampled, again = Rank(run, None, 0, config), Rank(run, None, 0, config)
+    for step in range(4):
+        for rank in (every, sampled, again):
+            rank.train(step)
+    full = len(every.checked[0])  # 9 Linears: their outputs, weight and input gradients
+    assert full == 27 and all(len(keys) == full for keys in every.checked)
+    assert sampled.checked[1] == sampled.checked[3] == []
+    for step in (0, 2):
+        assert 0.2 * full < len(sampled.checked[step]) < 0.8 * full
+        assert set(sampled.checked[step]) < set(every.checked[step])
+    assert sampled.checked[0] != sampled.checked[2]  # drawn per step
+    assert sampled.checked == again.checked  # and seeded
 
 
 @pytest.mark.slow
