@@ -24,25 +24,27 @@ autocast kernel's operand casts are repeated here exactly). Row i of P passes wh
 with s = `sigmas` and tiny float32's smallest normal. Two terms read a cheaper upper bound: a
 32- or 64-bit product reads ||L_i|| ||R||_F for ||P_i|| (Cauchy-Schwarz; its own rounding is
 negligible there), and a weight gradient dR = L^T dP reads ||L||_F for its rows' ||L_i||, the
-norms of L's columns (a reduction along columns costs twenty times one along rows on the CPU). An addend (a Linear's bias, addmm's input)
-is added in the accumulation and the sum rounded once, as BLAS's gemm with beta does (and as
-the CPU's F.linear was measured to: 0.002% of bfloat16 outputs differ from one rounding of the
-float32 result, 27% from two): a model that adds a bias itself does it in an operation of its
-own, outside the product. Each term bounds a sum of independent rounding errors by Hoeffding's
-inequality, as Higham and Mary's probabilistic error analysis does: the product's own rounding
-to its dtype (u_o ||P_i||, which dominates in 16 bits), its accumulation over q (by
-Cauchy-Schwarz, sum_l |L_il R_lj| <= ||L_i|| ||R_:j||), and the check's own sums over p and q. A
-clean row exceeds it with probability below 2 exp(-s^2 / 2): 2.5e-14 at the default 8. A change
-d of one element of row i is caught when |d| exceeds the row's bound: in bfloat16 about
-s u_o ||P_i|| = ||P_i|| / 32, a third of the row's RMS at p = 128; in float32 about 10^-5 of it.
-What falls below is the check's blind band (docs/detectors.md). MindSpore's check for bfloat16,
-c_max 2^-8 sqrt(n), is a bound on the largest element of a whole matrix: each row's own norm is
-tighter wherever rows differ in scale.
+norms of L's columns (a reduction along columns costs twenty times one along rows on the CPU).
+An addend (a Linear's bias, addmm's input) is added in the accumulation and the sum rounded
+once, as BLAS's gemm with beta does (and as the CPU's F.linear was measured to: 0.002% of
+bfloat16 outputs differ from one rounding of the float32 result, 27% from two): a model that
+adds a bias itself does it in an operation of its own, outside the product. Each term bounds a
+sum of independent rounding errors by Hoeffding's inequality, as Higham and Mary's probabilistic
+error analysis does: the product's own rounding to its dtype (u_o ||P_i||, which dominates in 16
+bits), its accumulation over q (by Cauchy-Schwarz, sum_l |L_il R_lj| <= ||L_i|| ||R_:j||), and
+the check's own sums over p and q. A clean row exceeds it with probability below 2 exp(-s^2 /
+2): 2.5e-14 at the default 8. A change d of one element of row i is caught when |d| exceeds the
+row's bound: in bfloat16 about s u_o ||P_i|| = ||P_i|| / 32, a third of the row's RMS at p =
+128; in float32 a few tenths of a percent of ||L_i|| ||R||_F at gpt's sizes. What falls below is
+the check's blind band (docs/detectors.md). MindSpore's check for bfloat16, c_max 2^-8 sqrt(n),
+is a bound on the largest element of a whole matrix: each row's own norm is tighter wherever
+rows differ in scale.
 
-Cost: two reads of each operand and of the product (sums and norms) and one product of a row of
-L with a vector, per checked product; `every` and `fraction` (a seeded share of the products of a
-checked step) trade it against coverage. The verdicts stay on the device until the step's read
-(harness/core/verdicts.py); no collective: each rank judges the products it computed.
+Cost: a sum and a norm of each operand and of the product's rows, and one product of L with a
+vector, per checked product (benchmarks: docs/performance.md); `interval` and `fraction` (a
+seeded share of the products of a checked step) trade it against coverage. The verdicts stay on
+the device until the step's read (harness/core/verdicts.py); no collective: each rank judges the
+products it computed.
 
 Backward checks keep a reference to the operands until backward (the product's backward keeps
 them too, except under autocast, where it keeps its 16-bit copies and this check the originals).
