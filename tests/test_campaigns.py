@@ -188,5 +188,5 @@ def test_fast_forwarded_trials_give_the_rows_of_trials_trained_from_step_0(smoke
     assert same(fast) == same(slow)
     # What grad_stats carried into the trials: the golden run's running maximum of the loss.
     state = checkpoint.load(forward / "store" / "golden-s0" / "ff_000004.rank1.pt")
-    assert set(state) == {"nan_inf", "replay", "weight_consensus", "allreduce_sketch", "grad_stats"}
+    assert set(state) == EVERY_DETECTOR
     assert state["grad_stats"]["running_max"] > 0
