@@ -56,6 +56,8 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -196,22 +198,11 @@ class Tap(torch.autograd.Function):
         return grad, None
 
 
-def unwatched(device: torch.device):
+@contextmanager
+def unwatched(device: torch.device) -> Iterator[None]:
     """The checks' own arithmetic: no autograd graph, no autocast (sums stay float32)."""
-    return _Unwatched(device)
-
-
-class _Unwatched:
-    def __init__(self, device: torch.device):
-        self.contexts = (torch.no_grad(), torch.autocast(device.type, enabled=False))
-
-    def __enter__(self) -> None:
-        for context in self.contexts:
-            context.__enter__()
-
-    def __exit__(self, *exc) -> None:
-        for context in reversed(self.contexts):
-            context.__exit__(*exc)
+    with torch.no_grad(), torch.autocast(device.type, enabled=False):
+        yield
 
 
 class MatmulChecksum(Detector):
