@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -18,6 +21,24 @@ from harness.config.load import run_config
 from harness.config.schema import RunConfig
 
 BIN = Path(sys.executable).parent
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """One golden store for the whole test run, never the repository's results/cache nor the
+    user's own: the main process makes it before xdist starts its workers, which inherit it,
+    and every sdc-bench a test starts inherits it in turn. Reuse is exact (rows identical, by
+    tests/test_golden_store.py), so tests that share a golden compute it once."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    config.golden_store = tempfile.mkdtemp(prefix="sdc-bench-goldens-")
+    os.environ["SDC_BENCH_CACHE"] = config.golden_store
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if getattr(config, "golden_store", None):
+        shutil.rmtree(config.golden_store, ignore_errors=True)
+
+
 # Columns that measure wall time: the only ones allowed to differ between identical runs.
 TIMING = {"step_time_s", "ttd_seconds"}
 # Small but real: 4 simulated nodes, 12 steps.

@@ -11,6 +11,9 @@ from harness import cli
 from tests.conftest import compose_run, sdc_bench
 
 CASES = [
+    (["campaign.golden_cache=7"], "campaign.golden_cache", "allowed: true, false or a folder"),
+    (["campaign.golden_cache=off"], "campaign.golden_cache", "allowed: true, false or a folder"),
+    (["campaign.golden_cache=/dev/null/goldens"], "campaign.golden_cache", "not a writable"),
     (["fault.site=gpu"], "fault.site", "allowed: none, grad, allreduce, weight, optimizer"),
     (["campaign=single", "fault=grad_bitflip", "fault.model=melt"], "fault.model", "bitflip"),
     (["campaign=single", "fault=grad_bitflip", "fault.bit=32"], "fault.bit", "0..31"),

@@ -38,7 +38,7 @@ from harness.analysis.tables import (
 )
 from harness.core.events import Sensitivity, from_record, of, to_record
 from harness.results import machine
-from harness.results.folder import EVENTS_FILE
+from harness.results.folder import EVENTS_FILE, RunFolder
 
 
 def _pct(x: float) -> str:
@@ -170,6 +170,36 @@ def numerics_line(df: pd.DataFrame) -> str:
     return "; ".join(dict.fromkeys(lines))
 
 
+def golden_line(df: pd.DataFrame) -> str:
+    """How many golden runs the rows were judged against, and which of them the golden store
+    gave instead of a run (golden.jsonl's `reused_from`), one line."""
+    held = []
+    for run in sorted(df["run"].unique()):
+        path = RunFolder(Path(run)).goldens
+        if path.exists():
+            held += [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    reused = [g for g in held if g.get("reused_from")]
+    if not reused:
+        return f"{len(held)}, each run in its campaign"
+    stores = sorted({str(Path(g["reused_from"]).parent.parent) for g in reused})
+    seeds = _spans(sorted({g["seed"] for g in reused}))
+    return (
+        f"{len(held)}; {len(reused)} reused from the golden store ({', '.join(stores)}; seeds "
+        f"{seeds}), {len(held) - len(reused)} run in their campaign"
+    )
+
+
+def _spans(numbers: list[int]) -> str:
+    """Sorted integers as runs: [0, 1, 2, 5] -> '0-2, 5'."""
+    spans: list[list[int]] = []
+    for n in numbers:
+        if spans and n == spans[-1][1] + 1:
+            spans[-1][1] = n
+        else:
+            spans.append([n, n])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
+
+
 def write_report(df: pd.DataFrame, out: Path, dirs: list[Path] | None = None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     folder = out / "figures"
@@ -179,6 +209,7 @@ def write_report(df: pd.DataFrame, out: Path, dirs: list[Path] | None = None) ->
         f"Runs: {', '.join(sorted(df['run'].unique()))}  ",
         "Environment: " + environment_line(df) + "  ",
         "Numerics: " + numerics_line(df) + "  ",
+        "Golden runs: " + golden_line(df) + "  ",
         f"Trials: {len(df)}; workloads: {', '.join(sorted(df['workload'].unique()))}; "
         f"dtypes: {', '.join(sorted(df['dtype'].unique()))}; "
         "effects: " + effects_line(df),

@@ -22,6 +22,7 @@ from harness.campaign.fastforward import (
     golden_specs,
     has_snapshots,
 )
+from harness.campaign.golden_store import GoldenMismatch, GoldenStore
 from harness.campaign.recovery import run_with_recovery, scratch_folders
 from harness.config.schema import RunConfig, TopologyConfig, TrialSpec
 from harness.errors import ConfigError
@@ -29,7 +30,7 @@ from harness.launch import stacks
 from harness.launch.world import World, WorldStartError
 from harness.results import machine
 from harness.results.folder import RunFolder
-from harness.results.judgement import Judged, golden_from, noise_band, trial_row
+from harness.results.judgement import Golden, Judged, golden_from, noise_band, trial_row
 from harness.results.records import Records
 from harness.results.schema import TrialResult
 from harness.runtime import environment
@@ -41,8 +42,15 @@ class CampaignError(RuntimeError):
     pass
 
 
+# RunConfig's fields that never change a row, so a campaign resumes with other values of them.
+NOT_IDENTITY = ("golden_cache",)
+
+
 def _identity(run: RunConfig) -> str:
-    return json.dumps(dataclasses.asdict(run), sort_keys=True, indent=1)
+    content = dataclasses.asdict(run)
+    for name in NOT_IDENTITY:
+        content.pop(name)
+    return json.dumps(content, sort_keys=True, indent=1)
 
 
 def _bound_to(out: Path) -> tuple[str, dict | None] | None:
@@ -52,6 +60,8 @@ def _bound_to(out: Path) -> tuple[str, dict | None] | None:
     if held is None:
         return None
     env = held.pop("environment", None)
+    for name in NOT_IDENTITY:
+        held.pop(name, None)
     return json.dumps(held, sort_keys=True, indent=1), env
 
 
@@ -217,6 +227,32 @@ class Campaign:
             or (g.seed in starting and not has_snapshots(self.folder.store, g, run))
         ]
         self.pending += trials
+        self.store: GoldenStore | None = None
+
+    def use_store(self, store: GoldenStore) -> list[Golden]:
+        """Take every pending golden run that `store` can stand in for (its result, and the
+        snapshots its trials start from); the goldens it gave."""
+        self.store = store
+        reused = []
+        for spec in [p for p in self.pending if p.golden]:
+            golden = store.reuse(spec, self.folder.store)
+            if golden is None:
+                continue
+            self._keep(spec, golden)
+            self.pending.remove(spec)
+            reused.append(golden)
+        return reused
+
+    def _keep(self, spec: TrialSpec, golden: Golden) -> None:
+        known = self.goldens.get(golden.seed)
+        if known is None:
+            self.records.add_golden(golden)
+            self.goldens[golden.seed] = golden
+        elif known != golden:
+            raise CampaignError(
+                f"golden run {spec.trial_id} did not reproduce its recorded result "
+                f"({known} then {golden}): the run is not deterministic"
+            )
 
     def prepared(self, spec: TrialSpec) -> TrialSpec:
         """The spec to run: a trial fast-forwards from its golden run's snapshot."""
@@ -249,15 +285,14 @@ class Campaign:
             if outcome.parts is None:
                 raise CampaignError(f"golden run {spec.trial_id} crashed: {outcome.crash}")
             golden = golden_from(spec, outcome.parts)
-            known = self.goldens.get(golden.seed)
-            if known is None:
-                self.records.add_golden(golden)
-                self.goldens[golden.seed] = golden
-            elif known != golden:
-                raise CampaignError(
-                    f"golden run {spec.trial_id} did not reproduce its recorded result "
-                    f"({known} then {golden}): the run is not deterministic"
-                )
+            self._keep(spec, golden)
+            if self.store is not None:
+                try:
+                    self.store.put(spec, golden, self.folder.store)
+                except GoldenMismatch as exc:
+                    raise CampaignError(str(exc)) from None
+                except OSError as exc:  # the store is a shortcut: the campaign goes on without
+                    logger.warning("golden store: cannot keep %s: %s", spec.trial_id, exc)
             return None
         band = noise_band([self.goldens[s] for s in self.run.reference_seeds])
         golden = self.goldens[spec.seed]
@@ -286,7 +321,16 @@ def run_campaign(run: RunConfig, out: Path, executor: Executor | None = None) ->
     bar = tqdm(total=len(campaign.pending), unit="trial", mininterval=1.0)
     alerts = crashes = 0
     try:
-        bind(out, run, executor.start(run.topology))
+        ranks = executor.start(run.topology)
+        bind(out, run, ranks)
+        if run.golden_cache is not None:
+            store = GoldenStore(Path(run.golden_cache), run, environment.record(ranks))
+            reused = campaign.use_store(store)
+            if reused:
+                seeds = ", ".join(str(g.seed) for g in reused)
+                logger.info("golden store: %d of the golden runs reused from %s (seeds %s)",
+                            len(reused), run.golden_cache, seeds)  # fmt: skip
+                bar.reset(total=len(campaign.pending))
         for pending in campaign.pending:
             bar.set_description(pending.trial_id)
             spec = campaign.prepared(pending)

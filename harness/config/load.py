@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import fields, replace
+from pathlib import Path
 from typing import Any
 
 import detectors
@@ -164,13 +165,39 @@ def scenario_checks(
     return checks
 
 
+# Where `campaign.golden_cache: true` keeps goldens: $SDC_BENCH_CACHE/goldens, else this.
+DEFAULT_CACHE = "results/cache"
+
+
+def golden_cache(raw: Any) -> str | None:
+    """`campaign.golden_cache`: true (the default store), false (off) or a folder; the store's
+    folder as an absolute path, or None. A folder that cannot be created or written is refused
+    here, not found out after the golden runs."""
+    if raw is False:
+        return None
+    if raw is True:
+        raw = str(Path(os.environ.get("SDC_BENCH_CACHE") or DEFAULT_CACHE) / "goldens")
+    # A yes/no word is a mistyped flag, not the name of a folder to create.
+    if not isinstance(raw, str) or not raw.strip() or raw.lower() in ("yes", "no", "on", "off"):
+        raise ConfigError("campaign.golden_cache", f"'{raw}' is not allowed; allowed: true, "
+                          "false or a folder")  # fmt: skip
+    folder = Path(raw).expanduser().resolve()
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(
+            "campaign.golden_cache", f"{existing} is not a writable folder; choose another "
+            "folder, or false"
+        )  # fmt: skip
+    return str(folder)
+
+
 def run_config(raw: dict[str, Any]) -> RunConfig:
     """Validate a composed config (as a plain dict) and expand its campaign into trials."""
     known_keys("", raw, TOP_KEYS)
     known_keys(
         "campaign.",
         raw["campaign"],
-        ["name", "seeds", "noise_seeds", "scenarios", "fast_forward", "overhead"],
+        ["name", "seeds", "noise_seeds", "scenarios", "fast_forward", "overhead", "golden_cache"],
     )
     known_keys("checkpoint.", raw["checkpoint"], ["interval", "keep"])
     known_keys("recovery.", raw.get("recovery") or {}, ["enabled", "max_recoveries"])
@@ -245,4 +272,5 @@ def run_config(raw: dict[str, Any]) -> RunConfig:
         fast_forward=fast_forward,
         forward=forward,
         overhead=overhead_config(campaign.get("overhead")),
+        golden_cache=golden_cache(campaign.get("golden_cache", True)),
     )

@@ -282,6 +282,9 @@ class RunConfig:
     # What the workload's forward runs, traced when the config was validated, where a scenario's
     # fault strikes a module (sites activation and matmul): the targets it may draw from.
     forward: ForwardModules | None = None
+    # The golden store's folder (harness/campaign/golden_store.py); None: every golden runs.
+    # Where goldens come from never changes a row, so it is not part of a campaign's identity.
+    golden_cache: str | None = None
 
     @property
     def reference_seeds(self) -> range:

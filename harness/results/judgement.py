@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from harness.config.schema import FaultConfig, RunConfig, TrialSpec
@@ -28,6 +28,9 @@ class Golden:
     seed: int
     final_loss: float
     weights_digest: str
+    # The golden store's entry it came from (harness/campaign/golden_store.py); None: it ran in
+    # this campaign. Where a result comes from never makes it another result.
+    reused_from: str | None = field(default=None, compare=False)
 
 
 def noise_band(goldens: list[Golden]) -> float:
