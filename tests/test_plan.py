@@ -18,7 +18,15 @@ import pandas as pd
 import pytest
 
 from harness.analysis import plan_report, report, tables
-from harness.analysis.plan import LLAMA3_RATE, Job, amortized, load, overheads, plan
+from harness.analysis.plan import (
+    LLAMA3_RATE,
+    Job,
+    Overheads,
+    amortized,
+    load,
+    overheads,
+    plan,
+)
 from harness.campaign import overhead
 from harness.results import schema
 from harness.results.schema import COLUMNS
@@ -63,11 +71,20 @@ def trial(step: int, seed: int, harmful: bool, on: str, every: str = "", found: 
     return row
 
 
-def write_run(folder: Path, trials: list[dict], costs: list[tuple]) -> Path:
+def write_run(
+    folder: Path, trials: list[dict], costs: list[tuple], hook_vs_ddp: float | None = None
+) -> Path:
+    """trials.csv and overhead.csv; `hook_vs_ddp`: the hook's row against plain DDP (None: a
+    table measured before plain DDP was)."""
     folder.mkdir(parents=True)
     pd.DataFrame(trials, columns=COLUMNS).to_csv(folder / "trials.csv", index=False)
     measured = ["detector", "interval", "overhead_pct", "floor_pct"]  # other columns blank
     rows = [dict(zip(measured, c, strict=True)) for c in costs]
+    if hook_vs_ddp is not None:
+        rows.insert(0, {"detector": "hook", "overhead_vs_ddp_pct": hook_vs_ddp})
+        for row in rows[1:]:
+            both = (1 + row["overhead_pct"] / 100) * (1 + hook_vs_ddp / 100)
+            row["overhead_vs_ddp_pct"] = round(100 * (both - 1), 3)
     overhead.write(folder / schema.OVERHEAD_FILE, rows)
     return folder
 
@@ -128,6 +145,29 @@ def test_auditing_more_often_costs_more_than_it_saves(tmp_path):
     assert list(found) == [("replay", "10"), ("no checks", "-"), ("replay", "1")]
     best = plan(*load([folder]), HAND).best[0]
     assert best.overrides() == "detectors=[replay] detectors.replay.interval=10"
+
+
+def test_the_plan_weighs_checks_by_their_cost_against_plain_ddp_hook_included(tmp_path):
+    """The same trials, with the hook costing 10% of a step against plain DDP: against the hook
+    alone, replay every 10 steps is the best plan; against plain DDP, the job that pays the hook
+    too is better off with no checks, which need no hook."""
+    against_hook = replay_run(tmp_path / "hook")
+    trials = pd.read_csv(against_hook / "trials.csv", dtype=str, keep_default_na=False)
+    costs = [("replay", 1, 40.0, 38.0), ("replay", 10, 4.0, 3.8)]
+    against_ddp = write_run(tmp_path / "ddp", trials.to_dict("records"), costs, hook_vs_ddp=10.0)
+    assert list(ranked(against_hook, HAND))[0] == ("replay", "10")
+    found = ranked(against_ddp, HAND)
+    every_tenth = 24 * (0.10 + 0.04) + 1 / 4 * (5 + 2) + 1 / 4 * 20  # 10.11
+    assert found == pytest.approx(
+        {
+            ("no checks", "-"): 2 / 4 * 20,  # 10: no hook, no checks
+            ("replay", "10"): every_tenth,
+            ("replay", "1"): 24 * (0.10 + 0.40) + 1 * (0 + 2),
+        }
+    )
+    assert list(found)[0] == ("no checks", "-")
+    text = plan_report.header(HAND, plan(*load([against_ddp]), HAND).overheads)
+    assert "the harness's hook costs 10% of a step, once for any set of checks" in text
 
 
 def test_an_overhead_below_its_floor_counts_as_the_floor_and_is_named(tmp_path):
@@ -223,10 +263,12 @@ def test_a_higher_sdc_rate_audits_more_often(tmp_path):
 
 def test_defaults_are_the_llama3_rate_and_stated():
     assert pytest.approx(6) == LLAMA3_RATE * 16384 * 24 * 54
-    text = plan_report.header(Job(), {})
+    text = plan_report.header(Job(), Overheads({}, {}, []))
     assert "--sdc-rate 2.8257e-07" in text and "Llama 3" in text and "54 days" in text
     assert text.count("(default") == 6
-    assert "`--gpus 8`: GPUs in the job (given)" in plan_report.header(Job(gpus=8), {})
+    assert "`--gpus 8`: GPUs in the job (given)" in plan_report.header(
+        Job(gpus=8), Overheads({}, {}, [])
+    )
 
 
 def test_sdc_plan_on_the_notebook_fixture_writes_its_plan_and_figure(tmp_path, capsys):

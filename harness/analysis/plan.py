@@ -30,6 +30,7 @@ import pandas as pd
 
 from harness.analysis.intervals import pairs
 from harness.analysis.tables import Counts, ReportError, load_overhead, load_trials, wilson
+from harness.results.schema import HOOK
 
 PLAN_FILE = "plan.md"
 FIGURE_FILE = "plan.png"
@@ -105,7 +106,9 @@ class Option:
 
     checks: tuple[str, ...]  # sorted; () is no checks at all
     intervals: tuple[tuple[str, int], ...]  # the periodic members' intervals
-    overhead_pct: float  # the members' overheads (`overheads`) summed
+    # Against plain DDP, as the job pays it: the harness's hook once (riders, fixed layout),
+    # plus the members' overheads against the hook (`overheads`); 0 for no checks at all.
+    overhead_pct: float
     caught: Counts  # fired faults that any member caught
     escaped: Counts  # fired faults that did damage and that no member caught
     ttd: tuple[float, float, float]  # steps to detection: mean, least, most (NaN: none caught)
@@ -174,9 +177,7 @@ def fired_faults(trials: pd.DataFrame) -> pd.DataFrame:
     return fired
 
 
-def measured(
-    fired: pd.DataFrame, checks: tuple[str, ...], cost: dict[tuple[str, str], float]
-) -> list[Option]:
+def measured(fired: pd.DataFrame, checks: tuple[str, ...], cost: Overheads) -> list[Option]:
     """One Option per interval (or mix of intervals) at which every member of `checks` ran in
     fired trials (`fired_faults`) and had its overhead measured; none for a set not run
     together. A fault is caught when any member caught it, at the first member's alert."""
@@ -184,7 +185,7 @@ def measured(
     fired["key"] = fired["every"].map(lambda e: tuple((c, e[c]) for c in checks if c in e))
     options = []
     for key, group in fired.groupby("key", sort=True):
-        costs = [cost.get((c, str(dict(key).get(c, "")))) for c in checks]
+        costs = [cost.at.get((c, str(dict(key).get(c, "")))) for c in checks]
         if any(c is None for c in costs):
             continue
         # The same fault at intervals of checks outside the set is one trial for this set.
@@ -197,7 +198,7 @@ def measured(
             Option(
                 checks=checks,
                 intervals=key,
-                overhead_pct=sum(costs),
+                overhead_pct=sum(costs) + ((cost.hook or 0.0) if checks else 0.0),
                 caught=(int(hit.sum()), n),
                 escaped=(int((group["damaged"] & ~hit).sum()), n),
                 ttd=(sum(ttd) / len(ttd), min(ttd), max(ttd)) if ttd else (math.nan,) * 3,
@@ -213,6 +214,9 @@ class Overheads:
     at: dict[tuple[str, str], float]  # (detector, interval as in overhead.csv) -> percent
     per_run: dict[str, float]  # a periodic check's fitted cost of one run (percent of a step)
     noise: list[str]  # measurements below zero or below the check's floor
+    # The harness's hook against plain DDP, percent of a step (overhead.csv's `hook` row); None
+    # in a table measured before plain DDP was, whose costs are then against the hook alone.
+    hook: float | None = None
 
 
 def amortized(intervals: list[int], measured: list[float]) -> float:
@@ -229,8 +233,15 @@ def overheads(table: pd.DataFrame) -> Overheads:
     """Each (check, interval)'s overhead: for a check timed at several intervals, its amortized
     fit over all of them; otherwise its measurement. Never below zero or the check's floor (the
     least it can cost): one timing on a loaded machine can be off by ten points either way."""
-    at, per_run, noise = {}, {}, []
+    at, per_run, noise, hook = {}, {}, [], None
     for detector, rows in table.groupby("detector"):
+        if detector == HOOK:
+            measured = rows["overhead_vs_ddp_pct"].dropna()
+            if len(measured):
+                hook = max(0.0, float(measured.median()))
+                if measured.median() < 0:
+                    noise.append(f"hook vs plain DDP {measured.median():.2f}%")
+            continue
         timed = rows[rows["steps"].notna()]
         if timed["steps"].nunique() > 1:
             ks = timed["steps"].astype(int).tolist()
@@ -241,10 +252,10 @@ def overheads(table: pd.DataFrame) -> Overheads:
             at[(detector, r.interval)] = max(least, value)
             if r.overhead_pct < least:
                 noise.append(f"{r.detector}@{r.interval or '-'} {r.overhead_pct:.2f}%")
-    return Overheads(at, per_run, noise)
+    return Overheads(at, per_run, noise, hook)
 
 
-def options(trials: pd.DataFrame, cost: dict[tuple[str, str], float]) -> list[Option]:
+def options(trials: pd.DataFrame, cost: Overheads) -> list[Option]:
     """Every set of the checks the run ran (each at each interval it ran at), and no checks."""
     names = sorted({d for ds in trials["detectors"] for d in ds.split(";") if d})
     fired = fired_faults(trials)
@@ -268,7 +279,7 @@ class Plan:
 
 def plan(trials: pd.DataFrame, table: pd.DataFrame, job: Job) -> Plan:
     cost = overheads(table)
-    found = options(trials, cost.at)
+    found = options(trials, cost)
     if not found:
         raise PlanError("no fired trials with measured overheads: nothing to plan from")
     ranked = sorted(

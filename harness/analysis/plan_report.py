@@ -26,6 +26,7 @@ from harness.analysis.plan import (
     Job,
     Loss,
     Option,
+    Overheads,
     Plan,
     PlanError,
     load,
@@ -66,8 +67,9 @@ FLAGS = {
 TOP = 12  # rows in the printed table and the report's section; plan.md has them all
 
 
-def header(job: Job, per_run: dict[str, float]) -> str:
-    """The model and the job's figures, each with its source; the overhead fits."""
+def header(job: Job, costs: Overheads) -> str:
+    """The model and the job's figures, each with its source; the hook's cost and the overhead
+    fits."""
     default = Job()
     lines = ["Job figures (flag: value):", ""]
     for f in fields(Job):
@@ -76,7 +78,17 @@ def header(job: Job, per_run: dict[str, float]) -> str:
         note = f"default, {source}" if value == getattr(default, f.name) else "given"
         lines.append(f"- `{flag} {value:g}`: {what} ({note})")
     lines.append(f"- so {job.events_per_day:.3g} SDC events a day")
-    fits = [f"{name} {c:.3g}%/k" for name, c in sorted(per_run.items())]
+    if costs.hook is None:
+        lines.append(
+            "- overheads against the harness's hook: this overhead.csv has no cost of the hook "
+            "against plain DDP (measured before it was)"
+        )
+    else:
+        lines.append(
+            f"- overheads against plain DDP: the harness's hook costs {costs.hook:.3g}% of a "
+            "step, once for any set of checks, plus each check's cost against the hook"
+        )
+    fits = [f"{name} {c:.3g}%/k" for name, c in sorted(costs.per_run.items())]
     if fits:
         lines.append(f"- overhead fits (k: the interval): {', '.join(fits)}")
     return MODEL + "\n\n" + "\n".join(lines)
@@ -195,7 +207,7 @@ def figure(result: Plan, path: Path) -> Path:
 def markdown(result: Plan, image: str, limit: int | None = None) -> str:
     return "\n\n".join(
         [
-            header(result.job, result.overheads.per_run),
+            header(result.job, result.overheads),
             recommendation(result),
             markdown_table(rows(result, limit)),
             f"![Expected loss against the audit interval]({image})",
@@ -246,7 +258,7 @@ def main(argv: list[str] | None = None) -> None:
     path = figure(result, out / FIGURE_FILE)
     written = out / PLAN_FILE
     written.write_text("# How often to audit\n\n" + markdown(result, path.name) + "\n")
-    print(header(job, result.overheads.per_run) + "\n")
+    print(header(job, result.overheads) + "\n")
     print(markdown_table(rows(result, TOP)))
     print(recommendation(result) + "\n")
     print(f"plan: {written}\nfigure: {path}")

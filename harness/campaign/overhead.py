@@ -41,13 +41,12 @@ from tqdm import tqdm
 import detectors
 from harness.config.schema import FaultConfig, RunConfig, TrialSpec
 from harness.core.checks import CheckConfig
-from harness.results.schema import OVERHEAD_COLUMNS, OVERHEAD_FILE, TrialResult
+from harness.results.schema import HOOK, OVERHEAD_COLUMNS, OVERHEAD_FILE, TrialResult
 
 WARMUP_STEPS = 2  # the first steps allocate, and DDP rebuilds its buckets after step 0
 REFERENCE = "none"
 FLOOR = "floor"  # more micro-batches per step, no detectors: replay's floor
 PLAIN = "plain_ddp"  # DDP's own allreduce, no harness hook
-HOOK = "hook"  # overhead.csv's row for the hook itself
 # A difference of two step times carries the noise of both: on a loaded machine one extra
 # forward and backward of a small model can drown in it, four of them stand well clear.
 FLOOR_SETS = 4
