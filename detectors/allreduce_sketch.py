@@ -23,8 +23,8 @@ Why a faulty reduction cannot forge this in step with the data:
   +1/-1 per row was blind to it, forever).
 - The projection is one matrix-vector product of the bucket's rows with v, or of u with the rows
   (one read pass either way), and a dot product; the weights cost rows + numel / rows random
-  numbers. A 16-bit bucket is converted to float32 a few rows at a time, in cache, its norm
-  taken on the way.
+  numbers. A 16-bit bucket is converted to float32 a piece at a time into one workspace, in
+  cache, its norm taken from there.
 
 The comparison allows for the rounding of the projections and of the sum:
 
@@ -85,10 +85,10 @@ BLOCKS = 4096
 # streams fewer, longer rows faster (25 MiB of float32 on this machine's CPU: 0.95-1.06 read
 # passes in 256-1,024 rows, 1.18 in 4,096), for 12,800 instead of 1,600 column weights.
 WIDE_BLOCKS = 512
-# Elements of a 16-bit bucket converted to float32 at a time (512 KiB: stays in cache).
-CONVERT = 1 << 17
-# Elements of a float32 bucket read at a time when its norm is taken too (4 MiB: the norm reads
-# each piece again from the last-level cache instead of from memory).
+# Elements read at a time from a float32 bucket whose norm is taken too, and converted at a time
+# from a 16-bit one (4 MiB of float32: the second kernel over a piece reads it from the
+# last-level cache instead of from memory; smaller pieces cost more in per-operation overhead
+# than the nearer cache saves).
 PIECE = 1 << 20
 # Rows at least this wide are projected by a vector-matrix product (`_pass`).
 STREAM_WIDTH = 640
@@ -132,11 +132,13 @@ def _pass(
     """(projection, L2 norm or 0). The body of the bucket is u.numel() rows of `width` elements,
     u . (rows) . v. Wide rows are summed as (u @ rows) . v, a vector-matrix product that
     streams through them, narrow ones as u . (rows @ v); same weights, whichever is faster on
-    the CPU (the crossover measured between 424 and 848). A 16-bit bucket is converted to
-    float32 a few rows at a time, in cache: a whole-bucket copy costs several times the
-    arithmetic. A float32 bucket larger than PIECE whose norm is taken is read a piece at a
-    time, the projection first, then the norm from the cache; a smaller one, or one on a GPU,
-    at once."""
+    the CPU (the crossover measured between 424 and 848). A float32 bucket larger than PIECE
+    whose norm is taken is read a piece at a time: the sum of squares first, from memory, then
+    the projection from the cache (the other order costs about half a read pass more: the
+    vector-matrix product streams from memory slower than the dot product). A 16-bit bucket on
+    the CPU is converted into one float32 workspace a piece at a time and both are taken from
+    it: a whole-bucket copy costs several times the arithmetic, and a fresh tensor per piece
+    costs its allocation. A smaller float32 bucket, or one on a GPU, is read at once."""
     u, v, z = (w.to(buffer.device) for w in weights)
     flat = buffer.reshape(-1)
     if flat.dtype != torch.float32 and flat.device.type != "cpu":
@@ -145,24 +147,21 @@ def _pass(
     body = rows * width
     grid = flat[:body].view(rows, width)
     rest = flat[body:].float()
-    if flat.dtype != torch.float32:
-        step = max(1, CONVERT // width)
-    elif norm and flat.device.type == "cpu":
-        step = max(1, PIECE // width)
-    else:
-        step = rows
-    by_piece = step < rows or flat.dtype != torch.float32
+    convert = flat.dtype != torch.float32
+    step = max(1, PIECE // width) if convert or (norm and flat.device.type == "cpu") else rows
+    by_piece = step < rows or convert
+    work = torch.empty(min(step, rows) * width, device=flat.device) if convert else None
     projection = torch.dot(rest, z)
     squares = [torch.dot(rest, rest)] if norm and by_piece else []
-    for at in range(0, rows, step):
-        block = grid[at : at + step].float()  # float32 already: the rows themselves
-        row_weights = u[at : at + step]
+    for block, row_weights in zip(grid.split(step), u.split(step), strict=True):
+        if work is not None:
+            block = work[: block.numel()].view(block.shape).copy_(block)
+        if norm and by_piece:
+            squares.append(torch.dot(block.view(-1), block.view(-1)))
         if width >= STREAM_WIDTH:
             projection = projection + torch.dot(row_weights @ block, v)
         else:
             projection = projection + torch.dot(block @ v, row_weights)
-        if norm and by_piece:
-            squares.append(torch.dot(block.view(-1), block.view(-1)))  # from the cache
     if not norm:
         return projection, projection.new_zeros(())
     if not by_piece:
