@@ -178,17 +178,17 @@ def checksum_figures(dtype: torch.dtype, tag: str, rounds: int) -> list[Figure]:
 
 def profile(out: Path, quick: bool = False) -> None:
     """Where the time of the fingerprint and the sketch goes: torch.profiler tables of one
-    fingerprint table over the reference model (float32 and bfloat16) and of the sketch's
-    per-bucket work, written to `out/profile_*.txt`."""
+    fingerprint table over the reference model and of the sketch's per-bucket work (float32
+    and bfloat16 each), written to `out/profile_*.txt`."""
     torch.set_num_threads(1)
     model = gpt(**BIG_MODEL) if not quick else gpt()
     for dtype in (torch.float32, torch.bfloat16):
         params = [p.detach() for p in model.to(dtype).parameters()]
         name = str(dtype).removeprefix("torch.")
         _profile(out / f"profile_fingerprint_{name}.txt", fingerprint_table, params)
-    numel = BUCKET_BYTES // 4 if not quick else 2**16
-    sketch, b = detector("allreduce_sketch"), bucket(numel, torch.float32)
-    _profile(out / "profile_sketch_float32.txt", sketch_work, sketch, b)
+        numel = BUCKET_BYTES // dtype.itemsize if not quick else 2**16
+        sketch, b = detector("allreduce_sketch", dtype), bucket(numel, dtype)
+        _profile(out / f"profile_sketch_{name}.txt", sketch_work, sketch, b)
 
 
 def size_sweep(out: Path, quick: bool = False, rounds: int = 9) -> None:

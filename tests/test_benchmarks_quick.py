@@ -80,7 +80,7 @@ def test_every_benchmark_runs_once_and_reports_sane_numbers(tmp_path, capsys):
         assert float(row["ms"]) > 0
     for row in _csv(out / "profile_sizes.csv"):
         assert all(float(row[k]) > 0 for k in ("read_us", "nan_inf_x", "fingerprint_x", "sketch_x"))
-    assert len(list(out.glob("profile_*.txt"))) == 3
+    assert len(list(out.glob("profile_*.txt"))) == 4
 
     output, _ = gpu.communicate(timeout=120)
     assert gpu.returncode == 0, output[-3000:]
