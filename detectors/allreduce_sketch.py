@@ -153,7 +153,8 @@ def _pass(
     work = torch.empty(min(step, rows) * width, device=flat.device) if convert else None
     projection = torch.dot(rest, z)
     squares = [torch.dot(rest, rest)] if norm and by_piece else []
-    for block, row_weights in zip(grid.split(step), u.split(step), strict=True):
+    for at in range(0, rows, step):
+        block, row_weights = grid[at : at + step], u[at : at + step]  # slices: split costs 10 us
         if work is not None:
             block = work[: block.numel()].view(block.shape).copy_(block)
         if norm and by_piece:
