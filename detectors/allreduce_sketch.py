@@ -24,7 +24,11 @@ Why a faulty reduction cannot forge this in step with the data:
 - The projection is one matrix-vector product of the bucket's rows with v, or of u with the rows
   (one read pass either way), and a dot product; the weights cost rows + numel / rows random
   numbers. A 16-bit bucket is converted to float32 a piece at a time into one workspace, in
-  cache, its norm taken from there.
+  cache, its norm taken from there. On this CPU (benchmarks/README.md, issue 28) the rider
+  costs about 1.9 read passes of the bucket, the check 1.2-1.7 (MKL's matrix-vector product
+  streams slower than `torch.sum`), plus 0.5-0.7 ms of small operations per bucket: not the
+  floor of 2, and a fused kernel through `torch.compile` measured slower in float32, needed a
+  C++ compiler and a compile per rank process and shape (docs/design.md section 9).
 
 The comparison allows for the rounding of the projections and of the sum:
 
@@ -134,8 +138,8 @@ def _pass(
     streams through them, narrow ones as u . (rows @ v); same weights, whichever is faster on
     the CPU (the crossover measured between 424 and 848). A float32 bucket larger than PIECE
     whose norm is taken is read a piece at a time: the sum of squares first, from memory, then
-    the projection from the cache (the other order costs about half a read pass more: the
-    vector-matrix product streams from memory slower than the dot product). A 16-bit bucket on
+    the projection from the cache (0.83-1.02 of the other order's time: the vector-matrix
+    product streams from memory slower than the dot product). A 16-bit bucket on
     the CPU is converted into one float32 workspace a piece at a time and both are taken from
     it: a whole-bucket copy costs several times the arithmetic, and a fresh tensor per piece
     costs its allocation. A smaller float32 bucket, or one on a GPU, is read at once."""
