@@ -260,7 +260,7 @@ def test_in_bfloat16_the_sketch_catches_a_small_change_of_a_reduced_element(
 
 def test_a_large_float32_bucket_is_read_by_pieces_with_the_same_projection_and_norm():
     """Above PIECE elements the sketch's rider reads a float32 bucket a piece at a time (the
-    norm from the cache); its projection and norm are those of the whole bucket, in float64,
+    projection from the cache); its projection and norm are those of the whole bucket, in float64,
     within the projections' rounding term of the bound, and match the check's one-piece pass."""
     import math
 
