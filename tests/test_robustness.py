@@ -93,8 +93,9 @@ def test_crashing_ranks_cost_one_trial_each_and_a_golden_run_lost_to_the_world_i
     watcher = PidWatcher(out)
     watcher.start()
     proc = subprocess.run(
+        # Off: golden-s1 must run here, not come from another test's golden store entry.
         [sys.executable, "-c", KILL_UNDER_GOLDEN_ONCE, *SMALL, "campaign.seeds=1",
-         _scenarios(*scenarios), f"out={out}"],
+         "campaign.golden_cache=false", _scenarios(*scenarios), f"out={out}"],
         cwd=tmp_path, capture_output=True, text=True, timeout=400,
     )  # fmt: skip
     watcher.done.set()
