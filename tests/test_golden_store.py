@@ -71,7 +71,8 @@ def test_a_second_campaign_reuses_every_golden_with_the_same_rows_and_a_corrupt_
 def test_other_checks_reuse_the_results_but_not_the_snapshots_their_state_is_in(tmp_path, run_ok):
     store = tmp_path / "store"
     mlp = ["campaign=single", "workload.steps=6", "campaign.seeds=1", "campaign.noise_seeds=2",
-           "fault=grad_scale", "fault.steps=[3]", f"campaign.golden_cache={store}"]  # fmt: skip
+           "topology.nodes=2", "fault=grad_scale", "fault.steps=[3]",
+           f"campaign.golden_cache={store}"]  # fmt: skip
     run_ok(*mlp, "detectors=[nan_inf]", "out=a", cwd=tmp_path)
     run_ok(*mlp, "detectors=[nan_inf,grad_stats]", "out=b", cwd=tmp_path)
     held = goldens(tmp_path / "b")

@@ -22,7 +22,7 @@ from harness.core.matmuls import traced
 from harness.core.plugins import DetectorContext, EventLog, PluginBus, RankInfo
 from harness.runtime.workloads import Workload
 from injectors import injector
-from tests.conftest import FAST, compose_run, events, rows
+from tests.conftest import compose_run, events, rows
 
 CLEAN = {
     "mlp": ["workload=mlp"],
@@ -246,12 +246,13 @@ def test_only_modules_that_run_are_targets():
 # band, docs/detectors.md); x16 is above it.
 @pytest.mark.parametrize(("dtype", "factor"), [("float32", 2), ("bfloat16", 16)])
 def test_a_campaign_catches_a_wrong_product_off_the_audit_steps(run_ok, tmp_path, dtype, factor):
-    """Real DDP, 4 ranks (bfloat16 through the emulated tensor-core numerics): a wrong product
-    of rank 1 at step 3 (replay audits 0 and 5) is caught at step 3 by matmul_checksum alone,
-    naming rank 1 and a module inside the target."""
+    """Real DDP, 3 ranks, the fewest replay runs on (bfloat16 through the emulated tensor-core
+    numerics): a wrong product of rank 1 at step 3 (replay audits 0 and 5) is caught at step 3
+    by matmul_checksum alone, naming rank 1 and a module inside the target."""
     out = tmp_path / "out"
     run_ok(
-        "campaign=single", "workload=gpt", f"workload.dtype={dtype}", *FAST,
+        "campaign=single", "workload=gpt", f"workload.dtype={dtype}", "workload.steps=6",
+        "campaign.noise_seeds=2", "topology.nodes=3",
         "fault.site=matmul", "fault.model=scale", f"fault.factor={factor}", "fault.ranks=[1]",
         "fault.steps=[3]", "detectors=[nan_inf,replay,matmul_checksum]", "campaign.seeds=2",
         f"out={out}", cwd=tmp_path,
