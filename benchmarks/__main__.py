@@ -27,7 +27,7 @@ from benchmarks import growth, kernels, numerics, step_overhead, throughput
 from benchmarks.timing import Figure
 from benchmarks.worlds import Worlds
 
-PARTS = ("kernels", "overhead", "throughput", "growth", "numerics")
+PARTS = ("kernels", "overhead", "hook", "throughput", "growth", "numerics")
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -64,6 +64,9 @@ def run_all(out: Path, quick: bool, only: list[str], rounds: int | None = None) 
         if "overhead" in only:
             plan = step_overhead.Plan.quick() if quick else step_overhead.Plan()
             part("overhead", step_overhead.run, worlds, out, _with_rounds(plan, "rounds", rounds))
+        if "hook" in only:
+            plan = step_overhead.Plan.quick() if quick else step_overhead.Plan()
+            part("hook", step_overhead.hook_run, worlds, _with_rounds(plan, "rounds", rounds))
         if "throughput" in only:
             plan = throughput.Plan.quick() if quick else throughput.Plan()
             part("throughput", throughput.run, worlds.tmp, plan)

@@ -15,11 +15,18 @@ The floors:
   consensus), timed in this process on one thread as `torch.sum`, relative to the same step.
 - matmul_checksum: one read pass over every product's operands and output, forward and
   backward (a checksum reads each once at least).
+
+The hook's own cost (`hook_run`, its own part of `python -m benchmarks`: `--only hook`): the
+harness's comm hook without checks (the fixed reduction layout, its rider slot and copies)
+against plain DDP's own allreduce, on `gpt` (the reference, whose target is 3% of a step), the
+nightly's `mlp` and `llama` (where transformers is installed), each workload's hook trials
+sandwiched between plain-DDP trials in the same world.
 """
 
 from __future__ import annotations
 
 import csv
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,12 +57,14 @@ class Plan:
     rounds: int = 5
     workload: tuple[str, ...] = ()  # extra overrides, e.g. a smaller batch for quick runs
     nodes: int = 4
+    hook_workloads: tuple[str, ...] = ("gpt", "mlp", "llama")
 
     @classmethod
     def quick(cls) -> Plan:
         """The smallest world replay and consensus accept (3 nodes), a tiny batch."""
         small = ("workload.micro_batch_size=2", "workload.context=16")
-        return cls((1, 2), 2, cycle=2, cycles=2, rounds=1, workload=small, nodes=3)
+        return cls((1, 2), 2, cycle=2, cycles=2, rounds=1, workload=small, nodes=3,
+                   hook_workloads=("gpt", "mlp"))  # fmt: skip
 
 
 def configs(plan: Plan) -> dict[str, RunConfig]:
@@ -224,3 +233,32 @@ def run(worlds: Worlds, out: Path, plan: Plan) -> list[Figure]:
     result = measure(worlds, plan)
     write(out, result)
     return figures(result, plan)
+
+
+def hook_workloads(plan: Plan) -> list[str]:
+    """The workloads whose hook cost is timed: `llama` only where transformers is installed."""
+    return [
+        name
+        for name in plan.hook_workloads
+        if name != "llama" or importlib.util.find_spec("transformers") is not None
+    ]
+
+
+def hook_run(worlds: Worlds, plan: Plan) -> list[Figure]:
+    """The harness's comm hook against plain DDP, per workload: a step's extra wall time, in
+    percent (CPU time in the note)."""
+    figures = []
+    steps = steps_for(plan.cycle, plan.cycles)
+    for name in hook_workloads(plan):
+        # `plan.workload` sizes the reference workload; the others run as configured.
+        overrides = plan.workload if name == "gpt" else ()
+        base = base_run(steps, plan.nodes, *overrides, workload=name)
+        timings = time_configs(worlds, base, {"hook": base}, plan.rounds, plan.cycle, True)
+        pct = 100.0 * (timings.ratio("hook") - 1)
+        cpu = 100.0 * (timings.cpu_ratio("hook") - 1)
+        step_ms = 1e3 * timings.seconds("none", plan.cycle)
+        label = f"harness comm hook vs plain DDP, {name} step ({plan.nodes} ranks, gloo)"
+        note = f"CPU time {cpu:.3g}%; plain step {step_ms:.3g} ms; {_spread(timings.wall['hook'])}"
+        target = 3.0 if name == "gpt" else None
+        figures.append(Figure(f"hook_overhead_pct_{name}", label, pct, "%", target, note=note))
+    return figures

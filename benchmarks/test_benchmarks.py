@@ -84,6 +84,12 @@ def test_step_overhead(benchmark, worlds, tmp_path):
 
 
 @pytest.mark.timeout(3600)
+@pytest.mark.benchmark(group="4 the comm hook against plain DDP")
+def test_hook_cost(benchmark, worlds):
+    _once(benchmark, step_overhead.hook_run, worlds, step_overhead.Plan())
+
+
+@pytest.mark.timeout(3600)
 @pytest.mark.benchmark(group="5 campaign throughput")
 def test_throughput(benchmark, tmp_path):
     _once(benchmark, throughput.run, tmp_path, throughput.Plan())

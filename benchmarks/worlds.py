@@ -38,12 +38,13 @@ from harness.launch.world import World
 NO_CHECKPOINT = "checkpoint.interval=1000000"
 
 
-def base_run(steps: int, nodes: int = 4, *overrides: str) -> RunConfig:
-    """A clean `gpt` trial of `steps` steps without detectors, as `sdc-bench` composes it."""
+def base_run(steps: int, nodes: int = 4, *overrides: str, workload: str = "gpt") -> RunConfig:
+    """A clean trial of `workload` (the reference, `gpt`, unless named) for `steps` steps without
+    detectors, as `sdc-bench` composes it."""
     return compose_run(
         "campaign=single",
         "fault=none",
-        "workload=gpt",
+        f"workload={workload}",
         "detectors=[]",
         f"workload.steps={steps}",
         f"topology.nodes={nodes}",
@@ -115,11 +116,14 @@ class Trial:
     cpu_s: float  # the ranks' CPU time over the whole trial
 
 
-def run_trial(world: World, run: RunConfig, name: str, r: int, index: int) -> Trial:
-    """One clean trial in `world`, timed both ways."""
+def run_trial(
+    world: World, run: RunConfig, name: str, r: int, index: int, hook: bool = True
+) -> Trial:
+    """One clean trial in `world`, timed both ways; `hook` False: plain DDP, without the
+    harness's comm hook."""
     trial_id = f"bench-{name}-r{r}-{index}"
     before = cpu_seconds(world)
-    outcome = world.run(run, TrialSpec(trial_id, 0, FaultConfig()))
+    outcome = world.run(run, TrialSpec(trial_id, 0, FaultConfig(), hook=hook))
     cpu = cpu_seconds(world) - before
     if outcome.parts is None:
         raise RuntimeError(f"benchmark trial {trial_id} crashed: {outcome.crash}")
@@ -159,21 +163,29 @@ class Timings:
 
 
 def time_configs(
-    worlds: Worlds, base: RunConfig, runs: dict[str, RunConfig], rounds: int, cycle: int
+    worlds: Worlds,
+    base: RunConfig,
+    runs: dict[str, RunConfig],
+    rounds: int,
+    cycle: int,
+    plain_base: bool = False,
 ) -> Timings:
     """Each configuration's step cost over that of `base`, in `rounds` rounds.
 
     Within a round every configuration's trial sits between two trials of `base`, and is
     compared with their mean: the load of the machine drifts over seconds, so the baseline is
     taken from the same seconds. Odd rounds go through the configurations backwards. Each
-    round starts with a one-step trial: the fixed cost that CPU times are net of.
+    round starts with a one-step trial: the fixed cost that CPU times are net of. With
+    `plain_base`, `base` and the one-step trials run on plain DDP, without the harness's comm
+    hook (what the hook itself costs is timed against them).
     """
     timings = Timings(wall={name: [] for name in runs}, cpu={name: [] for name in runs})
     world = worlds.get(base)
     one_step = replace(base, workload=replace(base.workload, steps=1))
 
     def trial(name: str, run: RunConfig, r: int) -> Trial:
-        timings.trials.append(run_trial(world, run, name, r, len(timings.trials)))
+        hook = name not in ("none", "one_step") or not plain_base
+        timings.trials.append(run_trial(world, run, name, r, len(timings.trials), hook))
         return timings.trials[-1]
 
     # A fresh world's first trial also pays for its ranks' start (imports, rendezvous).

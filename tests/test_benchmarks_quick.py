@@ -28,7 +28,8 @@ POSITIVE = [
 # replay's ratio to its floor is undefined when noise makes the floor negative).
 FINITE = [
     "checks_overhead_pct", "nan_inf_overhead_pct", "weight_consensus_overhead_pct",
-    "allreduce_sketch_overhead_pct", "checks_overhead_pct_cpu",
+    "allreduce_sketch_overhead_pct", "checks_overhead_pct_cpu", "hook_overhead_pct_gpt",
+    "hook_overhead_pct_mlp",
     "growth_params_nan_inf", "growth_params_allreduce_sketch", "growth_params_weight_consensus",
     "growth_params_replay",
 ]  # fmt: skip
