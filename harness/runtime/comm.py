@@ -23,9 +23,27 @@ step in another layout than the run it must match bit for bit. So the trainer's 
 bucket per dtype for its whole life (`harness_ddp`) and the hook reduces it in `fixed_layout`'s
 chunks: parameters in reverse definition order (roughly the order backward produces them), a
 first chunk up to 1 MiB, then up to 25 MiB, never splitting a parameter. A chunk is what a
-plug-in sees as a bucket, and `fault.bucket` indexes chunks. The price: the reduction starts
-when backward ends, instead of overlapping with it; overhead.csv measures the hook against
-plain DDP.
+plug-in sees as a bucket, and `fault.bucket` indexes chunks.
+
+When a chunk is reduced: as soon as backward has made its gradients, as DDP's own buckets are,
+so that the reduction overlaps the rest of backward. Each parameter of the layout has a
+post-accumulate-grad hook; when a chunk's last gradient is accumulated and every earlier chunk
+has been launched, the hook copies the chunk into its payload (allocated once, with its rider
+slot) and launches its allreduce. Chunks launch strictly in chunk order, so every rank issues
+the same collectives in the same order, whatever order its backward makes gradients in. DDP
+keeps its one bucket per dtype and calls this hook when every gradient of it is ready: the end
+of backward, where any chunk not yet launched is, and where the plug-ins see the results in
+chunk order once every chunk's has arrived, before DDP copies them into the gradients. Why not
+DDP with a layout it never rebuilds: DDP rebuilds its buckets in gradient-ready order after the
+first step whatever its caps say; why not hooks alone, without DDP's bucket: DDP also
+broadcasts the initial weights and, every forward, the buffers, and its `no_sync` and its
+refusal of a parameter that gets no gradient stay as users know them. Only the backward of a
+forward that DDP synchronises reduces (a forward hook on DDP arms the step's reduction, as DDP
+prepares its own), so accumulation under `no_sync` reduces once, on the last micro-batch. A
+chunk's local view is the head of the payload, so the collective overwrites it, as it always
+did for a 16-bit chunk: a check that re-reads its local bucket after the reduction (nan_inf
+naming the element of an alarm) reads the sum there. The price of the layout itself:
+overhead.csv's `hook` row measures the hook against plain DDP.
 
 DDP checks the hook's parameter names and its `dist.GradBucket` annotation, so this module must
 not use postponed annotations.
@@ -86,9 +104,11 @@ def fixed_layout(model: nn.Module) -> list[tuple[str, ...]]:
 
 
 def harness_ddp(model: nn.Module, state: "HookState") -> DDP:
-    """DDP with one bucket per dtype for its whole life, reduced by the harness's hook."""
+    """DDP with one bucket per dtype for its whole life, reduced by the harness's hook, each
+    fixed chunk launched during backward as soon as its gradients are ready."""
     ddp = DDP(model, bucket_cap_mb=_ONE_BUCKET_MB)
     ddp.register_comm_hook(state, comm_hook)
+    state.launch_early(ddp)
     return ddp
 
 
@@ -138,11 +158,36 @@ class HookState:
         self.keep_contributions = False
         self.kept: list[KeptChunk] = []
         self.params = dict(model.named_parameters())
+        self.chunk_of = {name: i for i, names in enumerate(self.layout) for name in names}
+        # The reduction of the backward under way, in the fixed layout; None between them.
+        self.reduction: _Reduction | None = None
 
-    def pack(
-        self, riders: list[tuple[int, torch.Tensor]], device: torch.device
-    ) -> tuple[torch.Tensor, list]:
-        slot = torch.zeros(self.slots, dtype=torch.float32, device=device)
+    def launch_early(self, ddp: DDP) -> None:
+        """Launch each chunk during backward, once its gradients are accumulated, on the
+        backward of a forward that `ddp` synchronises (its condition for preparing its own
+        reduction: grad enabled, outside `no_sync`)."""
+
+        def arm(_module: nn.Module, _inputs: Any, _output: Any) -> None:
+            if torch.is_grad_enabled() and ddp.require_backward_grad_sync:
+                self.reduction = _Reduction(self)
+
+        ddp.register_forward_hook(arm)
+        for name, index in self.chunk_of.items():
+            self.params[name].register_post_accumulate_grad_hook(
+                lambda _param, index=index: self._accumulated(index)
+            )
+
+    def _accumulated(self, index: int) -> None:
+        reduction = self.reduction
+        if reduction is None:
+            return
+        reduction.waiting[index] -= 1
+        if reduction.waiting[index] == 0:
+            reduction.launch()
+
+    def pack(self, riders: list[tuple[int, torch.Tensor]], slot: torch.Tensor) -> list:
+        """The riders written into `slot` (zeroed first), and where each lies in it."""
+        slot.zero_()
         spans, at = [], 0
         for owner, payload in riders:
             n = payload.numel()
@@ -151,7 +196,7 @@ class HookState:
             slot[at : at + n] = payload.reshape(-1)
             spans.append((owner, at, n))
             at += n
-        return slot, spans
+        return spans
 
 
 def comm_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -162,52 +207,120 @@ def comm_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future
 
 
 def _fixed_layout(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future:
-    """Every chunk of the bucket's parameters, each one collective, launched together; the
-    plug-ins on the results run in chunk order once all have arrived."""
-    step = state.step
-    grads = {
+    """DDP's bucket is ready: backward has made all of its gradients. Every chunk of it not yet
+    launched is launched now; the last of DDP's buckets waits for every chunk's result and
+    hands them to the plug-ins in chunk order (the others' futures complete with it)."""
+    reduction = state.reduction or _Reduction(state)
+    state.reduction = reduction
+    views = {
         state.names[id(p)]: g for p, g in zip(bucket.parameters(), bucket.gradients(), strict=True)
     }
-    mine = [(i, names) for i, names in enumerate(state.layout) if names[0] in grads]
-    assert sum(len(names) for _, names in mine) == len(grads), "a DDP bucket split a dtype"
-    launched = []
-    if state.kept and state.kept[0].step != step:
-        state.kept = []
-    for k, (index, names) in enumerate(mine):
-        sizes = [grads[n].numel() for n in names]
-        dtype = grads[names[0]].dtype
-        flat = torch.cat([grads[n].reshape(-1) for n in names])
-        view = Bucket(
-            index=index,
-            buffer=flat,
-            tensors=_named_views(flat, names, sizes, grads),
-            is_last=bucket.is_last() and k == len(mine) - 1,
+    mine = [i for i, names in enumerate(state.layout) if names[0] in views]
+    assert sum(len(state.layout[i]) for i in mine) == len(views), "a DDP bucket split a dtype"
+    reduction.into |= views
+    for index in mine:
+        reduction.waiting[index] = 0
+    reduction.launch()
+    if not bucket.is_last():
+        later: torch.futures.Future = torch.futures.Future()
+        reduction.others.append((later, bucket.buffer()))
+        return later
+    state.reduction = None
+    return reduction.finish(bucket.buffer())
+
+
+class _Reduction:
+    """One backward's reduction in the fixed layout: how many gradients each chunk still waits
+    for, the chunks launched (in chunk order), and DDP's bucket views the results go into."""
+
+    def __init__(self, state: HookState):
+        self.state = state
+        self.step = state.step
+        self.waiting = [len(names) for names in state.layout]
+        self.launched: list[_Launched] = []
+        self.into: dict[str, torch.Tensor] = {}
+        self.others: list[tuple[torch.futures.Future, torch.Tensor]] = []
+        if state.kept and state.kept[0].step != self.step:
+            state.kept = []
+
+    def launch(self) -> None:
+        """Launch every chunk whose gradients are all ready, in chunk order from the first not
+        launched: one that still waits holds back every later one."""
+        layout = self.state.layout
+        while len(self.launched) < len(layout) and self.waiting[len(self.launched)] <= 0:
+            self.launched.append(_launch(self.state, self.step, len(self.launched)))
+
+    def finish(self, buffer: torch.Tensor) -> torch.futures.Future:
+        everything = [f for chunk in self.launched for f in chunk.futures]
+
+        def reduced(_: torch.futures.Future) -> torch.Tensor:
+            try:
+                for chunk in self.launched:
+                    chunk.deliver(self.state, self.step, self.into)
+            except BaseException as error:
+                for later, _ in self.others:
+                    later.set_exception(error)
+                raise
+            for later, other in self.others:
+                later.set_result(other)
+            return buffer
+
+        return torch.futures.collect_all(everything).then(reduced)
+
+
+@dataclass
+class _Launched:
+    """A chunk whose collective is under way, and what its result needs to reach the plug-ins."""
+
+    view: Bucket
+    names: tuple[str, ...]
+    sizes: list[int]
+    spans: list[tuple[int, int, int]]
+    shared: bool
+    slot: torch.Tensor
+    futures: list[torch.futures.Future]
+
+    def deliver(self, state: HookState, step: int, into: dict[str, torch.Tensor]) -> None:
+        result = _value(self.futures[0])
+        n = sum(self.sizes)
+        # The rider region: in the chunk's own result, in a collective of its own, or unsent.
+        alone = _value(self.futures[1]) if len(self.futures) > 1 else self.slot
+        summed = result[n:] if self.shared else alone
+        _deliver(state, step, self.view, self.names, self.sizes, self.spans, result, summed, into)
+
+
+def _launch(state: HookState, step: int, index: int) -> _Launched:
+    """Chunk `index` from its parameters' accumulated gradients: the local plug-ins, then its
+    collective. The payload is allocated once, the rider slot after the gradients in a float32
+    chunk, so the chunk is copied once into what is sent."""
+    names = state.layout[index]
+    grads = [state.params[name].grad for name in names]
+    sizes = [g.numel() for g in grads]
+    n = sum(sizes)
+    shared = grads[0].dtype == torch.float32
+    payload = grads[0].new_empty(n + state.slots if shared else n)
+    torch.cat([g.reshape(-1) for g in grads], out=payload[:n])
+    like = dict(zip(names, grads, strict=True))
+    view = Bucket(
+        index=index,
+        buffer=payload[:n],
+        tensors=_named_views(payload[:n], names, sizes, like),
+        is_last=index == len(state.layout) - 1,
+    )
+    state.bus.local_grad(step, view)
+    view.buffer.div_(state.world_size)
+    slot = payload[n:] if shared else payload.new_empty(state.slots, dtype=torch.float32)
+    spans = state.pack(state.bus.riders(step, view), slot)
+    if state.keep_contributions:
+        state.kept.append(
+            KeptChunk(step, view, list(names), sizes, spans, shared, payload.clone(), slot.clone())
         )
-        state.bus.local_grad(step, view)
-        view.buffer.div_(state.world_size)
-        slot, spans = state.pack(state.bus.riders(step, view), view.buffer.device)
-        shared = dtype == torch.float32
-        payload = torch.cat([view.buffer, slot]) if shared else view.buffer
-        if state.keep_contributions:
-            state.kept.append(
-                KeptChunk(step, view, names, sizes, spans, shared, payload.clone(), slot.clone())
-            )
-        state.bus.contribution(step, index, [payload] if shared or not spans else [payload, slot])
-        futures = [dist.all_reduce(payload, async_op=True).get_future()]
-        if spans and not shared:
-            # A payload that cannot share the chunk's own collective pays for one.
-            futures.append(dist.all_reduce(slot, async_op=True).get_future())
-        launched.append((view, names, sizes, spans, shared, slot, futures))
-    everything = [f for *_, futures in launched for f in futures]
-
-    def reduced(_: torch.futures.Future) -> torch.Tensor:
-        for view, names, sizes, spans, shared, slot, futures in launched:
-            result = _value(futures[0])
-            summed = result[sum(sizes) :] if shared else (_value(futures[1]) if spans else slot)
-            _deliver(state, step, view, names, sizes, spans, result, summed, grads)
-        return bucket.buffer()
-
-    return torch.futures.collect_all(everything).then(reduced)
+    state.bus.contribution(step, index, [payload] if shared or not spans else [payload, slot])
+    futures = [dist.all_reduce(payload, async_op=True).get_future()]
+    if spans and not shared:
+        # A payload that cannot share the chunk's own collective pays for one.
+        futures.append(dist.all_reduce(slot, async_op=True).get_future())
+    return _Launched(view, names, sizes, spans, shared, slot, futures)
 
 
 def _deliver(state, step, view, names, sizes, spans, result, summed, grads) -> None:
@@ -290,7 +403,8 @@ def _user_layout(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
     buffer = view.buffer
     if state.inner is None:
         buffer.div_(state.world_size)
-        slot, spans = state.pack(state.bus.riders(step, view), view.buffer.device)
+        slot = torch.empty(state.slots, dtype=torch.float32, device=buffer.device)
+        spans = state.pack(state.bus.riders(step, view), slot)
         futures = [dist.all_reduce(buffer, async_op=True).get_future()]
     else:
         # Riders first: the wrapped hook may start reducing the bucket in place, asynchronously.
@@ -298,7 +412,8 @@ def _user_layout(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
         inner_state, inner_hook = state.inner
         view.contribution = 1.0 / state.world_size
         view.wire = LINEAR_HOOKS.get(inner_hook)
-        slot, spans = state.pack(state.bus.riders(step, view), view.buffer.device)
+        slot = torch.empty(state.slots, dtype=torch.float32, device=buffer.device)
+        spans = state.pack(state.bus.riders(step, view), slot)
         futures = [inner_hook(inner_state, bucket)]
     if spans:
         # A payload that cannot share the bucket's own collective pays for one.
