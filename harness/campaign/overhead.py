@@ -4,8 +4,8 @@ workload and world, measured after its trials (`campaign.overhead`, docs/design.
 overhead = step time with the detector alone / step time without detectors - 1, in percent,
 against two references: the harness's comm hook without checks (`overhead_pct`: what the check
 itself costs) and plain DDP without the harness's hook (`overhead_vs_ddp_pct`: what a job
-pays). The `hook` row is the hook's own cost against plain DDP (its fixed layout reduces after
-backward instead of overlapping with it, and copies each chunk; harness/runtime/comm.py).
+pays). The `hook` row is the hook's own cost against plain DDP (its fixed layout, its rider
+slot and the copy of each chunk into what it sends; harness/runtime/comm.py).
 A step's time is its slowest rank's (the ranks wait for each other in the allreduce). A check
 that runs every k steps makes the series periodic, and a plain median over steps would return
 the steps it skips: the median is taken at each position of the cycle (step mod k) and the
