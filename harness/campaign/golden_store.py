@@ -172,24 +172,19 @@ class GoldenStore:
             return None
         return Golden(**held["golden"], reused_from=str(entry))
 
-    def state(self, spec: TrialSpec) -> Path | None:
-        """The folder holding every file `spec`'s golden run leaves in its store, verified, when
-        it holds the snapshots this campaign's trials start from."""
+    def state(self, spec: TrialSpec) -> tuple[Path, list[str]] | None:
+        """The folder holding the files `spec`'s golden run leaves in its store, and their
+        names, verified, when it holds the snapshots this campaign's trials start from."""
         entry, _ = self._entry(spec.seed)
         folder = entry / self._state_key
-        manifest = folder / MANIFEST
-        if not manifest.exists():
+        if not (folder / MANIFEST).exists():
             return None
-        try:
-            held = json.loads(manifest.read_text(encoding="utf-8"))
-            files = [folder / name for name in held["files"]]
-            intact = held["inputs"] == self._state and all(checkpoint.verify(f) for f in files)
-        except (OSError, ValueError, KeyError, TypeError):
-            intact = False
-        if not intact:
+        held = self._manifest(folder)
+        files = held.get("files", []) if held else []
+        if not held or not all(checkpoint.verify(folder / name) for name in files):
             self._drop(folder, spec, "holds a file that does not match its checksum")
             return None
-        return folder if set(spec.snapshots) <= set(held["snapshots"]) else None
+        return (folder, files) if set(spec.snapshots) <= set(held.get("snapshots", [])) else None
 
     def reuse(self, spec: TrialSpec, store: Path) -> Golden | None:
         """The golden result of `spec` with its store files linked into `store` (the campaign's
@@ -197,12 +192,13 @@ class GoldenStore:
         golden = self.result(spec)
         if golden is None or not spec.snapshots:  # a golden no trial starts from: its result
             return golden
-        folder = self.state(spec)
-        if folder is None:
+        held = self.state(spec)
+        if held is None:
             return None
+        folder, files = held
         target = store / spec.trial_id
         target.mkdir(parents=True, exist_ok=True)
-        for name in json.loads((folder / MANIFEST).read_text(encoding="utf-8"))["files"]:
+        for name in files:
             for source in (folder / name, folder / f"{name}.sha256"):
                 _place(source, target / source.name)
         return golden
@@ -232,7 +228,7 @@ class GoldenStore:
         # A snapshot the run could not write (a full disk) is not held: its trials then need
         # the golden run again.
         saved = [step for step in spec.snapshots if self._files(store, spec, step) <= set(written)]
-        held = self._held(folder)
+        held = self._manifest(folder) or {}
         for name in written:
             for path in (source / name, source / f"{name}.sha256"):
                 _place(path, folder / path.name)
@@ -249,9 +245,10 @@ class GoldenStore:
         ranks = range(self.run.topology.world_size)
         return {snapshot.name, *(snapshots.checks_path(snapshot, r).name for r in ranks)}
 
-    def _held(self, folder: Path) -> dict[str, Any]:
+    def _manifest(self, folder: Path) -> dict[str, Any] | None:
+        """`folder`'s files.json, when it reads and was written for this campaign's checks."""
         try:
             held = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
         except (OSError, ValueError):
-            return {}
-        return held if held.get("inputs") == self._state else {}
+            return None
+        return held if isinstance(held, dict) and held.get("inputs") == self._state else None
