@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -24,10 +25,15 @@ BIN = Path(sys.executable).parent
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """One golden store for the whole test run, never the repository's results/cache nor the
+    """Every test process computes on one thread, as each rank does (`topology.threads_per_rank`):
+    the other worker's rank processes hold the cores, and torch's OpenMP threads spinning
+    against them made an in-process test 2.5x slower than on one thread.
+
+    One golden store for the whole test run, never the repository's results/cache nor the
     user's own: the main process makes it before xdist starts its workers, which inherit it,
     and every sdc-bench a test starts inherits it in turn. Reuse is exact (rows identical, by
     tests/test_golden_store.py), so tests that share a golden compute it once."""
+    torch.set_num_threads(1)
     if os.environ.get("PYTEST_XDIST_WORKER"):
         return
     config.golden_store = tempfile.mkdtemp(prefix="sdc-bench-goldens-")
