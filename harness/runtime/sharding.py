@@ -1,0 +1,297 @@
+"""Sharded data parallelism (FSDP2, HSDP): torch's `fully_shard` with the harness's sites on its
+collectives, the sharded counterpart of the DDP comm hook (harness/runtime/comm.py).
+
+Entry contract: the default process group is up (gloo on the CPU, NCCL on GPUs), every rank
+built the model from the same seed (its weights identical, as `Workload.build_model` makes
+them: `fully_shard` slices them, it broadcasts nothing), and the model is on `mesh`'s device.
+The caller makes `mesh(...)` once, calls `shard(model, mesh, sites)` once, before building the
+optimizer (which must see the sharded parameters), and trains the returned model as usual:
+forward, backward, optimizer step.
+
+Why: a sharded step moves data through collectives DDP never runs, so a fault has sites of
+its own. Before the reduce-scatter each rank holds its whole local gradient (`grad`); after it,
+only its shard of the reduced gradient (`allreduce`, generalised: `received`); each forward, and
+each backward that re-gathers, every rank copies every other rank's parameter shard into its own
+unsharded weight (`gather`, new: a shard corrupted on its way into one rank's weight changes
+that rank's forward only, while the stored shard stays intact).
+
+Mechanisms, all through FSDP2's own extension points:
+- Groups: `fully_shard` on each child of an `nn.ModuleList` (the outermost lists only: GPT's
+  `blocks[i]`, a transformers Llama's `model.layers[i]`; a list inside a block stays with its
+  block), in definition order, then on the root for what is left (embeddings, final norm,
+  head). Group `i` in a site's `GroupLayout` is this wrap order, the root last. A model without
+  a ModuleList is one group.
+- Comms: each group gets a `ReduceScatter` and an `AllGather` of the harness's
+  (`set_custom_reduce_scatter`, `set_custom_all_gather`) that issue exactly the collective
+  FSDP's defaults issue, `dist.reduce_scatter_single` and `dist.all_gather_single` with the op,
+  group and async flag FSDP passes, so a clean run is bit-identical to plain `fully_shard`.
+  Under HSDP, FSDP all-reduces the reduce-scattered shard across replicas with a plain
+  `dist.all_reduce` that takes no custom comm; `set_all_reduce_hook` sees its result.
+- What FSDP passes (torch 2.13, float32 and bfloat16 gradients, no divide factor set): op
+  `ReduceOp.AVG` for the reduce-scatter and HSDP's all-reduce, no pre- or post-divide; float16
+  (overflow risk) gets `SUM` with a pre-divide by about sqrt(N) and a post-divide by the rest,
+  the post-divide after the all-reduce hook. Gloo has no reduce-scatter of its own: its
+  `reduce_scatter_single` all-reduces the whole input and copies out this rank's chunk.
+- When the sites run: `local_gradients` in the reduce-scatter comm, before the collective, on
+  the flat input (after any pre-divide); `received` after the collective; `gathered` after the
+  all-gather, before FSDP copies the flat output into the parameters. FSDP calls the
+  reduce-scatter synchronously (on a GPU: on its reduce-scatter stream, where the callback's
+  kernels queue behind the collective without blocking the host). An all-gather that FSDP
+  issues with `async_op` (explicit prefetch, `unshard(async_op=True)`) returns a `Work` wrapped
+  so that `wait()` runs `gathered` once the collective is done: FSDP waits on it only when it
+  needs the parameters, so the overlap is kept. A callback that reads a value on the host
+  synchronises there, as any check does.
+
+Fixed layout, for a run's whole life: `fully_shard` groups parameters by module once, at wrap
+time, and lays a group's flat buffers out the same way at every step: `(shard group size,
+shard numel)`, row `r` the concatenation, in the group's parameter order, of rank `r`'s dim-0
+chunk of each parameter, padded to an equal chunk (`GroupLayout.spans`). What would change it:
+a parameter without a gradient drops out of the reduce-scatter input (FSDP skips it), which
+shifts every later offset; the comm refuses that step, as the harness's DDP refuses a
+parameter that gets no gradient. No bucket is rebuilt, so a run that starts mid-way from a
+checkpoint (fast-forward, recovery, resume) reduces its first step exactly as the straight run
+did. `reshard_after_forward`: True for the blocks (torch's default for non-root modules, what
+users run: the memory of ZeRO-3, and an all-gather in backward too, so the `gather` site has a
+backward half that reaches gradients only), False for the root, whose parameters backward needs
+first (torch's default for the root).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+PARALLEL = ("fsdp", "hsdp")
+
+
+def mesh(parallel: str, world_size: int, shard_size: int, device_type: str) -> DeviceMesh:
+    """The device mesh of `topology.parallel`: fsdp, one dimension "shard" over the world
+    (`shard_size` unused); hsdp, `(world_size // shard_size, shard_size)` named ("replicate",
+    "shard"), each shard group `shard_size` consecutive ranks. Every rank calls it together."""
+    if parallel == "fsdp":
+        return init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",))
+    if parallel != "hsdp":
+        raise ValueError(f"topology.parallel={parallel!r} has no mesh: it is one of {PARALLEL}.")
+    if not 2 <= shard_size <= world_size:
+        raise ValueError(
+            f"topology.shard_size={shard_size} must be between 2 and the world size "
+            f"{world_size}, since a shard group of one rank reduce-scatters nothing."
+        )
+    if world_size % shard_size:
+        raise ValueError(
+            f"topology.shard_size={shard_size} does not divide the world of {world_size} "
+            "ranks into equal shard groups."
+        )
+    return init_device_mesh(
+        device_type, (world_size // shard_size, shard_size), mesh_dim_names=("replicate", "shard")
+    )
+
+
+@dataclass(frozen=True)
+class Span:
+    """One parameter in its group's flat buffers: `length` elements (its dim-0 chunk, padded)
+    from `offset` in every rank's row; `shape` the unsharded parameter's."""
+
+    name: str
+    offset: int
+    length: int
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """An FSDP group's flat buffers, what every site names a tensor by. A reduce-scatter input
+    and an all-gather output are `(world, shard_numel)` row-major, row `r` rank `r`'s shard; a
+    reduce-scatter output is this rank's row."""
+
+    index: int  # in wrap order, the root last
+    module: str  # the wrapped module's name, "" for the root
+    world: int  # ranks in the shard group
+    rank: int  # this rank's place in it
+    spans: tuple[Span, ...]
+
+    @property
+    def shard_numel(self) -> int:
+        return sum(span.length for span in self.spans)
+
+    def span(self, name: str) -> Span:
+        return next(span for span in self.spans if span.name == name)
+
+    def unsharded(self, flat: torch.Tensor, name: str) -> torch.Tensor:
+        """Parameter `name`, whole, from a `(world, shard_numel)` buffer (a copy)."""
+        span = self.span(name)
+        rows = flat.view(self.world, -1)[:, span.offset : span.offset + span.length]
+        return rows.reshape(-1)[: math.prod(span.shape)].view(span.shape)
+
+    def shard(self, flat: torch.Tensor, name: str) -> torch.Tensor:
+        """This rank's padded chunk of parameter `name` in a shard-sized buffer (a view)."""
+        span = self.span(name)
+        return flat[span.offset : span.offset + span.length]
+
+
+@dataclass(frozen=True)
+class ShardSites:
+    """The harness's callbacks on a sharded step's collectives, None where nothing runs. Each
+    may change its tensor in place (a fault) or only read it (a check).
+
+    - local_gradients(layout, flat): this rank's local gradient, the reduce-scatter input,
+      before the collective (the `grad` site);
+    - received(layout, stage, shard): the reduced shard this rank receives, after the
+      collective; stage "reduce_scatter", and under HSDP then "all_reduce" for the result of
+      the all-reduce across replicas, the gradient the optimizer steps on (the `allreduce`
+      site);
+    - gathered(layout, backward, flat): the all-gathered parameters, before they become this
+      rank's unsharded weights; `backward` for backward's re-gather (the `gather` site).
+    """
+
+    local_gradients: Callable[[GroupLayout, torch.Tensor], None] | None = None
+    received: Callable[[GroupLayout, str, torch.Tensor], None] | None = None
+    gathered: Callable[[GroupLayout, bool, torch.Tensor], None] | None = None
+
+
+def shard(model: nn.Module, mesh: DeviceMesh, sites: ShardSites) -> nn.Module:
+    """`model` sharded in place over `mesh` (blocks, then the root), the sites installed on
+    every group's collectives; the model, now an FSDPModule."""
+    for block in _blocks(model):
+        fully_shard(block, mesh=mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+    names = {id(p): name for name, p in model.named_parameters()}
+    modules = {id(m): name for name, m in model.named_modules()}
+    shard_group = mesh["shard"] if mesh.ndim > 1 else mesh
+    world, rank = shard_group.size(), shard_group.get_local_rank()
+    hsdp = mesh.ndim > 1
+    for index, module in enumerate([*_blocks(model), model]):
+        assert isinstance(module, FSDPModule)
+        group = module._get_fsdp_state()._fsdp_param_group
+        assert group is not None, "a wrapped module without parameters"
+        layout = GroupLayout(index, modules[id(module)], world, rank, _spans(group, names, world))
+        module.set_custom_reduce_scatter(_ReduceScatter(layout, sites))
+        module.set_custom_all_gather(_AllGather(layout, sites, group))
+        if hsdp and sites.received is not None:
+            module.set_all_reduce_hook(_after_all_reduce(sites.received, layout))
+    return model
+
+
+def _after_all_reduce(
+    received: Callable[[GroupLayout, str, torch.Tensor], None], layout: GroupLayout
+) -> Callable[[torch.Tensor], None]:
+    """HSDP's all-reduce hook for one group: `received` on the result across replicas."""
+    return lambda out: received(layout, "all_reduce", out)
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    """The children of the outermost ModuleLists, in definition order."""
+    blocks: list[nn.Module] = []
+    inside: set[str] = set()
+    for name, module in model.named_modules():
+        if any(name.startswith(prefix + ".") for prefix in inside):
+            continue
+        if isinstance(module, nn.ModuleList):
+            inside.add(name)
+            blocks.extend(module)
+    return blocks
+
+
+def _spans(group: FSDPParamGroup, names: dict[int, str], world: int) -> tuple[Span, ...]:
+    spans, offset = [], 0
+    for param in group.fsdp_params:
+        length = param.padded_sharded_param_size.numel()
+        shape = tuple(param._orig_size)
+        spans.append(Span(names[id(param.sharded_param)], offset, length, shape))
+        offset += length
+    return tuple(spans)
+
+
+class _Then(dist.Work):
+    """A collective's Work whose first `wait()` runs `then` once the collective is done."""
+
+    def __init__(self, work: dist.Work, then: Callable[[], None]):
+        super().__init__()
+        self._work, self._then = work, then
+
+    def wait(self, timeout: object = None) -> bool:
+        self._work.wait()
+        if self._then is not None:
+            then, self._then = self._then, None
+            then()
+        return True
+
+
+class _ReduceScatter(ReduceScatter):
+    """FSDP's default reduce-scatter, with `local_gradients` before it and `received` after."""
+
+    def __init__(self, layout: GroupLayout, sites: ShardSites):
+        self.layout, self.sites = layout, sites
+
+    def allocate(
+        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: dist.ReduceOp | dist.ReduceOp.RedOpType,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        layout = self.layout
+        if input_tensor.numel() != layout.world * layout.shard_numel:
+            raise RuntimeError(
+                f"FSDP group {layout.index} ({layout.module or 'root'}) reduce-scatters "
+                f"{input_tensor.numel()} elements where its fixed layout has "
+                f"{layout.world * layout.shard_numel}: a parameter got no gradient"
+            )
+        if self.sites.local_gradients is not None:
+            self.sites.local_gradients(layout, input_tensor)
+        work = dist.reduce_scatter_single(
+            output=output_tensor, input=input_tensor, group=group, op=op, async_op=async_op
+        )
+        received = self.sites.received
+        if received is None:
+            return work
+        if async_op:
+            return _Then(work, lambda: received(layout, "reduce_scatter", output_tensor))
+        received(layout, "reduce_scatter", output_tensor)
+        return work
+
+
+class _AllGather(AllGather):
+    """FSDP's default all-gather, with `gathered` on its output once it is complete."""
+
+    def __init__(self, layout: GroupLayout, sites: ShardSites, group: FSDPParamGroup):
+        self.layout, self.sites, self.group = layout, sites, group
+
+    def allocate(
+        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        work = dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+        gathered = self.sites.gathered
+        if gathered is None:
+            return work
+        # The group's state when FSDP unshards it, also for a prefetch on another's behalf.
+        backward = self.group._training_state == TrainingState.PRE_BACKWARD
+        if async_op:
+            return _Then(work, lambda: gathered(self.layout, backward, output_tensor))
+        gathered(self.layout, backward, output_tensor)
+        return work
