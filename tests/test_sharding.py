@@ -215,6 +215,26 @@ def _gathered_fault(workload: Workload, device_mesh) -> dict:
     return {**losses, "kept": kept, "rebuilt": rebuilt}
 
 
+def _prefetched(workload: Workload, device_mesh) -> dict:
+    """An explicit asynchronous prefetch of every block (`unshard(async_op=True)`, the
+    all-gather FSDP issues with async_op): `gathered` runs once the forward waits on the
+    collective, not when it is issued, and the forward's loss is the unprefetched one's."""
+    batch = workload.batch(0, dist.get_rank(), 0)
+    seen: list[str] = []
+    losses = []
+    for prefetch in (False, True):
+        seen.clear()
+        sites = ShardSites(gathered=lambda layout, _backward, _flat: seen.append(str(layout.index)))
+        model = shard(workload.build_model(), device_mesh, sites)
+        if prefetch:
+            for block in model.blocks:
+                block.unshard(async_op=True)
+            seen.append("issued")
+        with torch.no_grad():
+            losses.append(float(workload.loss(model, batch)))
+    return {"same": losses[0] == losses[1], "seen": seen}
+
+
 def _rank(rank: int, store: str, folder: str, cfgs: dict, results) -> None:
     dist.init_process_group(
         "gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
@@ -228,6 +248,7 @@ def _rank(rank: int, store: str, folder: str, cfgs: dict, results) -> None:
         "sums": lambda: _sums(workload, meshes),
         "received": lambda: _received_fault(workload, meshes["fsdp"]),
         "gathered": lambda: _gathered_fault(workload, meshes["fsdp"]),
+        "prefetched": lambda: _prefetched(workload, meshes["fsdp"]),
     }
     report, seconds = {}, {}
     for name, part in parts.items():
@@ -305,6 +326,21 @@ def test_a_fault_in_a_gathered_shard_changes_only_that_ranks_forward(ranks):
         assert got["kept"], "the stored shards are untouched"
         assert (got["struck"] != got["clean"]) == (rank == 2), got
     assert len({r["gathered"]["clean"] for r in ranks}) == WORLD, "each rank's own batch"
+
+
+def test_an_async_prefetch_runs_gathered_once_its_all_gather_is_waited_on(ranks):
+    for r in ranks:
+        assert r["prefetched"]["same"], "prefetched, the forward is the same"
+        seen = r["prefetched"]["seen"]
+        assert seen[0] == "issued", "no block's gathered runs before the forward waits on it"
+        assert sorted(seen[1:]) == ["0", "1", "2"], "each group's all-gather, once"
+
+
+def test_shard_refuses_a_frozen_parameter():
+    model = torch.nn.Linear(2, 2)
+    model.bias.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"^sharding trains every parameter, and bias is frozen"):
+        shard(model, None, NOOP)
 
 
 def test_mesh_refuses_a_shard_size_that_does_not_divide_the_world():

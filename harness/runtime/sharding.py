@@ -162,6 +162,11 @@ class ShardSites:
 def shard(model: nn.Module, mesh: DeviceMesh, sites: ShardSites) -> nn.Module:
     """`model` sharded in place over `mesh` (blocks, then the root), the sites installed on
     every group's collectives; the model, now an FSDPModule."""
+    frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
+    if frozen:
+        # FSDP leaves a frozen parameter out of the reduce-scatter but not the all-gather: the
+        # two buffers would need layouts of their own.
+        raise ValueError(f"sharding trains every parameter, and {', '.join(frozen)} is frozen.")
     for block in _blocks(model):
         fully_shard(block, mesh=mesh, reshard_after_forward=True)
     fully_shard(model, mesh=mesh, reshard_after_forward=False)
