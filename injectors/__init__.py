@@ -14,7 +14,7 @@ import pkgutil
 from harness.core import registry
 from injectors.model import FaultModel
 
-SITES = ("grad", "allreduce", "weight", "optimizer", "activation", "loss", "matmul")
+SITES = ("grad", "allreduce", "weight", "optimizer", "activation", "loss", "matmul", "gather")
 _NOT_MODELS = {"bits", "model", "injector", "contribution", "strikes"}
 
 

@@ -277,6 +277,9 @@ class FaultInjector(Plugin):
     def on_reduced_grad(self, step: int, bucket: Bucket) -> None:
         self.site.on_reduced_grad(step, bucket)
 
+    def on_gathered(self, step: int, bucket: Bucket) -> None:
+        self.site.on_gathered(step, bucket)
+
     def on_group_contribution(
         self, step: int, index: int, parts: list[torch.Tensor], members: tuple[int, ...]
     ) -> None:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from harness.core.matmuls import ForwardModules
 from harness.core.plugins import matches
@@ -49,6 +50,10 @@ def targets(
         ]
     if site == "loss":
         return [("loss", 1)]
+    if site == "allreduce" and any(isinstance(p, DTensor) for _, p in params):
+        # Sharded: the reduced shard a rank receives is its own chunk of each parameter, whose
+        # size shows when it arrives.
+        return [(n, None) for n, _ in params]
     return [(n, p.numel()) for n, p in params]
 
 

@@ -5,7 +5,8 @@ takes, the corruption and its events.
 
 Families: module outputs (activation, and matmul inside a module's forward), the loss, gradient
 buckets (grad before the collective, allreduce after it, and a contribution model's change to
-what a rank sends into it), and state after the step (optimizer moments, weights).
+what a rank sends into it), sharded training's gathered parameters (gather), and state after the
+step (optimizer moments, weights).
 """
 
 from __future__ import annotations
@@ -160,6 +161,14 @@ class Reduced(Buckets):
         self.inject_bucket(step, bucket)
 
 
+class Gathered(Buckets):
+    """gather: one FSDP group's parameters as all-gathered into this rank's forward weights;
+    the shards they were gathered from, and every other rank's copy, stay intact."""
+
+    def on_gathered(self, step: int, bucket: Bucket) -> None:
+        self.inject_bucket(step, bucket)
+
+
 class Contribution(Site):
     """allreduce with a contribution model (drop, duplicate, stale): what this rank sends into
     each chunk's reduction, rider region included, so every receiver gets the same wrong sum.
@@ -237,6 +246,7 @@ class Weights(Site):
 BY_SITE: dict[str, type[Site]] = {
     "grad": Gradients,
     "allreduce": Reduced,
+    "gather": Gathered,
     "weight": Weights,
     "optimizer": OptimizerState,
     "activation": ModuleOutput,

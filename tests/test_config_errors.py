@@ -10,7 +10,27 @@ import pytest
 from harness import cli
 from tests.conftest import compose_run, sdc_bench
 
+FSDP = ["topology.parallel=fsdp", "detectors=[nan_inf]", "campaign=single"]
 CASES = [
+    (["topology.parallel=zero"], "topology.parallel", "allowed: ddp, fsdp, hsdp"),
+    (["topology.parallel=hsdp"], "topology.shard_size", "hsdp needs the size"),
+    (["topology.parallel=hsdp", "topology.shard_size=3"], "topology.shard_size", "allowed: 2"),
+    (["topology.parallel=hsdp", "topology.shard_size=4"], "topology.shard_size", "allowed: 2"),
+    (["topology.shard_size=2"], "topology.shard_size", "only hsdp reads it"),
+    (["topology.parallel=fsdp", "detectors=[replay]"], "detectors.replay", "allowed: nan_inf"),
+    ([*FSDP, "recovery.enabled=true"], "recovery.enabled", "allowed under"),
+    ([*FSDP, "fault=weight_bitflip"], "fault.site", "allowed: grad, allreduce, gather"),
+    ([*FSDP, "fault=allreduce_reduction"], "fault.scope", "allowed: rank"),
+    (
+        [*FSDP, "fault=allreduce_rank", "fault.model=drop"],
+        "fault.model",
+        "allowed: an element model",
+    ),
+    (
+        ["campaign=single", "fault=grad_nan", "fault.site=gather"],
+        "fault.site",
+        "needs topology.parallel=fsdp or hsdp",
+    ),
     (["campaign.golden_cache=7"], "campaign.golden_cache", "allowed: true, false or a folder"),
     (["campaign.golden_cache=off"], "campaign.golden_cache", "allowed: true, false or a folder"),
     (["campaign.golden_cache=/dev/null/goldens"], "campaign.golden_cache", "not a writable"),

@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 OWN_PACKAGES = ("harness", "detectors", "injectors")
 # The topology's settings that change what a run computes (not its timeouts or spare nodes).
 NUMERIC_TOPOLOGY = ("nodes", "ranks_per_node", "backend", "threads_per_rank", "cpu_kernels",
-                    "cpu_numerics", "device", "deterministic")  # fmt: skip
+                    "cpu_numerics", "device", "deterministic", "parallel", "shard_size")  # fmt: skip
 MANIFEST = "files.json"
 
 

@@ -146,6 +146,7 @@ def fault_config(
         raise ConfigError(
             f"{key}.bucket", f"site '{site}' has no buckets; allowed: grad, allreduce"
         )
+    _parallel_fault(key, values, site, topology)
     if values["ber"] is not None and model != "bitflip":
         raise ConfigError(f"{key}.ber", "a bit error rate needs model bitflip")
     _shape(key, values, site, model)
@@ -163,6 +164,41 @@ def fault_config(
     fault = FaultConfig(**values)
     injectors.model_class(model).validate(key, fault)
     return fault
+
+
+# The sites a sharded step has so far: its collectives' (local gradient, received shard, gathered
+# parameters) and the forward's; a rank's own weight and optimizer shards, and the products,
+# are not reached yet.
+SHARDED_SITES = ("grad", "allreduce", "gather", "activation", "loss")
+
+
+def _parallel_fault(key: str, values: dict[str, Any], site: str, topology: TopologyConfig) -> None:
+    """A fault that the world's `topology.parallel` has a site for."""
+    parallel = topology.parallel
+    if not topology.sharded:
+        if site == "gather":
+            raise ConfigError(
+                f"{key}.site", "gather is sharded training's all-gather; it needs "
+                "topology.parallel=fsdp or hsdp (this world is ddp)"
+            )  # fmt: skip
+        return
+    if site not in SHARDED_SITES:
+        raise ConfigError(
+            f"{key}.site",
+            f"'{site}' is not reached under topology.parallel={parallel}; allowed: "
+            + ", ".join(SHARDED_SITES),
+        )
+    if injectors.model_class(values["model"]).contribution:
+        raise ConfigError(
+            f"{key}.model", f"a contribution model changes what a rank sends into the ddp "
+            f"reduction; under {parallel} allowed: an element model (scale, bitflip, value, ...)"
+        )  # fmt: skip
+    if values["scope"] == "reduction":
+        raise ConfigError(
+            f"{key}.scope", f"under {parallel} each reduced element has one receiver; allowed: rank"
+        )
+    if values["bucket"] is not None:
+        raise ConfigError(f"{key}.bucket", f"{parallel} has no buckets; leave it null")
 
 
 def unused_fault(

@@ -18,6 +18,7 @@ from harness.config.faults import check_target, expand_scenarios, fault_config, 
 from harness.config.schema import (
     BACKENDS,
     LAUNCHERS,
+    PARALLEL,
     CheckpointConfig,
     OverheadConfig,
     RecoveryConfig,
@@ -72,7 +73,53 @@ def topology_config(raw: dict[str, Any]) -> TopologyConfig:
         "topology.startup_timeout_s",
         raw.get("startup_timeout_s", TopologyConfig.startup_timeout_s),
     )
+    _parallel(raw)
     return TopologyConfig(**raw)
+
+
+def _parallel(raw: dict[str, Any]) -> None:
+    """`topology.parallel`, and a `shard_size` that HSDP needs and nothing else reads."""
+    parallel = choice("topology.parallel", raw.get("parallel", "ddp"), PARALLEL)
+    size, world = raw.get("shard_size"), raw["nodes"] * raw["ranks_per_node"]
+    if parallel != "hsdp":
+        if size is not None:
+            raise ConfigError(
+                "topology.shard_size", f"only hsdp reads it; leave it null under {parallel}"
+            )
+        return
+    if size is None:
+        raise ConfigError("topology.shard_size", "hsdp needs the size of its shard groups")
+    integer("topology.shard_size", size, 2)
+    if size >= world or world % size:
+        # One group of the whole world is fsdp; HSDP's replicas need two groups at least.
+        raise ConfigError(
+            "topology.shard_size",
+            f"{size} must divide the world of {world} ranks into two or more equal shard "
+            f"groups; allowed: {', '.join(str(d) for d in range(2, world) if world % d == 0)}",
+        )
+
+
+# The checks re-derived for a sharded world so far (docs/design.md, section 3): each judges a
+# rank's own local gradient and the shard it receives, with no replica to compare.
+SHARDED_CHECKS = ("nan_inf",)
+
+
+def _sharded_plan(
+    topology: TopologyConfig, checks: dict[str, CheckConfig], recovery: RecoveryConfig
+) -> None:
+    for name in checks:
+        if name not in SHARDED_CHECKS:
+            raise ConfigError(
+                f"detectors.{name}",
+                f"does not apply under topology.parallel={topology.parallel}; allowed: "
+                + ", ".join(SHARDED_CHECKS),
+            )
+    if recovery.enabled:
+        raise ConfigError(
+            "recovery.enabled",
+            f"recovery restarts from a replica's checkpoint; allowed under "
+            f"topology.parallel={topology.parallel}: false",
+        )
 
 
 def _placed(topology: TopologyConfig, launcher: str) -> TopologyConfig:
@@ -218,6 +265,8 @@ def run_config(raw: dict[str, Any]) -> RunConfig:
             raise ConfigError("recovery.enabled", "recovery acts on alerts: choose detectors")
         # Recovery acts on alerts: every check stops the step that it alarms on.
         checks = {name: config.in_mode("act") for name, config in checks.items()}
+    if topology.sharded:
+        _sharded_plan(topology, checks, recovery)
     seeds = integer("campaign.seeds", campaign.get("seeds"), 1)
     noise_seeds = integer("campaign.noise_seeds", campaign.get("noise_seeds"), 2)
     fast_forward = campaign.get("fast_forward", True)
@@ -225,9 +274,12 @@ def run_config(raw: dict[str, Any]) -> RunConfig:
         raise ConfigError(
             "campaign.fast_forward", f"'{fast_forward}' is not allowed; allowed: true, false"
         )
-    # A check that carries state it cannot hand over makes every trial train from step 0.
-    fast_forward = fast_forward and all(
-        detectors.detector_class(name).fast_forward for name in checks
+    # A check that carries state it cannot hand over makes every trial train from step 0, and
+    # so does sharding, whose snapshots are not written yet.
+    fast_forward = (
+        fast_forward
+        and not topology.sharded
+        and all(detectors.detector_class(name).fast_forward for name in checks)
     )
     if campaign.get("name") == "single":
         scenario_raw = [(0, dict(raw["fault"]))]

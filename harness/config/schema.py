@@ -101,6 +101,9 @@ class WorkloadConfig:
         return tuple(sorted(roots))
 
 
+PARALLEL = ("ddp", "fsdp", "hsdp")
+
+
 @dataclass(frozen=True)
 class TopologyConfig:
     nodes: int
@@ -117,6 +120,10 @@ class TopologyConfig:
     # GPU's tensor cores do, through float32 kernels, or `native`; None resolves per device.
     cpu_numerics: str | None = None
     startup_timeout_s: float = 60.0
+    # How the world trains (harness/runtime/sharding.py): ddp replicas, fsdp (FSDP2's
+    # fully_shard over the world) or hsdp (replicas of `shard_size`-rank shard groups).
+    parallel: str = "ddp"
+    shard_size: int | None = None
     # cpu or cuda (harness/runtime/devices.py); None until resolved on the machine that runs the
     # ranks.
     device: str | None = None
@@ -128,6 +135,10 @@ class TopologyConfig:
     @property
     def world_size(self) -> int:
         return self.nodes * self.ranks_per_node
+
+    @property
+    def sharded(self) -> bool:
+        return self.parallel != "ddp"
 
     def threads(self, rank: int) -> int:
         if isinstance(self.threads_per_rank, int):

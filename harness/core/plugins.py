@@ -112,6 +112,10 @@ class Plugin:
 
     def on_reduced_grad(self, step: int, bucket: Bucket) -> None: ...
 
+    def on_gathered(self, step: int, bucket: Bucket) -> None:
+        """Sharded training: the parameters of one FSDP group as all-gathered for this rank's
+        forward, whole, before they become its unsharded weights (harness/runtime/sharding.py)."""
+
     def on_group_contribution(
         self, step: int, index: int, parts: list[torch.Tensor], members: tuple[int, ...]
     ) -> None:
@@ -368,6 +372,10 @@ class PluginBus:
     def reduced_grad(self, step: int, bucket: Bucket) -> None:
         for plugin in self.plugins:
             plugin.on_reduced_grad(step, bucket)
+
+    def gathered(self, step: int, bucket: Bucket) -> None:
+        for plugin in self.plugins:
+            plugin.on_gathered(step, bucket)
 
     def group_contribution(
         self, step: int, index: int, parts: list[torch.Tensor], members: tuple[int, ...]

@@ -167,7 +167,7 @@ def shard(model: nn.Module, mesh: DeviceMesh, sites: ShardSites) -> nn.Module:
         # FSDP leaves a frozen parameter out of the reduce-scatter but not the all-gather: the
         # two buffers would need layouts of their own.
         raise ValueError(f"sharding trains every parameter, and {', '.join(frozen)} is frozen.")
-    for block in _blocks(model):
+    for block in blocks(model):
         fully_shard(block, mesh=mesh, reshard_after_forward=True)
     fully_shard(model, mesh=mesh, reshard_after_forward=False)
     names = {id(p): name for name, p in model.named_parameters()}
@@ -175,7 +175,7 @@ def shard(model: nn.Module, mesh: DeviceMesh, sites: ShardSites) -> nn.Module:
     shard_group = mesh["shard"] if mesh.ndim > 1 else mesh
     world, rank = shard_group.size(), shard_group.get_local_rank()
     hsdp = mesh.ndim > 1
-    for index, module in enumerate([*_blocks(model), model]):
+    for index, module in enumerate([*blocks(model), model]):
         assert isinstance(module, FSDPModule)
         group = module._get_fsdp_state()._fsdp_param_group
         assert group is not None, "a wrapped module without parameters"
@@ -194,7 +194,7 @@ def _after_all_reduce(
     return lambda out: received(layout, "all_reduce", out)
 
 
-def _blocks(model: nn.Module) -> list[nn.Module]:
+def blocks(model: nn.Module) -> list[nn.Module]:
     """The children of the outermost ModuleLists, in definition order."""
     blocks: list[nn.Module] = []
     inside: set[str] = set()

@@ -3,9 +3,9 @@ site a hook point. It knows the plug-in hooks, never a concrete injector or dete
 
     1. forward (activation)  -> loss (loss)
     2. backward -> local gradients, bucket by bucket (grad)         \
-    3. checks on local gradients                                     | one DDP comm hook
-    4. allreduce -> averaged gradients (allreduce)                   |
-    5. checks on averaged gradients                                 /
+    3. checks on local gradients                                     | one DDP comm hook, or
+    4. allreduce -> averaged gradients (allreduce)                   | FSDP2's reduce-scatter
+    5. checks on averaged gradients                                 /  when sharded
     6. audit (replay)
     7. the recipe's clipping and learning rate, the optimizer step (optimizer state), then the
        update (weight)
@@ -15,33 +15,48 @@ site a hook point. It knows the plug-in hooks, never a concrete injector or dete
 import hashlib
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from harness.config.schema import RunConfig, TrialSpec
 from harness.core.events import Checkpoint, HostReads, Retry, Stop
 from harness.core.plugins import DetectorContext, EventLog, PluginBus, RankInfo
 from harness.results.schema import RankResult
-from harness.runtime import checkpoint, devices, numerics, snapshots
+from harness.runtime import checkpoint, devices, numerics, sharding, snapshots
 from harness.runtime.assembly import assemble
 from harness.runtime.comm import HookState, harness_ddp, retry_reduction
 from harness.runtime.locate import faulty_node_ranks
+from harness.runtime.shard_sites import ShardedBuckets
 from harness.runtime.workloads import Workload
 
 
 def weights_digest(model: nn.Module) -> str:
-    """SHA-256 over every parameter's bytes: equal digests mean bit-identical weights."""
+    """SHA-256 over every parameter's bytes: equal digests mean bit-identical weights. A
+    sharded parameter is gathered whole first (every rank calls this together): under HSDP
+    each rank digests its replica group's weights."""
     h = hashlib.sha256()
     for name, p in model.named_parameters():
         h.update(name.encode())
-        h.update(p.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes())
+        whole = _whole(p.detach())
+        h.update(whole.contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes())
     return h.hexdigest()
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class TrialStopped(Exception):
@@ -136,6 +151,8 @@ def _trained(
     device = torch.device(info.device)
     workload = Workload(cfg, device)
     model = workload.build_model()
+    # Sharded before anything sees the parameters: the plug-ins and the optimizer hold shards.
+    shards = _sharded(model, run, info, spec.hook) if run.topology.sharded else None
     log = EventLog(info.rank, info.node)
     plan = data_plan(spec, info)
     hardware = spec.segment.hardware if spec.segment else tuple(range(info.world_size))
@@ -147,6 +164,8 @@ def _trained(
     ctx = DetectorContext(info, model, workload, cfg.steps, plan)
     rank = assemble(model, ctx, log, checks, spec.fault, spec.seed, hardware, forward=run.forward)
     bus, built, state = rank.bus, rank.checks, rank.state
+    if shards is not None:
+        shards.bind(bus)
     acting = any(config.acts for config in checks.values())
 
     optimizer = workload.build_optimizer(model)
@@ -159,7 +178,7 @@ def _trained(
             optimizer.load_state_dict(state_dict["optimizer"])
             snapshots.load_checks(Path(spec.segment.checkpoint), built, info)
     state.keep_contributions = run.recovery.enabled and acting and spec.hook
-    ddp = harness_ddp(model, state) if spec.hook else DDP(model)
+    ddp = _replicated(model, state, spec.hook) if shards is None else model
     result = RankResult(spec.trial_id, info.rank, log.events)
     stop_point = StopPoint(bus, acting, result, state, log, info)
     batches = ctx.batches(info.rank)
@@ -169,6 +188,8 @@ def _trained(
         for step in range(first, cfg.steps):
             beat()
             state.step = step
+            if shards is not None:
+                shards.step = step
             reads = bus.host_reads
             devices.synchronize(device)
             started = time.perf_counter()
@@ -177,8 +198,7 @@ def _trained(
             for i, (source, micro) in enumerate(batches):
                 last = i == len(batches) - 1
                 # The micro-batch's own random state: a peer replaying it draws the same.
-                sync = nullcontext() if last else ddp.no_sync()
-                with sync, workload.forward_rng(step, source, micro):
+                with _synced(ddp, last), workload.forward_rng(step, source, micro):
                     loss = workload.loss(ddp, workload.batch(step, source, micro))
                     loss = bus.loss(step, loss)
                     (loss / ctx.divisor).backward()
@@ -195,7 +215,8 @@ def _trained(
                 approved = bus.checkpoint_approved(step, model)
                 (approved,) = stop_point.reached(step, extra=approved)
                 if approved:
-                    _checkpoint(store / spec.trial_id, step, model, optimizer, info, log)
+                    save = _sharded_checkpoint if shards is not None else _checkpoint
+                    save(store / spec.trial_id, step, model, optimizer, info, log)
             if step in spec.snapshots:
                 snapshot = snapshots.snapshot_path(store, spec.seed, step)
                 snapshots.save_snapshot(snapshot, model, optimizer, built, info)
@@ -211,16 +232,48 @@ def _trained(
     if result.host_reads:
         log.emit(HostReads(most_in_a_step=max(result.host_reads), total=bus.host_reads))
 
-    result.final_loss = workload.eval_loss(model)
     result.weights_digest = weights_digest(model)
-    result.weights_finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    result.weights_finite = all(bool(torch.isfinite(_local(p)).all()) for p in model.parameters())
+    if shards is not None:
+        # A rank's own shards are all it holds; any rank's non-finite one makes the weights so.
+        finite = torch.tensor([float(result.weights_finite)])
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+        result.weights_finite = bool(finite.item())
+    # This rank's optimizer state: under sharding, its own shard of it.
     result.optimizer_nonfinite = sum(
-        int((~torch.isfinite(t)).sum())
+        int((~torch.isfinite(_local(t))).sum())
         for state in optimizer.state.values()
         for t in state.values()
         if torch.is_tensor(t) and t.is_floating_point()
     )
+    result.final_loss = workload.eval_loss(model)
     return result
+
+
+def _sharded(model: nn.Module, run: RunConfig, info: RankInfo, sites: bool) -> ShardedBuckets:
+    """`model` sharded in place as `topology.parallel` says; with `sites` (every run but the
+    plain-FSDP overhead baseline) the harness's sites on its collectives."""
+    topology = run.topology
+    mesh = sharding.mesh(
+        topology.parallel, info.world_size, topology.shard_size or 0, torch.device(info.device).type
+    )
+    groups = len(sharding.blocks(model)) + 1
+    shards = ShardedBuckets(groups, hsdp=topology.parallel == "hsdp")
+    sharding.shard(model, mesh, shards.sites() if sites else sharding.ShardSites())
+    return shards
+
+
+def _replicated(model: nn.Module, state: HookState, hook: bool) -> DDP:
+    """DDP with the harness's comm hook, or plain (the overhead baseline)."""
+    return harness_ddp(model, state) if hook else DDP(model)
+
+
+def _synced(model: nn.Module, last: bool) -> AbstractContextManager:
+    """Gradient accumulation: only the last micro-batch's backward reduces."""
+    if isinstance(model, DDP):
+        return nullcontext() if last else model.no_sync()
+    model.set_requires_gradient_sync(last)
+    return nullcontext()
 
 
 def _checkpoint(
@@ -238,3 +291,19 @@ def _checkpoint(
     state = {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict()}
     checkpoint.save(path, state)
     log.emit(Checkpoint(step=step, path=str(path)))
+
+
+def _sharded_checkpoint(
+    folder: Path,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    info: RankInfo,
+    log: EventLog,
+) -> None:
+    """Every rank writes its own shards, as sharded jobs do (torch.distributed.checkpoint)."""
+    path = checkpoint.step_path(folder, step).with_suffix(".dcp")
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)
+    if info.rank == 0:
+        log.emit(Checkpoint(step=step, path=str(path)))

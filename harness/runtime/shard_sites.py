@@ -1,0 +1,93 @@
+"""The plug-ins' view of a sharded step: each of harness/runtime/sharding.py's collective sites
+handed to the bus as a `Bucket` of named tensors, as the DDP hook hands it its chunks
+(harness/runtime/comm.py). A bucket is one FSDP group, `Bucket.index` its place in wrap order.
+
+- local gradients (site `grad`, checks before the reduction): the reduce-scatter input holds
+  each parameter's gradient in dim-0 chunks spread over the rows of a (shard group, shard numel)
+  buffer. The plug-ins see each parameter whole, indexed as under DDP, in a parameter-major copy
+  written back into the input after them: two copies of the local gradient a step, the price of
+  naming its elements as the replicated checks do.
+- received (site `allreduce`, checks after the reduction): this rank's own shard, a view of its
+  chunk of each parameter (padding left out), no copy; an element's index is its place in the
+  chunk. Under HSDP, the result of the all-reduce across replicas: the gradient the optimizer
+  steps on.
+- gathered (site `gather`): the parameters as all-gathered for this rank's forward, whole,
+  copied and written back as the local gradients are. Backward's re-gather is left alone: one
+  corrupt transfer corrupts one use of the weights.
+
+Entry contract: `bind` gives the bus before the first step, the trainer sets `step` before each
+forward; the sites run inside FSDP's collectives, on every rank of a shard group together.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from harness.core.plugins import Bucket, PluginBus
+from harness.runtime.sharding import GroupLayout, ShardSites
+
+
+class ShardedBuckets:
+    """The sites of `sharding.shard`, bound to a plug-in bus."""
+
+    def __init__(self, groups: int, hsdp: bool):
+        self.groups = groups
+        # The reduced shard the optimizer steps on: HSDP's all-reduce follows the reduce-scatter.
+        self.final_stage = "all_reduce" if hsdp else "reduce_scatter"
+        self.bus: PluginBus | None = None
+        self.step = 0
+
+    def bind(self, bus: PluginBus) -> None:
+        self.bus = bus
+
+    def sites(self) -> ShardSites:
+        return ShardSites(self._local, self._received, self._gathered)
+
+    def _local(self, layout: GroupLayout, flat: torch.Tensor) -> None:
+        self._whole(layout, flat, lambda bucket: self._bus().local_grad(self.step, bucket))
+
+    def _received(self, layout: GroupLayout, stage: str, shard: torch.Tensor) -> None:
+        if stage != self.final_stage:
+            return
+        tensors = []
+        for span in layout.spans:
+            held = min(span.length, max(0, math.prod(span.shape) - layout.rank * span.length))
+            tensors.append((span.name, shard[span.offset : span.offset + held]))
+        self._bus().reduced_grad(self.step, self._bucket(layout, shard, tensors))
+
+    def _gathered(self, layout: GroupLayout, backward: bool, flat: torch.Tensor) -> None:
+        if not backward:
+            self._whole(layout, flat, lambda bucket: self._bus().gathered(self.step, bucket))
+
+    def _whole(self, layout: GroupLayout, flat: torch.Tensor, visit) -> None:
+        """`visit` a parameter-major copy of a (shard group, shard numel) buffer, then write
+        the copy back into it."""
+        rows = flat.view(layout.world, -1)
+        copy = flat.new_empty(flat.numel())
+        tensors, at = [], 0
+        for span in layout.spans:
+            n = layout.world * span.length
+            copy[at : at + n].view(layout.world, span.length).copy_(
+                rows[:, span.offset : span.offset + span.length]
+            )
+            tensors.append((span.name, copy[at : at + math.prod(span.shape)].view(span.shape)))
+            at += n
+        visit(self._bucket(layout, copy, tensors))
+        at = 0
+        for span in layout.spans:
+            n = layout.world * span.length
+            rows[:, span.offset : span.offset + span.length].copy_(
+                copy[at : at + n].view(layout.world, span.length)
+            )
+            at += n
+
+    def _bucket(
+        self, layout: GroupLayout, buffer: torch.Tensor, tensors: list[tuple[str, torch.Tensor]]
+    ) -> Bucket:
+        return Bucket(layout.index, buffer, tensors, is_last=layout.index == self.groups - 1)
+
+    def _bus(self) -> PluginBus:
+        assert self.bus is not None, "bind the bus before the first step"
+        return self.bus

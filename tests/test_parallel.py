@@ -1,0 +1,93 @@
+"""Campaigns under `topology.parallel=fsdp|hsdp`: the real trainer on a 4-rank gloo world, FSDP2's
+own collectives with the harness's sites on them (harness/runtime/shard_sites.py).
+
+On gpt (1.7 MB of gradients), in float32 under FSDP and bfloat16 under HSDP (2 replica groups of
+2): a clean run with nan_inf (every step) raises no alert and ends with the weights of the same
+run without checks; a NaN in one rank's local gradients, in the shard one rank receives, and in
+the parameters one rank gathers for its forward are each caught in their step, naming the rank
+where the check can tell (docs/design.md, section 3)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from harness.campaign.golden_store import golden_inputs
+from tests.conftest import compose_run, events, rows
+
+SCENARIOS = [
+    "{site:none}",
+    "{site:grad,model:value,value:nan,ranks:[1],steps:[2]}",
+    "{site:allreduce,model:value,value:nan,ranks:[2],steps:[3]}",
+    "{site:gather,model:value,value:nan,ranks:[3],steps:[2]}",
+]
+# (rank, detect step, phase, suspects) of each fault's first alert.
+CAUGHT = [
+    None,
+    (1, 2, "pre_allreduce", "1"),
+    (2, 3, "post_allreduce", ""),
+    # The gathered NaN reaches rank 3's loss, so its own local gradients.
+    (3, 2, "pre_allreduce", "3"),
+]
+
+
+def campaign(run_ok, tmp_path, name, *overrides):
+    out = tmp_path / name
+    run_ok(
+        "workload=gpt", "workload.steps=5", "campaign.seeds=1", "campaign.noise_seeds=2",
+        # Computed here: the digests compared are this run's, not another test's store entry.
+        "campaign.golden_cache=false", *overrides, f"out={out}", cwd=tmp_path,
+    )  # fmt: skip
+    return out
+
+
+def digests(out) -> dict[int, str]:
+    """Each golden run's final weights, by seed."""
+    lines = (out / "golden.jsonl").read_text().splitlines()
+    return {g["seed"]: g["weights_digest"] for g in map(json.loads, lines)}
+
+
+@pytest.mark.parametrize(
+    "parallel",
+    [
+        ["topology.parallel=fsdp"],
+        ["topology.parallel=hsdp", "topology.shard_size=2", "workload.dtype=bfloat16"],
+    ],
+    ids=["fsdp-float32", "hsdp-bfloat16"],
+)
+def test_faults_at_each_collective_site_are_caught_in_their_step(run_ok, tmp_path, parallel):
+    scenarios = f"campaign.scenarios=[{','.join(SCENARIOS)}]"
+    out = campaign(run_ok, tmp_path, "faults", *parallel, scenarios, "detectors=[nan_inf]")
+    table = rows(out)
+    assert len(table) == len(SCENARIOS)
+    alerts = [e for e in events(out) if e["kind"] == "alert"]
+    for row, caught in zip(table, CAUGHT, strict=True):
+        mine = [a for a in alerts if a["trial_id"] == row["trial_id"]]
+        if caught is None:
+            assert row["effect"] == "none" and not mine
+            continue
+        rank, step, phase, suspects = caught
+        assert row["fired"] == "True" and row["detected"] == "True", row
+        assert (row["detect_step"], row["suspect_ranks"]) == (str(step), suspects), row
+        first = min(mine, key=lambda a: (a["step"], a["phase"] != "pre_allreduce"))
+        assert (first["rank"], first["step"], first["phase"]) == (rank, step, phase)
+    # The clean run, with the check at every step, trains the weights of the run without it.
+    bare = campaign(run_ok, tmp_path, "bare", *parallel, "campaign=single", "fault=none",
+                    "detectors=[]")  # fmt: skip
+    assert digests(out) == digests(bare) and len(digests(out)) == 2
+    assert table[0]["golden_match"] == "True"
+
+
+def test_a_sharded_golden_is_never_a_replicated_ones():
+    """The golden store keys a golden by how its world trains: fsdp, hsdp and ddp runs of the
+    same workload and seed reduce in different collectives, so their goldens differ."""
+    keys = [
+        golden_inputs(compose_run(*overrides), {}, seed=0)
+        for overrides in (
+            [],
+            ["topology.parallel=fsdp", "detectors=[nan_inf]"],
+            ["topology.parallel=hsdp", "topology.shard_size=2", "detectors=[nan_inf]"],
+        )
+    ]
+    assert len({json.dumps(k, sort_keys=True) for k in keys}) == 3
