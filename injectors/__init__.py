@@ -14,7 +14,9 @@ import pkgutil
 from harness.core import registry
 from injectors.model import FaultModel
 
-SITES = ("grad", "allreduce", "weight", "optimizer", "activation", "loss", "matmul", "gather")
+SITES = ("grad", "allreduce", "weight", "optimizer", "activation", "loss", "matmul")
+# Sharded training's all-gather (topology.parallel=fsdp|hsdp): a site a replicated step has not.
+GATHER = "gather"
 _NOT_MODELS = {"bits", "model", "injector", "contribution", "strikes"}
 
 

@@ -48,8 +48,10 @@ logger = logging.getLogger(__name__)
 # The packages whose code makes a golden run's numbers; their sources are hashed.
 OWN_PACKAGES = ("harness", "detectors", "injectors")
 # The topology's settings that change what a run computes (not its timeouts or spare nodes).
-NUMERIC_TOPOLOGY = ("nodes", "ranks_per_node", "backend", "threads_per_rank", "cpu_kernels",
-                    "cpu_numerics", "device", "deterministic", "parallel", "shard_size")  # fmt: skip
+NUMERIC_TOPOLOGY = (
+    "nodes", "ranks_per_node", "backend", "threads_per_rank", "cpu_kernels", "cpu_numerics",
+    "device", "deterministic", "parallel", "shard_size",
+)  # fmt: skip
 MANIFEST = "files.json"
 
 

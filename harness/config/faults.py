@@ -35,7 +35,7 @@ def _fault_model(key: str, value: Any) -> str:
 
 
 def _fault_site(key: str, value: Any) -> str:
-    return choice(key, value, ("none", *injectors.SITES))
+    return choice(key, value, ("none", *injectors.SITES, injectors.GATHER))
 
 
 def _fault_values(
@@ -176,7 +176,7 @@ def _parallel_fault(key: str, values: dict[str, Any], site: str, topology: Topol
     """A fault that the world's `topology.parallel` has a site for."""
     parallel = topology.parallel
     if not topology.sharded:
-        if site == "gather":
+        if site == injectors.GATHER:
             raise ConfigError(
                 f"{key}.site", "gather is sharded training's all-gather; it needs "
                 "topology.parallel=fsdp or hsdp (this world is ddp)"
