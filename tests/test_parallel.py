@@ -13,6 +13,7 @@ import json
 
 import pytest
 
+from harness.analysis import report
 from harness.campaign.golden_store import golden_inputs
 from tests.conftest import compose_run, events, rows
 
@@ -35,7 +36,7 @@ CAUGHT = [
 def campaign(run_ok, tmp_path, name, *overrides):
     out = tmp_path / name
     run_ok(
-        "workload=gpt", "workload.steps=5", "campaign.seeds=1", "campaign.noise_seeds=2",
+        "workload=gpt", "workload.steps=4", "campaign.seeds=1", "campaign.noise_seeds=2",
         # Computed here: the digests compared are this run's, not another test's store entry.
         "campaign.golden_cache=false", *overrides, f"out={out}", cwd=tmp_path,
     )  # fmt: skip
@@ -91,3 +92,23 @@ def test_a_sharded_golden_is_never_a_replicated_ones():
         )
     ]
     assert len({json.dumps(k, sort_keys=True) for k in keys}) == 3
+
+
+def test_the_report_sets_the_same_faults_side_by_side_under_each_parallelism(run_ok, tmp_path):
+    """sdc-report over a ddp and an fsdp run of the same faults: one row per fault and check,
+    a column per parallelism; the ddp-only checks read `not run` under fsdp."""
+    faults = "campaign.scenarios=[" + ",".join(SCENARIOS[1:3]) + "]"
+    common = ["workload=mlp", "workload.steps=4", "campaign.seeds=1", "campaign.noise_seeds=2"]
+    ddp, fsdp = tmp_path / "ddp", tmp_path / "fsdp"
+    run_ok(*common, faults, "detectors=[nan_inf,grad_stats]", f"out={ddp}", cwd=tmp_path)
+    run_ok(*common, faults, "detectors=[nan_inf]", "topology.parallel=fsdp", f"out={fsdp}",
+           cwd=tmp_path)  # fmt: skip
+    report.main([str(ddp), str(fsdp), "--out", str(tmp_path / "both")])
+    text = (tmp_path / "both" / "report.md").read_text()
+    section = text.split("## Catch rate by parallelism")[1].split("\n## ")[0]
+    assert "| site | model | dtype | detector | ddp | fsdp |" in section
+    lines = [line for line in section.splitlines() if line.startswith("| grad ")]
+    assert "| grad | value | float32 | nan_inf | 1/1 = 100%" in lines[1]
+    assert lines[1].endswith("| 1/1 = 100% [21%, 100%] |"), lines
+    assert lines[0].startswith("| grad | value | float32 | grad_stats |")
+    assert lines[0].endswith("| not run |"), lines

@@ -21,6 +21,7 @@ from harness.analysis.intervals import audit_intervals
 from harness.analysis.tables import (
     ESCAPE_CELL,
     ReportError,
+    by_parallel,
     catch_rates,
     cells,
     detection_times,
@@ -232,6 +233,14 @@ def write_report(df: pd.DataFrame, out: Path, dirs: list[Path] | None = None) ->
         + markdown_table(detection_times(df)),
         escape_section(df, folder),
     ]
+    sharded = by_parallel(df)
+    if sharded:
+        sections.append(
+            "## Catch rate by parallelism\n\nThe same faults with replicas (ddp), sharded "
+            "(fsdp) and sharded within replica groups (hsdp): each detector's catch rate among "
+            "the fired trials it ran in; `not run` where the check or the site does not exist "
+            "under that parallelism (docs/design.md, section 3).\n\n" + markdown_table(sharded)
+        )
     by_interval = audit_intervals(df)
     if by_interval:
         sections.append(

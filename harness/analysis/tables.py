@@ -96,7 +96,7 @@ def load_trials(dirs: list[Path]) -> pd.DataFrame:
     ):
         df[col] = df[col].map({True: True, False: False, "True": True, "False": False})
     df["bit_class"] = [bit_class(d, b) for d, b in zip(df["dtype"], df["bit"], strict=True)]
-    for col in ("detected_by", "alert_detectors", "detectors"):
+    for col in ("detected_by", "alert_detectors", "detectors", "parallel"):
         # A column with no value in any row reads as float NaN: make it text before filling.
         df[col] = df[col].astype(object).fillna("").astype(str)
     return df
@@ -294,6 +294,30 @@ def recovery(df: pd.DataFrame) -> str:
         "restore step of -1 means from the initial weights."
     )
     return "## Recovery\n\n" + head + "\n\n" + markdown_table(rows)
+
+
+PARALLEL_ORDER = ("ddp", "fsdp", "hsdp")
+
+
+def by_parallel(df: pd.DataFrame) -> list[dict[str, object]]:
+    """Each detector's catch rate per fault (site, model, dtype) under each parallelism the
+    trials ran with, side by side: what a check loses when the model is sharded. Empty unless
+    the trials span more than one (a table written before sharding existed reads as ddp)."""
+    parallel = df["parallel"].replace("", "ddp")
+    modes = [m for m in PARALLEL_ORDER if m in set(parallel)]
+    if len(modes) < 2:
+        return []
+    fired = df.assign(parallel=parallel)[df["fired"] == True]  # noqa: E712 (booleans)
+    rows = []
+    for (site, model, dtype), cell in fired.groupby(["site", "model", "dtype"], sort=True):
+        for d in detector_names(cell):
+            row: dict[str, object] = {"site": site, "model": model, "dtype": dtype, "detector": d}
+            for mode in modes:
+                on = cell[(cell["parallel"] == mode) & _names(cell["detectors"], d)]
+                caught = int(_names(on["detected_by"], d).sum())
+                row[mode] = rate_text(caught, len(on)) if len(on) else "not run"
+            rows.append(row)
+    return rows
 
 
 def false_positive_counts(df: pd.DataFrame) -> dict[str, Counts]:

@@ -132,6 +132,8 @@ def trial_row(
         "dtype": run.workload.dtype,
         "nodes": run.topology.nodes,
         "ranks_per_node": run.topology.ranks_per_node,
+        "parallel": run.topology.parallel,
+        "shard_size": run.topology.shard_size or "",
         "site": fault.site,
         "model": fault.model,
         "bit": _bit(fault, injections),

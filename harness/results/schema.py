@@ -95,7 +95,7 @@ EXTRA_COLUMNS = [
     "golden_match", "replicas_agree", "divergent_ranks", "noise_band", "stopped_step",
     "recoveries", "restore_step", "steps_lost", "recovery_s", "quarantined_nodes", "final_nodes",
     "recovery_verdict", "crash_cause", "start_step", "check_intervals", "detect_steps", "damage",
-    "effect_from", "warnings",
+    "effect_from", "warnings", "parallel", "shard_size",
 ]  # fmt: skip
 COLUMNS = CONTRACT_COLUMNS + EXTRA_COLUMNS
 # The ways a run gets back, as `recovery_verdict` names each recovery ("KIND at step S ...",
