@@ -27,6 +27,8 @@ def non_finite(flat: torch.Tensor) -> torch.Tensor:
 
 class NanInf(Detector):
     name = "nan_inf"
+    # Each rank judges what it holds: its local gradient, whole, and the shard it receives.
+    parallel = ("ddp", "fsdp", "hsdp")
 
     def _check(self, step: int, bucket: Bucket, phase: str, suspects: list[int]) -> None:
         # The buffer is kept until the verdict is read: dividing it by the world size (before

@@ -8,6 +8,11 @@ bursts and cancelling flips change it; detectors/fingerprint.py: XXH3-128 of the
 CPU, about one read pass; a linear mixing on a GPU, so the ranks must share a kind of device),
 and the gather is a few hundred bytes per rank: Megatron-LM's equivalent copies every tensor to
 the CPU and hashes it with SHA-1, and says it is not meant to run often.
+
+Under HSDP (`topology.parallel=hsdp`) the replicas are the replica groups: each rank
+fingerprints the shards it holds, and shard i of every group is compared with shard i of the
+others (the ranks at the same place in their shard groups), so a strict majority needs three
+groups. Under FSDP there is no replica to compare, and the check does not apply.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from detectors.fingerprint import fingerprint_words
 from harness.core.checks import CheckConfig
@@ -30,6 +36,7 @@ from harness.errors import ConfigError
 
 class WeightConsensus(Detector):
     name = "weight_consensus"
+    parallel = ("ddp", "hsdp")
 
     @dataclass(frozen=True)
     class Config(CheckConfig):
@@ -47,6 +54,12 @@ class WeightConsensus(Detector):
 
     @classmethod
     def check_topology(cls, config: Config, topology: Any) -> None:
+        if topology.parallel == "hsdp" and topology.world_size // topology.shard_size < 3:
+            raise ConfigError(
+                "topology.shard_size",
+                "weight_consensus needs at least 3 replica groups for a majority; allowed: "
+                f"at most {topology.world_size // 3} ranks per shard group",
+            )
         if topology.world_size < 3:
             raise ConfigError(
                 "topology", "weight_consensus needs at least 3 replicas for a majority"
@@ -71,12 +84,21 @@ class WeightConsensus(Detector):
         self.optimizer = optimizer
 
     def _tensors(self, model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+        """What this rank holds: its replica, or under HSDP its own shards."""
         named = [(n, p) for n, p in model.named_parameters()]
         if self.config.optimizer_state and self.optimizer is not None:
             names = {p: n for n, p in named}
             for p, state in self.optimizer.state.items():
                 named += [(f"{names[p]}.{k}", state[k]) for k in ("exp_avg", "exp_avg_sq")]
-        return named
+        return [(n, t.to_local() if isinstance(t, DTensor) else t) for n, t in named]
+
+    def _places(self, model: nn.Module) -> list[int]:
+        """Each world rank's place in its shard group: ranks at the same place hold the same
+        shards (harness/runtime/sharding.py's mesh: shard groups of consecutive ranks); every
+        rank is at place 0 of a replicated world."""
+        p = next(model.parameters())
+        size = p.device_mesh["shard"].size() if isinstance(p, DTensor) else 1
+        return [r % size for r in range(self.info.world_size)]
 
     def _consensus(self, step: int, model: nn.Module) -> torch.Tensor:
         """Whether the replicas agree, as a 0-d bool tensor, unread; a disagreement is
@@ -88,27 +110,42 @@ class WeightConsensus(Detector):
         table = [torch.empty_like(mine) for _ in range(self.info.world_size)]
         dist.all_gather(table, mine)
         rows = torch.stack(table)
-        agree = (rows == rows[0]).all()
+        places = self._places(model)
+        first = [places.index(place) for place in places]  # the first rank at each one's place
+        agree = (rows == rows[first]).all()
 
         def explain(_: list[float]) -> None:
-            self._explain(step, [tuple(r) for r in self.read(rows)], named)
+            read = [tuple(r) for r in self.read(rows)]
+            for place in sorted(set(places)):
+                ranks = [r for r, at in enumerate(places) if at == place]
+                if len({read[r] for r in ranks}) > 1:
+                    self._explain(step, ranks, [read[r] for r in ranks], named)
 
         self.defer(step, "consensus", ~agree, explain)
         self.checked = {step: agree}
         return agree
 
-    def _explain(self, step: int, rows: list[tuple[int, ...]], named: list) -> None:
+    def _explain(
+        self, step: int, ranks: list[int], rows: list[tuple[int, ...]], named: list
+    ) -> None:
+        """An alert for the replicas `ranks` (the world, or under HSDP the holders of one
+        shard), whose fingerprints `rows` disagree."""
         majority, count = Counter(rows).most_common(1)[0]
         if count * 2 <= len(rows):
             self.alert(
                 step, "consensus", [], {"reason": "no strict majority", "groups": len(set(rows))}
             )
             return
-        suspects = [r for r, row in enumerate(rows) if row != majority]
+        suspects = [i for i, row in enumerate(rows) if row != majority]
         differing = sorted(
             {named[i // 2][0] for r in suspects for i, w in enumerate(rows[r]) if w != majority[i]}
         )
-        self.alert(step, "consensus", suspects, {"tensors": differing[:8], "agree": count})
+        self.alert(
+            step,
+            "consensus",
+            [ranks[i] for i in suspects],
+            {"tensors": differing[:8], "agree": count},
+        )
 
     def on_update(self, step: int, model: nn.Module) -> None:
         if (step + 1) % self.config.interval == 0:

@@ -50,9 +50,9 @@ def targets(
         ]
     if site == "loss":
         return [("loss", 1)]
-    if site == "allreduce" and any(isinstance(p, DTensor) for _, p in params):
-        # Sharded: the reduced shard a rank receives is its own chunk of each parameter, whose
-        # size shows when it arrives.
+    if site in ("allreduce", "weight") and any(isinstance(p, DTensor) for _, p in params):
+        # Sharded: the reduced shard a rank receives, and the weights it updates, are its own
+        # chunk of each parameter, whose size shows when it is at hand.
         return [(n, None) for n, _ in params]
     return [(n, p.numel()) for n, p in params]
 

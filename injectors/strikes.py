@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from harness.core.events import ContributionInject
 from harness.core.matmuls import MatmulCall
@@ -240,7 +241,14 @@ class Weights(Site):
     """weight: the parameters right after the optimizer step."""
 
     def on_update(self, step: int, model: nn.Module) -> None:
-        self.injector.inject(step, [(n, p.data) for n, p in model.named_parameters()])
+        # A sharded parameter: this rank's own shard (its storage, not a copy).
+        self.injector.inject(
+            step,
+            [
+                (n, p.to_local() if isinstance(p, DTensor) else p.data)
+                for n, p in model.named_parameters()
+            ],
+        )
 
 
 BY_SITE: dict[str, type[Site]] = {

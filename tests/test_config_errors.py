@@ -19,7 +19,17 @@ CASES = [
     (["topology.shard_size=2"], "topology.shard_size", "only hsdp reads it"),
     (["topology.parallel=fsdp", "detectors=[replay]"], "detectors.replay", "allowed: nan_inf"),
     ([*FSDP, "recovery.enabled=true"], "recovery.enabled", "allowed under"),
-    ([*FSDP, "fault=weight_bitflip"], "fault.site", "allowed: grad, allreduce, gather"),
+    ([*FSDP, "fault=optimizer_scale"], "fault.site", "allowed: grad, allreduce, gather"),
+    (
+        ["topology.parallel=fsdp", "detectors=[weight_consensus]"],
+        "detectors.weight_consensus",
+        "allowed: nan_inf",
+    ),
+    (
+        ["topology.parallel=hsdp", "topology.shard_size=2", "detectors=[weight_consensus]"],
+        "topology.shard_size",
+        "at least 3 replica groups",
+    ),
     ([*FSDP, "fault=allreduce_reduction"], "fault.scope", "allowed: rank"),
     (
         [*FSDP, "fault=allreduce_rank", "fault.model=drop"],

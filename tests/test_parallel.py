@@ -112,3 +112,26 @@ def test_the_report_sets_the_same_faults_side_by_side_under_each_parallelism(run
     assert lines[1].endswith("| 1/1 = 100% [21%, 100%] |"), lines
     assert lines[0].startswith("| grad | value | float32 | grad_stats |")
     assert lines[0].endswith("| not run |"), lines
+
+
+def test_a_wrong_weight_shard_on_one_hsdp_replica_is_caught_at_the_next_consensus(run_ok, tmp_path):
+    """HSDP over 3 nodes of 2 ranks, a shard group per node: rank 2's own shard of the weights
+    times 1000 at step 2; weight_consensus compares each shard with the same shard of the other
+    two replica groups and names rank 2 at step 2. The clean run raises no alert."""
+    weight = "{site:weight,model:scale,factor:1000.0,ranks:[2],steps:[2]}"
+    scenarios = f"campaign.scenarios=[{{site:none}},{weight}]"
+    out = campaign(
+        run_ok, tmp_path, "weights", "topology.parallel=hsdp", "topology.shard_size=2",
+        "topology.nodes=3", "topology.ranks_per_node=2", "detectors=[nan_inf,weight_consensus]",
+        "detectors.weight_consensus.interval=1", scenarios,
+    )  # fmt: skip
+    clean, faulty = rows(out)
+    assert clean["alerts"] == "0" and clean["golden_match"] == "True"
+    assert faulty["fired"] == "True" and faulty["first_detector"] == "weight_consensus"
+    assert (faulty["detect_step"], faulty["suspect_ranks"]) == ("2", "2"), faulty
+    alerts = [
+        e for e in events(out) if e["kind"] == "alert" and e["detector"] == "weight_consensus"
+    ]
+    assert {tuple(a["suspect_ranks"]) for a in alerts} == {(2,)}
+    # Each rank's digest is its replica group's weights: rank 2's group diverged.
+    assert faulty["divergent_ranks"] == "2;3", faulty

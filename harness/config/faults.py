@@ -167,9 +167,9 @@ def fault_config(
 
 
 # The sites a sharded step has so far: its collectives' (local gradient, received shard, gathered
-# parameters) and the forward's; a rank's own weight and optimizer shards, and the products,
-# are not reached yet.
-SHARDED_SITES = ("grad", "allreduce", "gather", "activation", "loss")
+# parameters), a rank's own weight shards, and the forward's; its optimizer shards and the
+# products are not reached yet.
+SHARDED_SITES = ("grad", "allreduce", "gather", "weight", "activation", "loss")
 
 
 def _parallel_fault(key: str, values: dict[str, Any], site: str, topology: TopologyConfig) -> None:

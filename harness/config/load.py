@@ -99,20 +99,20 @@ def _parallel(raw: dict[str, Any]) -> None:
         )
 
 
-# The checks re-derived for a sharded world so far (docs/design.md, section 3): each judges a
-# rank's own local gradient and the shard it receives, with no replica to compare.
-SHARDED_CHECKS = ("nan_inf",)
-
-
 def _sharded_plan(
     topology: TopologyConfig, checks: dict[str, CheckConfig], recovery: RecoveryConfig
 ) -> None:
+    """The checks derived for the sharded step (`Detector.parallel`), and no recovery."""
+    parallel = topology.parallel
     for name in checks:
-        if name not in SHARDED_CHECKS:
+        if parallel not in detectors.detector_class(name).parallel:
+            allowed = [
+                n for n in detectors.available() if parallel in detectors.detector_class(n).parallel
+            ]
             raise ConfigError(
                 f"detectors.{name}",
-                f"does not apply under topology.parallel={topology.parallel}; allowed: "
-                + ", ".join(SHARDED_CHECKS),
+                f"does not apply under topology.parallel={parallel}; allowed: "
+                + ", ".join(allowed),
             )
     if recovery.enabled:
         raise ConfigError(

@@ -184,6 +184,9 @@ class Detector(Plugin):
     recomputes_batches = False
     # Verifies the reduction's sum itself, which only a linear comm hook leaves checkable.
     verifies_reduction = False
+    # The `topology.parallel` worlds whose step the check is derived for: replicas only, unless
+    # it says what it sees of a sharded step (docs/design.md, section 3).
+    parallel: tuple[str, ...] = ("ddp",)
 
     def __init__(self, config: CheckConfig, ctx: DetectorContext, log: EventLog):
         self.config = config
