@@ -19,8 +19,12 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+from detectors.nan_inf import NanInf
 from harness.config.schema import WorkloadConfig
-from harness.runtime.sharding import GroupLayout, ShardSites, mesh, shard
+from harness.core.events import Alert
+from harness.core.plugins import DetectorContext, EventLog, PluginBus, RankInfo
+from harness.runtime.shard_sites import ShardedBuckets
+from harness.runtime.sharding import GroupLayout, ShardSites, blocks, mesh, shard
 from harness.runtime.workloads import Workload
 from tests.conftest import compose_run
 
@@ -90,9 +94,23 @@ def _train(
     return model
 
 
+def _checked(workload: Workload, parallel: str) -> tuple[ShardSites, PluginBus, EventLog]:
+    """The campaigns' sites (harness/runtime/shard_sites.py), as the trainer installs them,
+    with nan_inf on the bus: every bucket copied out, checked and written back."""
+    info = RankInfo(dist.get_rank(), WORLD, 1)
+    log = EventLog(info.rank, info.rank)
+    data = tuple((r,) for r in range(WORLD))
+    check = NanInf(NanInf.Config(), DetectorContext(info, None, workload, STEPS, data), log)
+    bus = PluginBus([check], log.verdicts)
+    buckets = ShardedBuckets(len(blocks(workload.build_model())) + 1, hsdp=parallel == "hsdp")
+    buckets.bind(bus)
+    return buckets.sites(), bus, log
+
+
 def _bit_identity(cfgs: dict[str, WorkloadConfig], meshes: dict, folder: Path) -> dict:
-    """(a) plain fully_shard against the harness's comms with no-op sites, and (c) the float32
-    run restarted from its DCP save at step RESTART, per mesh and dtype: weight digests."""
+    """(a) plain fully_shard against the harness's comms with no-op sites and with the
+    campaigns' sites and nan_inf, and (c) the float32 run restarted from its DCP save at step
+    RESTART, per mesh and dtype: weight digests, and nan_inf's alerts."""
     out = {}
     for parallel, device_mesh in meshes.items():
         for dtype, cfg in cfgs.items():
@@ -100,7 +118,12 @@ def _bit_identity(cfgs: dict[str, WorkloadConfig], meshes: dict, folder: Path) -
             plain = _digest(_train(workload, device_mesh, None, range(STEPS)))
             save = folder / f"{parallel}-{dtype}" if dtype == "float32" else None
             custom = _digest(_train(workload, device_mesh, NOOP, range(STEPS), save=save))
-            out[parallel, dtype] = {"plain": plain, "custom": custom}
+            sites, bus, log = _checked(workload, parallel)
+            checked = _digest(_train(workload, device_mesh, sites, range(STEPS)))
+            bus.resolve()
+            alerts = sum(isinstance(e, Alert) for e in log.events)
+            out[parallel, dtype] = {"plain": plain, "custom": custom, "checked": checked,
+                                    "alerts": alerts}  # fmt: skip
             if save is not None:
                 restarted = _train(workload, device_mesh, NOOP, range(RESTART, STEPS), load=save)
                 out[parallel, dtype]["restarted"] = _digest(restarted)
@@ -291,9 +314,10 @@ def ranks(tmp_path_factory) -> list[dict]:
 
 @pytest.mark.parametrize("parallel", list(MESHES))
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_harness_comms_train_bit_identically_to_plain_fully_shard(ranks, parallel, dtype):
+def test_the_harness_sites_train_bit_identically_to_plain_fully_shard(ranks, parallel, dtype):
     digests = [r["identity"][parallel, dtype] for r in ranks]
-    assert all(d["custom"] == d["plain"] for d in digests), digests
+    assert all(d["custom"] == d["plain"] == d["checked"] for d in digests), digests
+    assert all(d["alerts"] == 0 for d in digests), "nan_inf on a clean run"
     assert len({d["custom"] for d in digests}) == 1, "every rank gathers the same weights"
 
 

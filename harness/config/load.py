@@ -274,12 +274,9 @@ def run_config(raw: dict[str, Any]) -> RunConfig:
         raise ConfigError(
             "campaign.fast_forward", f"'{fast_forward}' is not allowed; allowed: true, false"
         )
-    # A check that carries state it cannot hand over makes every trial train from step 0, and
-    # so does sharding, whose snapshots are not written yet.
-    fast_forward = (
-        fast_forward
-        and not topology.sharded
-        and all(detectors.detector_class(name).fast_forward for name in checks)
+    # A check that carries state it cannot hand over makes every trial train from step 0.
+    fast_forward = fast_forward and all(
+        detectors.detector_class(name).fast_forward for name in checks
     )
     if campaign.get("name") == "single":
         scenario_raw = [(0, dict(raw["fault"]))]

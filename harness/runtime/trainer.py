@@ -173,9 +173,8 @@ def _trained(
     if spec.segment is not None:
         first = spec.segment.start_step
         if spec.segment.checkpoint:
-            state_dict = checkpoint.load(Path(spec.segment.checkpoint), device)
-            model.load_state_dict(state_dict["model"])
-            optimizer.load_state_dict(state_dict["optimizer"])
+            saved = checkpoint.load(Path(spec.segment.checkpoint), device)
+            snapshots.restore(model, optimizer, saved)
             snapshots.load_checks(Path(spec.segment.checkpoint), built, info)
     state.keep_contributions = run.recovery.enabled and acting and spec.hook
     ddp = _replicated(model, state, spec.hook) if shards is None else model
