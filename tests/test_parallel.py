@@ -11,6 +11,7 @@ plain fully_shard is tests/test_sharding.py's."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -112,9 +113,14 @@ def test_a_wrong_weight_shard_on_one_hsdp_replica_is_caught_at_the_next_consensu
     out = campaign(
         run_ok, tmp_path, "weights", "topology.parallel=hsdp", "topology.shard_size=2",
         "topology.nodes=3", "topology.ranks_per_node=2", "detectors=[nan_inf,weight_consensus]",
-        "detectors.weight_consensus.interval=1", scenarios,
+        "detectors.weight_consensus.interval=1", "checkpoint.interval=2", "checkpoint.keep=true",
+        scenarios,
     )  # fmt: skip
     clean, faulty = rows(out)
+    # A sharded checkpoint after each approved step: every rank's shards, in one DCP folder.
+    saved = [e for e in events(out) if e["kind"] == "checkpoint"]
+    assert [e["step"] for e in saved if e["trial_id"] == clean["trial_id"]] == [1, 3]
+    assert all((Path(e["path"]) / ".metadata").is_file() for e in saved)
     assert clean["alerts"] == "0" and clean["golden_match"] == "True"
     assert faulty["fired"] == "True" and faulty["first_detector"] == "weight_consensus"
     assert (faulty["detect_step"], faulty["suspect_ranks"]) == ("2", "2"), faulty

@@ -232,16 +232,20 @@ class _Then(dist.Work):
         return True
 
 
-class _ReduceScatter(ReduceScatter):
-    """FSDP's default reduce-scatter, with `local_gradients` before it and `received` after."""
-
-    def __init__(self, layout: GroupLayout, sites: ShardSites):
-        self.layout, self.sites = layout, sites
+class _PlainBuffers:
+    """FSDP's default buffers: a fresh tensor for each collective."""
 
     def allocate(
         self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
+
+
+class _ReduceScatter(_PlainBuffers, ReduceScatter):
+    """FSDP's default reduce-scatter, with `local_gradients` before it and `received` after."""
+
+    def __init__(self, layout: GroupLayout, sites: ShardSites):
+        self.layout, self.sites = layout, sites
 
     def __call__(
         self,
@@ -272,16 +276,11 @@ class _ReduceScatter(ReduceScatter):
         return work
 
 
-class _AllGather(AllGather):
+class _AllGather(_PlainBuffers, AllGather):
     """FSDP's default all-gather, with `gathered` on its output once it is complete."""
 
     def __init__(self, layout: GroupLayout, sites: ShardSites, group: FSDPParamGroup):
         self.layout, self.sites, self.group = layout, sites, group
-
-    def allocate(
-        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(
         self,

@@ -214,8 +214,8 @@ def _trained(
                 approved = bus.checkpoint_approved(step, model)
                 (approved,) = stop_point.reached(step, extra=approved)
                 if approved:
-                    save = _sharded_checkpoint if shards is not None else _checkpoint
-                    save(store / spec.trial_id, step, model, optimizer, info, log)
+                    folder = store / spec.trial_id
+                    _checkpoint(folder, step, model, optimizer, info, log, shards is not None)
             if step in spec.snapshots:
                 snapshot = snapshots.snapshot_path(store, spec.seed, step)
                 snapshots.save_snapshot(snapshot, model, optimizer, built, info)
@@ -282,27 +282,18 @@ def _checkpoint(
     optimizer: torch.optim.Optimizer,
     info: RankInfo,
     log: EventLog,
+    sharded: bool,
 ) -> None:
-    """Rank 0 writes, as in DDP practice: the replicas are meant to be identical."""
-    if info.rank != 0:
-        return
+    """Rank 0 writes a replica's state, as in DDP practice (the replicas are meant to be
+    identical); sharded, every rank writes its own shards, as sharded jobs do
+    (torch.distributed.checkpoint)."""
     path = checkpoint.step_path(folder, step)
-    state = {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict()}
-    checkpoint.save(path, state)
-    log.emit(Checkpoint(step=step, path=str(path)))
-
-
-def _sharded_checkpoint(
-    folder: Path,
-    step: int,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    info: RankInfo,
-    log: EventLog,
-) -> None:
-    """Every rank writes its own shards, as sharded jobs do (torch.distributed.checkpoint)."""
-    path = checkpoint.step_path(folder, step).with_suffix(".dcp")
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)
+    if sharded:
+        path = path.with_suffix(".dcp")
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)
+    elif info.rank == 0:
+        state = {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict()}
+        checkpoint.save(path, state)
     if info.rank == 0:
         log.emit(Checkpoint(step=step, path=str(path)))
