@@ -18,7 +18,7 @@ CASES = [
     (["topology.parallel=hsdp", "topology.shard_size=4"], "topology.shard_size", "allowed: 2"),
     (["topology.shard_size=2"], "topology.shard_size", "only hsdp reads it"),
     (["topology.parallel=fsdp", "detectors=[replay]"], "detectors.replay", "allowed: nan_inf"),
-    ([*FSDP, "recovery.enabled=true"], "recovery.enabled", "allowed under"),
+    ([*FSDP, "recovery.enabled=true"], "topology.spares", "allowed: 3 or more"),
     ([*FSDP, "fault=optimizer_scale"], "fault.site", "allowed: grad, allreduce, gather"),
     (
         ["topology.parallel=fsdp", "detectors=[weight_consensus]"],

@@ -149,3 +149,23 @@ def test_fast_forward_gives_the_rows_of_trials_trained_from_step_0(run_ok, tmp_p
     for row in tables.values():
         row[0].pop("start_step")
     assert tables["true"] == tables["false"]
+
+
+def test_recovery_under_hsdp_with_a_spare_ends_bit_identical_to_golden(run_ok, tmp_path):
+    """Rank 2's weight shard x1000 at step 2 under HSDP (3 nodes of 2 ranks, a shard group
+    each, one spare node): weight_consensus alarms, naming rank 2, the run rolls back to the
+    sharded checkpoint of step 1, the spare takes node 1's place, and the run ends where golden
+    does."""
+    weight = "{site:weight,model:scale,factor:1000.0,ranks:[2],steps:[2]}"
+    out = campaign(
+        run_ok, tmp_path, "recovery", "topology.parallel=hsdp", "topology.shard_size=2",
+        "topology.nodes=3", "topology.ranks_per_node=2", "topology.spares=1",
+        "recovery.enabled=true", "recovery.max_recoveries=1",
+        "detectors=[nan_inf,weight_consensus]", "detectors.weight_consensus.interval=1",
+        "checkpoint.interval=2", f"campaign.scenarios=[{weight}]",
+    )  # fmt: skip
+    (row,) = rows(out)
+    assert row["recovered"] == "True" and row["golden_match"] == "True", row
+    assert (row["restore_step"], row["quarantined_nodes"]) == ("1", "1"), row
+    # Consensus runs after the update; its alarm stops the next step, before its update.
+    assert row["recovery_verdict"] == "rollback+quarantine at step 3 to step 1 (node 1)", row

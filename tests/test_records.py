@@ -43,3 +43,26 @@ def test_checkpoint_round_trip_and_a_flipped_byte_is_caught(tmp_path):
     path.write_bytes(bytes(data))
     with pytest.raises(checkpoint.CorruptCheckpoint, match="checksum mismatch"):
         checkpoint.load(path)
+
+
+def test_a_sharded_checkpoint_verifies_only_whole_and_as_written(tmp_path):
+    """A torch.distributed.checkpoint folder: its listed checksums verify; a changed byte, a file
+    missing or added, or no list (a save cut short) does not; placed elsewhere it verifies too."""
+    folder = tmp_path / "store" / "step_000003.dcp"
+    folder.mkdir(parents=True)
+    for name in ("__0_0.distcp", "__1_0.distcp", ".metadata"):
+        (folder / name).write_bytes(name.encode() * 100)
+    assert not checkpoint.verify(folder)
+    checkpoint.seal_shards(folder)
+    assert checkpoint.verify(folder)
+    assert checkpoint.saved(folder.parent) == [(3, folder)]
+    copy = tmp_path / "elsewhere"
+    copy.mkdir()
+    checkpoint.place(folder, copy)
+    assert checkpoint.verify(copy / folder.name)
+    data = bytearray((folder / "__1_0.distcp").read_bytes())
+    data[7] ^= 0x01
+    (folder / "__1_0.distcp").write_bytes(bytes(data))
+    assert not checkpoint.verify(folder)
+    (copy / folder.name / "__2_0.distcp").write_bytes(b"x")
+    assert not checkpoint.verify(copy / folder.name)

@@ -11,7 +11,6 @@ false positives, which campaigns measure on clean trials, and those always run f
 
 from __future__ import annotations
 
-import os
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -77,16 +76,8 @@ def _inherit_checkpoints(store: Path, spec: TrialSpec, start: int) -> None:
     target = store / spec.trial_id
     target.mkdir(parents=True, exist_ok=True)
     for step, path in checkpoint.saved(store / golden_id(spec.seed)):
-        if step >= start:
-            continue
-        for source in (path, path.with_name(path.name + ".sha256")):
-            destination = target / source.name
-            if destination.exists():
-                continue
-            try:
-                os.link(source, destination)
-            except OSError:
-                shutil.copyfile(source, destination)
+        if step < start:
+            checkpoint.place(path, target)
 
 
 def drop_snapshots(store: Path, run: RunConfig) -> None:

@@ -123,17 +123,6 @@ def _write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _place(source: Path, destination: Path) -> None:
-    """`source` at `destination`, by a hard link where both share a file system."""
-    tmp = destination.with_name(f".{destination.name}.{os.getpid()}.tmp")
-    tmp.unlink(missing_ok=True)
-    try:
-        os.link(source, tmp)
-    except OSError:
-        shutil.copyfile(source, tmp)
-    os.replace(tmp, destination)
-
-
 @dataclass
 class GoldenStore:
     """The store at `root` as one campaign sees it: its goldens' entries, found and filled."""
@@ -201,8 +190,7 @@ class GoldenStore:
         target = store / spec.trial_id
         target.mkdir(parents=True, exist_ok=True)
         for name in files:
-            for source in (folder / name, folder / f"{name}.sha256"):
-                _place(source, target / source.name)
+            checkpoint.place(folder / name, target)
         return golden
 
     def put(self, spec: TrialSpec, golden: Golden, store: Path) -> None:
@@ -226,14 +214,14 @@ class GoldenStore:
             content = {"golden": plain, "inputs": inputs}
             _write(entry / "golden.json", json.dumps({**content, "sha256": _digest(content)}))
         source = store / spec.trial_id
-        written = sorted(p.name for p in source.glob("*.pt") if checkpoint.verify(p))
+        found = [*source.glob("*.pt"), *source.glob("*.dcp")]
+        written = sorted(p.name for p in found if checkpoint.verify(p))
         # A snapshot the run could not write (a full disk) is not held: its trials then need
         # the golden run again.
         saved = [step for step in spec.snapshots if self._files(store, spec, step) <= set(written)]
         held = self._manifest(folder) or {}
         for name in written:
-            for path in (source / name, source / f"{name}.sha256"):
-                _place(path, folder / path.name)
+            checkpoint.place(source / name, folder)
         manifest = {
             "inputs": self._state,
             "snapshots": sorted(set(held.get("snapshots", [])) | set(saved)),

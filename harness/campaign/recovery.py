@@ -121,8 +121,11 @@ def run_with_recovery(
         if stop is None:
             break
         segment = len(record.stops)
+        # Every alert of the segment stopped it: in act mode each stops the first stop point
+        # after it, which for a check that runs after the update (consensus) between two
+        # checkpoints is the next step's, not its own.
         alerts = [
-            a for a in merge_alerts([e for p in outcome.parts for e in p.events]) if a.step == stop
+            a for a in merge_alerts([e for p in outcome.parts for e in p.events]) if a.step <= stop
         ]
         extra_events += [replace(e, segment=segment) for p in outcome.parts for e in p.events]
         suspects = sorted({machines.node_of(r) for r in _suspect_ranks(outcome, alerts, stop)})
@@ -131,7 +134,9 @@ def run_with_recovery(
             record.verdict = _verdict(record.stops)
             break
         first = (
-            min(first_suspect_step(run, spec, a.detector, stop) for a in alerts) if alerts else stop
+            min(first_suspect_step(run, spec, a.detector, a.step) for a in alerts)
+            if alerts
+            else stop
         )
         restore, path = restore_point(store, first, extra_events)
         for node in suspects:

@@ -102,8 +102,16 @@ def _parallel(raw: dict[str, Any]) -> None:
 def _sharded_plan(
     topology: TopologyConfig, checks: dict[str, CheckConfig], recovery: RecoveryConfig
 ) -> None:
-    """The checks derived for the sharded step (`Detector.parallel`), and no recovery."""
+    """The checks derived for the sharded step (`Detector.parallel`), and a recovery that keeps
+    the world's size (its mesh): a spare for every recovery it may make."""
     parallel = topology.parallel
+    if recovery.enabled and topology.spares < recovery.max_recoveries:
+        raise ConfigError(
+            "topology.spares",
+            f"a sharded world keeps its size, so each of recovery.max_recoveries="
+            f"{recovery.max_recoveries} needs a spare node; allowed: {recovery.max_recoveries} "
+            "or more (or lower recovery.max_recoveries)",
+        )
     for name in checks:
         if parallel not in detectors.detector_class(name).parallel:
             allowed = [
@@ -114,12 +122,6 @@ def _sharded_plan(
                 f"does not apply under topology.parallel={parallel}; allowed: "
                 + ", ".join(allowed),
             )
-    if recovery.enabled:
-        raise ConfigError(
-            "recovery.enabled",
-            f"recovery restarts from a replica's checkpoint; allowed under "
-            f"topology.parallel={topology.parallel}: false",
-        )
 
 
 def _placed(topology: TopologyConfig, launcher: str) -> TopologyConfig:

@@ -1,14 +1,23 @@
-"""Checkpoints in the off-node store: written atomically with a checksum, verified on load."""
+"""Checkpoints in the off-node store: written atomically with a checksum, verified on load.
+
+A replica's checkpoint is one file (`step_N.pt`, rank 0 writes it, `step_N.pt.sha256` beside
+it); a sharded run's is a torch.distributed.checkpoint folder (`step_N.dcp`, every rank writes
+its shards) whose files' checksums rank 0 lists in it (`SHARDS`) once every rank has written: a
+folder whose list is missing or does not match (a save cut short, a file changed) does not
+verify."""
 
 from __future__ import annotations
 
 import hashlib
 import io
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
+
+SHARDS = "shards.sha256"
 
 
 class CorruptCheckpoint(RuntimeError):
@@ -23,7 +32,37 @@ def step_path(folder: Path, step: int) -> Path:
 
 def saved(folder: Path) -> list[tuple[int, Path]]:
     """The checkpoints in `folder` as (step, path), oldest first; set-aside ones excluded."""
-    return sorted((int(p.stem.removeprefix("step_")), p) for p in folder.glob("step_*.pt"))
+    found = [*folder.glob("step_*.pt"), *folder.glob("step_*.dcp")]
+    return sorted((int(p.stem.removeprefix("step_")), p) for p in found)
+
+
+def place(source: Path, folder: Path) -> None:
+    """The checkpoint `source` (with its checksum) in `folder` too, each file by a hard link
+    where both share a file system, put in place by rename: a reader never sees half of one."""
+    destination = folder / source.name
+    if source.is_dir():
+        if destination.exists():  # a folder is complete once renamed: this one already is
+            return
+        tmp = folder / f".{source.name}.{os.getpid()}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(source, tmp, copy_function=_link_or_copy)
+        try:
+            os.replace(tmp, destination)
+        except OSError:  # another writer put the same folder in place first
+            shutil.rmtree(tmp, ignore_errors=True)
+        return
+    for path in (source, source.with_name(source.name + ".sha256")):
+        tmp = folder / f".{path.name}.{os.getpid()}.tmp"
+        tmp.unlink(missing_ok=True)
+        _link_or_copy(path, tmp)
+        os.replace(tmp, folder / path.name)
+
+
+def _link_or_copy(source: Path | str, destination: Path | str) -> None:
+    try:
+        os.link(source, destination)
+    except OSError:
+        shutil.copyfile(source, destination)
 
 
 def _fsync_write(path: Path, data: bytes) -> None:
@@ -60,13 +99,38 @@ def _verified_bytes(path: Path) -> bytes:
     return data
 
 
+def seal_shards(folder: Path) -> None:
+    """Once every rank's part of a sharded checkpoint is written: the checksum of each file."""
+    sums = [
+        f"{hashlib.sha256(p.read_bytes()).hexdigest()}  {p.name}\n"
+        for p in sorted(folder.iterdir())
+        if p.name != SHARDS
+    ]
+    _fsync_write(folder / SHARDS, "".join(sums).encode())
+
+
 def verify(path: Path) -> bool:
-    """Whether the file matches the checksum written with it."""
+    """Whether the file, or every file of a sharded checkpoint, matches its checksum."""
     try:
+        if path.is_dir():
+            return _shards_verify(path)
         _verified_bytes(path)
     except (CorruptCheckpoint, OSError):
         return False
     return True
+
+
+def _shards_verify(folder: Path) -> bool:
+    listed = dict(line.split("  ", 1)[::-1] for line in (folder / SHARDS).read_text().splitlines())
+    present = {p.name for p in folder.iterdir()} - {SHARDS}
+    return (
+        bool(listed)
+        and present == set(listed)
+        and all(
+            hashlib.sha256((folder / name).read_bytes()).hexdigest() == digest
+            for name, digest in listed.items()
+        )
+    )
 
 
 def load(path: Path, device: str | torch.device = "cpu") -> dict[str, Any]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -83,6 +84,20 @@ def restore(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> 
         model_state_dict=state["model"],
         optim_state_dict=state["optimizer"],
         options=StateDictOptions(full_state_dict=True),
+    )
+
+
+def restore_shards(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
+    """Load a sharded checkpoint (torch.distributed.checkpoint): each rank reads its shards."""
+    for group in optimizer.param_groups:
+        # The loader reads only the settings a group already has: the schedule's base rate is
+        # a fresh optimizer's rate, as the recipe's first step sets it (Workload.prepare_update).
+        group.setdefault("initial_lr", group["lr"])
+    weights, moments = get_state_dict(model, optimizer)
+    state = {"model": weights, "optimizer": moments}
+    dcp.load(state, checkpoint_id=folder)
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
     )
 
 

@@ -173,8 +173,11 @@ def _trained(
     if spec.segment is not None:
         first = spec.segment.start_step
         if spec.segment.checkpoint:
-            saved = checkpoint.load(Path(spec.segment.checkpoint), device)
-            snapshots.restore(model, optimizer, saved)
+            path = Path(spec.segment.checkpoint)
+            if path.suffix == ".dcp":
+                snapshots.restore_shards(model, optimizer, path)
+            else:
+                snapshots.restore(model, optimizer, checkpoint.load(path, device))
             snapshots.load_checks(Path(spec.segment.checkpoint), built, info)
     state.keep_contributions = run.recovery.enabled and acting and spec.hook
     ddp = _replicated(model, state, spec.hook) if shards is None else model
@@ -292,6 +295,8 @@ def _checkpoint(
         path = path.with_suffix(".dcp")
         model_state, optimizer_state = get_state_dict(model, optimizer)
         dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)
+        if info.rank == 0:  # the save returns once every rank's shards and the metadata are written
+            checkpoint.seal_shards(path)
     elif info.rank == 0:
         state = {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict()}
         checkpoint.save(path, state)
