@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import io
 import json
 import os
 import shutil
@@ -97,6 +99,24 @@ def run_ok(monkeypatch, capsys):
         return subprocess.CompletedProcess(["sdc-bench", *args], code, out.out, out.err)
 
     return run
+
+
+def run_here(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """`run_ok` for a module-scoped fixture (which cannot take run_ok's function-scoped
+    monkeypatch and capsys): sdc-bench's entry point in this process, its output captured,
+    failing with it when it does not exit 0."""
+    stdout, stderr, code = io.StringIO(), io.StringIO(), 0
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(cwd)
+        patch.setattr(sys, "argv", ["sdc-bench", *args])
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            try:
+                cli.main()
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else 1
+    out, err = stdout.getvalue(), stderr.getvalue()
+    assert code == 0, out[-3000:] + err[-3000:]
+    return subprocess.CompletedProcess(["sdc-bench", *args], code, out, err)
 
 
 def compose_run(*overrides: str) -> RunConfig:

@@ -18,7 +18,7 @@ from harness.core.plugins import EventLog, PluginBus, RankInfo
 from harness.errors import ConfigError
 from harness.runtime.comm import HookState, comm_hook
 from injectors.injector import FaultInjector
-from tests.conftest import compose_run, events, rows, sdc_bench
+from tests.conftest import compose_run, events, rows, run_here, sdc_bench
 
 SITES = "[grad,allreduce,weight,optimizer,activation,loss]"
 ONE = "ranks:[1],steps:[3],grid:{site:" + SITES + "}"
@@ -263,12 +263,11 @@ def new_models(tmp_path_factory) -> tuple[dict[str, dict], dict[str, list[dict]]
     """(row, inject events, alerts) per scenario name of NEW_MODELS."""
     tmp = tmp_path_factory.mktemp("new_models")
     listed = ",".join("{" + s + "}" for s in NEW_MODELS.values())
-    proc = sdc_bench(
+    run_here(
         "workload.steps=8", "campaign.seeds=1", "campaign.noise_seeds=2",
         f"detectors={NEW_DETECTORS}", "detectors.weight_consensus.interval=1",
         f"campaign.scenarios=[{listed}]", f"out={tmp / 'run'}", cwd=tmp,
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = tmp / "run"
     table = dict(zip(NEW_MODELS, rows(out), strict=True))
     injected = _by_trial(out)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import events, rows, sdc_bench
+from tests.conftest import events, rows, run_here, sdc_bench
 
 CHECKS = [
     "detectors=[weight_consensus,megatron_hash,titan_replay,spiky_loss]",
@@ -26,11 +26,10 @@ SCENARIOS = {
 def peers(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("peers")
     listed = ",".join("{" + s + "}" for s in SCENARIOS.values())
-    proc = sdc_bench(
+    run_here(
         *CHECKS, "workload.steps=8", "campaign.seeds=1", "campaign.noise_seeds=2",
         f"campaign.scenarios=[{listed}]", f"out={tmp / 'run'}", cwd=tmp,
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     table = dict(zip(SCENARIOS, rows(tmp / "run"), strict=True))
     alerts = [e for e in events(tmp / "run") if e["kind"] == "alert"]
     return {
