@@ -2,7 +2,7 @@
 one torchrun agent per host, c10d rendezvous on the first host's address, and no
 GLOO_SOCKET_IFNAME: gloo finds each host's interface from its name, as on a real cluster.
 
-The campaign is 8 of aws_reference_3node's scenarios on 3 hosts x 2 ranks, at one seed (and the
+The campaign is 6 of aws_reference_3node's scenarios on 3 hosts x 2 ranks, at one seed (and the
 golden runs of the two reference seeds), cut to 13 steps: the faults strike at steps 10 and 12.
 """
 
@@ -16,16 +16,16 @@ from pathlib import Path
 import pytest
 
 from tests import namespaces
-from tests.conftest import BIN, rows, sdc_bench, without_timing
+from tests.conftest import BIN, rows, run_here, without_timing
 
-# aws_reference_3node's detectors and world, with 8 of its 33 scenarios: a fault caught on each
-# host's ranks (grad on rank 1, weight on rank 2), harmful and benign ones, both reduction scopes.
+# aws_reference_3node's detectors and world, with 6 of its 33 scenarios: a fault caught on each
+# host's ranks (grad on rank 1, weight on rank 2), harmful and benign ones, both reduction scopes
+# (the x1000 scalings of rank 1's gradient and rank 2's weights, on the same sites and ranks as
+# the NaNs kept, are left out).
 SCENARIOS = (
     "{site:none}",
     "{site:grad,model:scale,ranks:[1],factor:10.0,steps:[12]}",
-    "{site:grad,model:scale,ranks:[1],factor:1000.0,steps:[10]}",
     "{site:grad,model:value,ranks:[1],value:nan,steps:[12]}",
-    "{site:weight,model:scale,ranks:[2],factor:1000.0,steps:[10]}",
     "{site:weight,model:value,ranks:[2],value:nan,steps:[10]}",
     "{site:allreduce,model:scale,scope:reduction,ranks:[0],factor:1000.0,steps:[10]}",
     "{site:allreduce,model:value,scope:rank,ranks:[0],value:nan,steps:[12]}",
@@ -57,18 +57,18 @@ def hosts():
 
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory) -> list[dict[str, str]]:
-    """The same plan in the spawned 3 x 2 simulation, on loopback."""
+    """The same plan in the spawned 3 x 2 simulation, on loopback (in this process: the
+    reference rows, not the command, are what the torchrun runs are held to)."""
     cwd = tmp_path_factory.mktemp("spawned")
-    proc = sdc_bench(*PLAN, f"out={cwd / 'out'}", cwd=cwd)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_here(*PLAN, f"out={cwd / 'out'}", cwd=cwd)
     return without_timing(rows(cwd / "out"))
 
 
 def planned(cwd: Path, args: list[str], hosts: namespaces.Hosts) -> tuple[list[str], dict]:
     """Write the plan; return the command it prints, with the first host as the rendezvous,
-    and the environment it runs in (the printed pins, and no GLOO_SOCKET_IFNAME)."""
-    proc = sdc_bench(*args, "launcher=torchrun", f"out={cwd / 'out'}", cwd=cwd)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    and the environment it runs in (the printed pins, and no GLOO_SOCKET_IFNAME). Planned in
+    this process: what it prints is under test, not the command that prints it."""
+    proc = run_here(*args, "launcher=torchrun", f"out={cwd / 'out'}", cwd=cwd)
     words = proc.stdout.strip().splitlines()[-1].split()
     pins = dict(w.split("=", 1) for w in words if "=" in w and not w.startswith("-"))
     endpoint = f"{hosts.hosts[0].address}:{PORT}"
