@@ -79,32 +79,11 @@ def without_timing(table: list[dict[str, str]]) -> list[dict[str, str]]:
     return [{k: v for k, v in row.items() if k not in TIMING} for row in table]
 
 
-@pytest.fixture
-def run_ok(monkeypatch, capsys):
-    """Run sdc-bench's own entry point in this process and fail with its output when it does not
-    exit 0. The worker's imports and rank server serve every run: about 4 s less per campaign
-    than the installed command, which `sdc_bench` runs where the command itself is under test
-    (exit codes, its environment, signals, resource limits)."""
-
-    def run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-        monkeypatch.chdir(cwd)
-        monkeypatch.setattr(sys, "argv", ["sdc-bench", *args])
-        code = 0
-        try:
-            cli.main()
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else 1
-        out = capsys.readouterr()
-        assert code == 0, out.out[-3000:] + out.err[-3000:]
-        return subprocess.CompletedProcess(["sdc-bench", *args], code, out.out, out.err)
-
-    return run
-
-
 def run_here(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    """`run_ok` for a module-scoped fixture (which cannot take run_ok's function-scoped
-    monkeypatch and capsys): sdc-bench's entry point in this process, its output captured,
-    failing with it when it does not exit 0."""
+    """Run sdc-bench's own entry point in this process, in `cwd`, its output captured, and fail
+    with that output when it does not exit 0. The worker's imports and rank server serve every
+    run: about 4 s less per campaign than the installed command, which `sdc_bench` runs where the
+    command itself is under test (exit codes, its environment, signals, resource limits)."""
     stdout, stderr, code = io.StringIO(), io.StringIO(), 0
     with pytest.MonkeyPatch.context() as patch:
         patch.chdir(cwd)
@@ -117,6 +96,12 @@ def run_here(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     out, err = stdout.getvalue(), stderr.getvalue()
     assert code == 0, out[-3000:] + err[-3000:]
     return subprocess.CompletedProcess(["sdc-bench", *args], code, out, err)
+
+
+@pytest.fixture
+def run_ok():
+    """`run_here`, for the tests that take it as a fixture (module-scoped fixtures call it)."""
+    return run_here
 
 
 def compose_run(*overrides: str) -> RunConfig:
