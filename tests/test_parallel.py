@@ -17,6 +17,7 @@ import pytest
 
 from harness.analysis import report
 from harness.campaign.golden_store import golden_inputs
+from harness.runtime import checkpoint
 from tests.conftest import compose_run, events, rows, without_timing
 
 SCENARIOS = [
@@ -104,34 +105,6 @@ def test_the_report_sets_the_same_faults_side_by_side_under_each_parallelism(run
     assert lines[0].endswith("| not run |"), lines
 
 
-def test_a_wrong_weight_shard_on_one_hsdp_replica_is_caught_at_the_next_consensus(run_ok, tmp_path):
-    """HSDP over 3 nodes of 2 ranks, a shard group per node: rank 2's own shard of the weights
-    times 1000 at step 2; weight_consensus compares each shard with the same shard of the other
-    two replica groups and names rank 2 at step 2. The clean run raises no alert."""
-    weight = "{site:weight,model:scale,factor:1000.0,ranks:[2],steps:[2]}"
-    scenarios = f"campaign.scenarios=[{{site:none}},{weight}]"
-    out = campaign(
-        run_ok, tmp_path, "weights", "topology.parallel=hsdp", "topology.shard_size=2",
-        "topology.nodes=3", "topology.ranks_per_node=2", "detectors=[nan_inf,weight_consensus]",
-        "detectors.weight_consensus.interval=1", "checkpoint.interval=2", "checkpoint.keep=true",
-        scenarios,
-    )  # fmt: skip
-    clean, faulty = rows(out)
-    # A sharded checkpoint after each approved step: every rank's shards, in one DCP folder.
-    saved = [e for e in events(out) if e["kind"] == "checkpoint"]
-    assert [e["step"] for e in saved if e["trial_id"] == clean["trial_id"]] == [1, 3]
-    assert all((Path(e["path"]) / ".metadata").is_file() for e in saved)
-    assert clean["alerts"] == "0" and clean["golden_match"] == "True"
-    assert faulty["fired"] == "True" and faulty["first_detector"] == "weight_consensus"
-    assert (faulty["detect_step"], faulty["suspect_ranks"]) == ("2", "2"), faulty
-    alerts = [
-        e for e in events(out) if e["kind"] == "alert" and e["detector"] == "weight_consensus"
-    ]
-    assert {tuple(a["suspect_ranks"]) for a in alerts} == {(2,)}
-    # Each rank's digest is its replica group's weights: rank 2's group diverged.
-    assert faulty["divergent_ranks"] == "2;3", faulty
-
-
 # HSDP's in the slow set: the same snapshot and restore, over a 2-D mesh.
 @pytest.mark.parametrize("parallel", ["fsdp", pytest.param("hsdp", marks=pytest.mark.slow)])
 def test_fast_forward_gives_the_rows_of_trials_trained_from_step_0(run_ok, tmp_path, parallel):
@@ -151,21 +124,32 @@ def test_fast_forward_gives_the_rows_of_trials_trained_from_step_0(run_ok, tmp_p
     assert tables["true"] == tables["false"]
 
 
-def test_recovery_under_hsdp_with_a_spare_ends_bit_identical_to_golden(run_ok, tmp_path):
-    """Rank 2's weight shard x1000 at step 2 under HSDP (3 nodes of 2 ranks, a shard group
-    each, one spare node): weight_consensus alarms, naming rank 2, the run rolls back to the
-    sharded checkpoint of step 1, the spare takes node 1's place, and the run ends where golden
-    does."""
+def test_a_wrong_weight_shard_on_one_hsdp_replica_is_caught_and_recovered_from(run_ok, tmp_path):
+    """HSDP over 3 nodes of 2 ranks (a shard group per node) and one spare node: rank 2's own
+    weight shard x1000 at step 2. weight_consensus compares each shard with the same shard of the
+    other two replica groups and names rank 2 at step 2; the run rolls back to the sharded
+    checkpoint of step 1, the spare takes node 1's place, and the run ends where golden does.
+    The clean trial raises no alert and checkpoints after every approved step."""
     weight = "{site:weight,model:scale,factor:1000.0,ranks:[2],steps:[2]}"
     out = campaign(
         run_ok, tmp_path, "recovery", "topology.parallel=hsdp", "topology.shard_size=2",
         "topology.nodes=3", "topology.ranks_per_node=2", "topology.spares=1",
         "recovery.enabled=true", "recovery.max_recoveries=1",
         "detectors=[nan_inf,weight_consensus]", "detectors.weight_consensus.interval=1",
-        "checkpoint.interval=2", f"campaign.scenarios=[{weight}]",
+        "checkpoint.interval=2", "checkpoint.keep=true",
+        f"campaign.scenarios=[{{site:none}},{weight}]",
     )  # fmt: skip
-    (row,) = rows(out)
+    clean, row = rows(out)
+    assert clean["alerts"] == "0" and clean["golden_match"] == "True", clean
+    alerts = [e for e in events(out) if e["kind"] == "alert"]
+    assert {(a["detector"], a["step"], tuple(a["suspect_ranks"])) for a in alerts} == {
+        ("weight_consensus", 2, (2,))
+    }
     assert row["recovered"] == "True" and row["golden_match"] == "True", row
     assert (row["restore_step"], row["quarantined_nodes"]) == ("1", "1"), row
     # Consensus runs after the update; its alarm stops the next step, before its update.
     assert row["recovery_verdict"] == "rollback+quarantine at step 3 to step 1 (node 1)", row
+    # A sharded checkpoint after each approved step: every rank's shards, in one sealed folder.
+    saved = [e for e in events(out) if e["kind"] == "checkpoint"]
+    assert [e["step"] for e in saved if e["trial_id"] == clean["trial_id"]] == [1, 3]
+    assert all(checkpoint.verify(Path(e["path"])) for e in saved)
