@@ -178,7 +178,7 @@ def _trained(
                 snapshots.restore_shards(model, optimizer, path)
             else:
                 snapshots.restore(model, optimizer, checkpoint.load(path, device))
-            snapshots.load_checks(Path(spec.segment.checkpoint), built, info)
+            snapshots.load_checks(path, built, info)
     state.keep_contributions = run.recovery.enabled and acting and spec.hook
     ddp = _replicated(model, state, spec.hook) if shards is None else model
     result = RankResult(spec.trial_id, info.rank, log.events)
@@ -238,7 +238,7 @@ def _trained(
     result.weights_finite = all(bool(torch.isfinite(_local(p)).all()) for p in model.parameters())
     if shards is not None:
         # A rank's own shards are all it holds; any rank's non-finite one makes the weights so.
-        finite = torch.tensor([float(result.weights_finite)])
+        finite = torch.tensor([float(result.weights_finite)], device=device)
         dist.all_reduce(finite, op=dist.ReduceOp.MIN)
         result.weights_finite = bool(finite.item())
     # This rank's optimizer state: under sharding, its own shard of it.
