@@ -25,10 +25,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from detectors.fingerprint import fingerprint_words
 from harness.core.checks import CheckConfig
+from harness.core.dtensors import is_dtensor, local
 from harness.core.plugins import Detector, DetectorContext, EventLog
 from harness.core.values import flag, integer
 from harness.errors import ConfigError
@@ -90,14 +90,14 @@ class WeightConsensus(Detector):
             names = {p: n for n, p in named}
             for p, state in self.optimizer.state.items():
                 named += [(f"{names[p]}.{k}", state[k]) for k in ("exp_avg", "exp_avg_sq")]
-        return [(n, t.to_local() if isinstance(t, DTensor) else t) for n, t in named]
+        return [(n, local(t)) for n, t in named]
 
     def _places(self, model: nn.Module) -> list[int]:
         """Each world rank's place in its shard group: ranks at the same place hold the same
         shards (harness/runtime/sharding.py's mesh: shard groups of consecutive ranks); every
         rank is at place 0 of a replicated world."""
         p = next(model.parameters())
-        size = p.device_mesh["shard"].size() if isinstance(p, DTensor) else 1
+        size = p.device_mesh["shard"].size() if is_dtensor(p) else 1
         return [r % size for r in range(self.info.world_size)]
 
     def _consensus(self, step: int, model: nn.Module) -> torch.Tensor:

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
+from harness.core.dtensors import is_dtensor
 from harness.core.matmuls import ForwardModules
 from harness.core.plugins import matches
 
@@ -50,7 +50,7 @@ def targets(
         ]
     if site == "loss":
         return [("loss", 1)]
-    if site in ("allreduce", "weight") and any(isinstance(p, DTensor) for _, p in params):
+    if site in ("allreduce", "weight") and any(is_dtensor(p) for _, p in params):
         # Sharded: the reduced shard a rank receives, and the weights it updates, are its own
         # chunk of each parameter, whose size shows when it is at hand.
         return [(n, None) for n, _ in params]

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
+from harness.core.dtensors import local
 from harness.core.events import ContributionInject
 from harness.core.matmuls import MatmulCall
 from harness.core.plugins import Bucket, Plugin, matches
@@ -241,14 +241,8 @@ class Weights(Site):
     """weight: the parameters right after the optimizer step."""
 
     def on_update(self, step: int, model: nn.Module) -> None:
-        # A sharded parameter: this rank's own shard (its storage, not a copy).
-        self.injector.inject(
-            step,
-            [
-                (n, p.to_local() if isinstance(p, DTensor) else p.data)
-                for n, p in model.named_parameters()
-            ],
-        )
+        # A sharded parameter: this rank's own shard.
+        self.injector.inject(step, [(n, local(p.data)) for n, p in model.named_parameters()])
 
 
 BY_SITE: dict[str, type[Site]] = {

@@ -11,16 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_state_dict,
-    set_state_dict,
-)
-from torch.distributed.tensor import DTensor
 
 from harness.config.schema import golden_id
+from harness.core.dtensors import is_dtensor
 from harness.core.plugins import Detector, RankInfo
 from harness.runtime import checkpoint
 
@@ -54,13 +48,15 @@ def save_snapshot(
 
 
 def _sharded(model: nn.Module) -> bool:
-    return any(isinstance(p, DTensor) for p in model.parameters())
+    return any(is_dtensor(p) for p in model.parameters())
 
 
 def _training_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """The weights and optimizer state, whole (for rank 0, under sharding)."""
     if not _sharded(model):
         return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     weights, moments = get_state_dict(model, optimizer, options=options)
     return {"model": weights, "optimizer": moments}
@@ -72,6 +68,8 @@ def restore(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> 
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
     # torch's loader maps only the settings a group already has; a schedule's base rate
     # (`initial_lr`, set at the first step) is not there yet in a run that starts mid-way.
     for group, saved in zip(
@@ -89,6 +87,9 @@ def restore(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> 
 
 def restore_shards(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
     """Load a sharded checkpoint (torch.distributed.checkpoint): each rank reads its shards."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
     for group in optimizer.param_groups:
         # The loader reads only the settings a group already has: the schedule's base rate is
         # a fresh optimizer's rate, as the recipe's first step sets it (Workload.prepare_update).

@@ -18,25 +18,26 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from harness.config.schema import RunConfig, TrialSpec
+from harness.core.dtensors import local, whole
 from harness.core.events import Checkpoint, HostReads, Retry, Stop
 from harness.core.plugins import DetectorContext, EventLog, PluginBus, RankInfo
 from harness.results.schema import RankResult
-from harness.runtime import checkpoint, devices, numerics, sharding, snapshots
+from harness.runtime import checkpoint, devices, numerics, snapshots
 from harness.runtime.assembly import assemble
 from harness.runtime.comm import HookState, harness_ddp, retry_reduction
 from harness.runtime.locate import faulty_node_ranks
-from harness.runtime.shard_sites import ShardedBuckets
 from harness.runtime.workloads import Workload
+
+if TYPE_CHECKING:
+    from harness.runtime.shard_sites import ShardedBuckets
 
 
 def weights_digest(model: nn.Module) -> str:
@@ -46,17 +47,8 @@ def weights_digest(model: nn.Module) -> str:
     h = hashlib.sha256()
     for name, p in model.named_parameters():
         h.update(name.encode())
-        whole = _whole(p.detach())
-        h.update(whole.contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes())
+        h.update(whole(p.detach()).contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes())
     return h.hexdigest()
-
-
-def _whole(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class TrialStopped(Exception):
@@ -235,7 +227,7 @@ def _trained(
         log.emit(HostReads(most_in_a_step=max(result.host_reads), total=bus.host_reads))
 
     result.weights_digest = weights_digest(model)
-    result.weights_finite = all(bool(torch.isfinite(_local(p)).all()) for p in model.parameters())
+    result.weights_finite = all(bool(torch.isfinite(local(p)).all()) for p in model.parameters())
     if shards is not None:
         # A rank's own shards are all it holds; any rank's non-finite one makes the weights so.
         finite = torch.tensor([float(result.weights_finite)], device=device)
@@ -243,7 +235,7 @@ def _trained(
         result.weights_finite = bool(finite.item())
     # This rank's optimizer state: under sharding, its own shard of it.
     result.optimizer_nonfinite = sum(
-        int((~torch.isfinite(_local(t))).sum())
+        int((~torch.isfinite(local(t))).sum())
         for state in optimizer.state.values()
         for t in state.values()
         if torch.is_tensor(t) and t.is_floating_point()
@@ -252,9 +244,14 @@ def _trained(
     return result
 
 
-def _sharded(model: nn.Module, run: RunConfig, info: RankInfo, sites: bool) -> ShardedBuckets:
+def _sharded(model: nn.Module, run: RunConfig, info: RankInfo, sites: bool) -> "ShardedBuckets":
     """`model` sharded in place as `topology.parallel` says; with `sites` (every run but the
     plain-FSDP overhead baseline) the harness's sites on its collectives."""
+    # Here, not at the top: FSDP2 and torch.distributed.checkpoint add 0.7 s to the import of
+    # every command and rank process, and a replicated run needs neither.
+    from harness.runtime import sharding
+    from harness.runtime.shard_sites import ShardedBuckets
+
     topology = run.topology
     mesh = sharding.mesh(
         topology.parallel, info.world_size, topology.shard_size or 0, torch.device(info.device).type
@@ -292,6 +289,9 @@ def _checkpoint(
     (torch.distributed.checkpoint)."""
     path = checkpoint.step_path(folder, step)
     if sharded:
+        import torch.distributed.checkpoint as dcp  # sharded runs only: see `_sharded`
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
         path = path.with_suffix(".dcp")
         model_state, optimizer_state = get_state_dict(model, optimizer)
         dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)
