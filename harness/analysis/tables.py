@@ -296,15 +296,12 @@ def recovery(df: pd.DataFrame) -> str:
     return "## Recovery\n\n" + head + "\n\n" + markdown_table(rows)
 
 
-PARALLEL_ORDER = ("ddp", "fsdp", "hsdp")
-
-
 def by_parallel(df: pd.DataFrame) -> list[dict[str, object]]:
     """Each detector's catch rate per fault (site, model, dtype) under each parallelism the
     trials ran with, side by side: what a check loses when the model is sharded. Empty unless
     the trials span more than one (a table written before sharding existed reads as ddp)."""
     parallel = df["parallel"].replace("", "ddp")
-    modes = [m for m in PARALLEL_ORDER if m in set(parallel)]
+    modes = sorted(set(parallel))  # ddp, fsdp, hsdp: replicas first, as the names sort
     if len(modes) < 2:
         return []
     fired = df.assign(parallel=parallel)[df["fired"] == True]  # noqa: E712 (booleans)
