@@ -102,7 +102,7 @@ Z = 6.0
 WEIGHT_RMS = 7 / 3
 
 
-def step_weights(step: int, index: int, numel: int) -> tuple[torch.Tensor, ...]:
+def step_weights(step: int, index: int | str, numel: int) -> tuple[torch.Tensor, ...]:
     """(u, v, z): block weights, weights across blocks and the remainder's weights for one
     chunk at one step, the same on every rank (a seed from the step and the chunk index
     alone)."""
@@ -199,6 +199,8 @@ def tolerance(
 class AllreduceSketch(Detector):
     name = "allreduce_sketch"
     verifies_reduction = True
+    # Per receiver: a reduce-scattered shard is the sum of the senders' rows for it.
+    parallel = ("ddp", "fsdp", "hsdp")
 
     @dataclass(frozen=True)
     class Config(CheckConfig):
@@ -217,15 +219,18 @@ class AllreduceSketch(Detector):
 
     def rider(self, step: int, bucket: Bucket) -> torch.Tensor:
         world, rank = self.info.world_size, self.info.rank
-        weights = step_weights(step, bucket.index, bucket.buffer.numel())
-        # Projection and norm are linear in the buffer: scaling them is scaling what is summed.
-        projection, norm = rider_of(bucket.buffer, weights) * bucket.contribution
-        slot = torch.zeros(2 * world + 1, device=bucket.buffer.device)
-        slot[0] = norm
-        slot[1 + rank] = step + 1
-        slot[1 + world + rank] = projection
-        self.sent[bucket.index] = (weights, slot[1 + world + rank].clone())
-        return slot
+        rows = bucket.buffer.view(bucket.shards, -1)
+        slot = torch.zeros(bucket.shards, 2 * world + 1, device=bucket.buffer.device)
+        for row in range(bucket.shards):
+            weights = step_weights(step, _chunk(bucket, row), rows.shape[1])
+            # Projection and norm are linear in the buffer: scaling them scales what is summed.
+            projection, norm = rider_of(rows[row], weights) * bucket.contribution
+            slot[row, 0] = norm
+            slot[row, 1 + rank] = step + 1
+            slot[row, 1 + world + rank] = projection
+            if row == bucket.shard:
+                self.sent[bucket.index] = (weights, slot[row, 1 + world + rank].clone())
+        return slot.view(-1)
 
     def on_reduced_grad(self, step: int, bucket: Bucket) -> None:
         world, rank = self.info.world_size, self.info.rank
@@ -273,6 +278,12 @@ class AllreduceSketch(Detector):
             verified = ~(wrong.any() | changed)  # what the bound applies to
             self.defer(step, "post_allreduce", verified, sensitivity, torch.stack([bound, norm]),
                        alarm=False)  # fmt: skip
+
+
+def _chunk(bucket: Bucket, row: int) -> int | str:
+    """What one receiver's chunk is named by in the weights' seed: the DDP chunk's index, or
+    under sharding the group's index and the receiver's row."""
+    return bucket.index if bucket.shards == 1 else f"{bucket.index}.{row}"
 
 
 def _tag_verdict(tag: float, step: int) -> str:

@@ -308,11 +308,16 @@ def _checks(
             f"detectors: '{recomputing[0]}' needs Guard(..., replay_fn=fn), fn(model, batch) -> "
             "loss, and guard.audit_batch(batch) every step"
         )
+    replicated = [n for n in registry.available() if "ddp" in registry.detector_class(n).parallel]
+    sharded = [n for n in params if n not in replicated]
+    if sharded:
+        raise ValueError(
+            f"detectors: '{sharded[0]}' checks sharded training's collectives, which a DDP loop "
+            f"does not run; allowed: {', '.join(replicated)}"
+        )
     verifying = [n for n in params if registry.detector_class(n).verifies_reduction]
     if verifying and comm_hook is not None and not _linear(comm_hook):
-        others = [
-            n for n in registry.available() if not registry.detector_class(n).verifies_reduction
-        ]
+        others = [n for n in replicated if not registry.detector_class(n).verifies_reduction]
         raise ValueError(
             f"detectors: '{verifying[0]}' cannot verify the comm hook "
             f"{getattr(comm_hook[1], '__name__', comm_hook[1])}: it checks a reduction that sums "

@@ -153,13 +153,24 @@ class Reduced(Buckets):
         self.first = FirstReduction(self.fault.persistence)
 
     def on_reduced_grad(self, step: int, bucket: Bucket) -> None:
-        if not self.first(step, bucket.index):
+        if not self.first(step, bucket.index) or not self._receives(bucket):
             return
         if self.fault.tensor == sites.RIDERS:
             if bucket.rider_region is not None:
                 self.injector.inject(step, [(sites.RIDERS, bucket.rider_region)])
             return
         self.inject_bucket(step, bucket)
+
+    def _receives(self, bucket: Bucket) -> bool:
+        """Under sharding a reduction delivers each shard to its own receivers: a wrong one
+        (scope `reduction`) reaches the rank in `fault.ranks` and, under HSDP, the rank at the
+        same place in every other replica group (shard groups are consecutive ranks)."""
+        if self.fault.scope != "reduction" or bucket.shards == 1:
+            return True
+        hardware = self.injector.hardware
+        if self.fault.ranks[0] not in hardware:  # the broken node was quarantined
+            return False
+        return hardware.index(self.fault.ranks[0]) % bucket.shards == bucket.shard
 
 
 class Gathered(Buckets):

@@ -19,9 +19,10 @@ from tests.conftest import compose_run, rows, sdc_bench, without_timing
 
 CAMPAIGNS = sorted(p.stem for p in Path(CONFIG_DIR, "campaign").glob("*.yaml"))
 # The peers' methods run in `peers` (and megatron_hash in `blind_spots`); the other
-# standard campaigns run every detector of ours.
+# standard campaigns, all replicated, run every detector of ours that applies to DDP.
 PEERS = {"megatron_hash", "titan_replay", "spiky_loss"}
-EVERY_DETECTOR = set(detectors.available()) - PEERS
+REPLICATED = {n for n in detectors.available() if "ddp" in detectors.detector_class(n).parallel}
+EVERY_DETECTOR = REPLICATED - PEERS
 PUBLISHED = {"nan_inf", "replay", "weight_consensus"}
 INTERVALS = (1, 2, 5, 10, 20, 50)
 BASELINE = Path(CONFIG_DIR).parent / "results" / "baseline"
@@ -92,7 +93,7 @@ def test_blind_spots_cover_site_model_persistence_and_scope_against_every_detect
 
 def test_peers_runs_ours_and_theirs_on_the_published_faults_and_the_new_models():
     run = compose_run("campaign=peers")
-    assert set(run.detectors) == set(detectors.available())
+    assert set(run.detectors) == REPLICATED
     assert {f.model for f in run.scenarios} >= {"swap", "burst", "drop", "duplicate", "stale"}
     assert {f.site for f in run.scenarios} >= {"grad", "weight", "allreduce", "matmul"}
     assert keys(run) >= keys(compose_run("campaign=aws_reference"))

@@ -17,20 +17,34 @@ CASES = [
     (["topology.parallel=hsdp", "topology.shard_size=3"], "topology.shard_size", "allowed: 2"),
     (["topology.parallel=hsdp", "topology.shard_size=4"], "topology.shard_size", "allowed: 2"),
     (["topology.shard_size=2"], "topology.shard_size", "only hsdp reads it"),
-    (["topology.parallel=fsdp", "detectors=[replay]"], "detectors.replay", "allowed: nan_inf"),
+    (
+        ["topology.parallel=fsdp", "detectors=[replay]"],
+        "detectors.replay",
+        "allowed: allreduce_sketch, gather_consensus, nan_inf",
+    ),
     ([*FSDP, "recovery.enabled=true"], "topology.spares", "allowed: 3 or more"),
     ([*FSDP, "fault=optimizer_scale"], "fault.site", "allowed: grad, allreduce, gather"),
     (
         ["topology.parallel=fsdp", "detectors=[weight_consensus]"],
         "detectors.weight_consensus",
-        "allowed: nan_inf",
+        "allowed: allreduce_sketch, gather_consensus, nan_inf",
     ),
     (
         ["topology.parallel=hsdp", "topology.shard_size=2", "detectors=[weight_consensus]"],
         "topology.shard_size",
         "at least 3 replica groups",
     ),
-    ([*FSDP, "fault=allreduce_reduction"], "fault.scope", "allowed: rank"),
+    (["detectors=[gather_consensus]"], "detectors.gather_consensus", "allowed: allreduce_sketch"),
+    (
+        [
+            "topology.parallel=fsdp",
+            "topology.nodes=1",
+            "topology.ranks_per_node=2",
+            "detectors=[gather_consensus]",
+        ],
+        "topology",
+        "at least 3 ranks",
+    ),  # fmt: skip
     (
         [*FSDP, "fault=allreduce_rank", "fault.model=drop"],
         "fault.model",
@@ -104,7 +118,7 @@ CASES = [
     (
         ["detectors=[nan_inf,oracle]"],
         "detectors",
-        "allowed: allreduce_sketch, grad_stats, matmul_checksum, meg",
+        "allowed: allreduce_sketch, gather_consensus, grad_stats, mat",
     ),
     (["topology.nodes=0"], "topology.nodes", "1..inf"),
     (["topology.cpu_kernels=avx3"], "topology.cpu_kernels", "avx2, avx512, default, native"),

@@ -93,6 +93,11 @@ def test_the_sketch_refuses_a_hook_it_cannot_verify_and_names_the_alternatives(o
     )
 
 
+def test_a_check_of_sharded_collectives_is_refused_in_a_ddp_loop(one_rank):
+    with pytest.raises(ValueError, match="'gather_consensus' checks sharded training's"):
+        Guard(one_rank, ["gather_consensus"])
+
+
 def test_replay_in_a_guard_needs_the_users_loss_function(one_rank):
     with pytest.raises(ValueError, match="replay_fn"):
         Guard(one_rank, ["replay"])

@@ -2,11 +2,13 @@
 own collectives with the harness's sites on them (harness/runtime/shard_sites.py).
 
 On gpt (1.7 MB of gradients), in float32 under FSDP and bfloat16 under HSDP (2 replica groups of
-2): a clean run with nan_inf (every step) raises no alert and matches its golden run; a NaN in
-one rank's local gradients, in the shard one rank receives, and in the parameters one rank
-gathers for its forward are each caught in their step, naming the rank where the check can tell
-(docs/design.md, section 3). That the sites and checks change no bit of a clean run against
-plain fully_shard is tests/test_sharding.py's."""
+2), with every check that applies at every step: a clean run raises no alert and matches its
+golden run; a NaN in one rank's local gradients, a x1000 on one element of the shard one rank
+receives (scope rank) or of a reduction (scope reduction), and a x1000 in the parameters one
+rank gathers for its forward are each caught in their step, naming the rank (docs/design.md,
+section 3). HSDP over 3 replica groups: a wrong weight shard is caught by consensus and
+recovered from, in float32 and bfloat16. That the sites and checks change no bit of a clean run
+against plain fully_shard is tests/test_sharding.py's."""
 
 from __future__ import annotations
 
@@ -17,23 +19,37 @@ import pytest
 
 from harness.analysis import report
 from harness.campaign.golden_store import golden_inputs
+from harness.core.phases import PHASE_ORDER
 from harness.runtime import checkpoint
 from tests.conftest import compose_run, events, rows, without_timing
 
 SCENARIOS = [
     "{site:none}",
     "{site:grad,model:value,value:nan,ranks:[1],steps:[2]}",
-    "{site:allreduce,model:value,value:nan,ranks:[2],steps:[3]}",
-    "{site:gather,model:value,value:nan,ranks:[3],steps:[2]}",
+    "{site:allreduce,model:scale,factor:1000.0,ranks:[2],steps:[3]}",
+    "{site:allreduce,scope:reduction,model:scale,factor:1000.0,ranks:[1],steps:[2]}",
+    "{site:gather,model:scale,factor:1000.0,ranks:[3],steps:[2]}",
 ]
-# (rank, detect step, phase, suspects) of each fault's first alert.
-CAUGHT = [
-    None,
-    (1, 2, "pre_allreduce", "1"),
-    (2, 3, "post_allreduce", ""),
-    # The gathered NaN reaches rank 3's loss, so its own local gradients.
-    (3, 2, "pre_allreduce", "3"),
-]
+DETECTORS = "detectors=[nan_inf,allreduce_sketch,gather_consensus]"
+# (detector, step, phase, suspects) of each fault's first alert, per parallelism: the receiver of
+# the wrong shard (under HSDP, the wrong reduction reaches rank 1's twin in the other replica
+# group too), the rank whose gathered copy differs from the others'.
+CAUGHT = {
+    "fsdp": [
+        None,
+        ("nan_inf", 2, "pre_allreduce", "1"),
+        ("allreduce_sketch", 3, "post_allreduce", "2"),
+        ("allreduce_sketch", 2, "post_allreduce", "1"),
+        ("gather_consensus", 2, "forward", "3"),
+    ],
+    "hsdp": [
+        None,
+        ("nan_inf", 2, "pre_allreduce", "1"),
+        ("allreduce_sketch", 3, "post_allreduce", "2"),
+        ("allreduce_sketch", 2, "post_allreduce", "1;3"),
+        ("gather_consensus", 2, "forward", "3"),
+    ],
+}
 
 
 def campaign(run_ok, tmp_path, name, *overrides):
@@ -54,21 +70,25 @@ def campaign(run_ok, tmp_path, name, *overrides):
     ids=["fsdp-float32", "hsdp-bfloat16"],
 )
 def test_faults_at_each_collective_site_are_caught_in_their_step(run_ok, tmp_path, parallel):
+    """Every check that applies at 4 ranks, each at every step: the clean trial raises no alert
+    and matches its golden run; each fault is caught in its step, first by the check derived
+    for its site, naming its rank."""
     scenarios = f"campaign.scenarios=[{','.join(SCENARIOS)}]"
-    out = campaign(run_ok, tmp_path, "faults", *parallel, scenarios, "detectors=[nan_inf]")
+    out = campaign(run_ok, tmp_path, "faults", *parallel, scenarios, DETECTORS)
     table = rows(out)
     assert len(table) == len(SCENARIOS)
     alerts = [e for e in events(out) if e["kind"] == "alert"]
-    for row, caught in zip(table, CAUGHT, strict=True):
+    mode = parallel[0].split("=")[1]
+    for row, caught in zip(table, CAUGHT[mode], strict=True):
         mine = [a for a in alerts if a["trial_id"] == row["trial_id"]]
         if caught is None:
-            assert row["effect"] == "none" and not mine
+            assert row["effect"] == "none" and not mine and row["golden_match"] == "True", row
             continue
-        rank, step, phase, suspects = caught
+        detector, step, phase, suspects = caught
         assert row["fired"] == "True" and row["detected"] == "True", row
         assert (row["detect_step"], row["suspect_ranks"]) == (str(step), suspects), row
-        first = min(mine, key=lambda a: (a["step"], a["phase"] != "pre_allreduce"))
-        assert (first["rank"], first["step"], first["phase"]) == (rank, step, phase)
+        first = min(mine, key=lambda a: (a["step"], PHASE_ORDER[a["phase"]]))
+        assert (first["detector"], first["step"], first["phase"]) == (detector, step, phase)
 
 
 def test_a_sharded_golden_is_never_a_replicated_ones():
@@ -124,7 +144,10 @@ def test_fast_forward_gives_the_rows_of_trials_trained_from_step_0(run_ok, tmp_p
     assert tables["true"] == tables["false"]
 
 
-def test_a_wrong_weight_shard_on_one_hsdp_replica_is_caught_and_recovered_from(run_ok, tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_wrong_weight_shard_on_one_hsdp_replica_is_caught_and_recovered_from(
+    run_ok, tmp_path, dtype
+):
     """HSDP over 3 nodes of 2 ranks (a shard group per node) and one spare node: rank 2's own
     weight shard x1000 at step 2. weight_consensus compares each shard with the same shard of the
     other two replica groups and names rank 2 at step 2; the run rolls back to the sharded
@@ -136,7 +159,7 @@ def test_a_wrong_weight_shard_on_one_hsdp_replica_is_caught_and_recovered_from(r
         "topology.nodes=3", "topology.ranks_per_node=2", "topology.spares=1",
         "recovery.enabled=true", "recovery.max_recoveries=1",
         "detectors=[nan_inf,weight_consensus]", "detectors.weight_consensus.interval=1",
-        "checkpoint.interval=2", "checkpoint.keep=true",
+        "checkpoint.interval=2", "checkpoint.keep=true", f"workload.dtype={dtype}",
         f"campaign.scenarios=[{{site:none}},{weight}]",
     )  # fmt: skip
     clean, row = rows(out)

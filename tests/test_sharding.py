@@ -19,9 +19,11 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+from detectors.allreduce_sketch import AllreduceSketch
+from detectors.gather_consensus import GatherConsensus
 from detectors.nan_inf import NanInf
 from harness.config.schema import WorkloadConfig
-from harness.core.events import Alert
+from harness.core.events import Alert, Sensitivity
 from harness.core.plugins import DetectorContext, EventLog, PluginBus, RankInfo
 from harness.runtime.shard_sites import ShardedBuckets
 from harness.runtime.sharding import GroupLayout, ShardSites, blocks, mesh, shard
@@ -73,9 +75,11 @@ def _train(
     steps: range,
     save: Path | None = None,
     load: Path | None = None,
+    buckets: ShardedBuckets | None = None,
 ) -> torch.nn.Module:
     """AdamW steps on every rank's own micro-batch; a DCP save of model and optimizer after
-    step RESTART - 1 when `save`, a start from one when `load`."""
+    step RESTART - 1 when `save`, a start from one when `load`; `buckets` told each step, as
+    the trainer tells them."""
     model = _model(workload, device_mesh, sites)
     optimizer = workload.build_optimizer(model)
     if load is not None:
@@ -85,6 +89,8 @@ def _train(
             model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
         )
     for step in steps:
+        if buckets is not None:
+            buckets.step = step
         optimizer.zero_grad(set_to_none=True)
         workload.loss(model, workload.batch(step, dist.get_rank(), 0)).backward()
         workload.prepare_update(model, optimizer, step)
@@ -94,23 +100,25 @@ def _train(
     return model
 
 
-def _checked(workload: Workload, parallel: str) -> tuple[ShardSites, PluginBus, EventLog]:
+def _checked(workload: Workload, parallel: str) -> tuple[ShardedBuckets, PluginBus, EventLog]:
     """The campaigns' sites (harness/runtime/shard_sites.py), as the trainer installs them,
-    with nan_inf on the bus: every bucket copied out, checked and written back."""
+    with every check that applies at a world of 2 replica groups on the bus, each looking at
+    every step: every bucket copied out, checked and written back, the riders summed."""
     info = RankInfo(dist.get_rank(), WORLD, 1)
     log = EventLog(info.rank, info.rank)
-    data = tuple((r,) for r in range(WORLD))
-    check = NanInf(NanInf.Config(), DetectorContext(info, None, workload, STEPS, data), log)
-    bus = PluginBus([check], log.verdicts)
-    buckets = ShardedBuckets(len(blocks(workload.build_model())) + 1, hsdp=parallel == "hsdp")
+    ctx = DetectorContext(info, None, workload, STEPS, tuple((r,) for r in range(WORLD)))
+    checks = [kind(kind.Config(), ctx, log) for kind in (NanInf, AllreduceSketch, GatherConsensus)]
+    bus = PluginBus(checks, log.verdicts)
+    groups = len(blocks(workload.build_model())) + 1
+    buckets = ShardedBuckets(groups, parallel == "hsdp", WORLD)
     buckets.bind(bus)
-    return buckets.sites(), bus, log
+    return buckets, bus, log
 
 
 def _bit_identity(cfgs: dict[str, WorkloadConfig], meshes: dict, folder: Path) -> dict:
     """(a) plain fully_shard against the harness's comms with no-op sites and with the
-    campaigns' sites and nan_inf, and (c) the float32 run restarted from its DCP save at step
-    RESTART, per mesh and dtype: weight digests, and nan_inf's alerts."""
+    campaigns' sites and checks, and (c) the float32 run restarted from its DCP save at step
+    RESTART, per mesh and dtype: weight digests, and the checks' alerts."""
     out = {}
     for parallel, device_mesh in meshes.items():
         for dtype, cfg in cfgs.items():
@@ -118,12 +126,15 @@ def _bit_identity(cfgs: dict[str, WorkloadConfig], meshes: dict, folder: Path) -
             plain = _digest(_train(workload, device_mesh, None, range(STEPS)))
             save = folder / f"{parallel}-{dtype}" if dtype == "float32" else None
             custom = _digest(_train(workload, device_mesh, NOOP, range(STEPS), save=save))
-            sites, bus, log = _checked(workload, parallel)
-            checked = _digest(_train(workload, device_mesh, sites, range(STEPS)))
+            buckets, bus, log = _checked(workload, parallel)
+            checked = _train(workload, device_mesh, buckets.sites(), range(STEPS), buckets=buckets)
+            checked = _digest(checked)
             bus.resolve()
             alerts = sum(isinstance(e, Alert) for e in log.events)
+            # The sketch's record of its bound, once per group it verified at step 0.
+            verified = sum(isinstance(e, Sensitivity) for e in log.events)
             out[parallel, dtype] = {"plain": plain, "custom": custom, "checked": checked,
-                                    "alerts": alerts}  # fmt: skip
+                                    "alerts": alerts, "verified": verified}  # fmt: skip
             if save is not None:
                 restarted = _train(workload, device_mesh, NOOP, range(RESTART, STEPS), load=save)
                 out[parallel, dtype]["restarted"] = _digest(restarted)
@@ -140,7 +151,7 @@ def _sums(workload: Workload, meshes: dict) -> dict:
         received: dict[tuple[int, str], torch.Tensor] = {}
         layouts: dict[int, GroupLayout] = {}
 
-        def keep_local(layout, flat, local=local, layouts=layouts):
+        def keep_local(layout, flat, _averaged, local=local, layouts=layouts):
             local[layout.index], layouts[layout.index] = flat.clone(), layout
 
         def keep_received(layout, stage, shard_, received=received):
@@ -317,7 +328,9 @@ def ranks(tmp_path_factory) -> list[dict]:
 def test_the_harness_sites_train_bit_identically_to_plain_fully_shard(ranks, parallel, dtype):
     digests = [r["identity"][parallel, dtype] for r in ranks]
     assert all(d["custom"] == d["plain"] == d["checked"] for d in digests), digests
-    assert all(d["alerts"] == 0 for d in digests), "nan_inf on a clean run"
+    assert all(d["alerts"] == 0 for d in digests), "a check alarmed on a clean run"
+    groups = len(blocks(Workload(compose_run("workload=gpt").workload).build_model())) + 1
+    assert all(d["verified"] == groups for d in digests), "the sketch verified every group"
     assert len({d["custom"] for d in digests}) == 1, "every rank gathers the same weights"
 
 

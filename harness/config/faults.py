@@ -193,10 +193,6 @@ def _parallel_fault(key: str, values: dict[str, Any], site: str, topology: Topol
             f"{key}.model", f"a contribution model changes what a rank sends into the ddp "
             f"reduction; under {parallel} allowed: an element model (scale, bitflip, value, ...)"
         )  # fmt: skip
-    if values["scope"] == "reduction":
-        raise ConfigError(
-            f"{key}.scope", f"under {parallel} each reduced element has one receiver; allowed: rank"
-        )
     if values["bucket"] is not None:
         raise ConfigError(f"{key}.bucket", f"{parallel} has no buckets; leave it null")
 

@@ -99,12 +99,9 @@ def _parallel(raw: dict[str, Any]) -> None:
         )
 
 
-def _sharded_plan(
-    topology: TopologyConfig, checks: dict[str, CheckConfig], recovery: RecoveryConfig
-) -> None:
-    """The checks derived for the sharded step (`Detector.parallel`), and a recovery that keeps
-    the world's size (its mesh): a spare for every recovery it may make."""
-    parallel = topology.parallel
+def _sharded_recovery(topology: TopologyConfig, recovery: RecoveryConfig) -> None:
+    """A recovery that keeps the world's size (its mesh): a spare for every recovery it may
+    make."""
     if recovery.enabled and topology.spares < recovery.max_recoveries:
         raise ConfigError(
             "topology.spares",
@@ -112,6 +109,12 @@ def _sharded_plan(
             f"{recovery.max_recoveries} needs a spare node; allowed: {recovery.max_recoveries} "
             "or more (or lower recovery.max_recoveries)",
         )
+
+
+def _applicable(topology: TopologyConfig, checks: dict[str, CheckConfig]) -> None:
+    """The checks derived for the way the world trains (`Detector.parallel`): a sharded step
+    has sites a replicated one lacks, and the reverse."""
+    parallel = topology.parallel
     for name in checks:
         if parallel not in detectors.detector_class(name).parallel:
             allowed = [
@@ -267,8 +270,9 @@ def run_config(raw: dict[str, Any]) -> RunConfig:
             raise ConfigError("recovery.enabled", "recovery acts on alerts: choose detectors")
         # Recovery acts on alerts: every check stops the step that it alarms on.
         checks = {name: config.in_mode("act") for name, config in checks.items()}
+    _applicable(topology, checks)
     if topology.sharded:
-        _sharded_plan(topology, checks, recovery)
+        _sharded_recovery(topology, recovery)
     seeds = integer("campaign.seeds", campaign.get("seeds"), 1)
     noise_seeds = integer("campaign.noise_seeds", campaign.get("noise_seeds"), 2)
     fast_forward = campaign.get("fast_forward", True)

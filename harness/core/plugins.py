@@ -55,6 +55,10 @@ class Bucket:
     wire: torch.dtype | None = None
     # The whole summed rider region (every plug-in's slots and the unused ones), when it exists.
     rider_region: torch.Tensor | None = None
+    # Sharded (harness/runtime/shard_sites.py): a reduce-scatter input is `shards` rows, one per
+    # receiver in the shard group, and this rank receives row `shard`; a DDP bucket is one row.
+    shards: int = 1
+    shard: int = 0
 
 
 @dataclass
@@ -108,7 +112,9 @@ class Plugin:
     def rider(self, step: int, bucket: Bucket) -> torch.Tensor | None:
         """A few float32 numbers to sum across ranks with this bucket's allreduce, for free:
         the sum comes back in `bucket.riders[id(self)]`. A check that runs every step may add
-        no collective of its own (docs/design.md, section 6)."""
+        no collective of its own (docs/design.md, section 6). Sharded, a `(bucket.shards, k)`
+        tensor, one row per receiver, summed over the world in one small all-reduce; the
+        receiver gets its own row back."""
 
     def on_reduced_grad(self, step: int, bucket: Bucket) -> None: ...
 

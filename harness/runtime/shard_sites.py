@@ -6,7 +6,11 @@ handed to the bus as a `Bucket` of named tensors, as the DDP hook hands it its c
   each parameter's gradient in dim-0 chunks spread over the rows of a (shard group, shard numel)
   buffer. The plug-ins see each parameter whole, indexed as under DDP, in a parameter-major copy
   written back into the input after them: two copies of the local gradient a step, the price of
-  naming its elements as the replicated checks do.
+  naming its elements as the replicated checks do. Then the riders (`Plugin.rider`): each
+  plug-in's few numbers per receiver, taken from the reduce-scatter input as sent, its rows
+  (`Bucket.shards`), and summed over the world in one small all-reduce of their own (FSDP's
+  reduce-scatter buffers are its own: riding in them would copy the whole gradient). The
+  receiver gets its row back with its shard, `Bucket.riders` as under DDP.
 - received (site `allreduce`, checks after the reduction): this rank's own shard, a view of its
   chunk of each parameter (padding left out), no copy; an element's index is its place in the
   chunk. Under HSDP, the result of the all-reduce across replicas: the gradient the optimizer
@@ -24,6 +28,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 
 from harness.core.plugins import Bucket, PluginBus
 from harness.runtime.sharding import GroupLayout, ShardSites
@@ -32,10 +37,14 @@ from harness.runtime.sharding import GroupLayout, ShardSites
 class ShardedBuckets:
     """The sites of `sharding.shard`, bound to a plug-in bus."""
 
-    def __init__(self, groups: int, hsdp: bool):
+    def __init__(self, groups: int, hsdp: bool, world_size: int):
         self.groups = groups
         # The reduced shard the optimizer steps on: HSDP's all-reduce follows the reduce-scatter.
         self.final_stage = "all_reduce" if hsdp else "reduce_scatter"
+        self.world_size = world_size
+        # Per group: what a rank contributes of its input (`Bucket.contribution`), this rank's
+        # row of the summed riders, and where each plug-in's lies in it.
+        self.riders: dict[int, tuple[float, torch.Tensor, list[tuple[int, int, int]]]] = {}
         self.bus: PluginBus | None = None
         self.step = 0
 
@@ -45,8 +54,25 @@ class ShardedBuckets:
     def sites(self) -> ShardSites:
         return ShardSites(self._local, self._received, self._gathered)
 
-    def _local(self, layout: GroupLayout, flat: torch.Tensor) -> None:
-        self._whole(layout, flat, lambda bucket: self._bus().local_grad(self.step, bucket))
+    def _local(self, layout: GroupLayout, flat: torch.Tensor, averaged: bool) -> None:
+        bus = self._bus()
+        self._whole(layout, flat, lambda bucket: bus.local_grad(self.step, bucket))
+        # Averaged over the shard group, then under HSDP over the replicas: 1 / world in all.
+        # Summed (float16), the input was divided before this site and the rest comes after
+        # the received shard's (harness/runtime/sharding.py).
+        contribution = 1 / self.world_size if averaged else 1.0
+        rows = self._bucket(layout, flat, [], contribution)
+        riders = bus.riders(self.step, rows)
+        if not riders:
+            return
+        region = torch.cat([payload.view(layout.world, -1) for _, payload in riders], dim=1)
+        spans, at = [], 0
+        for owner, payload in riders:
+            k = payload.numel() // layout.world
+            spans.append((owner, at, k))
+            at += k
+        dist.all_reduce(region)
+        self.riders[layout.index] = (contribution, region[layout.rank], spans)
 
     def _received(self, layout: GroupLayout, stage: str, shard: torch.Tensor) -> None:
         if stage != self.final_stage:
@@ -55,7 +81,12 @@ class ShardedBuckets:
         for span in layout.spans:
             held = min(span.length, max(0, math.prod(span.shape) - layout.rank * span.length))
             tensors.append((span.name, shard[span.offset : span.offset + held]))
-        self._bus().reduced_grad(self.step, self._bucket(layout, shard, tensors))
+        bucket = self._bucket(layout, shard, tensors)
+        if layout.index in self.riders:
+            bucket.contribution, summed, spans = self.riders.pop(layout.index)
+            bucket.riders = {owner: summed[a : a + k] for owner, a, k in spans}
+            bucket.rider_region = summed
+        self._bus().reduced_grad(self.step, bucket)
 
     def _gathered(self, layout: GroupLayout, backward: bool, flat: torch.Tensor) -> None:
         if not backward:
@@ -87,9 +118,21 @@ class ShardedBuckets:
             at += n
 
     def _bucket(
-        self, layout: GroupLayout, buffer: torch.Tensor, tensors: list[tuple[str, torch.Tensor]]
+        self,
+        layout: GroupLayout,
+        buffer: torch.Tensor,
+        tensors: list[tuple[str, torch.Tensor]],
+        contribution: float = 1.0,
     ) -> Bucket:
-        return Bucket(layout.index, buffer, tensors, is_last=layout.index == self.groups - 1)
+        return Bucket(
+            layout.index,
+            buffer,
+            tensors,
+            is_last=layout.index == self.groups - 1,
+            contribution=contribution,
+            shards=layout.world,
+            shard=layout.rank,
+        )
 
     def _bus(self) -> PluginBus:
         assert self.bus is not None, "bind the bus before the first step"

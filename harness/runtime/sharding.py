@@ -144,8 +144,9 @@ class ShardSites:
     """The harness's callbacks on a sharded step's collectives, None where nothing runs. Each
     may change its tensor in place (a fault) or only read it (a check).
 
-    - local_gradients(layout, flat): this rank's local gradient, the reduce-scatter input,
-      before the collective (the `grad` site);
+    - local_gradients(layout, flat, averaged): this rank's local gradient, the reduce-scatter
+      input, before the collective (the `grad` site); `averaged` when the collectives average
+      (`ReduceOp.AVG`, float32 and bfloat16) rather than sum (float16's pre-divided input);
     - received(layout, stage, shard): the reduced shard this rank receives, after the
       collective; stage "reduce_scatter", and under HSDP then "all_reduce" for the result of
       the all-reduce across replicas, the gradient the optimizer steps on (the `allreduce`
@@ -154,7 +155,7 @@ class ShardSites:
       rank's unsharded weights; `backward` for backward's re-gather (the `gather` site).
     """
 
-    local_gradients: Callable[[GroupLayout, torch.Tensor], None] | None = None
+    local_gradients: Callable[[GroupLayout, torch.Tensor, bool], None] | None = None
     received: Callable[[GroupLayout, str, torch.Tensor], None] | None = None
     gathered: Callable[[GroupLayout, bool, torch.Tensor], None] | None = None
 
@@ -263,7 +264,10 @@ class _ReduceScatter(_PlainBuffers, ReduceScatter):
                 f"{layout.world * layout.shard_numel}: a parameter got no gradient"
             )
         if self.sites.local_gradients is not None:
-            self.sites.local_gradients(layout, input_tensor)
+            if op not in (dist.ReduceOp.AVG, dist.ReduceOp.SUM):
+                # PREMUL_SUM: only with a gradient divide factor, which the harness never sets.
+                raise RuntimeError(f"FSDP group {layout.index} reduce-scatters with {op}")
+            self.sites.local_gradients(layout, input_tensor, op == dist.ReduceOp.AVG)
         work = dist.reduce_scatter_single(
             output=output_tensor, input=input_tensor, group=group, op=op, async_op=async_op
         )

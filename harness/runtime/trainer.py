@@ -257,7 +257,7 @@ def _sharded(model: nn.Module, run: RunConfig, info: RankInfo, sites: bool) -> "
         topology.parallel, info.world_size, topology.shard_size or 0, torch.device(info.device).type
     )
     groups = len(sharding.blocks(model)) + 1
-    shards = ShardedBuckets(groups, hsdp=topology.parallel == "hsdp")
+    shards = ShardedBuckets(groups, topology.parallel == "hsdp", info.world_size)
     sharding.shard(model, mesh, shards.sites() if sites else sharding.ShardSites())
     return shards
 
