@@ -67,6 +67,26 @@ def test_aws_reference_is_the_published_setup(name, nodes):
     assert keys(run) == keys(compose_run("campaign=aws_reference"))
 
 
+@pytest.mark.parametrize(
+    "name, world, groups", [("fsdp_reference", 4, 1), ("hsdp_reference", 8, 4)]
+)
+def test_the_sharded_references_are_the_published_faults_and_the_gather_site(name, world, groups):
+    """The published mix, scenario for scenario, plus the gather site's, on gpt sharded; every
+    check derived for the sharded step, consensus where replica groups give it a majority."""
+    run = compose_run(f"campaign={name}")
+    topology = run.topology
+    assert (topology.parallel, topology.world_size) == (name.split("_")[0], world)
+    assert topology.world_size // (topology.shard_size or world) == groups
+    assert run.workload.name == "gpt" and run.seeds == 3
+    derived = {"nan_inf", "allreduce_sketch", "gather_consensus"}
+    assert set(run.detectors) == (derived | {"weight_consensus"} if groups >= 3 else derived)
+    published = keys(compose_run("campaign=aws_reference"))
+    gathered = {("gather", None, m, "transient") for m in ("scale", "value")}
+    assert keys(run) == published | gathered
+    steps = {f.steps for f in run.scenarios if f.site == "gather"}
+    assert steps == {(10,), (12,)}
+
+
 def test_command_line_detectors_win_over_a_campaigns_choice():
     run = compose_run("campaign=aws_reference", "detectors=[nan_inf]")
     assert set(run.detectors) == {"nan_inf"}

@@ -13,6 +13,8 @@ against plain fully_shard is tests/test_sharding.py's."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -21,7 +23,7 @@ from harness.analysis import report
 from harness.campaign.golden_store import golden_inputs
 from harness.core.phases import PHASE_ORDER
 from harness.runtime import checkpoint
-from tests.conftest import compose_run, events, rows, without_timing
+from tests.conftest import BIN, compose_run, events, rows, without_timing
 
 SCENARIOS = [
     "{site:none}",
@@ -176,3 +178,30 @@ def test_a_wrong_weight_shard_on_one_hsdp_replica_is_caught_and_recovered_from(
     saved = [e for e in events(out) if e["kind"] == "checkpoint"]
     assert [e["step"] for e in saved if e["trial_id"] == clean["trial_id"]] == [1, 3]
     assert all(checkpoint.verify(Path(e["path"])) for e in saved)
+
+
+def test_torchrun_runs_a_sharded_campaign_and_writes_the_spawned_worlds_rows(tmp_path, run_ok):
+    """The plan's torchrun command, run on this machine, trains the FSDP world the spawned
+    campaign trains: the same rows, the received shard's x1000 caught by the sketch on rank 1."""
+    args = [
+        "workload=mlp", "workload.steps=4", "campaign.seeds=1", "campaign.noise_seeds=2",
+        "topology.parallel=fsdp", "topology.nodes=1", "topology.ranks_per_node=2",
+        "detectors=[nan_inf,allreduce_sketch]",
+        "campaign.scenarios=[{site:allreduce,model:scale,factor:1000.0,ranks:[1],steps:[2]}]",
+    ]  # fmt: skip
+    spawned, planned = tmp_path / "spawned", tmp_path / "planned"
+    run_ok(*args, f"out={spawned}", cwd=tmp_path)
+    printed = run_ok(*args, "launcher=torchrun", f"out={planned}", cwd=tmp_path)
+    words = printed.stdout.strip().splitlines()[-1].split()
+    pins = dict(w.split("=", 1) for w in words if "=" in w and not w.startswith("-"))
+    env = dict(os.environ, PATH=f"{BIN}:{os.environ['PATH']}", **pins)
+    done = subprocess.run(
+        words[len(pins) :], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert without_timing(rows(spawned)) == without_timing(rows(planned))
+    row = rows(planned)[0]
+    assert (row["parallel"], row["detected"], row["first_detector"]) == (
+        "fsdp", "True", "allreduce_sketch",
+    ), row  # fmt: skip
+    assert (row["detect_step"], row["suspect_ranks"]) == ("2", "1"), row
