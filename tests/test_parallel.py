@@ -180,11 +180,14 @@ def test_a_wrong_weight_shard_on_one_hsdp_replica_is_caught_and_recovered_from(
     assert all(checkpoint.verify(Path(e["path"])) for e in saved)
 
 
-def test_torchrun_runs_a_sharded_campaign_and_writes_the_spawned_worlds_rows(tmp_path, run_ok):
+def test_torchrun_runs_a_sharded_custom_campaign_and_writes_the_spawned_worlds_rows(
+    tmp_path, run_ok
+):
     """The plan's torchrun command, run on this machine, trains the FSDP world the spawned
-    campaign trains: the same rows, the received shard's x1000 caught by the sketch on rank 1."""
+    campaign trains: the same rows, the received shard's x1000 caught by the sketch on rank 1.
+    The workload is a user's (`workload=custom`, the example conv net: one FSDP group)."""
     args = [
-        "workload=mlp", "workload.steps=4", "campaign.seeds=1", "campaign.noise_seeds=2",
+        "workload=custom", "workload.steps=4", "campaign.seeds=1", "campaign.noise_seeds=2",
         "topology.parallel=fsdp", "topology.nodes=1", "topology.ranks_per_node=2",
         "detectors=[nan_inf,allreduce_sketch]",
         "campaign.scenarios=[{site:allreduce,model:scale,factor:1000.0,ranks:[1],steps:[2]}]",
