@@ -208,3 +208,27 @@ def test_torchrun_runs_a_sharded_custom_campaign_and_writes_the_spawned_worlds_r
         "fsdp", "True", "allreduce_sketch",
     ), row  # fmt: skip
     assert (row["detect_step"], row["suspect_ranks"]) == ("2", "1"), row
+
+
+def test_a_transformers_llama_with_the_llm_recipe_is_checked_under_fsdp(run_ok, tmp_path):
+    """The real architecture (a transformers Llama, one FSDP group per decoder layer) trained
+    with the LLM recipe (bf16-mixed autocast, clipping, warmup + cosine): the clean trial raises
+    no alert; a wrong gathered copy and a wrong received shard are caught in their step by the
+    check derived for each site, naming the rank."""
+    faults = [
+        "{site:none}",
+        "{site:gather,model:scale,factor:1000.0,ranks:[1],steps:[2]}",
+        "{site:allreduce,model:scale,factor:1000.0,ranks:[2],steps:[1]}",
+    ]
+    out = campaign(
+        run_ok, tmp_path, "llama", "workload=llama", "topology.parallel=fsdp", DETECTORS,
+        f"campaign.scenarios=[{','.join(faults)}]",
+    )  # fmt: skip
+    clean, gathered, received = rows(out)
+    assert clean["alerts"] == "0" and clean["golden_match"] == "True", clean
+    for row, detector, step, rank in (
+        (gathered, "gather_consensus", "2", "1"),
+        (received, "allreduce_sketch", "1", "2"),
+    ):
+        assert row["first_detector"] == detector, row
+        assert (row["detect_step"], row["suspect_ranks"]) == (step, rank), row
