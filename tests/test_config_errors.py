@@ -34,6 +34,19 @@ CASES = [
         "topology.shard_size",
         "at least 3 replica groups",
     ),
+    (
+        [
+            "topology.parallel=fsdp",
+            "topology.nodes=8",
+            "detectors=[nan_inf]",
+            "campaign=single",
+            "fault=weight_bitflip",
+            "fault.tensor=head.bias",
+            "fault.ranks=[6]",
+        ],
+        "fault.ranks",
+        "rank 6 holds no element of 'head.bias' at site weight",
+    ),  # fmt: skip
     (["detectors=[gather_consensus]"], "detectors.gather_consensus", "allowed: allreduce_sketch"),
     (
         [

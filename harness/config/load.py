@@ -305,7 +305,7 @@ def run_config(raw: dict[str, Any]) -> RunConfig:
             f"{key}.checks", scenario.pop("checks", None), checks, topology
         )
         fault = fault_config(key, scenario, workload, topology)
-        check_target(key, fault, model, forward)
+        check_target(key, fault, model, forward, topology.shard_group)
         scenarios.append(fault)
         for s in range(seeds):
             seed = workload.seed + s

@@ -140,6 +140,14 @@ class TopologyConfig:
     def sharded(self) -> bool:
         return self.parallel != "ddp"
 
+    @property
+    def shard_group(self) -> int | None:
+        """Ranks that split each parameter between them: the world under fsdp, `shard_size`
+        under hsdp; None for replicas."""
+        if not self.sharded:
+            return None
+        return self.shard_size if self.parallel == "hsdp" else self.world_size
+
     def threads(self, rank: int) -> int:
         if isinstance(self.threads_per_rank, int):
             return self.threads_per_rank
