@@ -34,8 +34,10 @@ def targets(
     modules that run (activation) and those in whose forward a matrix multiply runs (matmul);
     without it (a user's loop, whose forward the harness has not seen) every module that could."""
     params = list(model.named_parameters())
+    sharded = any(is_dtensor(p) for _, p in params)
     if site == "optimizer":
-        return [(f"{n}.{k}", p.numel()) for n, p in params for k in MOMENTS]
+        # Sharded: a rank's own shard of the moments, whose size shows when it is at hand.
+        return [(f"{n}.{k}", None if sharded else p.numel()) for n, p in params for k in MOMENTS]
     if site == "activation":
         ran = None if forward is None else set(forward.ran)
         return [(n, None) for n, _ in model.named_modules() if n and (ran is None or n in ran)]
@@ -50,7 +52,7 @@ def targets(
         ]
     if site == "loss":
         return [("loss", 1)]
-    if site in ("allreduce", "weight") and any(is_dtensor(p) for _, p in params):
+    if site in ("allreduce", "weight") and sharded:
         # Sharded: the reduced shard a rank receives, and the weights it updates, are its own
         # chunk of each parameter, whose size shows when it is at hand.
         return [(n, None) for n, _ in params]

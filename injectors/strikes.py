@@ -239,8 +239,9 @@ class OptimizerState(Site):
         self.names = {p: n for n, p in model.named_parameters()}
 
     def on_optimizer_state(self, step: int, optimizer: torch.optim.Optimizer) -> None:
+        # A sharded parameter's moments: this rank's own shard of them.
         named = [
-            (f"{self.names[p]}.{k}", state[k])
+            (f"{self.names[p]}.{k}", local(state[k]))
             for p, state in optimizer.state.items()
             for k in sites.MOMENTS
             if k in state

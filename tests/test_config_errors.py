@@ -23,7 +23,11 @@ CASES = [
         "allowed: allreduce_sketch, gather_consensus, nan_inf",
     ),
     ([*FSDP, "recovery.enabled=true"], "topology.spares", "allowed: 3 or more"),
-    ([*FSDP, "fault=optimizer_scale"], "fault.site", "allowed: grad, allreduce, gather"),
+    (
+        [*FSDP, "fault=grad_scale", "fault.site=matmul"],
+        "fault.site",
+        "allowed: grad, allreduce, gather, weight, optimizer",
+    ),
     (
         ["topology.parallel=fsdp", "detectors=[weight_consensus]"],
         "detectors.weight_consensus",

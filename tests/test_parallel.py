@@ -6,9 +6,10 @@ On gpt (1.7 MB of gradients), in float32 under FSDP and bfloat16 under HSDP (2 r
 golden run; a NaN in one rank's local gradients, a x1000 on one element of the shard one rank
 receives (scope rank) or of a reduction (scope reduction), and a x1000 in the parameters one
 rank gathers for its forward are each caught in their step, naming the rank (docs/design.md,
-section 3). HSDP over 3 replica groups: a wrong weight shard is caught by consensus and
-recovered from, in float32 and bfloat16. That the sites and checks change no bit of a clean run
-against plain fully_shard is tests/test_sharding.py's."""
+section 3); a NaN in one rank's optimizer shard shows a step after it spoils the weights.
+HSDP over 3 replica groups: a wrong weight shard is caught by consensus and recovered from, in
+float32 and bfloat16. That the sites and checks change no bit of a clean run against plain
+fully_shard is tests/test_sharding.py's."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ SCENARIOS = [
     "{site:allreduce,model:scale,factor:1000.0,ranks:[2],steps:[3]}",
     "{site:allreduce,scope:reduction,model:scale,factor:1000.0,ranks:[1],steps:[2]}",
     "{site:gather,model:scale,factor:1000.0,ranks:[3],steps:[2]}",
+    "{site:optimizer,model:value,value:nan,ranks:[0],steps:[1]}",
 ]
 DETECTORS = "detectors=[nan_inf,allreduce_sketch,gather_consensus]"
 # (detector, step, phase, suspects) of each fault's first alert, per parallelism: the receiver of
@@ -43,6 +45,9 @@ CAUGHT = {
         ("allreduce_sketch", 3, "post_allreduce", "2"),
         ("allreduce_sketch", 2, "post_allreduce", "1"),
         ("gather_consensus", 2, "forward", "3"),
+        # A moment's NaN spoils rank 0's weight shard at the next update, and every rank gathers
+        # it alike: no check names rank 0, the gradients of all show it a step later.
+        ("nan_inf", 3, "pre_allreduce", "0;1;2;3"),
     ],
     "hsdp": [
         None,
@@ -50,6 +55,8 @@ CAUGHT = {
         ("allreduce_sketch", 3, "post_allreduce", "2"),
         ("allreduce_sketch", 2, "post_allreduce", "1;3"),
         ("gather_consensus", 2, "forward", "3"),
+        # Replica group 0 gathers the spoilt shard, group 1 does not: two against two.
+        ("gather_consensus", 3, "forward", ""),
     ],
 }
 

@@ -167,9 +167,9 @@ def fault_config(
 
 
 # The sites a sharded step has so far: its collectives' (local gradient, received shard, gathered
-# parameters), a rank's own weight shards, and the forward's; its optimizer shards and the
-# products are not reached yet.
-SHARDED_SITES = ("grad", "allreduce", "gather", "weight", "activation", "loss")
+# parameters), a rank's own weight and optimizer shards, and the forward's; the products are
+# not reached yet.
+SHARDED_SITES = ("grad", "allreduce", "gather", "weight", "optimizer", "activation", "loss")
 
 
 def _parallel_fault(key: str, values: dict[str, Any], site: str, topology: TopologyConfig) -> None:
@@ -266,7 +266,7 @@ def check_target(
     """The tensors a fault names must exist at its site on this workload's model; at a module
     site, among the modules `forward` says the forward runs (one that never runs, such as a
     container, could never strike). Sharded over groups of `shard_group` ranks, a fault in a
-    rank's own shard (sites allreduce and weight) must find an element there."""
+    rank's own shard (sites allreduce, weight, optimizer) must find an element there."""
     if fault.clean:
         return
     reachable = dict(sites.targets(fault.site, model, forward))
@@ -298,7 +298,7 @@ def check_target(
 
 # The sites where a sharded rank holds only its own chunk of each parameter (dim 0, as FSDP2's
 # `fully_shard` splits it: `torch.chunk`, so the last ranks of a short dim 0 hold nothing).
-SHARD_HELD = ("allreduce", "weight")
+SHARD_HELD = ("allreduce", "weight", "optimizer")
 
 
 def _held(
@@ -307,6 +307,8 @@ def _held(
     """The elements of the matched parameters that the fault's rank holds (the fewest over its
     ranks); a rank that holds none of them is refused: its fault could never strike."""
     params = dict(model.named_parameters())
+    if fault.site == "optimizer":  # a moment, `NAME.exp_avg`, is shaped as its parameter
+        params |= {f"{n}.{k}": p for n, p in params.items() for k in sites.MOMENTS}
     # scope reduction: the receivers of one shard, at the place of fault.ranks[0].
     ranks = fault.ranks[:1] if fault.scope == "reduction" else fault.ranks
     held: list[int] = []
