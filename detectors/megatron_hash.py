@@ -12,6 +12,11 @@ on a large model; benchmarks/kernels.py measures it against our fingerprint).
 
 Here each rank that differs from rank 0 alerts naming itself (what it can know), at the same
 point as `weight_consensus`: after the update, every `interval` steps.
+
+Under HSDP (`topology.parallel=hsdp`) the data-parallel replicas are the replica groups: each
+rank hashes the shards it holds and compares them with those of the rank at its place in
+replica group 0, which plays rank 0's part (two groups suffice: there is no majority to form).
+Under FSDP there is no replica, and the check does not apply.
 """
 
 from __future__ import annotations
@@ -23,15 +28,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from harness.core import dtensors
 from harness.core.checks import CheckConfig
 from harness.core.plugins import Detector
 from harness.core.values import integer
 
 
 def sha1_table(model: nn.Module) -> torch.Tensor:
-    """One SHA-1 digest (20 bytes) per parameter, after a copy to the CPU in float32."""
+    """One SHA-1 digest (20 bytes) per parameter this rank holds (under sharding, its shard),
+    after a copy to the CPU in float32."""
     digests = [
-        hashlib.sha1(p.data.to("cpu").float().numpy(force=True)).digest()
+        hashlib.sha1(dtensors.local(p.data).to("cpu").float().numpy(force=True)).digest()
         for _, p in model.named_parameters()
     ]
     return torch.frombuffer(bytearray(b"".join(digests)), dtype=torch.uint8).view(-1, 20)
@@ -39,6 +46,7 @@ def sha1_table(model: nn.Module) -> torch.Tensor:
 
 class MegatronHash(Detector):
     name = "megatron_hash"
+    parallel = ("ddp", "hsdp")
 
     @dataclass(frozen=True)
     class Config(CheckConfig):
@@ -59,12 +67,15 @@ class MegatronHash(Detector):
         local = sha1_table(model).to(self.info.device)
         table = [torch.empty_like(local) for _ in range(self.info.world_size)]
         dist.all_gather(table, local)
-        local, table = local.cpu(), [t.cpu() for t in table]
-        if torch.equal(local, table[0]):
+        # Rank 0's part: the rank at this rank's place in the first replica group.
+        versus = dtensors.places(model, self.info.world_size)[self.info.rank]
+        local, first = local.cpu(), table[versus].cpu()
+        if torch.equal(local, first):
             return
         names = [n for n, _ in model.named_parameters()]
-        differing = [names[i] for i in range(len(names)) if not torch.equal(local[i], table[0][i])]
-        self.alert(step, "consensus", [self.info.rank], {"tensors": differing[:8], "versus": 0})
+        differing = [names[i] for i in range(len(names)) if not torch.equal(local[i], first[i])]
+        evidence = {"tensors": differing[:8], "versus": versus}
+        self.alert(step, "consensus", [self.info.rank], evidence)
 
 
 DETECTOR = MegatronHash

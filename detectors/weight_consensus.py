@@ -27,8 +27,8 @@ import torch.distributed as dist
 from torch import nn
 
 from detectors.fingerprint import fingerprint_words
+from harness.core import dtensors
 from harness.core.checks import CheckConfig
-from harness.core.dtensors import is_dtensor, local
 from harness.core.plugins import Detector, DetectorContext, EventLog
 from harness.core.values import flag, integer
 from harness.errors import ConfigError
@@ -90,15 +90,7 @@ class WeightConsensus(Detector):
             names = {p: n for n, p in named}
             for p, state in self.optimizer.state.items():
                 named += [(f"{names[p]}.{k}", state[k]) for k in ("exp_avg", "exp_avg_sq")]
-        return [(n, local(t)) for n, t in named]
-
-    def _places(self, model: nn.Module) -> list[int]:
-        """Each world rank's place in its shard group: ranks at the same place hold the same
-        shards (harness/runtime/sharding.py's mesh: shard groups of consecutive ranks); every
-        rank is at place 0 of a replicated world."""
-        p = next(model.parameters())
-        size = p.device_mesh["shard"].size() if is_dtensor(p) else 1
-        return [r % size for r in range(self.info.world_size)]
+        return [(n, dtensors.local(t)) for n, t in named]
 
     def _consensus(self, step: int, model: nn.Module) -> torch.Tensor:
         """Whether the replicas agree, as a 0-d bool tensor, unread; a disagreement is
@@ -110,7 +102,7 @@ class WeightConsensus(Detector):
         table = [torch.empty_like(mine) for _ in range(self.info.world_size)]
         dist.all_gather(table, mine)
         rows = torch.stack(table)
-        places = self._places(model)
+        places = dtensors.places(model, self.info.world_size)
         first = [places.index(place) for place in places]  # the first rank at each one's place
         agree = (rows == rows[first]).all()
 

@@ -51,6 +51,11 @@ CASES = [
         "fault.ranks",
         "rank 6 holds no element of 'head.bias' at site weight",
     ),  # fmt: skip
+    (
+        ["topology.parallel=fsdp", "detectors=[megatron_hash]"],
+        "detectors.megatron_hash",
+        "allowed: allreduce_sketch, gather_consensus, nan_inf",
+    ),
     (["detectors=[gather_consensus]"], "detectors.gather_consensus", "allowed: allreduce_sketch"),
     (
         [

@@ -239,3 +239,23 @@ def test_a_transformers_llama_with_the_llm_recipe_is_checked_under_fsdp(run_ok, 
     ):
         assert row["first_detector"] == detector, row
         assert (row["detect_step"], row["suspect_ranks"]) == (step, rank), row
+
+
+def test_megatrons_hash_under_hsdp_compares_each_shard_with_replica_group_0s(run_ok, tmp_path):
+    """Megatron's check as published, with replica group 0 in rank 0's part: a wrong weight
+    shard on rank 3 is named by rank 3; on rank 0 it is named by rank 2, the healthy holder of
+    the same shard, since the first group always agrees with itself (its stated blind spot)."""
+    faults = [
+        "{site:none}",
+        "{site:weight,model:scale,factor:1000.0,ranks:[3],steps:[1]}",
+        "{site:weight,model:scale,factor:1000.0,ranks:[0],steps:[1]}",
+    ]
+    out = campaign(
+        run_ok, tmp_path, "hash", "topology.parallel=hsdp", "topology.shard_size=2",
+        "detectors=[megatron_hash]", "detectors.megatron_hash.interval=1",
+        f"campaign.scenarios=[{','.join(faults)}]",
+    )  # fmt: skip
+    clean, third, first = rows(out)
+    assert clean["alerts"] == "0" and clean["golden_match"] == "True", clean
+    assert (third["detect_step"], third["suspect_ranks"]) == ("1", "3"), third
+    assert (first["detect_step"], first["suspect_ranks"]) == ("1", "2"), first

@@ -23,3 +23,12 @@ def local(t: torch.Tensor) -> torch.Tensor:
 def whole(t: torch.Tensor) -> torch.Tensor:
     """A DTensor gathered whole (a collective: every rank of its mesh calls it), else `t`."""
     return t.full_tensor() if is_dtensor(t) else t
+
+
+def places(model: torch.nn.Module, world_size: int) -> list[int]:
+    """Each world rank's place in its shard group: ranks at the same place hold the same shards
+    (harness/runtime/sharding.py's mesh: shard groups of consecutive ranks), so under HSDP they
+    are one shard's replicas; every rank is at place 0 of a replicated world."""
+    p = next(model.parameters())
+    size = p.device_mesh["shard"].size() if is_dtensor(p) else 1
+    return [r % size for r in range(world_size)]
