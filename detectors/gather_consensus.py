@@ -34,9 +34,8 @@ import torch
 import torch.distributed as dist
 
 from detectors.fingerprint import fingerprint_words
-from harness.core.checks import CheckConfig
+from harness.core.checks import IntervalConfig
 from harness.core.plugins import Bucket, Detector
-from harness.core.values import integer
 from harness.errors import ConfigError
 
 
@@ -45,16 +44,8 @@ class GatherConsensus(Detector):
     parallel = ("fsdp", "hsdp")
 
     @dataclass(frozen=True)
-    class Config(CheckConfig):
+    class Config(IntervalConfig):
         interval: int = 1  # steps between checked forwards (steps 0, N, 2N, ...)
-
-        def __post_init__(self) -> None:
-            super().__post_init__()
-            integer("interval", self.interval, 1)
-
-        @property
-        def every(self) -> int:
-            return self.interval
 
     @classmethod
     def check_topology(cls, config: Config, topology: Any) -> None:

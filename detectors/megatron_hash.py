@@ -29,9 +29,8 @@ import torch.distributed as dist
 from torch import nn
 
 from harness.core import dtensors
-from harness.core.checks import CheckConfig
+from harness.core.checks import IntervalConfig
 from harness.core.plugins import Detector
-from harness.core.values import integer
 
 
 def sha1_table(model: nn.Module) -> torch.Tensor:
@@ -49,16 +48,8 @@ class MegatronHash(Detector):
     parallel = ("ddp", "hsdp")
 
     @dataclass(frozen=True)
-    class Config(CheckConfig):
+    class Config(IntervalConfig):
         interval: int = 10  # steps between comparisons
-
-        def __post_init__(self) -> None:
-            super().__post_init__()
-            integer("interval", self.interval, 1)
-
-        @property
-        def every(self) -> int:
-            return self.interval
 
     def on_update(self, step: int, model: nn.Module) -> None:
         if (step + 1) % self.config.interval:

@@ -28,9 +28,9 @@ from torch import nn
 
 from detectors.fingerprint import fingerprint_words
 from harness.core import dtensors
-from harness.core.checks import CheckConfig
+from harness.core.checks import IntervalConfig
 from harness.core.plugins import Detector, DetectorContext, EventLog
-from harness.core.values import flag, integer
+from harness.core.values import flag
 from harness.errors import ConfigError
 
 
@@ -39,18 +39,13 @@ class WeightConsensus(Detector):
     parallel = ("ddp", "hsdp")
 
     @dataclass(frozen=True)
-    class Config(CheckConfig):
+    class Config(IntervalConfig):
         interval: int = 10  # steps between consensus runs (also before every checkpoint)
         optimizer_state: bool = False  # fingerprint Adam's moments with the weights
 
         def __post_init__(self) -> None:
             super().__post_init__()
-            integer("interval", self.interval, 1)
             flag("optimizer_state", self.optimizer_state)
-
-        @property
-        def every(self) -> int:
-            return self.interval
 
     @classmethod
     def check_topology(cls, config: Config, topology: Any) -> None:

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Self
 
-from harness.core.values import choice
+from harness.core.values import choice, integer
 from harness.errors import ConfigError
 
 # observe: record alerts and train on (campaigns measure coverage and effect in one run);
@@ -67,3 +67,18 @@ class CheckConfig:
         """Store a validated field in its canonical form (a list as a tuple, an int as a float):
         the dataclass is frozen once made."""
         object.__setattr__(self, name, value)
+
+
+@dataclass(frozen=True)
+class IntervalConfig(CheckConfig):
+    """A check that looks every `interval` steps (a subclass sets its own default)."""
+
+    interval: int = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        integer("interval", self.interval, 1)
+
+    @property
+    def every(self) -> int:
+        return self.interval
