@@ -251,7 +251,7 @@ def test_megatrons_hash_under_hsdp_compares_each_shard_with_replica_group_0s(run
         "{site:weight,model:scale,factor:1000.0,ranks:[0],steps:[1]}",
     ]
     out = campaign(
-        run_ok, tmp_path, "hash", "topology.parallel=hsdp", "topology.shard_size=2",
+        run_ok, tmp_path, "hash", "workload=mlp", "topology.parallel=hsdp", "topology.shard_size=2",
         "detectors=[megatron_hash]", "detectors.megatron_hash.interval=1",
         f"campaign.scenarios=[{','.join(faults)}]",
     )  # fmt: skip
