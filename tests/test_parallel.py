@@ -7,23 +7,20 @@ golden run; a NaN in one rank's local gradients, a x1000 on one element of the s
 receives (scope rank) or of a reduction (scope reduction), and a x1000 in the parameters one
 rank gathers for its forward are each caught in their step, naming the rank (docs/design.md,
 section 3); a NaN in one rank's optimizer shard shows a step after it spoils the weights.
-HSDP over 3 replica groups: a wrong weight shard is caught by consensus and recovered from, in
-float32 and bfloat16. That the sites and checks change no bit of a clean run against plain
-fully_shard is tests/test_sharding.py's."""
+The checks that compare HSDP's replica groups are tests/test_replica_groups.py's; that the sites
+and checks change no bit of a clean run against plain fully_shard, tests/test_sharding.py's."""
 
 from __future__ import annotations
 
 import json
 import os
 import subprocess
-from pathlib import Path
 
 import pytest
 
 from harness.analysis import report
 from harness.campaign.golden_store import golden_inputs
 from harness.core.phases import PHASE_ORDER
-from harness.runtime import checkpoint
 from tests.conftest import BIN, compose_run, events, rows, without_timing
 
 SCENARIOS = [
@@ -153,40 +150,6 @@ def test_fast_forward_gives_the_rows_of_trials_trained_from_step_0(run_ok, tmp_p
     assert tables["true"] == tables["false"]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_wrong_weight_shard_on_one_hsdp_replica_is_caught_and_recovered_from(
-    run_ok, tmp_path, dtype
-):
-    """HSDP over 3 nodes of 2 ranks (a shard group per node) and one spare node: rank 2's own
-    weight shard x1000 at step 2. weight_consensus compares each shard with the same shard of the
-    other two replica groups and names rank 2 at step 2; the run rolls back to the sharded
-    checkpoint of step 1, the spare takes node 1's place, and the run ends where golden does.
-    The clean trial raises no alert and checkpoints after every approved step."""
-    weight = "{site:weight,model:scale,factor:1000.0,ranks:[2],steps:[2]}"
-    out = campaign(
-        run_ok, tmp_path, "recovery", "topology.parallel=hsdp", "topology.shard_size=2",
-        "topology.nodes=3", "topology.ranks_per_node=2", "topology.spares=1",
-        "recovery.enabled=true", "recovery.max_recoveries=1",
-        "detectors=[nan_inf,weight_consensus]", "detectors.weight_consensus.interval=1",
-        "checkpoint.interval=2", "checkpoint.keep=true", f"workload.dtype={dtype}",
-        f"campaign.scenarios=[{{site:none}},{weight}]",
-    )  # fmt: skip
-    clean, row = rows(out)
-    assert clean["alerts"] == "0" and clean["golden_match"] == "True", clean
-    alerts = [e for e in events(out) if e["kind"] == "alert"]
-    assert {(a["detector"], a["step"], tuple(a["suspect_ranks"])) for a in alerts} == {
-        ("weight_consensus", 2, (2,))
-    }
-    assert row["recovered"] == "True" and row["golden_match"] == "True", row
-    assert (row["restore_step"], row["quarantined_nodes"]) == ("1", "1"), row
-    # Consensus runs after the update; its alarm stops the next step, before its update.
-    assert row["recovery_verdict"] == "rollback+quarantine at step 3 to step 1 (node 1)", row
-    # A sharded checkpoint after each approved step: every rank's shards, in one sealed folder.
-    saved = [e for e in events(out) if e["kind"] == "checkpoint"]
-    assert [e["step"] for e in saved if e["trial_id"] == clean["trial_id"]] == [1, 3]
-    assert all(checkpoint.verify(Path(e["path"])) for e in saved)
-
-
 def test_torchrun_runs_a_sharded_custom_campaign_and_writes_the_spawned_worlds_rows(
     tmp_path, run_ok
 ):
@@ -239,23 +202,3 @@ def test_a_transformers_llama_with_the_llm_recipe_is_checked_under_fsdp(run_ok, 
     ):
         assert row["first_detector"] == detector, row
         assert (row["detect_step"], row["suspect_ranks"]) == (step, rank), row
-
-
-def test_megatrons_hash_under_hsdp_compares_each_shard_with_replica_group_0s(run_ok, tmp_path):
-    """Megatron's check as published, with replica group 0 in rank 0's part: a wrong weight
-    shard on rank 3 is named by rank 3; on rank 0 it is named by rank 2, the healthy holder of
-    the same shard, since the first group always agrees with itself (its stated blind spot)."""
-    faults = [
-        "{site:none}",
-        "{site:weight,model:scale,factor:1000.0,ranks:[3],steps:[1]}",
-        "{site:weight,model:scale,factor:1000.0,ranks:[0],steps:[1]}",
-    ]
-    out = campaign(
-        run_ok, tmp_path, "hash", "workload=mlp", "topology.parallel=hsdp", "topology.shard_size=2",
-        "detectors=[megatron_hash]", "detectors.megatron_hash.interval=1",
-        f"campaign.scenarios=[{','.join(faults)}]",
-    )  # fmt: skip
-    clean, third, first = rows(out)
-    assert clean["alerts"] == "0" and clean["golden_match"] == "True", clean
-    assert (third["detect_step"], third["suspect_ranks"]) == ("1", "3"), third
-    assert (first["detect_step"], first["suspect_ranks"]) == ("1", "2"), first
