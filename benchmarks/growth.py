@@ -79,7 +79,7 @@ def size_costs(width: int, rounds: int, changes: dict) -> dict[str, tuple[float,
         "nan_inf": lambda: [nan_inf.on_local_grad(STEP, buckets.next()) for _ in range(2)],
         "allreduce_sketch": lambda: sketch_work(sketch, buckets.next()),
         "weight_consensus": lambda: fingerprint_table(weights.next()),
-        "replay": lambda: replay._recompute(0, 1),
+        "replay": lambda: replay._recompute(model, 0, 1),
         "forward_backward": forward_backward,
     }
     times = interleaved(fns, rounds)

@@ -207,6 +207,7 @@ def unwatched(device: torch.device) -> Iterator[None]:
 
 class MatmulChecksum(Detector):
     name = "matmul_checksum"
+    parallel = ("ddp", "fsdp", "hsdp")
 
     @dataclass(frozen=True)
     class Config(CheckConfig):

@@ -76,6 +76,7 @@ class Regenerated:
 class Replay(Detector):
     name = "replay"
     recomputes_batches = True
+    parallel = ("ddp", "fsdp", "hsdp")
 
     @dataclass(frozen=True)
     class Config(CheckConfig):
@@ -122,11 +123,10 @@ class Replay(Detector):
     def __init__(self, config: Config, ctx: DetectorContext, log: EventLog):
         super().__init__(config, ctx, log)
         self.data = ctx.replay_data or Regenerated(ctx)
-        self.model = ctx.model
         # The dtype the products round to: autocast's under a mixed precision (the weights stay
         # float32, but every product, and so the gradient, carries 16-bit rounding).
         workload = ctx.workload
-        dtype = (workload and workload.autocast) or next(self.model.parameters()).dtype
+        dtype = (workload and workload.autocast) or next(ctx.model.parameters()).dtype
         # Calibrated on clean runs with 1 and 2 threads per rank: float32 replays differ by up to
         # 2e-7 of the gradient norm, bfloat16 up to 1.1e-2 (every partial sum rounds to 8 bits).
         self.rtol = config.rtol or (1e-5 if dtype == torch.float32 else derived_rtol(dtype))
@@ -157,21 +157,21 @@ class Replay(Detector):
             self.own_dots[name] = dot
             self.own_sq = self.own_sq + sq
 
-    def _recompute(self, step: int, rank: int) -> tuple[float, float, float]:
-        """Loss, projection and norm of `rank`'s local gradient, recomputed on this replica."""
-        loss, dots, sq = self._recompute_on_device(step, rank)
+    def _recompute(self, model: nn.Module, step: int, rank: int) -> tuple[float, float, float]:
+        """Loss, projection and norm of `rank`'s local gradient, recomputed on `model`."""
+        loss, dots, sq = self._recompute_on_device(model, step, rank)
         values = self.read(torch.stack([loss, *dots.values(), sq]))
         return values[0], _fold(dict(zip(dots, values[1:-1], strict=True))), math.sqrt(values[-1])
 
     def _recompute_on_device(
-        self, step: int, rank: int
+        self, model: nn.Module, step: int, rank: int
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
         """Loss, per-parameter projections and squared norm of `rank`'s local gradient,
-        recomputed on this replica, unread."""
-        params = [p for _, p in self.model.named_parameters()]
-        names = [n for n, _ in self.model.named_parameters()]
+        recomputed on `model`, unread."""
+        params = [p for _, p in model.named_parameters()]
+        names = [n for n, _ in model.named_parameters()]
         total_loss, grads, count = 0.0, None, 0
-        for loss in self.data.losses(self.model, step, rank):
+        for loss in self.data.losses(model, step, rank):
             part = torch.autograd.grad(loss / self.data.divisor(rank), params)
             grads = (
                 list(part) if grads is None else [a + b for a, b in zip(grads, part, strict=True)]
@@ -198,9 +198,10 @@ class Replay(Detector):
         world, per_node = self.info.world_size, self.info.ranks_per_node
         peer = (self.info.rank + per_node) % world
         self.data.ship(step, [(p, (p - per_node) % world) for p in range(world)])
+        model = self.ctx.replica()
         # Unfolded, on the device: every rank's own and replayed projections come back in one
         # read, and are folded exactly (math.fsum) on the host.
-        loss, dots, sq = self._recompute_on_device(step, peer)
+        loss, dots, sq = self._recompute_on_device(model, step, peer)
         own_loss = self.own_loss / max(self.own_count, 1)
         own = [own_loss, *(self.own_dots[n] for n in dots), self.own_sq]
         row = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.device)
@@ -225,12 +226,12 @@ class Replay(Detector):
         again = torch.zeros(world, 3, dtype=torch.float64)
         if self.info.rank in mismatched:
             again[self.info.rank] = torch.tensor(
-                self._recompute(step, self.info.rank), dtype=torch.float64
+                self._recompute(model, step, self.info.rank), dtype=torch.float64
             )
         third = torch.zeros(world, 3, dtype=torch.float64)
         for p in mismatched:
             if (p + per_node) % world == self.info.rank:
-                third[p] = torch.tensor(self._recompute(step, p), dtype=torch.float64)
+                third[p] = torch.tensor(self._recompute(model, step, p), dtype=torch.float64)
         both = self._gather_read(torch.cat([again, third]).reshape(-1), world)
         for p in mismatched:
             verifier, tiebreaker = (p - per_node) % world, (p + per_node) % world

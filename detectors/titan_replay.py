@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch import nn
 
 from harness.core.checks import CheckConfig
 from harness.core.plugins import Bucket, Detector, DetectorContext, EventLog
@@ -39,6 +40,7 @@ def xor_digest(tensor: torch.Tensor) -> int:
 
 class TitanReplay(Detector):
     name = "titan_replay"
+    parallel = ("ddp", "fsdp", "hsdp")
 
     @dataclass(frozen=True)
     class Config(CheckConfig):
@@ -68,8 +70,8 @@ class TitanReplay(Detector):
         if self._checked(step):
             self.grads |= {name: xor_digest(g) for name, g in bucket.tensors}
 
-    def _replay(self, step: int) -> tuple[list[float], dict[str, int]]:
-        model, workload = self.ctx.model, self.ctx.workload
+    def _replay(self, model: nn.Module, step: int) -> tuple[list[float], dict[str, int]]:
+        workload = self.ctx.workload
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         losses, grads = [], None
         for source, m in self.ctx.batches(self.info.rank):
@@ -87,8 +89,9 @@ class TitanReplay(Detector):
             return
         reference = (self.losses, self.grads)
         self.losses, self.grads = [], {}
+        model = self.ctx.replica()
         for _ in range(self.config.num_replays):
-            replay = self._replay(step)
+            replay = self._replay(model, step)
             if replay != reference:
                 differing = sorted(n for n in reference[1] if reference[1][n] != replay[1].get(n))
                 evidence = {"losses_equal": replay[0] == reference[0], "tensors": differing[:8]}

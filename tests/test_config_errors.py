@@ -11,6 +11,9 @@ from harness import cli
 from tests.conftest import compose_run, sdc_bench
 
 FSDP = ["topology.parallel=fsdp", "detectors=[nan_inf]", "campaign=single"]
+SHARDED_CHECKS = (
+    "allowed: allreduce_sketch, gather_consensus, matmul_checksum, nan_inf, replay, titan"
+)
 CASES = [
     (["topology.parallel=zero"], "topology.parallel", "allowed: ddp, fsdp, hsdp"),
     (["topology.parallel=hsdp"], "topology.shard_size", "hsdp needs the size"),
@@ -18,20 +21,16 @@ CASES = [
     (["topology.parallel=hsdp", "topology.shard_size=4"], "topology.shard_size", "allowed: 2"),
     (["topology.shard_size=2"], "topology.shard_size", "only hsdp reads it"),
     (
-        ["topology.parallel=fsdp", "detectors=[replay]"],
-        "detectors.replay",
-        "allowed: allreduce_sketch, gather_consensus, nan_inf",
+        ["topology.parallel=fsdp", "detectors=[spiky_loss]"],
+        "detectors.spiky_loss",
+        SHARDED_CHECKS,
     ),
     ([*FSDP, "recovery.enabled=true"], "topology.spares", "allowed: 3 or more"),
-    (
-        [*FSDP, "fault=grad_scale", "fault.site=matmul"],
-        "fault.site",
-        "allowed: grad, allreduce, gather, weight, optimizer",
-    ),
+    ([*FSDP, "fault=grad_scale", "fault.bucket=0"], "fault.bucket", "fsdp has no buckets"),
     (
         ["topology.parallel=fsdp", "detectors=[weight_consensus]"],
         "detectors.weight_consensus",
-        "allowed: allreduce_sketch, gather_consensus, nan_inf",
+        SHARDED_CHECKS,
     ),
     (
         ["topology.parallel=hsdp", "topology.shard_size=2", "detectors=[weight_consensus]"],
@@ -54,7 +53,7 @@ CASES = [
     (
         ["topology.parallel=fsdp", "detectors=[megatron_hash]"],
         "detectors.megatron_hash",
-        "allowed: allreduce_sketch, gather_consensus, nan_inf",
+        SHARDED_CHECKS,
     ),
     (["detectors=[gather_consensus]"], "detectors.gather_consensus", "allowed: allreduce_sketch"),
     (

@@ -5,8 +5,10 @@ On gpt (1.7 MB of gradients), in float32 under FSDP and bfloat16 under HSDP (2 r
 2), with every check that applies at every step: a clean run raises no alert and matches its
 golden run; a NaN in one rank's local gradients, a x1000 on one element of the shard one rank
 receives (scope rank) or of a reduction (scope reduction), and a x1000 in the parameters one
-rank gathers for its forward are each caught in their step, naming the rank (docs/design.md,
-section 3); a NaN in one rank's optimizer shard shows a step after it spoils the weights.
+rank gathers for its forward, and a x1000 on one product of one rank's forward are each caught
+in their step, naming the rank (docs/design.md, section 3); a NaN in one rank's optimizer shard
+shows a step after it spoils the weights. The replays, on a copy gathered whole from the shards,
+name the rank whose local gradient or gathered copy went wrong and change no bit of the run.
 The checks that compare HSDP's replica groups are tests/test_replica_groups.py's; that the sites
 and checks change no bit of a clean run against plain fully_shard, tests/test_sharding.py's."""
 
@@ -30,8 +32,14 @@ SCENARIOS = [
     "{site:allreduce,scope:reduction,model:scale,factor:1000.0,ranks:[1],steps:[2]}",
     "{site:gather,model:scale,factor:1000.0,ranks:[3],steps:[2]}",
     "{site:optimizer,model:value,value:nan,ranks:[0],steps:[1]}",
+    "{site:matmul,model:scale,factor:1000.0,ranks:[1],steps:[2]}",
 ]
-DETECTORS = "detectors=[nan_inf,allreduce_sketch,gather_consensus]"
+DETECTORS = "detectors=[nan_inf,allreduce_sketch,gather_consensus,matmul_checksum]"
+REPLAYS = [
+    "detectors=[nan_inf,allreduce_sketch,gather_consensus,matmul_checksum,replay,titan_replay]",
+    "detectors.replay.interval=1",
+    "detectors.titan_replay.num_steps=-1",
+]
 # (detector, step, phase, suspects) of each fault's first alert, per parallelism: the receiver of
 # the wrong shard (under HSDP, the wrong reduction reaches rank 1's twin in the other replica
 # group too), the rank whose gathered copy differs from the others'.
@@ -45,6 +53,7 @@ CAUGHT = {
         # A moment's NaN spoils rank 0's weight shard at the next update, and every rank gathers
         # it alike: no check names rank 0, the gradients of all show it a step later.
         ("nan_inf", 3, "pre_allreduce", "0;1;2;3"),
+        ("matmul_checksum", 2, "forward", "1"),
     ],
     "hsdp": [
         None,
@@ -54,8 +63,15 @@ CAUGHT = {
         ("gather_consensus", 2, "forward", "3"),
         # Replica group 0 gathers the spoilt shard, group 1 does not: two against two.
         ("gather_consensus", 3, "forward", ""),
+        ("matmul_checksum", 2, "forward", "1"),
     ],
 }
+
+
+def goldens(out) -> dict[int, dict]:
+    """Each golden seed's entry in golden.jsonl: its weights digest, and whence it was reused."""
+    entries = [json.loads(line) for line in (out / "golden.jsonl").read_text().splitlines()]
+    return {e["seed"]: e for e in entries}
 
 
 def campaign(run_ok, tmp_path, name, *overrides):
@@ -67,7 +83,7 @@ def campaign(run_ok, tmp_path, name, *overrides):
     return out
 
 
-@pytest.mark.parametrize(
+PARALLEL = pytest.mark.parametrize(
     "parallel",
     [
         ["topology.parallel=fsdp"],
@@ -75,10 +91,13 @@ def campaign(run_ok, tmp_path, name, *overrides):
     ],
     ids=["fsdp-float32", "hsdp-bfloat16"],
 )
+
+
+@PARALLEL
 def test_faults_at_each_collective_site_are_caught_in_their_step(run_ok, tmp_path, parallel):
-    """Every check that applies at 4 ranks, each at every step: the clean trial raises no alert
-    and matches its golden run; each fault is caught in its step, first by the check derived
-    for its site, naming its rank."""
+    """Every check derived for the site of a fault, each at every step: the clean trial raises
+    no alert and matches its golden run; each fault is caught in its step, first by the check
+    derived for its site, naming its rank."""
     scenarios = f"campaign.scenarios=[{','.join(SCENARIOS)}]"
     out = campaign(run_ok, tmp_path, "faults", *parallel, scenarios, DETECTORS)
     table = rows(out)
@@ -95,6 +114,35 @@ def test_faults_at_each_collective_site_are_caught_in_their_step(run_ok, tmp_pat
         assert (row["detect_step"], row["suspect_ranks"]) == (str(step), suspects), row
         first = min(mine, key=lambda a: (a["step"], PHASE_ORDER[a["phase"]]))
         assert (first["detector"], first["step"], first["phase"]) == (detector, step, phase)
+
+
+@PARALLEL
+def test_replays_on_a_gathered_replica_name_the_rank_and_change_no_weight(
+    run_ok, tmp_path, parallel
+):
+    """Every applicable check at every step, the replays among them (each on a copy of the model
+    gathered whole from the stored shards): the clean trial raises no alert, its golden run ends
+    bit-identical to one computed first by a campaign with no check at all, and both replays
+    name the rank whose local gradient (a NaN) or gathered copy (x1000) went wrong, in its step."""
+    store = f"campaign.golden_cache={tmp_path / 'goldens'}"
+    plain = campaign(run_ok, tmp_path, "plain", *parallel, store, "detectors=[]", "fault=none")
+    faults = [SCENARIOS[0], SCENARIOS[1], SCENARIOS[4]]
+    scenarios = f"campaign.scenarios=[{','.join(faults)}]"
+    out = campaign(run_ok, tmp_path, "replays", *parallel, store, scenarios, *REPLAYS)
+    # The trials' seed's golden reruns with the checks (fast-forward needs their state at each
+    # snapshot): its weights are the unchecked run's, bit for bit.
+    checked, unchecked = goldens(out)[0], goldens(plain)[0]
+    assert checked["reused_from"] is None, checked
+    assert checked["weights_digest"] == unchecked["weights_digest"]
+    clean, local, gathered = rows(out)
+    assert clean["alerts"] == "0" and clean["golden_match"] == "True", clean
+    alerts = [e for e in events(out) if e["kind"] == "alert"]
+    for row, rank in ((local, 1), (gathered, 3)):
+        for check in ("replay", "titan_replay"):
+            named = {tuple(a["suspect_ranks"]) for a in alerts
+                     if a["trial_id"] == row["trial_id"] and a["detector"] == check
+                     and a["step"] == 2}  # fmt: skip
+            assert named == {(rank,)}, (row["trial_id"], check, named)
 
 
 def test_a_sharded_golden_is_never_a_replicated_ones():
@@ -182,16 +230,17 @@ def test_torchrun_runs_a_sharded_custom_campaign_and_writes_the_spawned_worlds_r
 
 def test_a_transformers_llama_with_the_llm_recipe_is_checked_under_fsdp(run_ok, tmp_path):
     """The real architecture (a transformers Llama, one FSDP group per decoder layer) trained
-    with the LLM recipe (bf16-mixed autocast, clipping, warmup + cosine): the clean trial raises
-    no alert; a wrong gathered copy and a wrong received shard are caught in their step by the
-    check derived for each site, naming the rank."""
+    with the LLM recipe (bf16-mixed autocast, clipping, warmup + cosine), every applicable
+    check at every step: the clean trial raises no alert; a wrong gathered copy and a wrong
+    received shard are caught in their step by the check derived for each site, naming the
+    rank, and the replays see the wrong forward too."""
     faults = [
         "{site:none}",
         "{site:gather,model:scale,factor:1000.0,ranks:[1],steps:[2]}",
         "{site:allreduce,model:scale,factor:1000.0,ranks:[2],steps:[1]}",
     ]
     out = campaign(
-        run_ok, tmp_path, "llama", "workload=llama", "topology.parallel=fsdp", DETECTORS,
+        run_ok, tmp_path, "llama", "workload=llama", "topology.parallel=fsdp", *REPLAYS,
         f"campaign.scenarios=[{','.join(faults)}]",
     )  # fmt: skip
     clean, gathered, received = rows(out)
@@ -202,3 +251,5 @@ def test_a_transformers_llama_with_the_llm_recipe_is_checked_under_fsdp(run_ok, 
     ):
         assert row["first_detector"] == detector, row
         assert (row["detect_step"], row["suspect_ranks"]) == (step, rank), row
+    # The replays see the wrong forward too: it changes rank 1's loss and local gradient.
+    assert set(gathered["alert_detectors"].split(";")) >= {"replay", "titan_replay"}, gathered

@@ -166,12 +166,6 @@ def fault_config(
     return fault
 
 
-# The sites a sharded step has so far: its collectives' (local gradient, received shard, gathered
-# parameters), a rank's own weight and optimizer shards, and the forward's; the products are
-# not reached yet.
-SHARDED_SITES = ("grad", "allreduce", "gather", "weight", "optimizer", "activation", "loss")
-
-
 def _parallel_fault(key: str, values: dict[str, Any], site: str, topology: TopologyConfig) -> None:
     """A fault that the world's `topology.parallel` has a site for."""
     parallel = topology.parallel
@@ -182,12 +176,6 @@ def _parallel_fault(key: str, values: dict[str, Any], site: str, topology: Topol
                 "topology.parallel=fsdp or hsdp (this world is ddp)"
             )  # fmt: skip
         return
-    if site not in SHARDED_SITES:
-        raise ConfigError(
-            f"{key}.site",
-            f"'{site}' is not reached under topology.parallel={parallel}; allowed: "
-            + ", ".join(SHARDED_SITES),
-        )
     if injectors.model_class(values["model"]).contribution:
         raise ConfigError(
             f"{key}.model", f"a contribution model changes what a rank sends into the ddp "

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from harness.core.checks import CheckConfig
+from harness.core.dtensors import is_dtensor, whole
 from harness.core.events import Alert, CheckWarning, RankEvent
 from harness.core.matmuls import MatmulCall, Watch
 from harness.core.phases import PHASE_ORDER
@@ -154,6 +155,32 @@ class DetectorContext:
     # Where replay gets another rank's micro-batches: None regenerates them from `workload`; a
     # user's loop ships them instead (harness/runtime/batch_exchange.py).
     replay_data: Any = None
+    # Installs the rank's forward hooks (faults at sites activation and matmul, the products'
+    # checks) on another module: a replica recomputes on this rank's hardware, as the model does.
+    forward_hooks: Callable[[nn.Module], None] | None = field(default=None, repr=False)
+    _unsharded: nn.Module | None = field(default=None, init=False, repr=False)
+
+    def replica(self) -> nn.Module:
+        """A model this rank can recompute any rank's step on by itself (replay): the model, when
+        it is replicated. Sharded, a plain copy of it that this rank holds whole, built from the
+        workload on first use (under forked random state: training draws as it would without
+        it), its weights gathered from the stored shards at each call (a collective: every rank
+        calls it together). The gathered copy is what the optimizer stepped, so a shard that
+        went wrong on its way into one rank's forward (site gather) is not in it; the copy
+        carries the model's forward hooks (`forward_hooks`)."""
+        params = list(self.model.parameters())
+        if not is_dtensor(params[0]):
+            return self.model
+        if self._unsharded is None:
+            device = params[0].device
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                self._unsharded = self.workload.build_model()
+            if self.forward_hooks is not None:
+                self.forward_hooks(self._unsharded)
+        with torch.no_grad():
+            for p, q in zip(params, self._unsharded.parameters(), strict=True):
+                q.copy_(whole(p.detach()))
+        return self._unsharded
 
     def batches(self, rank: int) -> list[tuple[int, int]]:
         """(source rank, micro-batch) pairs that `rank` computes each step."""

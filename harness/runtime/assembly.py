@@ -56,4 +56,5 @@ def assemble(
     bus = PluginBus(plugins + built, log.verdicts, info.device)
     state = HookState(bus, model, info.world_size, transparent=transparent, inner=inner)
     bus.install_forward_hooks(model, lambda: state.step)
+    ctx.forward_hooks = lambda replica: bus.install_forward_hooks(replica, lambda: state.step)
     return RankPlugins(built, bus, state)
