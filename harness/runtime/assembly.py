@@ -55,6 +55,6 @@ def assemble(
     built = detectors.build(checks, ctx, log)
     bus = PluginBus(plugins + built, log.verdicts, info.device)
     state = HookState(bus, model, info.world_size, transparent=transparent, inner=inner)
-    bus.install_forward_hooks(model, lambda: state.step)
-    ctx.forward_hooks = lambda replica: bus.install_forward_hooks(replica, lambda: state.step)
+    ctx.forward_hooks = lambda module: bus.install_forward_hooks(module, lambda: state.step)
+    ctx.forward_hooks(model)
     return RankPlugins(built, bus, state)
