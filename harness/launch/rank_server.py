@@ -27,8 +27,10 @@ from harness.launch import stacks
 from harness.runtime import environment
 
 # The main module first (every forked rank would import it again otherwise), then stacks, whose
-# import registers the server's stack dump before torch loads.
-PRELOAD = ["__main__", "harness.launch.stacks", "harness.launch.world"]
+# import registers the server's stack dump before torch loads. torch._dynamo last: every
+# optimizer's add_param_group imports it on first use (torch._disable_dynamo), about a second of
+# CPU in each rank of each world, which made up most of a small campaign's time on 2 cores.
+PRELOAD = ["__main__", "harness.launch.stacks", "harness.launch.world", "torch._dynamo"]
 
 _environment: dict[str, str] | None = None  # what the running server started with
 
