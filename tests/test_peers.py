@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import events, rows, run_here, sdc_bench
+from tests.conftest import events, rows, run_here
 
 CHECKS = [
     "detectors=[weight_consensus,megatron_hash,titan_replay,spiky_loss]",
@@ -79,12 +79,11 @@ def test_replay_with_megatrons_rerun_verdicts(tmp_path):
         "site:activation,tensor:fc1,model:scale,factor:1000,ranks:[1],steps:[5]",
     ]
     listed = ",".join("{" + s + "}" for s in scenarios)
-    proc = sdc_bench(
+    run_here(
         "detectors=[replay]", "detectors.replay.verdict=megatron", "workload.steps=6",
         "campaign.seeds=1", "campaign.noise_seeds=2", f"campaign.scenarios=[{listed}]",
         f"out={tmp_path / 'run'}", cwd=tmp_path,
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     trials = [r["trial_id"] for r in rows(tmp_path / "run")]
     alerts = [e for e in events(tmp_path / "run") if e["kind"] == "alert"]
     verdicts = [

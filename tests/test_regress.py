@@ -19,7 +19,7 @@ from harness.analysis.regress import load, regressions
 from harness.campaign import overhead
 from harness.results import machine, schema
 from harness.runtime import environment
-from tests.conftest import BIN
+from tests.conftest import BIN, run_here
 
 # Clean trials and a NaN in rank 3's local gradient, 4 seeds each: the fewest for which a catch
 # rate of 4/4 and one of 0/4 have disjoint Wilson intervals (and 0/4 is a blind spot).
@@ -55,20 +55,12 @@ def sdc_regress(*args: Path) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
-    """Both campaigns at once: each leaves a core idle between trials that the other can use."""
+    """Both campaigns, in this process: sdc-regress, not the command that made its input, is
+    under test."""
     root = tmp_path_factory.mktemp("regress")
     checks = {"baseline": "[nan_inf]", "switched_off": "[]"}
-    procs = {}
     for name, detectors in checks.items():
-        with open(root / f"{name}.log", "w") as log:
-            procs[name] = subprocess.Popen(
-                [str(BIN / "sdc-bench"), *CAMPAIGN, f"detectors={detectors}", f"out={root / name}"],
-                cwd=root,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-    for name, proc in procs.items():
-        assert proc.wait(timeout=300) == 0, (root / f"{name}.log").read_text()[-3000:]
+        run_here(*CAMPAIGN, f"detectors={detectors}", f"out={root / name}", cwd=root)
     return {name: root / name for name in checks}
 
 
