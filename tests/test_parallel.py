@@ -74,11 +74,13 @@ def goldens(out) -> dict[int, dict]:
     return {e["seed"]: e for e in entries}
 
 
-def campaign(run_ok, tmp_path, name, *overrides):
+def campaign(run_ok, tmp_path, name, *overrides, micro_batch_size=4):
+    """One seed of 4 steps, by default at a quarter of the workload's tokens per step: gpt's
+    gradients stay 1.7 MB (they are the size of its parameters) and a step costs a third."""
     out = tmp_path / name
     run_ok(
-        "workload=gpt", "workload.steps=4", "campaign.seeds=1", "campaign.noise_seeds=2",
-        *overrides, f"out={out}", cwd=tmp_path,
+        "workload=gpt", "workload.steps=4", f"workload.micro_batch_size={micro_batch_size}",
+        "campaign.seeds=1", "campaign.noise_seeds=2", *overrides, f"out={out}", cwd=tmp_path,
     )  # fmt: skip
     return out
 
@@ -125,10 +127,15 @@ def test_replays_on_a_gathered_replica_name_the_rank_and_change_no_weight(
     bit-identical to one computed first by a campaign with no check at all, and both replays
     name the rank whose local gradient (a NaN) or gathered copy (x1000) went wrong, in its step."""
     store = f"campaign.golden_cache={tmp_path / 'goldens'}"
-    plain = campaign(run_ok, tmp_path, "plain", *parallel, store, "detectors=[]", "fault=none")
+    # gpt's full 16 sequences per step: at 4, in bfloat16, replay did not name rank 3's wrong
+    # gathered copy at step 2 (titan_replay, gather_consensus and matmul_checksum did).
+    tokens = {"micro_batch_size": 16}
+    plain = campaign(
+        run_ok, tmp_path, "plain", *parallel, store, "detectors=[]", "fault=none", **tokens
+    )
     faults = [SCENARIOS[0], SCENARIOS[1], SCENARIOS[4]]
     scenarios = f"campaign.scenarios=[{','.join(faults)}]"
-    out = campaign(run_ok, tmp_path, "replays", *parallel, store, scenarios, *REPLAYS)
+    out = campaign(run_ok, tmp_path, "replays", *parallel, store, scenarios, *REPLAYS, **tokens)
     # The trials' seed's golden reruns with the checks (fast-forward needs their state at each
     # snapshot): its weights are the unchecked run's, bit for bit.
     checked, unchecked = goldens(out)[0], goldens(plain)[0]
