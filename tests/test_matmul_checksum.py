@@ -251,8 +251,8 @@ def test_a_campaign_catches_a_wrong_product_off_the_audit_steps(run_ok, tmp_path
     by matmul_checksum alone, naming rank 1 and a module inside the target."""
     out = tmp_path / "out"
     run_ok(
-        "campaign=single", "workload=gpt", f"workload.dtype={dtype}", "workload.steps=6",
-        "campaign.noise_seeds=2", "topology.nodes=3",
+        "campaign=single", "workload=gpt", "workload.micro_batch_size=4",
+        f"workload.dtype={dtype}", "workload.steps=6", "campaign.noise_seeds=2", "topology.nodes=3",
         "fault.site=matmul", "fault.model=scale", f"fault.factor={factor}", "fault.ranks=[1]",
         "fault.steps=[3]", "detectors=[nan_inf,replay,matmul_checksum]", "campaign.seeds=1",
         f"out={out}", cwd=tmp_path,
