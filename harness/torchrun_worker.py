@@ -19,7 +19,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import NoReturn
 
-from harness.analysis import report, tables
 from harness.campaign.run import CampaignError, run_campaign
 from harness.config.load import run_config
 from harness.config.schema import RunConfig, TopologyConfig
@@ -121,6 +120,14 @@ def main(argv: list[str] | None = None) -> None:
         raise
     executor.end(END)
     world.leave()
+    _report(trials, out)
+
+
+def _report(trials: Path, out: Path) -> None:
+    """Rank 0's summary and report. Imported here, not at the top: pandas and matplotlib are
+    about a second of CPU in each rank that imports them, and only rank 0 writes the report."""
+    from harness.analysis import report, tables
+
     df = tables.load_trials([trials.parent])
     print(report.summary(df))
     print(f"trials: {trials}\nreport: {report.write_report(df, out)}")
