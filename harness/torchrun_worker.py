@@ -124,8 +124,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _report(trials: Path, out: Path) -> None:
-    """Rank 0's summary and report. Imported here, not at the top: pandas and matplotlib are
-    about a second of CPU in each rank that imports them, and only rank 0 writes the report."""
+    """Rank 0's summary and report. Imported here, not at the top: pandas and matplotlib cost
+    every rank that imports them close to half a second, and only rank 0 writes the report."""
     from harness.analysis import report, tables
 
     df = tables.load_trials([trials.parent])

@@ -12,7 +12,12 @@ from pathlib import Path
 import pytest
 
 from harness.campaign.fastforward import golden_specs
-from harness.campaign.golden_store import GoldenMismatch, GoldenStore, package_version
+from harness.campaign.golden_store import (
+    GoldenMismatch,
+    GoldenStore,
+    code_version,
+    package_version,
+)
 from harness.results.judgement import Golden
 from harness.runtime import checkpoint
 from tests.conftest import compose_run, rows, sdc_bench, without_timing
@@ -148,3 +153,6 @@ def test_the_code_version_follows_every_source_file_of_a_local_package(tmp_path,
     package_version.cache_clear()
     assert package_version("mymodels") != before
     assert package_version("torch").startswith("torch==")
+    # A workload's own packages are in its goldens' key by their installed versions.
+    llama = code_version(compose_run("workload=llama").workload)
+    assert llama["transformers"].startswith("transformers=="), llama

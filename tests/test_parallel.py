@@ -129,13 +129,12 @@ def test_replays_on_a_gathered_replica_name_the_rank_and_change_no_weight(
     store = f"campaign.golden_cache={tmp_path / 'goldens'}"
     # gpt's full 16 sequences per step: at 4, in bfloat16, replay did not name rank 3's wrong
     # gathered copy at step 2 (titan_replay, gather_consensus and matmul_checksum did).
-    tokens = {"micro_batch_size": 16}
-    plain = campaign(
-        run_ok, tmp_path, "plain", *parallel, store, "detectors=[]", "fault=none", **tokens
-    )
+    both = [*parallel, store]
+    plain = campaign(run_ok, tmp_path, "plain", *both, "detectors=[]", "fault=none",
+                     micro_batch_size=16)  # fmt: skip
     faults = [SCENARIOS[0], SCENARIOS[1], SCENARIOS[4]]
     scenarios = f"campaign.scenarios=[{','.join(faults)}]"
-    out = campaign(run_ok, tmp_path, "replays", *parallel, store, scenarios, *REPLAYS, **tokens)
+    out = campaign(run_ok, tmp_path, "replays", *both, scenarios, *REPLAYS, micro_batch_size=16)
     # The trials' seed's golden reruns with the checks (fast-forward needs their state at each
     # snapshot): its weights are the unchecked run's, bit for bit.
     checked, unchecked = goldens(out)[0], goldens(plain)[0]

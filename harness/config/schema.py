@@ -98,10 +98,6 @@ class WorkloadConfig:
         roots = {str(t).split(".")[0] for t in targets} - {"harness", "torch"}
         if self.name == "llama":
             roots.add("transformers")
-        if "transformers" in roots:
-            # Its root module is lazy: the model classes load modeling_utils, most of its import
-            # time, on first touch; loaded in the server, no rank pays it again.
-            roots = roots - {"transformers"} | {"transformers.modeling_utils"}
         return tuple(sorted(roots))
 
 

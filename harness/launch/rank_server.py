@@ -31,6 +31,9 @@ from harness.runtime import environment
 # optimizer's add_param_group imports it on first use (torch._disable_dynamo), about a second of
 # CPU in each rank of each world, which made up most of a small campaign's time on 2 cores.
 PRELOAD = ["__main__", "harness.launch.stacks", "harness.launch.world", "torch._dynamo"]
+# What to import for a package whose root module is lazy: transformers loads modeling_utils, most
+# of its import time, at the first model class a rank builds.
+_LOADED_BY = {"transformers": "transformers.modeling_utils"}
 
 _environment: dict[str, str] | None = None  # what the running server started with
 
@@ -46,7 +49,7 @@ def context(cpu_kernels: str, folder: Path, preload: tuple[str, ...] = ()) -> Ba
         wanted[" preload"] = ",".join(preload)  # not a variable name: never collides
         if wanted != _environment:
             stop()
-            forkserver.set_forkserver_preload(PRELOAD + list(preload))
+            forkserver.set_forkserver_preload(PRELOAD + [_LOADED_BY.get(p, p) for p in preload])
             with stacks.written_by_ranks_into(folder):
                 forkserver.ensure_running()
             _environment = wanted
