@@ -35,6 +35,12 @@ PRELOAD = ["__main__", "harness.launch.stacks", "harness.launch.world", "torch._
 # of its import time, at the first model class a rank builds.
 _LOADED_BY = {"transformers": "transformers.modeling_utils"}
 
+# Variables that may differ from the running server's without starting another: the stack
+# folder, set only while a server starts, and the one pytest rewrites at every phase of every
+# test, which no rank reads. Compared, it started a server (seconds of CPU) for each test of a
+# suite that runs campaigns in its own process: this project's, or a user's for their detector.
+_NOT_COMPARED = (stacks.FOLDER_ENV, "PYTEST_CURRENT_TEST")
+
 _environment: dict[str, str] | None = None  # what the running server started with
 
 
@@ -45,7 +51,7 @@ def context(cpu_kernels: str, folder: Path, preload: tuple[str, ...] = ()) -> Ba
     in `folder`."""
     global _environment
     with environment.pinned(cpu_kernels):
-        wanted = {k: v for k, v in os.environ.items() if k != stacks.FOLDER_ENV}
+        wanted = {k: v for k, v in os.environ.items() if k not in _NOT_COMPARED}
         wanted[" preload"] = ",".join(preload)  # not a variable name: never collides
         if wanted != _environment:
             stop()
