@@ -85,13 +85,10 @@ def campaign(run_ok, tmp_path, name, *overrides, micro_batch_size=4):
     return out
 
 
+FSDP = ["topology.parallel=fsdp"]
+HSDP_BF16 = ["topology.parallel=hsdp", "topology.shard_size=2", "workload.dtype=bfloat16"]
 PARALLEL = pytest.mark.parametrize(
-    "parallel",
-    [
-        ["topology.parallel=fsdp"],
-        ["topology.parallel=hsdp", "topology.shard_size=2", "workload.dtype=bfloat16"],
-    ],
-    ids=["fsdp-float32", "hsdp-bfloat16"],
+    "parallel", [FSDP, HSDP_BF16], ids=["fsdp-float32", "hsdp-bfloat16"]
 )
 
 
@@ -118,23 +115,28 @@ def test_faults_at_each_collective_site_are_caught_in_their_step(run_ok, tmp_pat
         assert (first["detector"], first["step"], first["phase"]) == (detector, step, phase)
 
 
-@PARALLEL
+# gpt's full 16 sequences per step under HSDP in bfloat16: at 4, replay did not name rank 3's
+# wrong gathered copy at step 2 (titan_replay, gather_consensus and matmul_checksum did).
+@pytest.mark.parametrize(
+    "parallel, micro_batch_size",
+    [(FSDP, 4), (HSDP_BF16, 16)],
+    ids=["fsdp-float32", "hsdp-bfloat16"],
+)
 def test_replays_on_a_gathered_replica_name_the_rank_and_change_no_weight(
-    run_ok, tmp_path, parallel
+    run_ok, tmp_path, parallel, micro_batch_size
 ):
     """Every applicable check at every step, the replays among them (each on a copy of the model
     gathered whole from the stored shards): the clean trial raises no alert, its golden run ends
     bit-identical to one computed first by a campaign with no check at all, and both replays
     name the rank whose local gradient (a NaN) or gathered copy (x1000) went wrong, in its step."""
     store = f"campaign.golden_cache={tmp_path / 'goldens'}"
-    # gpt's full 16 sequences per step: at 4, in bfloat16, replay did not name rank 3's wrong
-    # gathered copy at step 2 (titan_replay, gather_consensus and matmul_checksum did).
     both = [*parallel, store]
     plain = campaign(run_ok, tmp_path, "plain", *both, "detectors=[]", "fault=none",
-                     micro_batch_size=16)  # fmt: skip
+                     micro_batch_size=micro_batch_size)  # fmt: skip
     faults = [SCENARIOS[0], SCENARIOS[1], SCENARIOS[4]]
     scenarios = f"campaign.scenarios=[{','.join(faults)}]"
-    out = campaign(run_ok, tmp_path, "replays", *both, scenarios, *REPLAYS, micro_batch_size=16)
+    out = campaign(run_ok, tmp_path, "replays", *both, scenarios, *REPLAYS,
+                   micro_batch_size=micro_batch_size)  # fmt: skip
     # The trials' seed's golden reruns with the checks (fast-forward needs their state at each
     # snapshot): its weights are the unchecked run's, bit for bit.
     checked, unchecked = goldens(out)[0], goldens(plain)[0]
