@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from hydra.utils import instantiate
 from torch import nn
 
 from harness import losses
@@ -129,6 +128,14 @@ def llama(cfg: WorkloadConfig) -> nn.Module:
     return transformers.LlamaForCausalLM(config)
 
 
+def _instantiate(node: Any) -> Any:
+    """Hydra's instantiate, imported at first use: only a custom workload needs it, and Hydra
+    with OmegaConf costs every rank that starts as a fresh interpreter (torchrun's) 0.4 s of CPU."""
+    from hydra.utils import instantiate
+
+    return instantiate(node)
+
+
 class Workload:
     """Builds the model and produces deterministic batches and losses for one config."""
 
@@ -140,8 +147,8 @@ class Workload:
         self.device = torch.device(device)
         teacher = generator(cfg.seed, _STREAM_TEACHER)
         if cfg.name == "custom":
-            self._data = instantiate(cfg.data)
-            self._loss = instantiate(cfg.loss)
+            self._data = _instantiate(cfg.data)
+            self._loss = _instantiate(cfg.loss)
         elif cfg.name == "mlp":
             self._teacher = torch.randn(cfg.in_dim, cfg.classes, generator=teacher)
         else:
@@ -155,7 +162,7 @@ class Workload:
         torch.manual_seed(self.cfg.seed)
         with self.device if self.device.type == "meta" else nullcontext():
             if self.cfg.name == "custom":
-                model = instantiate(self.cfg.model)
+                model = _instantiate(self.cfg.model)
             elif self.cfg.name == "llama":
                 model = llama(self.cfg)
             else:
@@ -164,7 +171,7 @@ class Workload:
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         if self.cfg.name == "custom":
-            return instantiate(self.cfg.optimizer)(model.parameters())
+            return _instantiate(self.cfg.optimizer)(model.parameters())
         # AdamW adds eps to the root of the second moment in the weights' dtype: float16 rounds
         # 1e-8 to 0, and an element whose gradient is 0 then updates by 0/0 = NaN at step 0.
         eps = max(1e-8, torch.finfo(self.dtype).tiny)
