@@ -20,6 +20,7 @@ from harness.config.schema import FaultConfig, RunConfig
 from harness.core.events import Alert, ElementInject
 from harness.core.matmuls import traced
 from harness.core.plugins import DetectorContext, EventLog, PluginBus, RankInfo
+from harness.runtime import numerics
 from harness.runtime.workloads import Workload
 from injectors import injector
 from tests.conftest import compose_run, events, rows
@@ -44,6 +45,7 @@ class Rank:
         config: MatmulChecksum.Config | None = None,
     ):
         self.workload = Workload(replace(run.workload, seed=seed))
+        self.cpu_numerics = run.topology.cpu_numerics
         self.model = self.workload.build_model()
         info = RankInfo(0, 1, 1)
         self.log = EventLog(0, 0)
@@ -64,9 +66,12 @@ class Rank:
     def train(self, step: int) -> None:
         self.step = step
         self.optimizer.zero_grad(set_to_none=True)
-        with self.workload.forward_rng(step, 0, 0):
-            loss = self.workload.loss(self.model, self.workload.batch(step, 0, 0))
-        loss.backward()
+        # 16-bit products as a CPU rank computes them (`topology.cpu_numerics`, emulated unless
+        # set): the numerics every campaign's check sees.
+        with numerics.installed(self.cpu_numerics, "cpu"):
+            with self.workload.forward_rng(step, 0, 0):
+                loss = self.workload.loss(self.model, self.workload.batch(step, 0, 0))
+            loss.backward()
         self.checked.append([key for _, _, key, _ in self.check.found])
         self.bus.audit(step)
         ratios = [p.detail for p in self.log.verdicts.pending]
