@@ -25,6 +25,7 @@ from detectors.nan_inf import NanInf
 from harness.config.schema import WorkloadConfig
 from harness.core.events import Alert, Sensitivity
 from harness.core.plugins import DetectorContext, EventLog, PluginBus, RankInfo
+from harness.runtime import numerics
 from harness.runtime.shard_sites import ShardedBuckets
 from harness.runtime.sharding import GroupLayout, ShardSites, blocks, mesh, shard
 from harness.runtime.workloads import Workload
@@ -285,10 +286,12 @@ def _rank(rank: int, store: str, folder: str, cfgs: dict, results) -> None:
         "prefetched": lambda: _prefetched(workload, meshes["fsdp"]),
     }
     report, seconds = {}, {}
-    for name, part in parts.items():
-        started = time.perf_counter()
-        report[name] = part()
-        seconds[name] = round(time.perf_counter() - started, 1)
+    # 16-bit products as the trainer's ranks compute them (`topology.cpu_numerics` unset).
+    with numerics.installed(None, "cpu"):
+        for name, part in parts.items():
+            started = time.perf_counter()
+            report[name] = part()
+            seconds[name] = round(time.perf_counter() - started, 1)
     print(f"rank {rank} seconds {seconds}", flush=True)
     results.put((rank, report))
     dist.barrier()
