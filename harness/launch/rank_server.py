@@ -42,23 +42,29 @@ _LOADED_BY = {"transformers": "transformers.modeling_utils"}
 _NOT_COMPARED = (stacks.FOLDER_ENV, "PYTEST_CURRENT_TEST")
 
 _environment: dict[str, str] | None = None  # what the running server started with
+_preloaded: frozenset[str] = frozenset()  # the workload packages it imported
 
 
 def context(cpu_kernels: str, folder: Path, preload: tuple[str, ...] = ()) -> BaseContext:
     """A context whose processes fork from a server that runs the `cpu_kernels` pin and has
     imported `preload` too (a workload's own packages: transformers takes seconds of CPU per
-    rank); a server that runs anything else is stopped first. A new server writes its stack file
-    in `folder`."""
-    global _environment
+    rank); a server that runs anything else, or lacks one of them, is stopped first. A server
+    that imported more than a world needs serves it as it is: an imported package a world never
+    uses changes none of its numbers, and a campaign or a test run that goes from a transformers
+    workload back to the mlp keeps its server. A new one imports what the old one had as well,
+    when its environment is the same. A new server writes its stack file in `folder`."""
+    global _environment, _preloaded
     with environment.pinned(cpu_kernels):
         wanted = {k: v for k, v in os.environ.items() if k not in _NOT_COMPARED}
-        wanted[" preload"] = ",".join(preload)  # not a variable name: never collides
-        if wanted != _environment:
+        if wanted != _environment or not _preloaded.issuperset(preload):
+            keep = _preloaded if wanted == _environment else frozenset()
             stop()
-            forkserver.set_forkserver_preload(PRELOAD + [_LOADED_BY.get(p, p) for p in preload])
+            loaded = keep.union(preload)
+            modules = [_LOADED_BY.get(p, p) for p in sorted(loaded)]
+            forkserver.set_forkserver_preload(PRELOAD + modules)
             with stacks.written_by_ranks_into(folder):
                 forkserver.ensure_running()
-            _environment = wanted
+            _environment, _preloaded = wanted, loaded
     return get_context("forkserver")
 
 
@@ -69,10 +75,10 @@ def pid() -> int | None:
 def stop() -> None:
     """Kill the server, hung or not (its ranks are the worlds' to end); the next `context`
     starts a fresh one."""
-    global _environment
+    global _environment, _preloaded
     server = pid()
     if server is not None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(server, signal.SIGKILL)
         forkserver._forkserver._stop()  # noqa: SLF001 - closes its pipe and reaps it
-    _environment = None
+    _environment, _preloaded = None, frozenset()
