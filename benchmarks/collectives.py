@@ -2,7 +2,8 @@
 
 Each rank checks what it holds, so a detector's arithmetic is the same at any world size; what
 grows with ranks is what the detectors exchange. Timed here in bare gloo worlds on loopback
-(processes that only import torch, so they start quickly), many repetitions, the median:
+(processes forked from the rank server a simulated world's ranks come from, torch already
+imported, so they start quickly), many repetitions, the median:
 
 - consensus: weight_consensus's all_gather of two int64 words per tensor (the `gpt` model's);
 - replay: replay's all_gather of its six-number row (float64) per audit;
@@ -12,7 +13,6 @@ grows with ranks is what the detectors exchange. Timed here in bare gloo worlds 
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import socket
 import statistics
@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from benchmarks.common import compose_run
+from harness.launch import rank_server
 from harness.runtime.comm import rider_slots
 
 TIMEOUT_S = 120
@@ -80,9 +82,9 @@ def cases(world: int, tensors: int, params: int) -> dict[str, tuple[str, int, to
 def time_world(world: int, case_list: dict, reps: int) -> dict[str, float]:
     """Median seconds of each collective in a fresh gloo world of `world` processes, one
     thread each, as the ranks of a simulated world."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
+        ctx = rank_server.context(compose_run().topology.cpu_kernels, Path(tmp))
+        results = ctx.Queue()
         init = f"file://{Path(tmp) / 'rendezvous'}"
         procs = [ctx.Process(target=_rank, args=(r, world, init, case_list, reps, results),
                              daemon=True) for r in range(world)]  # fmt: skip

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from multiprocessing.context import BaseContext
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from harness import cli
 from harness.cli import CONFIG_DIR
 from harness.config.load import run_config
 from harness.config.schema import RunConfig
+from harness.launch import rank_server
 
 BIN = Path(sys.executable).parent
 
@@ -77,6 +79,13 @@ def events(out: Path) -> list[dict]:
 
 def without_timing(table: list[dict[str, str]]) -> list[dict[str, str]]:
     return [{k: v for k, v in row.items() if k not in TIMING} for row in table]
+
+
+def forked_ranks(folder: Path) -> BaseContext:
+    """A multiprocessing context for a test's own ranks: they fork from the rank server that a
+    campaign's ranks come from (harness/launch/rank_server.py), torch already imported, under the
+    default CPU kernel pin. A spawned rank imports torch afresh, 3 s of CPU on 2 cores each."""
+    return rank_server.context(compose_run().topology.cpu_kernels, folder)
 
 
 def run_here(*args: str, cwd: Path) -> subprocess.CompletedProcess:

@@ -4,7 +4,6 @@ reducing every chunk at the end of backward."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 from contextlib import nullcontext
 from datetime import timedelta
 
@@ -16,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from harness.core.plugins import Bucket, Plugin, PluginBus
 from harness.runtime.comm import HookState, comm_hook, harness_ddp
 from harness.runtime.workloads import Workload
-from tests.conftest import compose_run
+from tests.conftest import compose_run, forked_ranks
 
 WORLD = 2
 MICRO_BATCHES = 2
@@ -113,7 +112,7 @@ def _rank(rank: int, store: str, results) -> None:
 
 
 def test_each_chunk_is_reduced_during_backward_bit_identical_to_reducing_at_its_end(tmp_path):
-    ctx = mp.get_context("spawn")
+    ctx = forked_ranks(tmp_path)
     results = ctx.Queue()
     store = str(tmp_path / "store")
     procs = [ctx.Process(target=_rank, args=(r, store, results)) for r in range(WORLD)]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import multiprocessing as mp
 from collections import defaultdict
 from datetime import timedelta
 from pathlib import Path
@@ -18,7 +17,7 @@ from harness.core.plugins import EventLog, PluginBus, RankInfo
 from harness.errors import ConfigError
 from harness.runtime.comm import HookState, comm_hook
 from injectors.injector import FaultInjector
-from tests.conftest import compose_run, events, rows, run_here, sdc_bench
+from tests.conftest import compose_run, events, forked_ranks, rows, run_here, sdc_bench
 
 SITES = "[grad,allreduce,weight,optimizer,activation,loss]"
 ONE = "ranks:[1],steps:[3],grid:{site:" + SITES + "}"
@@ -221,7 +220,7 @@ def _published_example(rank: int, store: str, results) -> None:
 
 
 def test_published_example_one_scaled_gradient_poisons_every_replica_alike(tmp_path):
-    ctx = mp.get_context("spawn")
+    ctx = forked_ranks(tmp_path)
     results = ctx.Queue()
     procs = [
         ctx.Process(target=_published_example, args=(r, str(tmp_path / "store"), results))
@@ -364,7 +363,7 @@ def _reduction_faults(rank: int, store: str, results) -> None:
 
 
 def test_contribution_faults_make_the_sum_they_name(tmp_path):
-    ctx = mp.get_context("spawn")
+    ctx = forked_ranks(tmp_path)
     results = ctx.Queue()
     procs = [
         ctx.Process(target=_reduction_faults, args=(r, str(tmp_path / "store"), results))

@@ -5,7 +5,6 @@ case; the tests below each assert on its part of what the ranks reported."""
 from __future__ import annotations
 
 import hashlib
-import multiprocessing as mp
 import queue
 import time
 from datetime import timedelta
@@ -29,7 +28,7 @@ from harness.runtime import numerics
 from harness.runtime.shard_sites import ShardedBuckets
 from harness.runtime.sharding import GroupLayout, ShardSites, blocks, mesh, shard
 from harness.runtime.workloads import Workload
-from tests.conftest import compose_run
+from tests.conftest import compose_run, forked_ranks
 
 WORLD = 4
 STEPS = 4
@@ -307,7 +306,7 @@ def ranks(tmp_path_factory) -> list[dict]:
         dtype: compose_run(*base, f"workload.dtype={dtype}").workload
         for dtype in ("float32", "bfloat16")
     }
-    ctx = mp.get_context("spawn")
+    ctx = forked_ranks(folder)
     results = ctx.Queue()
     args = (str(folder / "store"), str(folder), cfgs, results)
     procs = [ctx.Process(target=_rank, args=(r, *args)) for r in range(WORLD)]
