@@ -70,8 +70,15 @@ def test_every_benchmark_runs_once_and_reports_sane_numbers(tmp_path, capsys):
         overhead = _csv(out / name)
         assert [r["interval"] for r in overhead if r["detector"] == "replay"] == ["1", "2"]
         for row in overhead:
-            assert math.isfinite(float(row["overhead_pct"])), row
             assert math.isfinite(float(row["floor_pct"])), row
+            if name == "overhead.csv":
+                assert math.isfinite(float(row["overhead_pct"])), row
+            # By CPU time, each trial is net of a one-step trial's fixed cost: at the quick size
+            # (3 steps of a tiny model on 3 ranks) the bare trials' net is a few of /proc's 10 ms
+            # ticks, and beside the gpu check's worlds it came out at or below zero in 2 of 15
+            # runs. The benchmark writes NaN for a ratio over a net that is not positive.
+            elif not math.isfinite(float(row["overhead_pct"])):
+                assert row["overhead_pct"] == "nan", row
 
     for row in _csv(out / "growth_size.csv"):
         assert float(row["ms_per_call"]) > 0 and int(row["params"]) > 0
