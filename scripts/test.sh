@@ -16,5 +16,7 @@ fi
 # The dependency rules between harness's layers (pyproject.toml, [tool.importlinter]).
 .venv/bin/lint-imports --no-cache --no-logo
 # Two workers, a test file each: most of a test's time is spent waiting on rank processes (world
-# start, collective timeouts, hang detection), which the other worker fills with work.
-exec .venv/bin/pytest --numprocesses="${SDC_TEST_WORKERS:-2}" --dist=loadfile "$@"
+# start, collective timeouts, hang detection), which the other worker fills with work. Files go
+# out in tests/conftest.py's order, longest first, not xdist's (most tests first).
+exec .venv/bin/pytest --numprocesses="${SDC_TEST_WORKERS:-2}" --dist=loadfile \
+  --no-loadscope-reorder "$@"
