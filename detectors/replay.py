@@ -198,7 +198,7 @@ class Replay(Detector):
         world, per_node = self.info.world_size, self.info.ranks_per_node
         peer = (self.info.rank + per_node) % world
         self.data.ship(step, [(p, (p - per_node) % world) for p in range(world)])
-        model = self.ctx.replica()
+        model = self.ctx.replica(step)
         # Unfolded, on the device: every rank's own and replayed projections come back in one
         # read, and are folded exactly (math.fsum) on the host.
         loss, dots, sq = self._recompute_on_device(model, step, peer)

@@ -89,7 +89,7 @@ class TitanReplay(Detector):
             return
         reference = (self.losses, self.grads)
         self.losses, self.grads = [], {}
-        model = self.ctx.replica()
+        model = self.ctx.replica(step)
         for _ in range(self.config.num_replays):
             replay = self._replay(model, step)
             if replay != reference:

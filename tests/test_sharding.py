@@ -269,6 +269,21 @@ def _prefetched(workload: Workload, device_mesh) -> dict:
     return {"same": losses[0] == losses[1], "seen": seen}
 
 
+def _replica_per_step(workload: Workload, device_mesh) -> dict:
+    """The replica the replays recompute on (DetectorContext.replica): gathered whole once per
+    step, so that two replays of one step share the gather (a collective per parameter); the next
+    step's call gathers the weights as they are then. The shards change here between two calls of
+    one step, which training never does, so that a second gather would show."""
+    model = _model(workload, device_mesh, None)
+    ctx = DetectorContext(RankInfo(dist.get_rank(), WORLD, 1), model, workload, 2, ((0,),) * WORLD)
+    first = _digest(ctx.replica(0))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.to_local().add_(1.0)
+    again, later = _digest(ctx.replica(0)), _digest(ctx.replica(1))
+    return {"same_step": again == first, "next_step": later == _digest(model) != first}
+
+
 def _rank(rank: int, store: str, folder: str, cfgs: dict, results) -> None:
     dist.init_process_group(
         "gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
@@ -283,6 +298,7 @@ def _rank(rank: int, store: str, folder: str, cfgs: dict, results) -> None:
         "received": lambda: _received_fault(workload, meshes["fsdp"]),
         "gathered": lambda: _gathered_fault(workload, meshes["fsdp"]),
         "prefetched": lambda: _prefetched(workload, meshes["fsdp"]),
+        "replica": lambda: _replica_per_step(workload, meshes["fsdp"]),
     }
     report, seconds = {}, {}
     # 16-bit products as the trainer's ranks compute them (`topology.cpu_numerics` unset).
@@ -387,3 +403,7 @@ def test_mesh_refuses_a_shard_size_that_does_not_divide_the_world():
         mesh("hsdp", 4, 3, "cpu")
     with pytest.raises(ValueError, match=r"between 2 and the world size 4"):
         mesh("hsdp", 4, 8, "cpu")
+
+
+def test_the_replays_of_one_step_share_one_gather_of_the_replica(ranks):
+    assert [r["replica"] for r in ranks] == [{"same_step": True, "next_step": True}] * WORLD

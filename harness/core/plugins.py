@@ -159,15 +159,18 @@ class DetectorContext:
     # checks) on another module: a replica recomputes on this rank's hardware, as the model does.
     forward_hooks: Callable[[nn.Module], None] | None = field(default=None, repr=False)
     _unsharded: nn.Module | None = field(default=None, init=False, repr=False)
+    _gathered_at: int | None = field(default=None, init=False, repr=False)
 
-    def replica(self) -> nn.Module:
+    def replica(self, step: int) -> nn.Module:
         """A model this rank can recompute any rank's step on by itself (replay): the model, when
         it is replicated. Sharded, a plain copy of it that this rank holds whole, built from the
         workload on first use (under forked random state: training draws as it would without
-        it), its weights gathered from the stored shards at each call (a collective: every rank
-        calls it together). The gathered copy is what the optimizer stepped, so a shard that
-        went wrong on its way into one rank's forward (site gather) is not in it; the copy
-        carries the model's forward hooks (`forward_hooks`)."""
+        it), its weights gathered from the stored shards once per step (a collective: every rank
+        calls it together). The checks that replay in one step share that gather: the weights do
+        not change between backward and the optimizer step, and a trial runs each step once. The
+        gathered copy is what the optimizer stepped, so a shard that went wrong on its way into
+        one rank's forward (site gather) is not in it; the copy carries the model's forward hooks
+        (`forward_hooks`)."""
         params = list(self.model.parameters())
         if not is_dtensor(params[0]):
             return self.model
@@ -177,9 +180,11 @@ class DetectorContext:
                 self._unsharded = self.workload.build_model()
             if self.forward_hooks is not None:
                 self.forward_hooks(self._unsharded)
-        with torch.no_grad():
-            for p, q in zip(params, self._unsharded.parameters(), strict=True):
-                q.copy_(whole(p.detach()))
+        if self._gathered_at != step:
+            with torch.no_grad():
+                for p, q in zip(params, self._unsharded.parameters(), strict=True):
+                    q.copy_(whole(p.detach()))
+            self._gathered_at = step
         return self._unsharded
 
     def batches(self, rank: int) -> list[tuple[int, int]]:
