@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from harness.core.plugins import Bucket, Plugin, PluginBus
+from harness.launch.world import shutdown
 from harness.runtime.comm import HookState, comm_hook, harness_ddp
 from harness.runtime.workloads import Workload
 from tests.conftest import compose_run, forked_ranks
@@ -107,8 +108,7 @@ def _rank(rank: int, store: str, results) -> None:
     same = same and all(torch.equal(mixed_grads[n], mixed_reference[n]) for n in mixed_reference)
     digest = {n: g.sum().item() for n, g in (grads | mixed_grads).items()}
     results.put((rank, early, late, same, chunks, digest, mixed))
-    dist.barrier()
-    dist.destroy_process_group()
+    shutdown()
 
 
 def test_each_chunk_is_reduced_during_backward_bit_identical_to_reducing_at_its_end(tmp_path):

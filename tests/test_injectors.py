@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from harness.config.schema import FaultConfig
 from harness.core.plugins import EventLog, PluginBus, RankInfo
 from harness.errors import ConfigError
+from harness.launch.world import shutdown
 from harness.runtime.comm import HookState, comm_hook
 from injectors.injector import FaultInjector
 from tests.conftest import compose_run, events, forked_ranks, rows, run_here, sdc_bench
@@ -204,6 +205,12 @@ def _published_example(rank: int, store: str, results) -> None:
         timeout=timedelta(seconds=30),
     )
     torch.set_num_threads(1)
+    results.put(_scaled_once(rank))
+    shutdown()
+
+
+def _scaled_once(rank: int) -> tuple[int, float, list]:
+    """Its own function, so that its DDP goes before the process group does (`shutdown`)."""
     w = torch.nn.Linear(1, 1, bias=False)
     w.weight.data.fill_(1.0)
     info = RankInfo(rank, 3, 1)
@@ -214,9 +221,7 @@ def _published_example(rank: int, store: str, results) -> None:
     ddp.register_comm_hook(HookState(bus, w, 3), comm_hook)
     grad = (0.20, 0.40, 0.30)[rank]
     ddp(torch.tensor([[grad]])).sum().backward()
-    results.put((rank, float(w.weight.grad), [e.new for e in log.events]))
-    dist.barrier()
-    dist.destroy_process_group()
+    return rank, float(w.weight.grad), [e.new for e in log.events]
 
 
 def test_published_example_one_scaled_gradient_poisons_every_replica_alike(tmp_path):
@@ -342,24 +347,25 @@ def _reduction_faults(rank: int, store: str, results) -> None:
         timeout=timedelta(seconds=30),
     )  # fmt: skip
     torch.set_num_threads(1)
-    info = RankInfo(rank, 3, 1)
     for model in ("drop", "duplicate", "stale"):
-        w = torch.nn.Linear(1, 1, bias=False)
-        w.weight.data.fill_(1.0)
-        fault = FaultConfig(
-            site="allreduce", scope="reduction", model=model, ranks=(1,), steps=(1,)
-        )
-        log = EventLog(rank, rank)
-        state = HookState(PluginBus([FaultInjector(fault, 0, info, log, w)]), w, 3)
-        ddp = DDP(w)
-        ddp.register_comm_hook(state, comm_hook)
-        for step, grads in enumerate(((0.2, 0.4, 0.3), (0.5, 0.6, 0.7))):
-            state.step = step
-            w.zero_grad()
-            ddp(torch.tensor([[grads[rank]]])).sum().backward()
-        results.put((model, rank, float(w.weight.grad), len(log.events)))
-    dist.barrier()
-    dist.destroy_process_group()
+        results.put((model, rank, *_two_steps(rank, model)))
+    shutdown()
+
+
+def _two_steps(rank: int, model: str) -> tuple[float, int]:
+    """Its own function, so that its DDP goes before the process group does (`shutdown`)."""
+    w = torch.nn.Linear(1, 1, bias=False)
+    w.weight.data.fill_(1.0)
+    fault = FaultConfig(site="allreduce", scope="reduction", model=model, ranks=(1,), steps=(1,))
+    log = EventLog(rank, rank)
+    state = HookState(PluginBus([FaultInjector(fault, 0, RankInfo(rank, 3, 1), log, w)]), w, 3)
+    ddp = DDP(w)
+    ddp.register_comm_hook(state, comm_hook)
+    for step, grads in enumerate(((0.2, 0.4, 0.3), (0.5, 0.6, 0.7))):
+        state.step = step
+        w.zero_grad()
+        ddp(torch.tensor([[grads[rank]]])).sum().backward()
+    return float(w.weight.grad), len(log.events)
 
 
 def test_contribution_faults_make_the_sum_they_name(tmp_path):

@@ -158,7 +158,9 @@ def _report_error(results: mp.Queue, rank: int, exc: Exception) -> NoReturn:
 
 def shutdown() -> None:
     """Leave the process group cleanly: collect the trial's DDP objects (whose threads abort the
-    process if they outlive the group) and let every rank arrive before the group goes."""
+    process if they outlive the group, and whose reducer, left holding the group's last
+    reference, destroys it with the GIL held while the group's worker thread waits for the GIL
+    to drop its last work: a deadlock at exit) and let every rank arrive before the group goes."""
     gc.collect()
     dist.barrier()
     dist.destroy_process_group()
