@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from detectors.fingerprint import fingerprint_words
+from harness.core import inflight
 from harness.core.checks import IntervalConfig
 from harness.core.plugins import Bucket, Detector
 from harness.errors import ConfigError
@@ -69,6 +70,7 @@ class GatherConsensus(Detector):
         mine = torch.cat([fingerprint_words(t) for _, t in bucket.tensors])
         table = [torch.empty_like(mine) for _ in range(self.info.world_size)]
         dist.all_gather(table, mine)
+        inflight.hold(mine, *table)
         rows = torch.stack(table)
         names = [name for name, _ in bucket.tensors]
         index = bucket.index

@@ -338,7 +338,7 @@ class MatmulChecksum(Detector):
         the two vectors side by side costs ten times more on the CPU."""
 
         def seen(grad: torch.Tensor) -> None:
-            with unwatched(grad.device):
+            with self.charged(), unwatched(grad.device):
                 _, right = self._operands(checked)
                 grad = grad.to(checked.dtype)
                 if checked.flat:
@@ -364,7 +364,7 @@ class MatmulChecksum(Detector):
         def seen(grad: torch.Tensor) -> None:
             if checked.projected is None:
                 return
-            with unwatched(grad.device):
+            with self.charged(), unwatched(grad.device):
                 if which == "left":
                     self._check_left(checked, grad)
                 else:

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from harness.core import dtensors
+from harness.core import dtensors, inflight
 from harness.core.checks import IntervalConfig
 from harness.core.plugins import Detector
 
@@ -58,6 +58,7 @@ class MegatronHash(Detector):
         local = sha1_table(model).to(self.info.device)
         table = [torch.empty_like(local) for _ in range(self.info.world_size)]
         dist.all_gather(table, local)
+        inflight.hold(local, *table)
         # Rank 0's part: the rank at this rank's place in the first replica group.
         versus = dtensors.places(model, self.info.world_size)[self.info.rank]
         local, first = local.cpu(), table[versus].cpu()

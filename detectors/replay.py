@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from detectors.fingerprint import signs
+from harness.core import inflight
 from harness.core.checks import CheckConfig
 from harness.core.plugins import Bucket, Detector, DetectorContext, EventLog
 from harness.core.values import choice, fraction, int_list, integer
@@ -367,6 +368,7 @@ def _fold(dots: dict[str, float]) -> float:
 def _gather(row: torch.Tensor, world: int) -> list[torch.Tensor]:
     table = [torch.empty_like(row) for _ in range(world)]
     dist.all_gather(table, row)
+    inflight.hold(row, *table)
     return table
 
 

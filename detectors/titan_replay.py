@@ -14,7 +14,9 @@ bit flipped in two elements), is not seen.
 Here the reference is the step that trained: the local gradients as the comm hook sees them
 before the collective, and the losses. The replay recomputes them with torch.autograd.grad
 (param.grad is never touched), each micro-batch under its own random state in forked generators,
-so training is undisturbed. The suspect is the rank itself.
+so training is undisturbed. The suspect is the rank itself. The micro-batches come from
+`ctx.replay_data` as replay's do: regenerated in campaigns; in a user's loop, those the rank kept
+with `guard.audit_batch` (nothing is shipped: each rank replays its own).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from detectors.replay import Regenerated
 from harness.core.checks import CheckConfig
 from harness.core.plugins import Bucket, Detector, DetectorContext, EventLog
 from harness.core.values import integer
@@ -40,6 +43,7 @@ def xor_digest(tensor: torch.Tensor) -> int:
 
 class TitanReplay(Detector):
     name = "titan_replay"
+    recomputes_batches = True
     parallel = ("ddp", "fsdp", "hsdp")
 
     @dataclass(frozen=True)
@@ -55,6 +59,7 @@ class TitanReplay(Detector):
 
     def __init__(self, config: Config, ctx: DetectorContext, log: EventLog):
         super().__init__(config, ctx, log)
+        self.data = ctx.replay_data or Regenerated(ctx)
         self.losses: list[float] = []
         self.grads: dict[str, int] = {}
 
@@ -71,13 +76,12 @@ class TitanReplay(Detector):
             self.grads |= {name: xor_digest(g) for name, g in bucket.tensors}
 
     def _replay(self, model: nn.Module, step: int) -> tuple[list[float], dict[str, int]]:
-        workload = self.ctx.workload
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         losses, grads = [], None
-        for source, m in self.ctx.batches(self.info.rank):
-            with workload.forward_rng(step, source, m):  # the step's own random state
-                loss = workload.loss(model, workload.batch(step, source, m))
-                part = torch.autograd.grad(loss / self.ctx.divisor, [p for _, p in named])
+        divisor = self.data.divisor(self.info.rank)
+        # Each micro-batch under the random state it trained under, its backward inside it.
+        for loss in self.data.losses(model, step, self.info.rank):
+            part = torch.autograd.grad(loss / divisor, [p for _, p in named])
             grads = (
                 list(part) if grads is None else [a + b for a, b in zip(grads, part, strict=True)]
             )

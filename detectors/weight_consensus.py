@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from detectors.fingerprint import fingerprint_words
-from harness.core import dtensors
+from harness.core import dtensors, inflight
 from harness.core.checks import IntervalConfig
 from harness.core.plugins import Detector, DetectorContext, EventLog
 from harness.core.values import flag
@@ -96,6 +96,7 @@ class WeightConsensus(Detector):
         mine = torch.cat([fingerprint_words(t) for _, t in named])
         table = [torch.empty_like(mine) for _ in range(self.info.world_size)]
         dist.all_gather(table, mine)
+        inflight.hold(mine, *table)
         rows = torch.stack(table)
         places = dtensors.places(model, self.info.world_size)
         first = [places.index(place) for place in places]  # the first rank at each one's place

@@ -26,7 +26,7 @@ from harness.core.events import Alert, Sensitivity
 from harness.core.plugins import DetectorContext, EventLog, PluginBus, RankInfo
 from harness.runtime import numerics
 from harness.runtime.shard_sites import ShardedBuckets
-from harness.runtime.sharding import GroupLayout, ShardSites, blocks, mesh, shard
+from harness.runtime.sharding import GroupLayout, ShardSites, blocks, mesh, shard, unsharded_copy
 from harness.runtime.workloads import Workload
 from tests.conftest import compose_run, forked_ranks
 
@@ -109,8 +109,8 @@ def _checked(workload: Workload, parallel: str) -> tuple[ShardedBuckets, PluginB
     ctx = DetectorContext(info, None, workload, STEPS, tuple((r,) for r in range(WORLD)))
     checks = [kind(kind.Config(), ctx, log) for kind in (NanInf, AllreduceSketch, GatherConsensus)]
     bus = PluginBus(checks, log.verdicts)
-    groups = len(blocks(workload.build_model())) + 1
-    buckets = ShardedBuckets(groups, parallel == "hsdp", WORLD)
+    buckets = ShardedBuckets(parallel == "hsdp", WORLD)
+    buckets.groups = len(blocks(workload.build_model())) + 1
     buckets.bind(bus)
     return buckets, bus, log
 
@@ -276,6 +276,7 @@ def _replica_per_step(workload: Workload, device_mesh) -> dict:
     one step, which training never does, so that a second gather would show."""
     model = _model(workload, device_mesh, None)
     ctx = DetectorContext(RankInfo(dist.get_rank(), WORLD, 1), model, workload, 2, ((0,),) * WORLD)
+    ctx.unsharded_copy = lambda: unsharded_copy(model)
     first = _digest(ctx.replica(0))
     with torch.no_grad():
         for p in model.parameters():

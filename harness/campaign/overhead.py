@@ -83,7 +83,7 @@ def timed_runs(run: RunConfig) -> dict[Any, tuple[RunConfig, int]]:
         trials=(),
     )
     runs: dict[Any, tuple[RunConfig, int]] = {REFERENCE: (base, 1), PLAIN: (base, 1)}
-    if any(detectors.detector_class(name).recomputes_batches for name, _ in checks):
+    if any(detectors.detector_class(name).recomputes_batches and k for name, k in checks):
         more = replace(base.workload, micro_batches=(1 + FLOOR_SETS) * base.workload.micro_batches)
         runs[FLOOR] = (replace(base, workload=more), 1)
     for (name, k), config in checks.items():

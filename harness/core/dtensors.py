@@ -5,6 +5,7 @@ a module not loaded means none is at hand."""
 
 from __future__ import annotations
 
+import itertools
 import sys
 
 import torch
@@ -26,9 +27,13 @@ def whole(t: torch.Tensor) -> torch.Tensor:
 
 
 def places(model: torch.nn.Module, world_size: int) -> list[int]:
-    """Each world rank's place in its shard group: ranks at the same place hold the same shards
-    (harness/runtime/sharding.py's mesh: shard groups of consecutive ranks), so under HSDP they
-    are one shard's replicas; every rank is at place 0 of a replicated world."""
+    """Each world rank's place in its shard group: its coordinate along the mesh dimension its
+    shards are split over. Ranks at the same place hold the same shards, so under HSDP they are
+    one shard's replicas; every rank is at place 0 of a replicated world."""
     p = next(model.parameters())
-    size = p.device_mesh["shard"].size() if is_dtensor(p) else 1
-    return [r % size for r in range(world_size)]
+    if not is_dtensor(p):
+        return [0] * world_size
+    dim = next(i for i, placement in enumerate(p.placements) if placement.is_shard())
+    ranks = p.device_mesh.mesh
+    place = {int(ranks[at]): at[dim] for at in itertools.product(*map(range, ranks.shape))}
+    return [place[r] for r in range(world_size)]

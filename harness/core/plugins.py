@@ -10,18 +10,21 @@ from __future__ import annotations
 
 import fnmatch
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from harness.core.checks import CheckConfig
 from harness.core.dtensors import is_dtensor, whole
 from harness.core.events import Alert, CheckWarning, RankEvent
 from harness.core.matmuls import MatmulCall, Watch
 from harness.core.phases import PHASE_ORDER
+from harness.core.stopwatch import Stopwatch
 from harness.core.verdicts import Pending, Verdicts
 
 
@@ -70,6 +73,8 @@ class EventLog:
     node: int
     events: list[RankEvent] = field(default_factory=list)
     verdicts: Verdicts = field(default_factory=Verdicts)
+    # Where the plug-ins' time goes, when it is measured (the guard's costs in a user's job).
+    stopwatch: Stopwatch | None = None
 
     def emit(self, event: RankEvent) -> None:
         """Record `event` stamped with this rank, its node and the time."""
@@ -157,15 +162,20 @@ class DetectorContext:
     replay_data: Any = None
     # Installs the rank's forward hooks (faults at sites activation and matmul, the products'
     # checks) on another module: a replica recomputes on this rank's hardware, as the model does.
-    forward_hooks: Callable[[nn.Module], None] | None = field(default=None, repr=False)
+    forward_hooks: Callable[[nn.Module], list[RemovableHandle]] | None = field(
+        default=None, repr=False
+    )
+    # Builds a plain, unsharded module of the model's structure (harness/runtime/sharding.py,
+    # `unsharded_copy`): set where the model is sharded.
+    unsharded_copy: Callable[[], nn.Module] | None = field(default=None, repr=False)
     _unsharded: nn.Module | None = field(default=None, init=False, repr=False)
     _gathered_at: int | None = field(default=None, init=False, repr=False)
 
     def replica(self, step: int) -> nn.Module:
         """A model this rank can recompute any rank's step on by itself (replay): the model, when
         it is replicated. Sharded, a plain copy of it that this rank holds whole, built from the
-        workload on first use (under forked random state: training draws as it would without
-        it), its weights gathered from the stored shards once per step (a collective: every rank
+        model itself on first use (`unsharded_copy`), its weights gathered from the stored
+        shards once per step (a collective: every rank
         calls it together). The checks that replay in one step share that gather: the weights do
         not change between backward and the optimizer step, and a trial runs each step once. The
         gathered copy is what the optimizer stepped, so a shard that went wrong on its way into
@@ -175,9 +185,8 @@ class DetectorContext:
         if not is_dtensor(params[0]):
             return self.model
         if self._unsharded is None:
-            device = params[0].device
-            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                self._unsharded = self.workload.build_model()
+            assert self.unsharded_copy is not None, "a sharded model without its copy's builder"
+            self._unsharded = self.unsharded_copy()
             if self.forward_hooks is not None:
                 self.forward_hooks(self._unsharded)
         if self._gathered_at != step:
@@ -217,7 +226,7 @@ class Detector(Plugin):
     # on earlier steps in a way it cannot hand over sets this False: trials then run from 0.
     fast_forward = True
     # Recomputes audited micro-batches, which must reach it: regenerable data, or in a user's
-    # loop a replay_fn and the shipped batch (harness/guard.py). Its overhead.csv row also gets
+    # loop a replay_fn and the shipped batch (harness/guard/). Its overhead.csv row also gets
     # a floor: one more forward and backward of those micro-batches (harness/campaign/overhead.py).
     recomputes_batches = False
     # Verifies the reduction's sum itself, which only a linear comm hook leaves checkable.
@@ -270,6 +279,11 @@ class Detector(Plugin):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Take over the state a golden run's check held at a snapshot."""
+
+    def charged(self) -> AbstractContextManager:
+        """Work the check does outside its hooks (an autograd callback), timed as its own."""
+        watch = self._log.stopwatch
+        return nullcontext() if watch is None else watch.charged(self.name)
 
     def read(self, tensor: torch.Tensor) -> Any:
         """A tensor's values on the host, counted (harness.core.verdicts.Verdicts)."""
@@ -325,11 +339,29 @@ class PluginBus:
         plugins: list[Plugin],
         verdicts: Verdicts | None = None,
         device: str | torch.device = "cpu",
+        stopwatch: Stopwatch | None = None,
     ):
         self.plugins = plugins
         self.checks = [p for p in plugins if isinstance(p, Detector)]
         self.verdicts = verdicts if verdicts is not None else Verdicts()
         self.device = torch.device(device)
+        self.stopwatch = stopwatch
+
+    def charged(self, part: str) -> AbstractContextManager:
+        """The harness's own work at a site, timed as `part` where the bus keeps a stopwatch."""
+        return nullcontext() if self.stopwatch is None else self.stopwatch.charged(part)
+
+    def _each(self, plugins: list[Plugin] | None = None) -> Iterator[Plugin]:
+        """The plug-ins in order; with a stopwatch, the time each spends in its hook charged to
+        it (an injector's to "injection")."""
+        plugins = self.plugins if plugins is None else plugins
+        if self.stopwatch is None:
+            yield from plugins
+            return
+        for plugin in plugins:
+            part = plugin.name if isinstance(plugin, Detector) else "injection"
+            with self.stopwatch.charged(part):
+                yield plugin
 
     @property
     def host_reads(self) -> int:
@@ -355,7 +387,12 @@ class PluginBus:
         """Read every pending verdict, with `extra`, in one read; raise their alerts."""
         return self.verdicts.resolve(extra)
 
-    def install_forward_hooks(self, model: nn.Module, step_of: Callable[[], int]) -> None:
+    def install_forward_hooks(
+        self, model: nn.Module, step_of: Callable[[], int]
+    ) -> list[RemovableHandle]:
+        """The plug-ins' forward hooks on `model` (the matrix products' watch, each watched
+        module's hooks); their handles."""
+        handles: list[RemovableHandle] = []
         multipliers = [p for p in self.plugins if p.watches_matmuls()]
         if multipliers:
             # Operands: checks wrap first, so that an injector's wrap is nearest the product and
@@ -365,16 +402,16 @@ class PluginBus:
 
             def multiply(call: MatmulCall) -> torch.Tensor:
                 step = step_of()
-                for plugin in operands:
+                for plugin in self._each(operands):
                     plugin.on_matmul_operands(step, call)
                 output = call.func(*call.args, **call.kwargs)
-                for plugin in multipliers:
+                for plugin in self._each(multipliers):
                     replaced = plugin.on_matmul_output(step, call, output)
                     if replaced is not None:
                         output = replaced
                 return output
 
-            Watch(multiply).install(model)
+            handles += Watch(multiply).install(model)
         for name, module in model.named_modules():
             watchers = [p for p in self.plugins if name and p.watches_module(name)]
             if not watchers:
@@ -382,77 +419,78 @@ class PluginBus:
 
             def hook(_mod, _inp, output, name=name, watchers=watchers):
                 replaced = None
-                for plugin in watchers:
+                for plugin in self._each(watchers):
                     result = plugin.on_forward(step_of(), name, output)
                     if result is not None:
                         output = replaced = result
                 return replaced
 
             def pre_hook(_mod, _inp, name=name, watchers=watchers):
-                for plugin in watchers:
+                for plugin in self._each(watchers):
                     plugin.on_forward_pre(step_of(), name)
 
-            module.register_forward_pre_hook(pre_hook)
-            module.register_forward_hook(hook)
+            handles.append(module.register_forward_pre_hook(pre_hook))
+            handles.append(module.register_forward_hook(hook))
+        return handles
 
     def loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
-        for plugin in self.plugins:
+        for plugin in self._each():
             replaced = plugin.on_loss(step, loss)
             if replaced is not None:
                 loss = replaced
         return loss
 
     def local_grad(self, step: int, bucket: Bucket) -> None:
-        for plugin in self.plugins:
+        for plugin in self._each():
             plugin.on_local_grad(step, bucket)
 
     def contribution(self, step: int, index: int, parts: list[torch.Tensor]) -> None:
-        for plugin in self.plugins:
+        for plugin in self._each():
             plugin.on_contribution(step, index, parts)
 
     def reduced_grad(self, step: int, bucket: Bucket) -> None:
-        for plugin in self.plugins:
+        for plugin in self._each():
             plugin.on_reduced_grad(step, bucket)
 
     def gathered(self, step: int, bucket: Bucket) -> None:
-        for plugin in self.plugins:
+        for plugin in self._each():
             plugin.on_gathered(step, bucket)
 
     def group_contribution(
         self, step: int, index: int, parts: list[torch.Tensor], members: tuple[int, ...]
     ) -> None:
-        for plugin in self.plugins:
+        for plugin in self._each():
             plugin.on_group_contribution(step, index, parts, members)
 
     def group_reduced(self, step: int, bucket: Bucket, members: tuple[int, ...]) -> None:
-        for plugin in self.plugins:
+        for plugin in self._each():
             plugin.on_group_reduced(step, bucket, members)
 
     def riders(self, step: int, bucket: Bucket) -> list[tuple[int, torch.Tensor]]:
         out = []
-        for plugin in self.plugins:
+        for plugin in self._each():
             payload = plugin.rider(step, bucket)
             if payload is not None:
                 out.append((id(plugin), payload))
         return out
 
     def audit(self, step: int) -> None:
-        for plugin in self.plugins:
+        for plugin in self._each():
             plugin.on_audit(step)
 
     def optimizer_state(self, step: int, optimizer: torch.optim.Optimizer) -> None:
-        for plugin in self.plugins:
+        for plugin in self._each():
             plugin.on_optimizer_state(step, optimizer)
 
     def update(self, step: int, model: nn.Module) -> None:
-        for plugin in self.plugins:
+        for plugin in self._each():
             plugin.on_update(step, model)
 
     def checkpoint_approved(self, step: int, model: nn.Module) -> torch.Tensor:
         """Whether every plug-in approves: a 0-d bool tensor on the device, unread (a check
         may answer with one, or with a bool)."""
         # Every plug-in is asked, so each check runs even after another has refused.
-        verdicts = [plugin.approves_checkpoint(step, model) for plugin in self.plugins]
+        verdicts = [plugin.approves_checkpoint(step, model) for plugin in self._each()]
         approved = torch.ones((), dtype=torch.bool, device=self.device)
         for verdict in verdicts:
             approved = approved & torch.as_tensor(verdict, device=self.device).reshape(())

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 import detectors
 from harness.config.schema import FaultConfig
@@ -30,6 +31,7 @@ class RankPlugins:
     checks: list[Detector]
     bus: PluginBus
     state: HookState
+    hooks: list[RemovableHandle]  # the forward hooks on the model
 
 
 def assemble(
@@ -53,8 +55,7 @@ def assemble(
         fault, seed, info, log, model, hardware, ctx.data, forward
     )  # fmt: skip
     built = detectors.build(checks, ctx, log)
-    bus = PluginBus(plugins + built, log.verdicts, info.device)
+    bus = PluginBus(plugins + built, log.verdicts, info.device, log.stopwatch)
     state = HookState(bus, model, info.world_size, transparent=transparent, inner=inner)
     ctx.forward_hooks = lambda module: bus.install_forward_hooks(module, lambda: state.step)
-    ctx.forward_hooks(model)
-    return RankPlugins(built, bus, state)
+    return RankPlugins(built, bus, state, ctx.forward_hooks(model))

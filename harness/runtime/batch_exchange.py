@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from harness.core import inflight
 from harness.runtime.workloads import forked_rng
 
 # One micro-batch as the guard keeps it: the batch, the CPU generator's state before its forward,
@@ -135,3 +136,4 @@ def _exchange(out: torch.Tensor, sends: list[int], inbox: dict[int, torch.Tensor
     requests += [dist.irecv(buffer, src) for src, buffer in inbox.items()]
     for request in requests:
         request.wait()
+    inflight.hold(out, *inbox.values())

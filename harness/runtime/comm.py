@@ -59,7 +59,9 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from harness.core import inflight
 from harness.core.plugins import Bucket, PluginBus
+from harness.core.stopwatch import HOOK
 
 FIRST_CHUNK_BYTES = 1 << 20
 CHUNK_BYTES = 25 << 20
@@ -317,9 +319,11 @@ def _launch(state: HookState, step: int, index: int) -> _Launched:
         )
     state.bus.contribution(step, index, [payload] if shared or not spans else [payload, slot])
     futures = [dist.all_reduce(payload, async_op=True).get_future()]
+    inflight.hold(payload)
     if spans and not shared:
         # A payload that cannot share the chunk's own collective pays for one.
         futures.append(dist.all_reduce(slot, async_op=True).get_future())
+        inflight.hold(slot)
     return _Launched(view, names, sizes, spans, shared, slot, futures)
 
 
@@ -345,6 +349,7 @@ def retry_reduction(state: HookState, step: int) -> None:
         state.bus.contribution(step, kept.view.index, parts)
         for part in parts:
             dist.all_reduce(part)
+        inflight.hold(*parts)
         n = sum(kept.sizes)
         summed = parts[0][n:] if kept.shared else (parts[1] if kept.spans else kept.slot)
         _deliver(
@@ -362,6 +367,7 @@ def reduce_in_group(
     state.bus.group_contribution(step, kept.view.index, parts, members)
     for part in parts:
         dist.all_reduce(part, group=group)
+    inflight.hold(*parts)
     n = sum(kept.sizes)
     summed = Bucket(
         index=kept.view.index,
@@ -390,7 +396,13 @@ def _named_views(
 
 
 def _user_layout(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future:
-    """The guard's hook: DDP's own bucket, reduced as DDP or the user's hook would."""
+    """The guard's hook: DDP's own bucket, reduced as DDP or the user's hook would; its own
+    time, apart from the plug-ins', charged to the hook."""
+    with state.bus.charged(HOOK):
+        return _user_reduction(state, bucket)
+
+
+def _user_reduction(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future:
     step = state.step
     names = [state.names[id(p)] for p in bucket.parameters()]
     view = Bucket(
@@ -418,15 +430,17 @@ def _user_layout(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
     if spans:
         # A payload that cannot share the bucket's own collective pays for one.
         futures.append(dist.all_reduce(slot, async_op=True).get_future())
+        inflight.hold(slot)
 
     def reduced(fut: torch.futures.Future) -> torch.Tensor:
-        done = [_value(f) for f in fut.value()]
-        result = done[0]
-        view.buffer = result
-        view.tensors = _views(result, buffer, view.tensors)
-        view.riders = {owner: done[1][a : a + k] for owner, a, k in spans}
-        state.bus.reduced_grad(step, view)
-        return result
+        with state.bus.charged(HOOK):
+            done = [_value(f) for f in fut.value()]
+            result = done[0]
+            view.buffer = result
+            view.tensors = _views(result, buffer, view.tensors)
+            view.riders = {owner: done[1][a : a + k] for owner, a, k in spans}
+            state.bus.reduced_grad(step, view)
+            return result
 
     return torch.futures.collect_all(futures).then(reduced)
 

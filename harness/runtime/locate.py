@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from harness.core import inflight
 from harness.core.events import Locate
 from harness.core.plugins import EventLog, RankInfo
 from harness.runtime.comm import HookState, reduce_in_group
@@ -54,6 +55,7 @@ def faulty_node_ranks(state: HookState, step: int, info: RankInfo, log: EventLog
     # What each group's members found reaches everyone by a gather as well.
     found = [torch.zeros(nodes, device=device) for _ in range(world)]
     dist.all_gather(found, wrong)
+    inflight.hold(wrong, *found)
     wrong = torch.stack(found).amax(0)
     right = [n for n in range(nodes) if wrong[n] == 0]
     node = right[0] if len(right) == 1 else None
@@ -72,6 +74,7 @@ def faulty_node_ranks(state: HookState, step: int, info: RankInfo, log: EventLog
 def _gather(part: torch.Tensor, world: int) -> list[torch.Tensor]:
     copies = [torch.empty_like(part) for _ in range(world)]
     dist.all_gather(copies, part)
+    inflight.hold(part, *copies)
     return copies
 
 

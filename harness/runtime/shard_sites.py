@@ -26,19 +26,23 @@ forward; the sites run inside FSDP's collectives, on every rank of a shard group
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from harness.core import inflight
 from harness.core.plugins import Bucket, PluginBus
+from harness.core.stopwatch import HOOK
 from harness.runtime.sharding import GroupLayout, ShardSites
 
 
 class ShardedBuckets:
     """The sites of `sharding.shard`, bound to a plug-in bus."""
 
-    def __init__(self, groups: int, hsdp: bool, world_size: int):
-        self.groups = groups
+    def __init__(self, hsdp: bool, world_size: int):
+        self.groups = 0  # FSDP groups, set once the sites are installed
         # The reduced shard the optimizer steps on: HSDP's all-reduce follows the reduce-scatter.
         self.final_stage = "all_reduce" if hsdp else "reduce_scatter"
         self.world_size = world_size
@@ -52,7 +56,17 @@ class ShardedBuckets:
         self.bus = bus
 
     def sites(self) -> ShardSites:
-        return ShardSites(self._local, self._received, self._gathered)
+        """The sites, each one's own time (apart from the plug-ins') charged to the hook."""
+        return ShardSites(
+            self._charged(self._local), self._charged(self._received), self._charged(self._gathered)
+        )
+
+    def _charged(self, site: Callable[..., None]) -> Callable[..., None]:
+        def timed(*args: Any) -> None:
+            with self._bus().charged(HOOK):
+                site(*args)
+
+        return timed
 
     def _local(self, layout: GroupLayout, flat: torch.Tensor, averaged: bool) -> None:
         bus = self._bus()
@@ -72,6 +86,7 @@ class ShardedBuckets:
             spans.append((owner, at, k))
             at += k
         dist.all_reduce(region)
+        inflight.hold(region)
         self.riders[layout.index] = (contribution, region[layout.rank], spans)
 
     def _received(self, layout: GroupLayout, stage: str, shard: torch.Tensor) -> None:

@@ -59,17 +59,29 @@ first (torch's default for the root).
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
-from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+    DefaultAllGather,
+    DefaultReduceScatter,
+)
+from torch.distributed.fsdp._fully_shard._fsdp_common import (
+    FSDPMeshInfo,
+    HSDPMeshInfo,
+    TrainingState,
+)
 from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+from harness.core import inflight
 
 PARALLEL = ("fsdp", "hsdp")
 
@@ -163,29 +175,143 @@ class ShardSites:
 def shard(model: nn.Module, mesh: DeviceMesh, sites: ShardSites) -> nn.Module:
     """`model` sharded in place over `mesh` (blocks, then the root), the sites installed on
     every group's collectives; the model, now an FSDPModule."""
+    _refuse_frozen(model)
+    for block in blocks(model):
+        fully_shard(block, mesh=mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+    install(model, sites)
+    return model
+
+
+def install(model: nn.Module, sites: ShardSites) -> int:
+    """The sites on the collectives of every FSDP group in `model`, a module that `fully_shard`
+    wrapped (the root, and whichever of its submodules the caller wrapped before it); how many
+    groups it has. What the sites are not derived for is refused (ValueError, one line): a
+    module not wrapped, frozen parameters, a mixed precision policy, shards of another dim than
+    0, a comm or hook that is already custom."""
+    if not isinstance(model, FSDPModule):
+        raise ValueError(
+            f"a {type(model).__name__} is not sharded: call fully_shard on the root module too"
+        )
+    _refuse_frozen(model)
+    names = {id(p): name for name, p in model.named_parameters()}
+    found = groups(model)
+    for name, _, group in found:
+        _refuse_unsupported(name or "root", group)
+    for index, (name, module, group) in enumerate(found):
+        info = group.mesh_info
+        spans = _spans(group, names, info.shard_mesh_size)
+        layout = GroupLayout(index, name, info.shard_mesh_size, info.shard_mesh_rank, spans)
+        module.set_custom_reduce_scatter(_ReduceScatter(layout, sites))
+        module.set_custom_all_gather(_AllGather(layout, sites, group))
+        if isinstance(info, HSDPMeshInfo) and sites.received is not None:
+            module.set_all_reduce_hook(_after_all_reduce(sites.received, layout))
+    return len(found)
+
+
+def groups(model: nn.Module) -> list[tuple[str, FSDPModule, FSDPParamGroup]]:
+    """The FSDP groups of a module that `fully_shard` wrapped, as (module name, module, group):
+    group `i` the i-th wrapped module with parameters of its own in definition order, the root
+    (named "") last, as its reduce-scatter runs last in backward."""
+    wrapped = [(n, m) for n, m in model.named_modules() if isinstance(m, FSDPModule) and n]
+    found = []
+    for name, module in [*wrapped, ("", model)]:
+        group = module._get_fsdp_state()._fsdp_param_group
+        if group is not None:
+            found.append((name, module, group))
+    return found
+
+
+def parallelism(model: nn.Module) -> tuple[str, int]:
+    """How a module that `fully_shard` wrapped trains: ("fsdp", shard group size) over a 1-D
+    mesh, ("hsdp", shard group size) over a 2-D replicate x shard mesh."""
+    group = next(
+        m._get_fsdp_state()._fsdp_param_group
+        for m in model.modules()
+        if isinstance(m, FSDPModule) and m._get_fsdp_state()._fsdp_param_group is not None
+    )
+    info = group.mesh_info
+    return ("hsdp" if isinstance(info, HSDPMeshInfo) else "fsdp"), info.shard_mesh_size
+
+
+def unsharded_copy(model: nn.Module) -> nn.Module:
+    """A plain module of `model`'s structure and classes, without FSDP: every parameter whole
+    (uninitialised: the caller copies the weights in), buffers and other attributes as they
+    are, parameters that `model` shares shared in the copy too, and no module hook (FSDP's
+    forward hooks gather shards; the caller installs its own). `deepcopy` would copy FSDP's
+    state and process groups, which FSDP refuses."""
+    copies: dict[int, object] = {}
+
+    def parameter(p: nn.Parameter) -> nn.Parameter:
+        if id(p) not in copies:
+            data = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+            copies[id(p)] = nn.Parameter(data, requires_grad=p.requires_grad)
+        return copies[id(p)]
+
+    def module(m: nn.Module) -> nn.Module:
+        if id(m) in copies:
+            return copies[id(m)]
+        cls = type(m)
+        if isinstance(m, FSDPModule):
+            cls = cls.__mro__[cls._orig_cls_mro_index]
+        copy = cls.__new__(cls)
+        copies[id(m)] = copy
+        state = {k: v for k, v in m.__dict__.items() if k not in _FSDP_ATTRIBUTES}
+        for hooks in _HOOK_DICTS:
+            if hooks in state:
+                state[hooks] = OrderedDict()
+        state["_parameters"] = {
+            n: None if p is None else parameter(p) for n, p in m._parameters.items()
+        }
+        state["_buffers"] = {n: None if b is None else b.clone() for n, b in m._buffers.items()}
+        state["_modules"] = {n: None if c is None else module(c) for n, c in m._modules.items()}
+        copy.__dict__.update(state)
+        return copy
+
+    return module(model)
+
+
+# What fully_shard adds to a module's __dict__: its state and registry (torch's composable API)
+# and the flags it sets for Dynamo.
+_FSDP_ATTRIBUTES = frozenset(
+    {STATE_KEY, REGISTRY_KEY, "_is_fsdp_managed_module", "_fsdp_use_orig_params"}
+)
+_HOOK_DICTS = (
+    "_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+    "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks",
+    "_backward_pre_hooks",
+)  # fmt: skip
+
+
+def _refuse_frozen(model: nn.Module) -> None:
     frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
     if frozen:
         # FSDP leaves a frozen parameter out of the reduce-scatter but not the all-gather: the
         # two buffers would need layouts of their own.
         raise ValueError(f"sharding trains every parameter, and {', '.join(frozen)} is frozen.")
-    for block in blocks(model):
-        fully_shard(block, mesh=mesh, reshard_after_forward=True)
-    fully_shard(model, mesh=mesh, reshard_after_forward=False)
-    names = {id(p): name for name, p in model.named_parameters()}
-    modules = {id(m): name for name, m in model.named_modules()}
-    shard_group = mesh["shard"] if mesh.ndim > 1 else mesh
-    world, rank = shard_group.size(), shard_group.get_local_rank()
-    hsdp = mesh.ndim > 1
-    for index, module in enumerate([*blocks(model), model]):
-        assert isinstance(module, FSDPModule)
-        group = module._get_fsdp_state()._fsdp_param_group
-        assert group is not None, "a wrapped module without parameters"
-        layout = GroupLayout(index, modules[id(module)], world, rank, _spans(group, names, world))
-        module.set_custom_reduce_scatter(_ReduceScatter(layout, sites))
-        module.set_custom_all_gather(_AllGather(layout, sites, group))
-        if hsdp and sites.received is not None:
-            module.set_all_reduce_hook(_after_all_reduce(sites.received, layout))
-    return model
+
+
+def _refuse_unsupported(name: str, group: FSDPParamGroup) -> None:
+    """What the sites' fixed layout and the checks' bounds are not derived for."""
+    if not isinstance(group.mesh_info, FSDPMeshInfo):
+        raise ValueError(f"FSDP group {name} replicates without sharding (replicate()).")
+    policy = group.mp_policy
+    if policy.param_dtype is not None or policy.reduce_dtype is not None:
+        raise ValueError(
+            f"FSDP group {name} has a MixedPrecisionPolicy (param_dtype={policy.param_dtype}, "
+            f"reduce_dtype={policy.reduce_dtype}); the checks are derived for fully_shard's "
+            "default precision: use torch.autocast for mixed precision."
+        )
+    other = [p for p in group.fsdp_params if p.fsdp_placement.dim != 0]
+    if other:
+        raise ValueError(
+            f"FSDP group {name} shards a parameter on dim {other[0].fsdp_placement.dim}, not 0."
+        )
+    custom = not isinstance(group._reduce_scatter_comm, DefaultReduceScatter) or not isinstance(
+        group._all_gather_comm, DefaultAllGather
+    )
+    if custom or group._all_reduce_hook is not None:
+        raise ValueError(f"FSDP group {name} has a custom collective or all-reduce hook already.")
 
 
 def _after_all_reduce(
@@ -271,6 +397,8 @@ class _ReduceScatter(_PlainBuffers, ReduceScatter):
         work = dist.reduce_scatter_single(
             output=output_tensor, input=input_tensor, group=group, op=op, async_op=async_op
         )
+        # The input only: FSDP keeps the output, whose views become the gradients.
+        inflight.hold(input_tensor)
         received = self.sites.received
         if received is None:
             return work
@@ -294,6 +422,7 @@ class _AllGather(_PlainBuffers, AllGather):
         async_op: bool = False,
     ) -> dist.Work | None:
         work = dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+        inflight.hold(input_tensor, output_tensor)
         gathered = self.sites.gathered
         if gathered is None:
             return work

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,6 +27,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from harness.config.schema import RunConfig, TrialSpec
+from harness.core import inflight
 from harness.core.dtensors import local, whole
 from harness.core.events import Checkpoint, HostReads, Retry, Stop
 from harness.core.plugins import DetectorContext, EventLog, PluginBus, RankInfo
@@ -104,6 +106,7 @@ class StopPoint:
         the world, and `extra`'s values, in one collective and one read."""
         flags = self.bus.stop_flags()
         dist.all_reduce(flags)
+        inflight.hold(flags)
         both = flags if extra is None else torch.cat([flags, extra.reshape(-1).to(flags.dtype)])
         stop, reduction, *values = self.bus.resolve(both)
         return stop, reduction, values
@@ -154,6 +157,10 @@ def _trained(
     if spec.golden:
         checks = {name: config.in_mode("observe") for name, config in checks.items()}
     ctx = DetectorContext(info, model, workload, cfg.steps, plan)
+    if shards is not None:
+        from harness.runtime.sharding import unsharded_copy  # sharded runs only: see `_sharded`
+
+        ctx.unsharded_copy = partial(unsharded_copy, model)
     rank = assemble(model, ctx, log, checks, spec.fault, spec.seed, hardware, forward=run.forward)
     bus, built, state = rank.bus, rank.checks, rank.state
     if shards is not None:
@@ -256,9 +263,9 @@ def _sharded(model: nn.Module, run: RunConfig, info: RankInfo, sites: bool) -> "
     mesh = sharding.mesh(
         topology.parallel, info.world_size, topology.shard_size or 0, torch.device(info.device).type
     )
-    groups = len(sharding.blocks(model)) + 1
-    shards = ShardedBuckets(groups, topology.parallel == "hsdp", info.world_size)
+    shards = ShardedBuckets(topology.parallel == "hsdp", info.world_size)
     sharding.shard(model, mesh, shards.sites() if sites else sharding.ShardSites())
+    shards.groups = len(sharding.groups(model))
     return shards
 
 
