@@ -30,6 +30,7 @@ import pandas as pd
 
 from harness.analysis.intervals import pairs
 from harness.analysis.tables import Counts, ReportError, load_overhead, load_trials, wilson
+from harness.results.costs import JobCosts
 from harness.results.schema import HOOK
 
 PLAN_FILE = "plan.md"
@@ -217,6 +218,9 @@ class Overheads:
     # The harness's hook against plain DDP, percent of a step (overhead.csv's `hook` row); None
     # in a table measured before plain DDP was, whose costs are then against the hook alone.
     hook: float | None = None
+    # Where the figures come from when not the run's overhead.csv: the job's costs file.
+    job: JobCosts | None = None
+    source: str = ""
 
 
 def amortized(intervals: list[int], measured: list[float]) -> float:
@@ -255,6 +259,30 @@ def overheads(table: pd.DataFrame) -> Overheads:
     return Overheads(at, per_run, noise, hook)
 
 
+def job_overheads(costs: JobCosts, source: str, trials: pd.DataFrame) -> Overheads:
+    """The overheads the guard measured in the job itself (`guard.write_costs`), at each interval
+    the run's trials ran a check at: a check measured running every k_f steps at f percent of
+    the job's step costs f k_f / k at interval k (one run's cost, over k), f itself at k_f;
+    the hook its own entry, once for any set. A check the run's trials ran and the file lacks is
+    a PlanError naming it."""
+    ran = sorted({d for ds in trials["detectors"].fillna("") for d in str(ds).split(";") if d})
+    missing = [name for name in ran if name not in costs.checks]
+    if missing:
+        raise PlanError(
+            f"--costs {source}: no figure for '{missing[0]}', which the run's trials ran; "
+            f"the file has {', '.join(sorted(costs.checks)) or 'none'} (run the guard in the job "
+            f"with '{missing[0]}' among its detectors)"
+        )
+    every = fired_faults(trials)["every"]
+    at, per_run = {}, {}
+    for name in ran:
+        measured = costs.checks[name]
+        per_run[name] = measured.overhead_pct * (measured.interval or 1)
+        for k in {""} | {str(e[name]) for e in every if name in e}:
+            at[(name, k)] = per_run[name] / (int(k) if k else 1)
+    return Overheads(at, per_run, [], costs.hook.overhead_pct, costs, source)
+
+
 def options(trials: pd.DataFrame, cost: Overheads) -> list[Option]:
     """Every set of the checks the run ran (each at each interval it ran at), and no checks."""
     names = sorted({d for ds in trials["detectors"] for d in ds.split(";") if d})
@@ -277,8 +305,11 @@ class Plan:
         return self.ranked[0]
 
 
-def plan(trials: pd.DataFrame, table: pd.DataFrame, job: Job) -> Plan:
-    cost = overheads(table)
+def plan(
+    trials: pd.DataFrame, table: pd.DataFrame | None, job: Job, costs: Overheads | None = None
+) -> Plan:
+    """`costs` (job_overheads) in place of `table`'s (overhead.csv), when given."""
+    cost = costs if costs is not None else overheads(table)
     found = options(trials, cost)
     if not found:
         raise PlanError("no fired trials with measured overheads: nothing to plan from")
@@ -289,8 +320,9 @@ def plan(trials: pd.DataFrame, table: pd.DataFrame, job: Job) -> Plan:
     return Plan(job, ranked, cost)
 
 
-def load(dirs: list[Path]) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """The trials and overhead tables of the given run or sweep folders."""
+def load(dirs: list[Path], need_overhead: bool = True) -> tuple[pd.DataFrame, pd.DataFrame | None]:
+    """The trials and overhead tables of the given run or sweep folders (overhead.csv optional
+    without `need_overhead`: the job's costs price the checks)."""
     for d in dirs:
         if not d.is_dir():
             raise PlanError(f"{d}: not a folder")
@@ -301,7 +333,7 @@ def load(dirs: list[Path]) -> tuple[pd.DataFrame, pd.DataFrame]:
         raise PlanError(str(exc)) from None
     except (ValueError, OSError) as exc:  # pandas: an empty or malformed trials.csv
         raise PlanError(f"unreadable trials.csv: {exc}") from None
-    if table is None:
+    if table is None and need_overhead:
         raise PlanError(
             f"{', '.join(map(str, dirs))}: no overhead.csv in it or below it (run a campaign "
             "that measures overhead, such as campaign=audit_frequency)"

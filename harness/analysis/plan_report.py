@@ -1,8 +1,13 @@
 """The plan (harness/analysis/plan.py) as text and figure: `sdc-plan`'s output, plan.md, plan.png,
 and the section that the report of a run with overhead.csv and several audit intervals includes.
 
-Bad input (a missing folder, no trials.csv or overhead.csv, a negative rate) exits 2 with one
-line, before anything is written.
+`--costs FILE` prices the checks with what the guard measured in the job itself
+(`guard.write_costs`, harness/results/costs.py) in place of the run's overhead.csv, and the
+header says so.
+
+Bad input (a missing folder, no trials.csv, no overhead.csv without `--costs`, a costs file that
+lacks a check the run's trials ran, a negative rate) exits 2 with one line, before anything is
+written.
 """
 
 from __future__ import annotations
@@ -29,10 +34,12 @@ from harness.analysis.plan import (
     Overheads,
     Plan,
     PlanError,
+    job_overheads,
     load,
     plan,
 )
 from harness.analysis.tables import markdown_table, rate_text
+from harness.results.costs import JobCosts
 
 MODEL = (
     "Expected GPU-hours lost per day of the job, for each set of checks at each audit interval "
@@ -78,7 +85,17 @@ def header(job: Job, costs: Overheads) -> str:
         note = f"default, {source}" if value == getattr(default, f.name) else "given"
         lines.append(f"- `{flag} {value:g}`: {what} ({note})")
     lines.append(f"- so {job.events_per_day:.3g} SDC events a day")
-    if costs.hook is None:
+    if costs.job is not None:
+        measured = costs.job
+        lines.append(
+            f"- overheads measured in the job itself ({costs.source}, by the guard: "
+            f"{measured.steps} steps of {measured.step_time_s:.4g} s on {measured.device}, "
+            f"{measured.parallel}, {measured.world_size} ranks), in place of the run's "
+            "overhead.csv: each check's figure at the interval it ran at there, c/k at interval "
+            f"k; the guard's hook costs {costs.hook:.3g}% of the job's step, once for any set "
+            "of checks"
+        )
+    elif costs.hook is None:
         lines.append(
             "- overheads against the harness's hook: this overhead.csv has no cost of the hook "
             "against plain DDP (measured before it was)"
@@ -89,6 +106,8 @@ def header(job: Job, costs: Overheads) -> str:
             "step, once for any set of checks, plus each check's cost against the hook"
         )
     fits = [f"{name} {c:.3g}%/k" for name, c in sorted(costs.per_run.items())]
+    if costs.job is not None:
+        fits = []  # listed in the job's line above, one run's cost each
     if fits:
         lines.append(f"- overhead fits (k: the interval): {', '.join(fits)}")
     return MODEL + "\n\n" + "\n".join(lines)
@@ -231,11 +250,16 @@ class _Parser(argparse.ArgumentParser):
         raise PlanError(message)
 
 
-def parse(argv: list[str] | None) -> tuple[list[Path], Path | None, Job]:
+def parse(argv: list[str] | None) -> tuple[list[Path], Path | None, Path | None, Job]:
     default = Job()
     parser = _Parser(prog="sdc-plan", description=MODEL.split(":")[0] + ".")
     parser.add_argument("dirs", nargs="+", type=Path, help="run or sweep folders")
     parser.add_argument("--out", type=Path, help="where plan.md goes (default: the first folder)")
+    parser.add_argument(
+        "--costs",
+        type=Path,
+        help="the job's own costs (guard.write_costs) in place of the run's overhead.csv",
+    )
     for f in fields(Job):
         flag, what, _ = FLAGS[f.name]
         kind = int if f.type in ("int", int) else float
@@ -243,13 +267,24 @@ def parse(argv: list[str] | None) -> tuple[list[Path], Path | None, Job]:
         parser.add_argument(flag, type=kind, default=value, help=f"{what} (default {value:g})")
     args = parser.parse_args(argv)
     job = Job(**{f.name: getattr(args, f.name) for f in fields(Job)})
-    return args.dirs, args.out, job
+    return args.dirs, args.out, args.costs, job
+
+
+def _read_costs(path: Path) -> JobCosts:
+    try:
+        return JobCosts.read(path)
+    except ValueError as exc:
+        raise PlanError(f"--costs {exc}") from None
 
 
 def main(argv: list[str] | None = None) -> None:
     try:
-        dirs, out, job = parse(argv)
-        result = plan(*load(dirs), job)
+        dirs, out, costs_file, job = parse(argv)
+        trials, table = load(dirs, need_overhead=costs_file is None)
+        costs = None
+        if costs_file is not None:
+            costs = job_overheads(_read_costs(costs_file), str(costs_file), trials)
+        result = plan(trials, table, job, costs)
     except PlanError as exc:
         print(f"sdc-plan: {exc}", file=sys.stderr)
         sys.exit(2)

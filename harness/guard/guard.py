@@ -1,166 +1,137 @@
-"""The detectors in your own DDP training loop, in a few lines.
+"""The Guard: one rank's checks, attached to the user's DDP or fully_shard module (the usage is in
+harness/guard/__init__.py).
 
-    from harness.guard import Guard, SDCAlarm
-
-    guard = Guard(ddp_model, detectors=["nan_inf", "replay", "weight_consensus"], mode="act",
-                  replay_fn=loss_of, checkpoints="ckpt/")
-    for step, batch in enumerate(loader):
-        guard.audit_batch(batch)                      # before the forward: what replay ships
-        loss = guard.loss(loss_of(ddp_model, batch))  # checks see the loss; use what it returns
-        loss.backward()                               # the comm hook checks around the allreduce
-        guard.before_step()                           # act mode raises SDCAlarm here
-        optimizer.step()
-        guard.after_step(optimizer)                   # checks on the updated weights
-        if step % 100 == 99:
-            guard.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
-
-The guard reduces gradients exactly as DDP's default allreduce does, so a clean loop with the
-guard attached trains bit-identically to the same loop without it (checks that ride on the
-allreduce then pay for a small collective of their own). A comm hook you already have is
-wrapped, not replaced: `Guard(ddp, comm_hook=(state, hook))`; the sketch verifies torch's own
-linear hooks (harness/runtime/comm.py, `LINEAR_HOOKS`) and refuses any other. `inject={...}` (the
-keys of `fault.*`) rehearses a fault in your loop: which check fires, when, naming which rank.
-
-Replay ships the batch each rank trained on, with torch's random state before its forward, to the
-rank one node back, which recomputes it with `replay_fn(model, batch) -> loss` on its own replica
-under that state (so dropout draws the same masks; harness/runtime/batch_exchange.py). Under
-gradient accumulation call `audit_batch` and `loss` for every micro-batch (the ones in
-`ddp.no_sync()` too) and backpropagate `loss / K`; replay recomputes all K. A forward that does
-not reproduce even so (a non-deterministic op) is reported as a warning, "not deterministic"
-(`guard.warnings`), not as an alarm against a rank.
-
-Recovery (act mode, `checkpoints=FOLDER`): an alarm writes FOLDER/quarantine.json (suspect
-machines, ranks, step, first suspect step, detector, evidence, exit code), sets aside the
-checkpoints of the suspect interval (renamed `*.pt.suspect`), and `save` refuses from then on.
-The loop ends with `sys.exit(alarm.exit_code)`: EXIT_SUSPECT_HARDWARE (86) when the alarm names
-machines (restart without them), EXIT_UNATTRIBUTED (87) when it names none or all of them. On
-restart, `Guard.restore_point(FOLDER)` gives the newest checkpoint the checks approved before
-the suspect interval (harness/campaign/recovery.py), and `Guard(..., start_step=step + 1)` resumes
-the count.
-
-Node identity: ranks_per_node from the argument, else SDC_RANKS_PER_NODE, else torchrun's
-LOCAL_WORLD_SIZE; a machine name from SDC_NODE_NAME (else the host name; `{node}` in it is
-replaced by the node index, which simulates nodes on one host for a rehearsal), so an alarm
-names machines, not only rank numbers.
+Entry contract: the default process group is up and every rank of it builds a Guard on its own
+model, together (the constructor runs a collective); the model is wrapped already (DDP, or
+`fully_shard` on the root and whichever blocks the user shards), and the optimizer may exist.
+Every rank then calls the same guard methods in the same order, each step.
 """
 
 from __future__ import annotations
 
-import json
+import atexit
+import math
 import os
 import socket
-from collections.abc import Callable, Iterable
+import sys
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import detectors as registry
 from harness.campaign import recovery
-from harness.config.faults import fault_config
-from harness.config.load import detector_configs
-from harness.config.schema import FaultConfig, TopologyConfig
-from harness.core.checks import CheckConfig
+from harness.core import inflight
 from harness.core.events import Alert, CheckWarning, Inject, of
 from harness.core.phases import PHASE_ORDER
-from harness.core.plugins import DetectorContext, EventLog, RankInfo
-from harness.core.values import choice
+from harness.core.plugins import DetectorContext, EventLog, PluginBus, RankInfo
+from harness.core.stopwatch import HOOK, Stopwatch
+from harness.core.values import integer
+from harness.guard import selection
+from harness.guard.alarm import SDCAlarm, quarantine
+from harness.results.costs import CheckCost, JobCosts, combined, priced
 from harness.runtime import checkpoint, comm
 from harness.runtime.assembly import assemble
 from harness.runtime.batch_exchange import ShippedBatches
-from harness.runtime.workloads import WorkloadConfig
 
-EXIT_SUSPECT_HARDWARE = 86
-EXIT_UNATTRIBUTED = 87
-MEANING = {
-    EXIT_SUSPECT_HARDWARE: "suspect hardware: restart without the suspect machines",
-    EXIT_UNATTRIBUTED: "could not attribute: restart from the restore point, on any machines",
-}
-QUARANTINE = "quarantine.json"
-
-
-class SDCAlarm(RuntimeError):
-    """A check in act mode found silent data corruption; every rank raises it together."""
-
-    def __init__(self, alerts: list[Alert], machines: list[str], first_suspect: int):
-        first = alerts[0]
-        self.detector = first.detector
-        self.step = first.step
-        self.phase = first.phase
-        # One check's alerts at one step, from every rank: a wrong reduction alarms everyone.
-        self.suspect_ranks = sorted({r for a in alerts for r in a.suspect_ranks})
-        self.suspect_nodes = sorted({n for a in alerts for n in a.suspect_nodes})
-        self.suspect_machines = sorted({machines[r] for r in self.suspect_ranks})
-        self.first_suspect_step = first_suspect
-        self.evidence = first.evidence
-        attributed = 0 < len(self.suspect_machines) < len(set(machines))
-        self.exit_code = EXIT_SUSPECT_HARDWARE if attributed else EXIT_UNATTRIBUTED
-        super().__init__(
-            f"{self.detector} at step {self.step}: suspect ranks {self.suspect_ranks} "
-            f"(nodes {self.suspect_nodes}, machines {self.suspect_machines}); "
-            f"{MEANING[self.exit_code]}"
-        )
-
-    def record(self) -> dict[str, Any]:
-        """What quarantine.json holds."""
-        return {
-            "detector": self.detector, "step": self.step, "phase": self.phase,
-            "first_suspect_step": self.first_suspect_step, "suspect_ranks": self.suspect_ranks,
-            "suspect_nodes": self.suspect_nodes, "suspect_machines": self.suspect_machines,
-            "evidence": self.evidence, "exit_code": self.exit_code,
-            "meaning": MEANING[self.exit_code],
-        }  # fmt: skip
+STEP = "step"
 
 
 class Guard:
     def __init__(
         self,
-        ddp: DDP,
-        detectors: Iterable[str] | dict[str, dict[str, Any]] = ("nan_inf",),
+        model: nn.Module,
+        detectors: selection.Chosen = ("nan_inf",),
         mode: str = "observe",
         inject: dict[str, Any] | None = None,
         comm_hook: tuple[Any, Callable] | None = None,
         seed: int = 0,
-        replay_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None,
+        replay_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
         ranks_per_node: int | None = None,
         checkpoints: str | Path | None = None,
         start_step: int = 0,
+        warmup_steps: int = 3,
     ):
+        self.parallel, shard_size = _parallelism(model)
+        if comm_hook is not None and self.parallel != "ddp":
+            raise ValueError(
+                "comm_hook: a DDP comm hook; a fully_shard module reduces through FSDP's own "
+                "collectives, which the guard wraps itself"
+            )
+        if isinstance(model, DDP) and model._comm_hooks:
+            raise ValueError(
+                "model: this DDP module has a comm hook already (another Guard's, or your own: "
+                "pass yours as Guard(..., comm_hook=(state, hook)) and the guard wraps it)"
+            )
+        self.warmup_steps = integer("warmup_steps", warmup_steps, 1)
         rank, world = dist.get_rank(), dist.get_world_size()
         per_node = ranks_per_node or int(
             os.environ.get("SDC_RANKS_PER_NODE") or os.environ.get("LOCAL_WORLD_SIZE", world)
         )
-        self.info = RankInfo(rank, world, per_node, str(next(ddp.module.parameters()).device))
-        self.model = ddp.module
-        self.log = EventLog(rank, self.info.node)
-        self.machines: list[str] = [""] * world
+        self.model = model.module if isinstance(model, DDP) else model
+        first = next(self.model.parameters())
+        self.info = RankInfo(rank, world, per_node, str(first.device))
+        # Where the checks' time goes, and the loop's steps: read in costs().
+        self.stopwatch, self._clock = Stopwatch(first.device), Stopwatch(first.device)
+        self.log = EventLog(rank, self.info.node, stopwatch=self.stopwatch)
         name = os.environ.get("SDC_NODE_NAME", socket.gethostname())
-        dist.all_gather_object(self.machines, name.replace("{node}", str(self.info.node)))
+        self.machines: list[str] = inflight.gather_objects(
+            name.replace("{node}", str(self.info.node))
+        )
         self.mode = mode
         self.folder = Path(checkpoints) if checkpoints is not None else None
         self.alarm: SDCAlarm | None = None
         self.checkpointed: set[int] = set()
-        topology = _topology(world, per_node)
-        self.checks = _checks(detectors, mode, topology, replay_fn, comm_hook)
+        world_topology = selection.topology(world, per_node, self.parallel, shard_size)
+        job = selection.Job(world_topology, mode, replay_fn, comm_hook)
+        chosen = selection.select(detectors, job)
+        self.checks, self.left_out = chosen.checks, chosen.left_out
         recomputing = any(registry.detector_class(n).recomputes_batches for n in self.checks)
-        device = torch.device(self.info.device)
-        self.shipped = ShippedBatches(replay_fn, rank, device) if recomputing else None
+        self.shipped = ShippedBatches(replay_fn, rank, first.device) if recomputing else None
         ctx = DetectorContext(self.info, self.model, None, 0, tuple((r,) for r in range(world)),
                               replay_data=self.shipped)  # fmt: skip
-        fault = None if inject is None else _fault(inject, self.model, topology)
-        rank = assemble(self.model, ctx, self.log, self.checks, fault, seed,
-                        transparent=True, inner=comm_hook)  # fmt: skip
-        self.bus, self.state = rank.bus, rank.state
-        self.state.step = start_step
+        fault = None if inject is None else selection.rehearsal(inject, first.dtype, world_topology)
+        plugins = assemble(self.model, ctx, self.log, self.checks, fault, seed,
+                           transparent=True, inner=comm_hook)  # fmt: skip
+        self.bus, self._state, self._hooks = plugins.bus, plugins.state, plugins.hooks
+        self._shards = None
+        if isinstance(model, DDP):
+            model.register_comm_hook(self._state, comm.comm_hook)
+        else:
+            # Here, not at the top: FSDP2 costs every DDP job 0.7 s of import.
+            from harness.runtime import sharding
+            from harness.runtime.shard_sites import ShardedBuckets
+
+            self._shards = ShardedBuckets(self.parallel == "hsdp", world)
+            self._shards.bind(self.bus)
+            self._shards.groups = sharding.install(model, self._shards.sites())
+            ctx.unsharded_copy = partial(sharding.unsharded_copy, model)
+        self._set_step(start_step)
         self._loss_step = -1
         self._seen = 0  # events already considered for an alarm
-        ddp.register_comm_hook(self.state, comm.comm_hook)
+        self._ended = 0  # steps ended, warm-up included
+        self._measured = 0  # steps measured since the warm-up
+        self._last_end: Any = None
+        self.closed = False
+        # Once per process, before the interpreter finalises, whether or not the loop closed
+        # the guard (harness/core/inflight.py).
+        atexit.unregister(inflight.quiesce)
+        atexit.register(inflight.quiesce)
 
     @property
     def step(self) -> int:
-        return self.state.step
+        return self._state.step
+
+    def _set_step(self, step: int) -> None:
+        self._state.step = step
+        if self._shards is not None:
+            self._shards.step = step
 
     @property
     def alerts(self) -> list[Alert]:
@@ -183,48 +154,63 @@ class Guard:
         replay to ship on audit steps; call it for every micro-batch, just before its forward
         (the random state it keeps is the forward's)."""
         if self.shipped is not None:
-            self.shipped.keep(self.state.step, batch)
+            self.shipped.keep(self.step, batch)
 
     def loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Pass the loss through the checks (and a rehearsed loss fault); use what it returns."""
-        self._loss_step = self.state.step
-        return self.bus.loss(self.state.step, loss)
+        self._loss_step = self.step
+        return self.bus.loss(self.step, loss)
 
     def before_step(self) -> None:
-        """After backward, before optimizer.step(): raises SDCAlarm in act mode."""
-        if self.shipped is not None and self._loss_step != self.state.step:
+        """After backward, before clipping and optimizer.step(): raises SDCAlarm in act mode."""
+        if self.shipped is not None and self._loss_step != self.step:
             raise RuntimeError("replay: pass every step's loss through guard.loss(loss)")
-        self.bus.audit(self.state.step)
+        self.bus.audit(self.step)
         self._raise_if_alarmed()
 
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:
         """After optimizer.step(): checks on the updated weights; then the next step begins."""
-        self.bus.optimizer_state(self.state.step, optimizer)
-        self.bus.update(self.state.step, self.model)
+        self.bus.optimizer_state(self.step, optimizer)
+        self.bus.update(self.step, self.model)
         self._raise_if_alarmed()
-        self.state.step += 1
+        self._set_step(self.step + 1)
+        self._step_ended()
 
     def before_checkpoint(self) -> bool:
         """Run the checks that gate a checkpoint of the step just finished (weight consensus):
         whether they approve; act mode raises SDCAlarm instead of disapproving."""
-        step = self.state.step - 1
+        step = self.step - 1
         self.checkpointed.add(step)
-        approved = bool(self.bus.verdicts.read(self.bus.checkpoint_approved(step, self.model)))
+        approval = self.bus.checkpoint_approved(step, self.model)
+        with self.bus.charged(HOOK):
+            approved = bool(self.bus.verdicts.read(approval))
         self._raise_if_alarmed()
         return approved
 
     def save(self, state: dict[str, Any]) -> Path | None:
-        """Checkpoint the step just finished into `checkpoints` (rank 0 writes, atomically with
-        its checksum, harness/runtime/checkpoint.py) once the checks approve; the path, or None
-        where nothing was written. Refuses after an alarm."""
+        """Checkpoint the step just finished into `checkpoints` once the checks approve; the
+        path, or None where this rank wrote nothing. Refuses after an alarm. A replicated model
+        (DDP): rank 0 writes `state`, atomically with its checksum (harness/runtime/checkpoint.py).
+        A sharded one: every rank writes its shards of `state` (its model's and optimizer's
+        state dicts, as torch.distributed.checkpoint takes them), and rank 0 seals them."""
         if self.folder is None:
             raise ValueError("Guard.save needs Guard(..., checkpoints=FOLDER)")
         if self.alarm is not None:
             raise RuntimeError(f"refusing to save state after an alarm: {self.alarm}")
-        if not self.before_checkpoint() or self.info.rank != 0:
+        if not self.before_checkpoint():
             return None
-        step = self.state.step - 1
+        step = self.step - 1
         path = checkpoint.step_path(self.folder, step)
+        if self._shards is not None:
+            import torch.distributed.checkpoint as dcp  # sharded jobs only, as FSDP above
+
+            path = path.with_suffix(".dcp")
+            dcp.save({"step": step, **state}, checkpoint_id=path)
+            if self.info.rank == 0:
+                checkpoint.seal_shards(path)
+            return path
+        if self.info.rank != 0:
+            return None
         checkpoint.save(path, {"step": step, **state})
         return path
 
@@ -232,26 +218,118 @@ class Guard:
     def restore_point(folder: str | Path) -> tuple[int, str]:
         """The newest checkpoint in `folder` that the checks approved and whose checksum
         verifies, before any suspect interval (an alarm set those aside): (step, path), or
-        (-1, "") to start from the initial weights. Load it with harness.runtime.checkpoint.load."""
+        (-1, "") to start from the initial weights. Load it with harness.runtime.checkpoint.load
+        (a sharded one, a `.dcp` folder, with torch.distributed.checkpoint.load)."""
         return recovery.restore_point(Path(folder), 2**62, [])
+
+    def costs(self) -> JobCosts:
+        """What each check cost this rank, per step, over the steps since the warm-up; and the
+        guard's own hook, and the loop's step (harness/results/costs.py)."""
+        if self._measured == 0:
+            raise RuntimeError(
+                f"costs: no step measured yet; the first {self.warmup_steps} steps are a warm-up"
+            )
+        spent, n = self.stopwatch.read(), self._measured
+
+        def part(name: str, interval: int | None = None) -> CheckCost:
+            return CheckCost(spent.get(name, 0.0) / n, math.nan, interval)
+
+        return priced(
+            JobCosts(
+                step_time_s=self._clock.read()[STEP] / n,
+                steps=n,
+                warmup=self.warmup_steps,
+                device=self.info.device,
+                parallel=self.parallel,
+                world_size=self.info.world_size,
+                checks={name: part(name, c.every) for name, c in self.checks.items()},
+                hook=part(HOOK),
+                injection=part("injection") if "injection" in spent else None,
+            )
+        )
+
+    def write_costs(self, path: str | Path) -> JobCosts:
+        """The world's costs (each part's mean over the ranks), written by rank 0 as JSON to
+        `path` for `sdc-plan --costs`; every rank calls it together and gets them."""
+        world = combined(inflight.gather_objects(self.costs()))
+        if self.info.rank == 0:
+            world.write(Path(path))
+        return world
+
+    def close(self) -> None:
+        """Detach: the forward hooks removed, the comm hook (DDP) or FSDP's collectives left
+        reducing as they would without the guard, the checks dropped, and every tensor the
+        guard's collectives used released once the backend has let go of it (so that nothing it
+        did is freed on a backend thread while the process ends). Training may go on unguarded;
+        a second call does nothing."""
+        if self.closed:
+            return
+        self.closed = True
+        self.bus.resolve()
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        empty = PluginBus([], device=self.info.device)
+        self._state.bus = empty
+        if self._shards is not None:
+            self._shards.bind(empty)
+        self.bus, self.shipped = empty, None
+        inflight.quiesce()
+
+    def __enter__(self) -> Guard:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _step_ended(self) -> None:
+        """The loop's step time, mark to mark; the warm-up's steps (and the charges in them)
+        left out."""
+        end = self._clock.mark()
+        self._ended += 1
+        if self._ended == self.warmup_steps:
+            self.stopwatch.reset()
+            self._clock.reset()
+        elif self._ended > self.warmup_steps:
+            self._clock.add(STEP, self._last_end, end)
+            self._measured += 1
+        self._last_end = end
+        self.stopwatch.fold()
+        self._clock.fold()
 
     def _raise_if_alarmed(self) -> None:
         """Every rank learns whether any rank alarmed (one small collective, act mode only).
         The checks' verdicts are read here in either mode: a DDP bucket they point into is
         reused by the next step."""
+        with self.bus.charged(HOOK):
+            alarm = self._agreed_alarm()
+        if alarm is None:
+            return
+        self.alarm = alarm
+        if self.folder is not None and self.info.rank == 0:
+            quarantine(self.folder, alarm)
+        # Training ends here: nothing the guard did may still be in flight when it does.
+        self.close()
+        raise alarm.again()
+
+    def _agreed_alarm(self) -> SDCAlarm | None:
         self.bus.resolve()
         if self.mode != "act":
-            return
+            return None
         fresh, self._seen = self.log.events[self._seen :], len(self.log.events)
         mine = of(Alert, fresh) if self.bus.stopper() else []
         flag = torch.tensor([1.0 if mine else 0.0], device=self.info.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        inflight.hold(flag)
         if not self.bus.verdicts.read(flag)[0]:
-            return
-        gathered: list[list[Alert]] = [[] for _ in range(self.info.world_size)]
-        dist.all_gather_object(gathered, mine)
+            return None
         found = sorted(
-            (a for alerts in gathered for a in alerts),
+            (a for alerts in inflight.gather_objects(mine) for a in alerts),
             key=lambda a: (a.step, PHASE_ORDER[a.phase], a.time),
         )
         first = found[0]
@@ -260,93 +338,19 @@ class Guard:
         since = registry.detector_class(first.detector).first_suspect_step(
             self.checks[first.detector], first.step, self.checkpointed.__contains__
         )
-        self.alarm = SDCAlarm(same, self.machines, since)
-        if self.folder is not None and self.info.rank == 0:
-            _quarantine(self.folder, self.alarm)
-        raise self.alarm
+        return SDCAlarm(same, self.machines, since)
 
 
-def _quarantine(folder: Path, alarm: SDCAlarm) -> None:
-    """quarantine.json for the scheduler, and the suspect interval's checkpoints set aside."""
-    folder.mkdir(parents=True, exist_ok=True)
-    set_aside = []
-    for step, path in checkpoint.saved(folder):
-        if step >= alarm.first_suspect_step:
-            path.rename(path.with_name(path.name + ".suspect"))
-            set_aside.append(path.name)
-    record = dict(alarm.record(), set_aside=set_aside)
-    tmp = folder / f".{QUARANTINE}.tmp"
-    tmp.write_text(json.dumps(record, indent=1, default=str))
-    os.replace(tmp, folder / QUARANTINE)
+def _parallelism(model: nn.Module) -> tuple[str, int | None]:
+    """ddp, or fsdp or hsdp with the shard group's size; ValueError for any other module."""
+    if isinstance(model, DDP):
+        return "ddp", None
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # not loaded: no module was sharded
+    if fsdp is not None and isinstance(model, fsdp.FSDPModule):
+        from harness.runtime import sharding  # as in Guard.__init__
 
-
-def _topology(world: int, per_node: int) -> TopologyConfig:
-    return TopologyConfig(
-        nodes=max(1, world // per_node),
-        ranks_per_node=per_node,
-        spares=0,
-        backend=dist.get_backend(),
-        threads_per_rank=torch.get_num_threads(),
-        collective_timeout_s=1800.0,
-        trial_timeout_s=1800.0,
+        return sharding.parallelism(model)
+    raise ValueError(
+        f"model: a DistributedDataParallel module or a module sharded with FSDP2's fully_shard "
+        f"(on its root) is allowed; got a {type(model).__name__}"
     )
-
-
-def _checks(
-    chosen: Iterable[str] | dict[str, dict[str, Any]],
-    mode: str,
-    topology: TopologyConfig,
-    replay_fn: Callable | None,
-    comm_hook: tuple[Any, Callable] | None,
-) -> dict[str, CheckConfig]:
-    params = dict(chosen) if isinstance(chosen, dict) else {name: {} for name in chosen}
-    for name in params:
-        choice("detectors", name, registry.available())
-    recomputing = [n for n in params if registry.detector_class(n).recomputes_batches]
-    if recomputing and replay_fn is None:
-        raise ValueError(
-            f"detectors: '{recomputing[0]}' needs Guard(..., replay_fn=fn), fn(model, batch) -> "
-            "loss, and guard.audit_batch(batch) every step"
-        )
-    replicated = [n for n in registry.available() if "ddp" in registry.detector_class(n).parallel]
-    sharded = [n for n in params if n not in replicated]
-    if sharded:
-        raise ValueError(
-            f"detectors: '{sharded[0]}' checks sharded training's collectives, which a DDP loop "
-            f"does not run; allowed: {', '.join(replicated)}"
-        )
-    verifying = [n for n in params if registry.detector_class(n).verifies_reduction]
-    if verifying and comm_hook is not None and not _linear(comm_hook):
-        others = [n for n in replicated if not registry.detector_class(n).verifies_reduction]
-        raise ValueError(
-            f"detectors: '{verifying[0]}' cannot verify the comm hook "
-            f"{getattr(comm_hook[1], '__name__', comm_hook[1])}: it checks a reduction that sums "
-            f"every rank's bucket over the whole world (torch's "
-            f"{', '.join(h.__name__ for h in comm.LINEAR_HOOKS)}); with this hook use "
-            f"{', '.join(others)}"
-        )
-    # A campaign's validation, so that a setting fails the same way here (ConfigError, a
-    # ValueError) as under sdc-bench.
-    return detector_configs({n: {**p, "mode": mode} for n, p in params.items()}, topology)
-
-
-def _linear(comm_hook: tuple[Any, Callable]) -> bool:
-    """A hook the sketch can verify: one of torch's linear hooks, reducing over the world."""
-    group, hook = comm_hook
-    if hook not in comm.LINEAR_HOOKS:
-        return False
-    return group is None or dist.get_world_size(group) == dist.get_world_size()
-
-
-def _fault(inject: dict[str, Any], model: torch.nn.Module, topology: TopologyConfig) -> FaultConfig:
-    """Validate a rehearsal fault like a campaign's (steps are not bounded: a loop has no end)."""
-    unbounded = WorkloadConfig(
-        name="custom", steps=2**31, dtype=_dtype_name(model), seed=0, micro_batches=1,
-        micro_batch_size=1, lr=1.0,
-    )  # fmt: skip
-    return fault_config("inject", dict(inject), unbounded, topology)
-
-
-def _dtype_name(model: torch.nn.Module) -> str:
-    dtype = next(model.parameters()).dtype
-    return {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, "float32")

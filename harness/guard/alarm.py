@@ -1,0 +1,75 @@
+"""What an alarm in act mode tells the loop and the scheduler: the exception every rank raises,
+its exit code, and quarantine.json beside the checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from harness.core.events import Alert
+from harness.runtime import checkpoint
+
+EXIT_SUSPECT_HARDWARE = 86
+EXIT_UNATTRIBUTED = 87
+MEANING = {
+    EXIT_SUSPECT_HARDWARE: "suspect hardware: restart without the suspect machines",
+    EXIT_UNATTRIBUTED: "could not attribute: restart from the restore point, on any machines",
+}
+QUARANTINE = "quarantine.json"
+
+
+class SDCAlarm(RuntimeError):
+    """A check in act mode found silent data corruption; every rank raises it together."""
+
+    def __init__(self, alerts: list[Alert], machines: list[str], first_suspect: int):
+        first = alerts[0]
+        self.alerts = alerts
+        self.machines = machines
+        self.detector = first.detector
+        self.step = first.step
+        self.phase = first.phase
+        # One check's alerts at one step, from every rank: a wrong reduction alarms everyone.
+        self.suspect_ranks = sorted({r for a in alerts for r in a.suspect_ranks})
+        self.suspect_nodes = sorted({n for a in alerts for n in a.suspect_nodes})
+        self.suspect_machines = sorted({machines[r] for r in self.suspect_ranks})
+        self.first_suspect_step = first_suspect
+        self.evidence = first.evidence
+        attributed = 0 < len(self.suspect_machines) < len(set(machines))
+        self.exit_code = EXIT_SUSPECT_HARDWARE if attributed else EXIT_UNATTRIBUTED
+        super().__init__(
+            f"{self.detector} at step {self.step}: suspect ranks {self.suspect_ranks} "
+            f"(nodes {self.suspect_nodes}, machines {self.suspect_machines}); "
+            f"{MEANING[self.exit_code]}"
+        )
+
+    def again(self) -> SDCAlarm:
+        """The same alarm as a fresh exception. The guard keeps one it never raises: a raised
+        one carries the loop's frames in its traceback, and kept by the guard those would keep
+        the loop's model and process group alive past its end."""
+        return SDCAlarm(self.alerts, self.machines, self.first_suspect_step)
+
+    def record(self) -> dict[str, Any]:
+        """What quarantine.json holds."""
+        return {
+            "detector": self.detector, "step": self.step, "phase": self.phase,
+            "first_suspect_step": self.first_suspect_step, "suspect_ranks": self.suspect_ranks,
+            "suspect_nodes": self.suspect_nodes, "suspect_machines": self.suspect_machines,
+            "evidence": self.evidence, "exit_code": self.exit_code,
+            "meaning": MEANING[self.exit_code],
+        }  # fmt: skip
+
+
+def quarantine(folder: Path, alarm: SDCAlarm) -> None:
+    """quarantine.json for the scheduler, and the suspect interval's checkpoints set aside."""
+    folder.mkdir(parents=True, exist_ok=True)
+    set_aside = []
+    for step, path in checkpoint.saved(folder):
+        if step >= alarm.first_suspect_step:
+            path.rename(path.with_name(path.name + ".suspect"))
+            set_aside.append(path.name)
+    record = dict(alarm.record(), set_aside=set_aside)
+    tmp = folder / f".{QUARANTINE}.tmp"
+    tmp.write_text(json.dumps(record, indent=1, default=str))
+    os.replace(tmp, folder / QUARANTINE)

@@ -1,0 +1,148 @@
+"""Which checks a guard runs in a user's job: those named, each validated as a campaign validates
+it, or `"all"`: every check that applies here. A check applies when it is derived for the
+job's parallelism, verifies no reduction the job's comm hook makes unverifiable, gets the
+`replay_fn` it recomputes with, and finds the world it needs (three nodes, three replica
+groups). A named check that does not apply is refused in one line that says why and names the
+ones allowed; `"all"` leaves it out and says why in `left_out`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import detectors as registry
+from harness.config.faults import fault_config
+from harness.config.schema import FaultConfig, TopologyConfig
+from harness.core.checks import CheckConfig
+from harness.core.values import choice
+from harness.errors import ConfigError
+from harness.runtime import comm
+from harness.runtime.workloads import WorkloadConfig
+
+ALL = "all"
+Chosen = str | Iterable[str] | dict[str, dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Selection:
+    checks: dict[str, CheckConfig]
+    left_out: dict[str, str]  # under "all": each check that does not apply, and why
+
+
+@dataclass(frozen=True)
+class Job:
+    """What decides whether a check applies."""
+
+    topology: TopologyConfig
+    mode: str
+    replay_fn: Callable | None
+    comm_hook: tuple[Any, Callable] | None
+
+
+def select(chosen: Chosen, job: Job) -> Selection:
+    choice("mode", job.mode, ("observe", "act"))
+    if isinstance(chosen, str) and chosen != ALL:
+        chosen = [chosen]
+    names = registry.available() if chosen == ALL else list(chosen)
+    params = chosen if isinstance(chosen, dict) else {name: {} for name in names}
+    for name in params:
+        choice("detectors", name, registry.available())
+    checks, refused = {}, {}
+    for name, p in params.items():
+        try:
+            checks[name] = _configured(name, dict(p or {}), job)
+        except _DoesNotApply as why:
+            refused[name] = str(why)
+    if chosen != ALL and refused:
+        name, why = next(iter(refused.items()))
+        raise ValueError(f"detectors: {why}; allowed here: {', '.join(applicable(job))}")
+    return Selection(checks, refused)
+
+
+def applicable(job: Job) -> list[str]:
+    """Every check that applies to `job` at its defaults."""
+    found = []
+    for name in registry.available():
+        try:
+            _configured(name, {}, job)
+        except _DoesNotApply:
+            continue
+        found.append(name)
+    return found
+
+
+class _DoesNotApply(Exception):
+    pass
+
+
+def _configured(name: str, params: dict[str, Any], job: Job) -> CheckConfig:
+    """`name`'s settings for `job` (a ConfigError for a bad setting); _DoesNotApply when the
+    check cannot run in it."""
+    check = registry.detector_class(name)
+    parallel = job.topology.parallel
+    if parallel not in check.parallel:
+        raise _DoesNotApply(
+            f"'{name}' is derived for {' and '.join(check.parallel)} training, not a {parallel} "
+            "loop"
+        )
+    if check.verifies_reduction and job.comm_hook is not None and not _linear(job.comm_hook):
+        hook = getattr(job.comm_hook[1], "__name__", job.comm_hook[1])
+        linear = ", ".join(h.__name__ for h in comm.LINEAR_HOOKS)
+        raise _DoesNotApply(
+            f"'{name}' cannot verify the comm hook {hook}: it checks a reduction that sums every "
+            f"rank's bucket over the whole world (torch's {linear})"
+        )
+    if check.recomputes_batches and job.replay_fn is None:
+        raise _DoesNotApply(
+            f"'{name}' needs Guard(..., replay_fn=fn), fn(model, batch) -> loss, and "
+            "guard.audit_batch(batch) for every micro-batch"
+        )
+    try:
+        # The campaign's own validation, so that a setting fails the same way here.
+        return check.configure(f"detectors.{name}", {**params, "mode": job.mode}, job.topology)
+    except ConfigError as error:
+        if error.key.startswith("detectors."):
+            raise
+        raise _DoesNotApply(f"'{name}' cannot run in this world: {error.message}") from None
+
+
+def _linear(comm_hook: tuple[Any, Callable]) -> bool:
+    """A hook the sketch can verify: one of torch's linear hooks, reducing over the world."""
+    group, hook = comm_hook
+    if hook not in comm.LINEAR_HOOKS:
+        return False
+    return group is None or dist.get_world_size(group) == dist.get_world_size()
+
+
+def topology(world: int, per_node: int, parallel: str, shard_size: int | None) -> TopologyConfig:
+    """The job's world as the checks' validation knows worlds."""
+    return TopologyConfig(
+        nodes=max(1, world // per_node),
+        ranks_per_node=per_node,
+        spares=0,
+        backend=dist.get_backend(),
+        threads_per_rank=torch.get_num_threads(),
+        collective_timeout_s=1800.0,
+        trial_timeout_s=1800.0,
+        parallel=parallel,
+        shard_size=shard_size if parallel == "hsdp" else None,
+    )
+
+
+def rehearsal(inject: dict[str, Any], dtype: torch.dtype, topology: TopologyConfig) -> FaultConfig:
+    """A rehearsal fault, validated like a campaign's (steps are not bounded: a loop has no
+    end)."""
+    unbounded = WorkloadConfig(
+        name="custom", steps=2**31, dtype=_dtype_name(dtype), seed=0, micro_batches=1,
+        micro_batch_size=1, lr=1.0,
+    )  # fmt: skip
+    return fault_config("inject", dict(inject), unbounded, topology)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, "float32")
