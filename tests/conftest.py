@@ -54,6 +54,7 @@ LONGEST_FIRST = (
     "test_robustness.py",
     "test_multihost.py",
     "test_guarded_example.py",
+    "test_guard_loops.py",
     "test_recovery.py",
     "test_replica_groups.py",
     "test_detectors.py",

@@ -12,10 +12,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import detectors
 from detectors import allreduce_sketch as sketch
 from harness.guard import Guard
+from harness.runtime import sharding
 from tests.conftest import BIN
 
 LOOP = Path(__file__).parent / "loops" / "plain_ddp.py"
@@ -83,24 +87,112 @@ def one_rank(tmp_path):
     dist.destroy_process_group()
 
 
-def test_the_sketch_refuses_a_hook_it_cannot_verify_and_names_the_alternatives(one_rank):
+def test_the_sketch_refuses_a_hook_it_cannot_verify_and_names_the_checks_allowed(one_rank):
     state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1)
     with pytest.raises(ValueError, match="cannot verify the comm hook powerSGD_hook") as error:
         Guard(one_rank, ["allreduce_sketch"], comm_hook=(state, powerSGD_hook.powerSGD_hook))
-    assert str(error.value).endswith(
-        "use grad_stats, matmul_checksum, megatron_hash, nan_inf, replay, spiky_loss, "
-        "titan_replay, weight_consensus"
-    )
+    allowed = str(error.value).split("; allowed here: ")[1].split(", ")
+    assert "nan_inf" in allowed and "grad_stats" in allowed
+    assert "allreduce_sketch" not in allowed, "not with this hook"
+    assert "replay" not in allowed, "no replay_fn, and one node"
 
 
 def test_a_check_of_sharded_collectives_is_refused_in_a_ddp_loop(one_rank):
-    with pytest.raises(ValueError, match="'gather_consensus' checks sharded training's"):
+    with pytest.raises(ValueError, match="'gather_consensus' is derived for fsdp and hsdp"):
         Guard(one_rank, ["gather_consensus"])
 
 
 def test_replay_in_a_guard_needs_the_users_loss_function(one_rank):
     with pytest.raises(ValueError, match="replay_fn"):
         Guard(one_rank, ["replay"])
+
+
+def test_all_runs_what_applies_and_says_why_it_left_the_rest_out(one_rank):
+    """One rank of a DDP loop: no sharded collective to check, no peer to replay on or to vote
+    with; every check left out says why, every one kept runs."""
+    guard = Guard(one_rank, "all", replay_fn=lambda model, batch: model(batch).sum())
+    assert {"nan_inf", "grad_stats", "allreduce_sketch", "matmul_checksum"} <= set(guard.checks)
+    assert "derived for fsdp and hsdp" in guard.left_out["gather_consensus"]
+    assert "3 nodes" in guard.left_out["replay"]
+    assert "3 replicas" in guard.left_out["weight_consensus"]
+    assert set(guard.checks) | set(guard.left_out) == set(detectors.available())
+    without = Guard(DDP(nn.Linear(4, 2)), "all")
+    assert "needs Guard(..., replay_fn=fn)" in without.left_out["titan_replay"]
+
+
+def test_a_module_neither_ddp_nor_sharded_is_refused(one_rank):
+    with pytest.raises(ValueError, match="^model: a DistributedDataParallel module or a module"):
+        Guard(one_rank.module)
+
+
+def test_a_second_guard_on_one_ddp_is_refused(one_rank):
+    Guard(one_rank)
+    with pytest.raises(ValueError, match="^model: this DDP module has a comm hook already"):
+        Guard(one_rank)
+
+
+def test_the_costs_are_refused_until_the_warmup_is_over(one_rank):
+    guard = Guard(one_rank, ["nan_inf"], warmup_steps=2)
+    with pytest.raises(RuntimeError, match="the first 2 steps are a warm-up"):
+        guard.costs()
+
+
+def test_a_closed_guard_leaves_the_loop_as_it_was(one_rank):
+    """After close() the forward hooks are gone, the reduction is DDP's own, and a NaN that
+    would have alerted raises nothing: training may go on unguarded."""
+    model = one_rank.module
+    before = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+    guard = Guard(one_rank, ["nan_inf", "matmul_checksum"])
+    hooked = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+    assert hooked > before
+    guard.close()
+    assert sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()) == before
+    one_rank(torch.full((2, 4), float("nan"))).sum().backward()
+    assert guard.alerts == [] and guard.closed
+
+
+@pytest.fixture
+def one_shard(tmp_path):
+    """A one-rank world and its device mesh, for fully_shard in this process."""
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield init_device_mesh("cpu", (1,))
+    dist.destroy_process_group()
+
+
+def test_a_mixed_precision_policy_is_refused_in_one_line(one_shard):
+    model = fully_shard(
+        nn.Linear(4, 2), mesh=one_shard, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    )
+    with pytest.raises(ValueError, match="MixedPrecisionPolicy.*use torch.autocast") as error:
+        Guard(model)
+    assert "\n" not in str(error.value)
+
+
+def test_the_replica_of_a_sharded_module_is_the_module_without_fsdp(one_shard):
+    """A transformers model with tied embeddings, each layer and the root sharded: the copy has
+    the original classes, no FSDP state or hook, the tie kept, and computes what the sharded
+    model computes once the weights are copied in."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(config)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=one_shard)
+    fully_shard(model, mesh=one_shard)
+    copy = sharding.unsharded_copy(model)
+    assert type(copy) is transformers.Qwen2ForCausalLM
+    assert not any(isinstance(m, FSDPModule) for m in copy.modules())
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in copy.modules())
+    assert copy.lm_head.weight is copy.model.embed_tokens.weight
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), copy.parameters(), strict=True):
+            q.copy_(p.full_tensor())
+    tokens = torch.randint(64, (2, 8))
+    assert torch.equal(copy(tokens).logits, model(tokens).logits)
 
 
 @pytest.mark.parametrize("wire", [torch.float16, torch.bfloat16])

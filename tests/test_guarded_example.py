@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
+import detectors
 from harness.guard import EXIT_SUSPECT_HARDWARE, Guard
+from harness.results.costs import JobCosts
 from tests.conftest import BIN
 
 EXAMPLE = Path(__file__).parents[1] / "examples" / "train_guarded.py"
@@ -38,6 +40,39 @@ def example(out: Path, *args: str, ranks: int = RANKS) -> tuple[dict, subprocess
     summary = json.loads((out / "summary.json").read_text())
     assert (proc.returncode == 0) == (summary["exit_code"] == 0), proc.stderr[-3000:]
     return summary, proc
+
+
+def test_the_documented_command_runs_every_check_that_applies(tmp_path):
+    """docs/guard.md's command as it stands, no --detectors: every check the guard can run in a
+    DDP loop of 4 one-rank nodes runs 20 clean steps silently, the one that does not apply says
+    why, and what each cost lands in costs.json."""
+    env = dict(os.environ, SDC_NODE_NAME="machine-{node}")
+    proc = subprocess.run(
+        [str(BIN / "torchrun"), "--standalone", "--nproc-per-node=4", str(EXAMPLE),
+         "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["exit_code"] == 0 and summary["steps"] == 20
+    assert summary["alerts"] == [] and summary["warnings"] == []
+    assert sorted(summary["left_out"]) == ["gather_consensus"]
+    assert set(summary["checks"]) | {"gather_consensus"} == set(detectors.available())
+    costs = JobCosts.read(tmp_path / "costs.json")
+    assert sorted(costs.checks) == summary["checks"] and costs.steps == 17
+    assert all(c.seconds_per_step > 0 for c in costs.checks.values())
+
+
+def test_titan_replay_in_a_guard_stops_a_scaled_gradient_at_its_step(tmp_path):
+    """torchtitan's replay of every step recomputes each rank's own micro-batch (kept by
+    guard.audit_batch): x4 on rank 1's largest gradient element at step 3 stops the loop there,
+    naming rank 1."""
+    fault = {"site": "grad", "model": "scale", "factor": 4.0, "ranks": [1], "steps": [3],
+             "select": "largest"}  # fmt: skip
+    summary, _ = example(tmp_path, "--detectors", json.dumps({"titan_replay": {"num_steps": -1}}),
+                         "--mode", "act", "--inject", json.dumps(fault))  # fmt: skip
+    assert summary["alarm"] == {"detector": "titan_replay", "step": 3, "suspect_ranks": [1],
+                                "suspect_machines": ["machine-1"]}  # fmt: skip
+    assert summary["exit_code"] == EXIT_SUSPECT_HARDWARE
 
 
 def guarded(out: Path, *args: str) -> dict:
@@ -73,10 +108,20 @@ def test_a_clean_run_with_every_check_is_bit_identical_to_no_guard(tmp_path, hoo
 @pytest.mark.slow
 def test_llama_under_the_llm_recipe_raises_no_alert(tmp_path):
     """A transformers Llama with autocast to bfloat16, clipping at 1.0, dropout 0.1 and two
-    accumulated micro-batches: every check, replay at every step, no alert."""
-    summary = guarded(tmp_path, "--model", "llama", "--amp", "--clip", "1.0", "--dropout", "0.1",
-                      "--accumulate", "2")  # fmt: skip
+    accumulated micro-batches: every check (the example's default, "all"), no alert; then
+    with replay at every step too."""
+    llm = ("--model", "llama", "--amp", "--clip", "1.0", "--dropout", "0.1", "--accumulate", "2")
+    summary, proc = example(tmp_path / "all", *llm)
+    assert proc.returncode == 0 and summary["alerts"] == [] and summary["warnings"] == []
+    summary = guarded(tmp_path / "every", *llm)
     assert summary["alerts"] == [] and summary["warnings"] == [] and summary["steps"] == STEPS
+
+
+@pytest.mark.slow
+def test_titan_replay_of_the_first_step_is_silent_in_a_clean_run(tmp_path):
+    """Default-run twin: the titan_replay rehearsal above."""
+    summary, proc = example(tmp_path, "--detectors", '["titan_replay"]', ranks=4)
+    assert proc.returncode == 0 and summary["alerts"] == [] and summary["steps"] == STEPS
 
 
 # The largest gradient element on rank 1 times 4: within grad_stats' spread, and the sketch
