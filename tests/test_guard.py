@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import detectors
 from detectors import allreduce_sketch as sketch
 from harness.guard import Guard
-from harness.runtime import sharding
+from harness.runtime.replica import unsharded_copy
 from tests.conftest import BIN
 
 LOOP = Path(__file__).parent / "loops" / "plain_ddp.py"
@@ -183,7 +183,7 @@ def test_the_replica_of_a_sharded_module_is_the_module_without_fsdp(one_shard):
     for layer in model.model.layers:
         fully_shard(layer, mesh=one_shard)
     fully_shard(model, mesh=one_shard)
-    copy = sharding.unsharded_copy(model)
+    copy = unsharded_copy(model)
     assert type(copy) is transformers.Qwen2ForCausalLM
     assert not any(isinstance(m, FSDPModule) for m in copy.modules())
     assert all(not m._forward_pre_hooks and not m._forward_hooks for m in copy.modules())

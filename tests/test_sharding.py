@@ -25,8 +25,9 @@ from harness.config.schema import WorkloadConfig
 from harness.core.events import Alert, Sensitivity
 from harness.core.plugins import DetectorContext, EventLog, PluginBus, RankInfo
 from harness.runtime import numerics
+from harness.runtime.replica import unsharded_copy
 from harness.runtime.shard_sites import ShardedBuckets
-from harness.runtime.sharding import GroupLayout, ShardSites, blocks, mesh, shard, unsharded_copy
+from harness.runtime.sharding import GroupLayout, ShardSites, blocks, mesh, shard
 from harness.runtime.workloads import Workload
 from tests.conftest import compose_run, forked_ranks
 

@@ -165,8 +165,8 @@ class DetectorContext:
     forward_hooks: Callable[[nn.Module], list[RemovableHandle]] | None = field(
         default=None, repr=False
     )
-    # Builds a plain, unsharded module of the model's structure (harness/runtime/sharding.py,
-    # `unsharded_copy`): set where the model is sharded.
+    # Builds a plain, unsharded module of the model's structure (harness/runtime/replica.py):
+    # set where the model is sharded.
     unsharded_copy: Callable[[], nn.Module] | None = field(default=None, repr=False)
     _unsharded: nn.Module | None = field(default=None, init=False, repr=False)
     _gathered_at: int | None = field(default=None, init=False, repr=False)

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -40,10 +40,15 @@ from harness.runtime import checkpoint, comm
 from harness.runtime.assembly import assemble
 from harness.runtime.batch_exchange import ShippedBatches
 
+if TYPE_CHECKING:
+    from harness.runtime.shard_sites import ShardedBuckets
+
 STEP = "step"
 
 
 class Guard:
+    """The checks attached to one rank's DDP or fully_shard module (harness/guard/__init__.py)."""
+
     def __init__(
         self,
         model: nn.Module,
@@ -58,17 +63,7 @@ class Guard:
         start_step: int = 0,
         warmup_steps: int = 3,
     ):
-        self.parallel, shard_size = _parallelism(model)
-        if comm_hook is not None and self.parallel != "ddp":
-            raise ValueError(
-                "comm_hook: a DDP comm hook; a fully_shard module reduces through FSDP's own "
-                "collectives, which the guard wraps itself"
-            )
-        if isinstance(model, DDP) and model._comm_hooks:
-            raise ValueError(
-                "model: this DDP module has a comm hook already (another Guard's, or your own: "
-                "pass yours as Guard(..., comm_hook=(state, hook)) and the guard wraps it)"
-            )
+        self.parallel, shard_size = _parallelism(model, comm_hook)
         self.warmup_steps = integer("warmup_steps", warmup_steps, 1)
         rank, world = dist.get_rank(), dist.get_world_size()
         per_node = ranks_per_node or int(
@@ -77,9 +72,12 @@ class Guard:
         self.model = model.module if isinstance(model, DDP) else model
         first = next(self.model.parameters())
         self.info = RankInfo(rank, world, per_node, str(first.device))
-        # Where the checks' time goes, and the loop's steps: read in costs().
-        self.stopwatch, self._clock = Stopwatch(first.device), Stopwatch(first.device)
-        self.log = EventLog(rank, self.info.node, stopwatch=self.stopwatch)
+        world_topology = selection.topology(world, per_node, self.parallel, shard_size)
+        job = selection.Job(world_topology, mode, replay_fn, comm_hook)
+        chosen = selection.select(detectors, job)
+        self.checks, self.left_out = chosen.checks, chosen.left_out
+        fault = None if inject is None else selection.rehearsal(inject, first.dtype, world_topology)
+
         name = os.environ.get("SDC_NODE_NAME", socket.gethostname())
         self.machines: list[str] = inflight.gather_objects(
             name.replace("{node}", str(self.info.node))
@@ -88,30 +86,21 @@ class Guard:
         self.folder = Path(checkpoints) if checkpoints is not None else None
         self.alarm: SDCAlarm | None = None
         self.checkpointed: set[int] = set()
-        world_topology = selection.topology(world, per_node, self.parallel, shard_size)
-        job = selection.Job(world_topology, mode, replay_fn, comm_hook)
-        chosen = selection.select(detectors, job)
-        self.checks, self.left_out = chosen.checks, chosen.left_out
+        # Where the checks' time goes, and the loop's steps: read in costs().
+        self.stopwatch, self._clock = Stopwatch(first.device), Stopwatch(first.device)
+        self.log = EventLog(rank, self.info.node, stopwatch=self.stopwatch)
         recomputing = any(registry.detector_class(n).recomputes_batches for n in self.checks)
         self.shipped = ShippedBatches(replay_fn, rank, first.device) if recomputing else None
         ctx = DetectorContext(self.info, self.model, None, 0, tuple((r,) for r in range(world)),
                               replay_data=self.shipped)  # fmt: skip
-        fault = None if inject is None else selection.rehearsal(inject, first.dtype, world_topology)
         plugins = assemble(self.model, ctx, self.log, self.checks, fault, seed,
                            transparent=True, inner=comm_hook)  # fmt: skip
         self.bus, self._state, self._hooks = plugins.bus, plugins.state, plugins.hooks
-        self._shards = None
+        self._shards: ShardedBuckets | None = None
         if isinstance(model, DDP):
             model.register_comm_hook(self._state, comm.comm_hook)
         else:
-            # Here, not at the top: FSDP2 costs every DDP job 0.7 s of import.
-            from harness.runtime import sharding
-            from harness.runtime.shard_sites import ShardedBuckets
-
-            self._shards = ShardedBuckets(self.parallel == "hsdp", world)
-            self._shards.bind(self.bus)
-            self._shards.groups = sharding.install(model, self._shards.sites())
-            ctx.unsharded_copy = partial(sharding.unsharded_copy, model)
+            self._shards = _sharded_sites(model, self.bus, ctx)
         self._set_step(start_step)
         self._loss_step = -1
         self._seen = 0  # events already considered for an alarm
@@ -341,16 +330,42 @@ class Guard:
         return SDCAlarm(same, self.machines, since)
 
 
-def _parallelism(model: nn.Module) -> tuple[str, int | None]:
-    """ddp, or fsdp or hsdp with the shard group's size; ValueError for any other module."""
+def _parallelism(
+    model: nn.Module, comm_hook: tuple[Any, Callable] | None
+) -> tuple[str, int | None]:
+    """ddp, or fsdp or hsdp with the shard group's size; ValueError for a module the guard
+    cannot attach to."""
     if isinstance(model, DDP):
+        if model._comm_hooks:
+            raise ValueError(
+                "model: this DDP module has a comm hook already (another Guard's, or your own: "
+                "pass yours as Guard(..., comm_hook=(state, hook)) and the guard wraps it)"
+            )
         return "ddp", None
     fsdp = sys.modules.get("torch.distributed.fsdp")  # not loaded: no module was sharded
-    if fsdp is not None and isinstance(model, fsdp.FSDPModule):
-        from harness.runtime import sharding  # as in Guard.__init__
+    if fsdp is None or not isinstance(model, fsdp.FSDPModule):
+        raise ValueError(
+            "model: a DistributedDataParallel module or a module sharded with FSDP2's "
+            f"fully_shard (on its root) is allowed; got a {type(model).__name__}"
+        )
+    if comm_hook is not None:
+        raise ValueError(
+            "comm_hook: a DDP comm hook; a fully_shard module reduces through FSDP's own "
+            "collectives, which the guard wraps itself"
+        )
+    from harness.runtime import sharding  # FSDP2 costs every DDP job 0.7 s of import
 
-        return sharding.parallelism(model)
-    raise ValueError(
-        f"model: a DistributedDataParallel module or a module sharded with FSDP2's fully_shard "
-        f"(on its root) is allowed; got a {type(model).__name__}"
-    )
+    return sharding.parallelism(model)
+
+
+def _sharded_sites(model: nn.Module, bus: PluginBus, ctx: DetectorContext) -> ShardedBuckets:
+    """The campaigns' sites on the collectives of every FSDP group of `model`, feeding `bus`;
+    replay's replica copied from the module."""
+    from harness.runtime import replica, sharding  # as in _parallelism
+    from harness.runtime.shard_sites import ShardedBuckets
+
+    shards = ShardedBuckets(sharding.parallelism(model)[0] == "hsdp", ctx.info.world_size)
+    shards.bind(bus)
+    shards.groups = sharding.install(model, shards.sites())
+    ctx.unsharded_copy = partial(replica.unsharded_copy, model)
+    return shards

@@ -6,7 +6,9 @@ built the model from the same seed (its weights identical, as `Workload.build_mo
 them: `fully_shard` slices them, it broadcasts nothing), and the model is on `mesh`'s device.
 The caller makes `mesh(...)` once, calls `shard(model, mesh, sites)` once, before building the
 optimizer (which must see the sharded parameters), and trains the returned model as usual:
-forward, backward, optimizer step.
+forward, backward, optimizer step. A module the user wrapped with `fully_shard` themselves (the
+guard in a user's loop) takes the same sites through `install(model, sites)`, its groups as the
+user made them.
 
 Why: a sharded step moves data through collectives DDP never runs, so a fault has sites of
 its own. Before the reduce-scatter each rank holds its whole local gradient (`grad`); after it,
@@ -59,14 +61,12 @@ first (torch's default for the root).
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
@@ -232,55 +232,6 @@ def parallelism(model: nn.Module) -> tuple[str, int]:
     )
     info = group.mesh_info
     return ("hsdp" if isinstance(info, HSDPMeshInfo) else "fsdp"), info.shard_mesh_size
-
-
-def unsharded_copy(model: nn.Module) -> nn.Module:
-    """A plain module of `model`'s structure and classes, without FSDP: every parameter whole
-    (uninitialised: the caller copies the weights in), buffers and other attributes as they
-    are, parameters that `model` shares shared in the copy too, and no module hook (FSDP's
-    forward hooks gather shards; the caller installs its own). `deepcopy` would copy FSDP's
-    state and process groups, which FSDP refuses."""
-    copies: dict[int, object] = {}
-
-    def parameter(p: nn.Parameter) -> nn.Parameter:
-        if id(p) not in copies:
-            data = torch.empty(p.shape, dtype=p.dtype, device=p.device)
-            copies[id(p)] = nn.Parameter(data, requires_grad=p.requires_grad)
-        return copies[id(p)]
-
-    def module(m: nn.Module) -> nn.Module:
-        if id(m) in copies:
-            return copies[id(m)]
-        cls = type(m)
-        if isinstance(m, FSDPModule):
-            cls = cls.__mro__[cls._orig_cls_mro_index]
-        copy = cls.__new__(cls)
-        copies[id(m)] = copy
-        state = {k: v for k, v in m.__dict__.items() if k not in _FSDP_ATTRIBUTES}
-        for hooks in _HOOK_DICTS:
-            if hooks in state:
-                state[hooks] = OrderedDict()
-        state["_parameters"] = {
-            n: None if p is None else parameter(p) for n, p in m._parameters.items()
-        }
-        state["_buffers"] = {n: None if b is None else b.clone() for n, b in m._buffers.items()}
-        state["_modules"] = {n: None if c is None else module(c) for n, c in m._modules.items()}
-        copy.__dict__.update(state)
-        return copy
-
-    return module(model)
-
-
-# What fully_shard adds to a module's __dict__: its state and registry (torch's composable API)
-# and the flags it sets for Dynamo.
-_FSDP_ATTRIBUTES = frozenset(
-    {STATE_KEY, REGISTRY_KEY, "_is_fsdp_managed_module", "_fsdp_use_orig_params"}
-)
-_HOOK_DICTS = (
-    "_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
-    "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks",
-    "_backward_pre_hooks",
-)  # fmt: skip
 
 
 def _refuse_frozen(model: nn.Module) -> None:

@@ -158,7 +158,7 @@ def _trained(
         checks = {name: config.in_mode("observe") for name, config in checks.items()}
     ctx = DetectorContext(info, model, workload, cfg.steps, plan)
     if shards is not None:
-        from harness.runtime.sharding import unsharded_copy  # sharded runs only: see `_sharded`
+        from harness.runtime.replica import unsharded_copy  # sharded runs only: see `_sharded`
 
         ctx.unsharded_copy = partial(unsharded_copy, model)
     rank = assemble(model, ctx, log, checks, spec.fault, spec.seed, hardware, forward=run.forward)
