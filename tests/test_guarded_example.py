@@ -190,3 +190,24 @@ def test_a_rehearsal_stops_at_its_step_naming_its_machine(tmp_path, fault, detec
     assert summary["exit_code"] == EXIT_SUSPECT_HARDWARE
     saved = [int(p.stem.split("_")[1]) for p in (tmp_path / "checkpoints").glob("step_*.pt")]
     assert all(s < step for s in saved)
+
+
+@pytest.mark.slow
+def test_under_fsdp_a_rehearsal_quarantines_and_a_restart_resumes_from_the_sharded_checkpoint(
+    tmp_path,
+):
+    """Default-run twins: the GPT-2 replay rehearsal and its restart above (DDP). Under
+    --parallel fsdp the guard saves torch.distributed.checkpoint folders, sealed with their
+    checksums; the alarm sets none aside before its step, and the restart loads the newest."""
+    checks = json.dumps({"nan_inf": {}, "replay": {"interval": 1}, "gather_consensus": {}})
+    common = ("--parallel", "fsdp", "--detectors", checks, "--mode", "act",
+              "--checkpoint-every", "2")  # fmt: skip
+    summary, _ = example(tmp_path, *common, "--inject", json.dumps(SCALED), ranks=4)
+    assert summary["alarm"] == {"detector": "replay", "step": 4, "suspect_ranks": [1],
+                                "suspect_machines": ["machine-1"]}  # fmt: skip
+    saved = sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*.dcp"))
+    assert saved == ["step_000001.dcp", "step_000003.dcp"]
+    assert Guard.restore_point(tmp_path / "checkpoints")[0] == 3
+    summary, _ = example(tmp_path, *common, "--resume", ranks=4)
+    assert summary["exit_code"] == 0 and summary["alerts"] == [] and summary["steps"] == STEPS
+    assert len(summary["losses"]) == STEPS - 4
