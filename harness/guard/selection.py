@@ -45,6 +45,8 @@ class Job:
 
 
 def select(chosen: Chosen, job: Job) -> Selection:
+    """The checks `chosen` names for `job`: "all", a check's name, names, or a mapping from
+    names to their settings."""
     choice("mode", job.mode, ("observe", "act"))
     if isinstance(chosen, str) and chosen != ALL:
         chosen = [chosen]
@@ -59,7 +61,7 @@ def select(chosen: Chosen, job: Job) -> Selection:
         except _DoesNotApply as why:
             refused[name] = str(why)
     if chosen != ALL and refused:
-        name, why = next(iter(refused.items()))
+        why = next(iter(refused.values()))
         raise ValueError(f"detectors: {why}; allowed here: {', '.join(applicable(job))}")
     return Selection(checks, refused)
 
