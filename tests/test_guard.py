@@ -37,7 +37,7 @@ def _loop(out: Path, *args: str) -> list[dict]:
 
 @pytest.mark.slow
 def test_a_clean_loop_with_the_guard_trains_bit_identically_to_one_without(tmp_path):
-    """Default-run twin: tests/test_guarded_example.py, the fp16 clean run."""
+    """Default-run twin: tests/test_guarded_example.py, the GPT-2 clean run."""
     plain = _loop(tmp_path / "plain")
     guarded = _loop(tmp_path / "guarded", "--guard", "--mode", "act")
     assert len({r["digest"] for r in plain}) == 1
@@ -47,7 +47,7 @@ def test_a_clean_loop_with_the_guard_trains_bit_identically_to_one_without(tmp_p
 
 @pytest.mark.slow
 def test_a_user_comm_hook_is_wrapped_not_replaced(tmp_path):
-    """Default-run twin: tests/test_guarded_example.py, the fp16 clean run."""
+    """Default-run twin: tests/test_guarded_example.py, the GPT-2 clean run."""
     compressed = _loop(tmp_path / "fp16", "--fp16-hook")
     guarded = _loop(tmp_path / "fp16-guarded", "--fp16-hook", "--guard")
     assert [r["digest"] for r in guarded] == [r["digest"] for r in compressed]

@@ -414,7 +414,10 @@ def _user_reduction(state: HookState, bucket: dist.GradBucket) -> torch.futures.
     state.bus.local_grad(step, view)
     buffer = view.buffer
     if state.inner is None:
-        buffer.div_(state.world_size)
+        # As DDP's default reduction scales: each gradient times 1/W as it is copied into the
+        # bucket (reducer.cpp, copy_grad_to_bucket). Dividing by W rounds otherwise unless W is
+        # a power of two.
+        buffer.mul_(1.0 / state.world_size)
         slot = torch.empty(state.slots, dtype=torch.float32, device=buffer.device)
         spans = state.pack(state.bus.riders(step, view), slot)
         futures = [dist.all_reduce(buffer, async_op=True).get_future()]
