@@ -99,10 +99,12 @@ class FaultInjector(Plugin):
     def initial_positions(self, matched: list[tuple[str, int | None]]) -> dict[str, list[int]]:
         """Seeded positions over the matched tensors, concatenated in model order. A module's
         output size is only known in the forward pass: its indices are drawn there."""
-        if self.fault.schedule or self.fault.ber or self.fault.select == "largest":
+        if self.fault.schedule or self.fault.ber:
             return {}
         if matched and matched[0][1] is None:
             return {self.rng.choice(sorted(n for n, _ in matched)): []}
+        if self.fault.select == "largest":  # chosen where the values are known (`_choose`)
+            return {}
         total = sum(size for _, size in matched)
         if self.model.grouped and total:
             k = self.fault.index if self.fault.index is not None else self.rng.randrange(total)

@@ -106,6 +106,25 @@ CASES = [
     (["campaign.fast_forward=sometimes"], "campaign.fast_forward", "allowed: true, false"),
     (["fault=grad_scale", "fault.ber=0.001"], "fault.ber", "needs model bitflip"),
     (["fault=grad_bitflip", "fault.select=smallest"], "fault.select", "allowed: random, largest"),
+    (["fault=grad_scale", "fault.select=largest", "fault.index=3"], "fault.index", "picks the"),
+    (
+        ["fault=grad_bitflip", "fault.select=largest", "fault.ber=0.001"],
+        "fault.ber",
+        "select largest picks the elements itself",
+    ),
+    (
+        [
+            "fault.site=allreduce",
+            "fault.scope=reduction",
+            "fault.model=drop",
+            "fault.ranks=[1]",
+            "fault.steps=[1]",
+            "fault.select=largest",
+            "campaign=single",
+        ],
+        "fault.select",
+        "not an element; allowed: random",
+    ),  # fmt: skip
     (["fault=grad_bitflip", "fault.nbits=40"], "fault.nbits", "1..32"),
     (["fault=activation_nan", "fault.tensor=conv*"], "fault.tensor", "nothing at site activation"),
     (["fault=weight_bitflip", "fault.bucket=0"], "fault.bucket", "allowed: grad, allreduce"),

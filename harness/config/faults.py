@@ -161,9 +161,27 @@ def fault_config(
             f"{key}.ranks", "scope reduction puts the fault in one node's reduction; allowed: "
             "one rank, on the node whose reduction is broken"
         )  # fmt: skip
+    _largest(key, values, model)
     fault = FaultConfig(**values)
     injectors.model_class(model).validate(key, fault)
     return fault
+
+
+def _largest(key: str, values: dict[str, Any], model: str) -> None:
+    """`select: largest` picks the largest elements of what it strikes: a key that names the
+    elements too would be ignored, and a model that changes no element cannot honour it."""
+    if values["select"] != "largest":
+        return
+    for name in ("index", "ber", "schedule"):
+        if values[name] not in (None, ()):
+            raise ConfigError(
+                f"{key}.{name}", "select largest picks the elements itself; leave it unset"
+            )
+    if injectors.model_class(model).contribution:
+        raise ConfigError(
+            f"{key}.select",
+            f"model {model} changes a rank's whole contribution, not an element; allowed: random",
+        )
 
 
 def _parallel_fault(key: str, values: dict[str, Any], site: str, topology: TopologyConfig) -> None:
