@@ -2,8 +2,8 @@
 docs/guard.md with no harness code but the Guard): a transformers Qwen2 with attention dropout,
 two micro-batches accumulated without a reduction, bf16 autocast, clipping at 0.3 and AdamW as
 LLM recipes set it, under FSDP2's fully_shard over 4 ranks (FSDP), over 3 replica groups of 2
-shards (HSDP, 6 ranks), and under DDP; every rank its own machine. The fault matrix under FSDP
-and HSDP and the other endings after each check's alarm are the slow set's."""
+shards (HSDP, 6 ranks), and under DDP; every rank its own machine. HSDP (six ranks), the fault
+matrix under FSDP and HSDP and the other endings after each check's alarm are the slow set's."""
 
 from __future__ import annotations
 
@@ -100,10 +100,12 @@ def test_the_costs_measured_in_the_job_price_the_plan(fsdp, tmp_path, capsys):
     assert "no figure for 'replay'" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_wrong_weight_on_one_hsdp_replica_group_stops_every_rank_with_86(tmp_path):
     """A weight of rank 2 (replica group 1, shard 0) scaled after step 2's update: consensus
     across the 3 groups names rank 2 at step 2, and the loop, leaving the Guard's `with` block
-    and destroying the group, exits 86 on every rank (torchrun stops the rest: -15)."""
+    and destroying the group, exits 86 on every rank (torchrun stops the rest: -15). Slow (six
+    ranks); the default run's sharded guard is the FSDP loop's."""
     fault = {"site": "weight", "model": "scale", "factor": 100.0, "ranks": [2], "steps": [2],
              "select": "largest"}  # fmt: skip
     checks = {"nan_inf": {}, "gather_consensus": {}, "weight_consensus": {"interval": 1}}

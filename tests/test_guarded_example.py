@@ -62,10 +62,11 @@ def test_the_documented_command_runs_every_check_that_applies(tmp_path):
     assert all(c.seconds_per_step > 0 for c in costs.checks.values())
 
 
+@pytest.mark.slow
 def test_titan_replay_in_a_guard_stops_a_scaled_gradient_at_its_step(tmp_path):
     """torchtitan's replay of every step recomputes each rank's own micro-batch (kept by
     guard.audit_batch): x4 on rank 1's largest gradient element at step 3 stops the loop there,
-    naming rank 1."""
+    naming rank 1. Default-run twin: the documented command, whose titan_replay replays step 0."""
     fault = {"site": "grad", "model": "scale", "factor": 4.0, "ranks": [1], "steps": [3],
              "select": "largest"}  # fmt: skip
     summary, _ = example(tmp_path, "--detectors", json.dumps({"titan_replay": {"num_steps": -1}}),
@@ -122,7 +123,7 @@ def test_llama_under_the_llm_recipe_raises_no_alert(tmp_path):
 
 @pytest.mark.slow
 def test_titan_replay_of_the_first_step_is_silent_in_a_clean_run(tmp_path):
-    """Default-run twin: the titan_replay rehearsal above."""
+    """Default-run twin: the documented command, which runs it among every check."""
     summary, proc = example(tmp_path, "--detectors", '["titan_replay"]', ranks=4)
     assert proc.returncode == 0 and summary["alerts"] == [] and summary["steps"] == STEPS
 
