@@ -63,6 +63,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from detectors import grouped_products as grouped
 from harness.core.checks import CheckConfig
 from harness.core.matmuls import MatmulCall
 from harness.core.plugins import Detector, DetectorContext, EventLog
@@ -91,6 +92,9 @@ class Product:
     left_at: int  # where the operands are in the call's arguments
     right_at: int
     transposed: bool  # R is the argument transposed (F.linear's weight)
+    # A grouped product (torch._grouped_mm): R [E, q, p] one matrix per group of L's rows, `offs`
+    # the cumulative row counts (detectors/grouped_products.py).
+    offs: torch.Tensor | None = None
 
     def checks_grad(self, operand: torch.Tensor, output: torch.Tensor) -> bool:
         """An operand's gradient is one product when it is not broadcast over P's batch."""
@@ -106,6 +110,8 @@ def product_of(call: MatmulCall) -> Product | None:
         bias = args[2] if len(args) > 2 else kwargs.get("bias")
         x, w = args[0], args[1]
         found = Product(x, w.transpose(-1, -2), bias, 1.0, 1.0, 0, 1, True)
+    elif call.func is torch._grouped_mm:
+        return _grouped(args, kwargs)
     elif call.func in (torch.addmm, torch.baddbmm):
         beta, alpha = float(kwargs.get("beta", 1)), float(kwargs.get("alpha", 1))
         found = Product(args[1], args[2], args[0], alpha, beta, 1, 2, False)
@@ -117,6 +123,23 @@ def product_of(call: MatmulCall) -> Product | None:
     if found.left.dim() < 2 or found.right.dim() < 2:
         return None
     return found
+
+
+def _grouped(args: list, kwargs: dict) -> Product | None:
+    """A mixture of experts' grouped product: 2-D tokens against 3-D experts, no bias, the
+    output in the operands' dtype; other grouped layouts are not verified."""
+    offs = args[2] if len(args) > 2 else kwargs.get("offs")
+    extra = len(args) > 3 or any(kwargs.get(k) is not None for k in ("bias", "out_dtype"))
+    left, right = args[0], args[1]
+    if offs is None or extra or not all(_floating(t) for t in (left, right)):
+        return None
+    if left.dim() != 2 or right.dim() != 3 or offs.dim() != 1:
+        return None
+    return Product(left, right, None, 1.0, 1.0, 0, 1, False, offs)
+
+
+def _floating(t: object) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_floating_point()
 
 
 @dataclass(frozen=True)
@@ -302,6 +325,9 @@ class MatmulChecksum(Detector):
         """P e against alpha L (R e) (+ the addend's row sums)."""
         product = checked.product
         checked.dtype = output.dtype
+        if product.offs is not None:
+            self._check_grouped_output(step, checked, output)
+            return
         checked.flat = product.right.dim() == 2 and product.left.dim() > 2
         left, right = self._operands(checked)
         out = output.reshape(-1, output.shape[-1]) if checked.flat else output
@@ -332,6 +358,24 @@ class MatmulChecksum(Detector):
         )  # fmt: skip
         self.found.append((step, "forward", f"{checked.key} output", ratio))
 
+    def _check_grouped_output(self, step: int, checked: Checked, output: torch.Tensor) -> None:
+        left, right = self._operands(checked)
+        figures = grouped.forward(left, right, checked.product.offs, output)
+        checked.right_fro = figures["right_fro"]
+        checked.left_fro = figures["left_norm"]
+        ratio = self._grouped_ratio(figures, right.shape[-2], right.shape[-1], output.dtype)
+        self.found.append((step, "forward", f"{checked.key} output", ratio))
+
+    def _grouped_ratio(
+        self, figures: dict[str, torch.Tensor], inner: int, length: int, *dtypes: torch.dtype
+    ) -> torch.Tensor:
+        rounding = self._rounding(*dtypes)
+        return worst_ratio(
+            figures["actual"], figures["expected"], None if rounding.fine else figures["row_norm"],
+            figures["left_norm"], figures["right_fro"], figures["right_sums_norm"], inner,
+            length, rounding,
+        )  # fmt: skip
+
     def _output_grad(self, checked: Checked):
         """When dP arrives (before the product's backward): dP (R^T e) and dP e, which the
         operand checks need, and the rows' norms. Two matrix-vector products: one product with
@@ -341,6 +385,11 @@ class MatmulChecksum(Detector):
             with self.charged(), unwatched(grad.device):
                 _, right = self._operands(checked)
                 grad = grad.to(checked.dtype)
+                if checked.product.offs is not None:
+                    dp = grouped.output_grad(right, checked.product.offs, grad)
+                    checked.projected, checked.row_sums = dp["projected"], dp["row_sums"]
+                    checked.grad_norms, checked.sums_norm = dp["grad_norms"], dp["sums_norm"]
+                    return
                 if checked.flat:
                     grad = grad.reshape(-1, grad.shape[-1])
                 sums = right.sum(-2, dtype=F32)
@@ -375,6 +424,14 @@ class MatmulChecksum(Detector):
     def _check_left(self, checked: Checked, grad: torch.Tensor) -> None:
         """dL = alpha dP R^T: dL e against alpha dP (R^T e) (alpha is in the dP figures)."""
         product = checked.product
+        if product.offs is not None:
+            figures = grouped.left_grad(grad, self._dp(checked), checked.right_fro)
+            inner = product.right.shape[-1]
+            ratio = self._grouped_ratio(figures, inner, grad.shape[-1], checked.dtype, grad.dtype)
+            self.found.append(
+                (checked.step, "pre_allreduce", f"{checked.key} input gradient", ratio)
+            )
+            return
         if not checked.flat and not product.checks_grad(product.left, grad):
             return
         out = grad.reshape(-1, grad.shape[-1]) if checked.flat else grad
@@ -393,6 +450,14 @@ class MatmulChecksum(Detector):
         reduction along its rows on the CPU, and the bound's L term is small beside the
         product's own rounding (about half of it in bfloat16, a hundredth in float32)."""
         product = checked.product
+        if product.offs is not None:
+            left, _ = self._operands(checked)
+            figures, inner = grouped.right_grad(left, product.offs, grad, self._dp(checked))
+            ratio = self._grouped_ratio(figures, inner, grad.shape[-1], checked.dtype, grad.dtype)
+            self.found.append(
+                (checked.step, "pre_allreduce", f"{checked.key} weight gradient", ratio)
+            )
+            return
         if not checked.flat and not product.checks_grad(product.right, grad):
             return
         left, _ = self._operands(checked)
@@ -413,6 +478,14 @@ class MatmulChecksum(Detector):
             grad.shape[along], rounding,
         )  # fmt: skip
         self.found.append((checked.step, "pre_allreduce", f"{checked.key} weight gradient", ratio))
+
+    @staticmethod
+    def _dp(checked: Checked) -> dict[str, torch.Tensor]:
+        """The output gradient's figures, as detectors/grouped_products.py names them."""
+        return {
+            "projected": checked.projected, "row_sums": checked.row_sums,
+            "grad_norms": checked.grad_norms, "sums_norm": checked.sums_norm,
+        }  # fmt: skip
 
     def on_audit(self, step: int) -> None:
         self._defer()

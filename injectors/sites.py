@@ -92,6 +92,8 @@ class CorruptGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        grad = grad.clone()
+        # Contiguous, so that elements are indexed in the operand's own order (a grouped
+        # product's expert weights arrive transposed).
+        grad = grad.clone(memory_format=torch.contiguous_format)
         ctx.corrupt(grad)
         return grad, None

@@ -31,6 +31,7 @@ CLEAN = {
     "gpt bfloat16": ["workload=gpt", "workload.dtype=bfloat16"],
     "gpt autocast": ["workload=gpt", "workload.precision=bf16-mixed"],
     "llama, LLM recipe": ["workload=llama"],
+    "mixtral (grouped experts) bf16-mixed": ["workload=mixtral", "workload.precision=bf16-mixed"],
 }
 
 
@@ -256,6 +257,38 @@ def test_the_largest_element_of_a_product_fires_in_every_seed_and_is_caught_in_i
         assert abs(float(event.old)) >= float(others.max()), seed
         caught = [a for a in rank.alerts() if a.evidence["module"] == event.tensor]
         assert caught and all(a.step == 1 and a.suspect_ranks == [0] for a in caught), seed
+
+
+# x8 on the experts' first grouped product (forward), or a flipped sign in the gradient its
+# backward computes for the experts' weights (backward).
+EXPERT_FAULTS = {
+    "forward x8": ["fault.phase=forward", "fault.model=scale", "fault.factor=8"],
+    "backward sign": ["fault.phase=backward", "fault.model=bitflip", "fault.bit=sign"],
+}
+
+
+@pytest.mark.parametrize("fault", EXPERT_FAULTS.values(), ids=EXPERT_FAULTS.keys())
+def test_a_wrong_expert_product_is_caught_in_its_step_naming_the_experts(fault):
+    """A Mixtral's experts compute with torch._grouped_mm, one matrix per expert over the tokens
+    routed to it: a fault on it is struck and checked expert by expert (a product that was
+    neither a fault target nor checked before), caught in its step."""
+    run = compose_run(
+        "campaign=single", "workload=mixtral", "topology.nodes=1", "fault.site=matmul",
+        "fault.tensor=model.layers.0.mlp.experts", "fault.ranks=[0]", "fault.steps=[3]", *fault,
+    )  # fmt: skip
+    for seed in range(2):
+        rank = Rank(run, run.scenarios[0], seed)
+        for step in range(4):
+            rank.train(step)
+        (event,) = [e for e in rank.log.events if isinstance(e, ElementInject)]
+        assert event.fired and event.step == 3 and event.tensor == "model.layers.0.mlp.experts"
+        alerts = rank.alerts()
+        assert alerts and all(a.step == 3 and a.suspect_ranks == [0] for a in alerts), seed
+        product = "output" if event.phase == "forward" else "weight gradient"
+        assert any(
+            a.evidence["module"] == event.tensor and a.evidence["product"] == product
+            for a in alerts
+        ), (seed, [a.evidence for a in alerts])
 
 
 def test_only_modules_that_run_are_targets():

@@ -30,6 +30,8 @@ from torch.overrides import TorchFunctionMode
 MATMULS: dict[Callable, int] = {
     F.linear: 1, torch.matmul: 1, torch.Tensor.matmul: 1, torch.Tensor.__matmul__: 1,
     torch.mm: 1, torch.bmm: 1, torch.addmm: 2, torch.baddbmm: 2,
+    # A mixture of experts' products (F.grouped_mm reaches the mode as torch._grouped_mm).
+    torch._grouped_mm: 1,
 }  # fmt: skip
 
 
