@@ -330,3 +330,23 @@ def test_a_campaign_catches_a_wrong_product_off_the_audit_steps(run_ok, tmp_path
             assert e["detector"] == "matmul_checksum" and e["step"] == 3
             target = next(t for trial, t in injected if trial == e["trial_id"])
             assert e["evidence"]["module"].startswith(target)
+
+
+@pytest.mark.slow
+def test_a_campaign_catches_a_wrong_expert_product_on_its_rank(run_ok, tmp_path):
+    """Default-run twin: the in-process expert faults above. Real DDP, 3 ranks: x8 on the
+    experts' first grouped product of rank 1 at step 3 is caught there, naming rank 1."""
+    out = tmp_path / "out"
+    run_ok(
+        "campaign=single", "workload=mixtral", "workload.steps=5", "topology.nodes=3",
+        "fault.site=matmul", "fault.tensor=model.layers.0.mlp.experts", "fault.model=scale",
+        "fault.factor=8", "fault.ranks=[1]", "fault.steps=[3]",
+        "detectors=[nan_inf,matmul_checksum]", "campaign.seeds=1", f"out={out}", cwd=tmp_path,
+    )  # fmt: skip
+    (row,) = rows(out)
+    assert row["fired"] == "True" and row["contained"] == "True"
+    assert (row["first_detector"], row["detect_step"], row["suspect_ranks"]) == (
+        "matmul_checksum",
+        "3",
+        "1",
+    )
