@@ -4,13 +4,17 @@ or written."""
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 
 from harness import cli
+from harness.cli import CONFIG_DIR
 from tests.conftest import compose_run, sdc_bench
 
 FSDP = ["topology.parallel=fsdp", "detectors=[nan_inf]", "campaign=single"]
+# Hydra's choices of the workload group: every config in experiments/workload/.
+WORKLOADS = sorted(p.stem for p in (Path(CONFIG_DIR) / "workload").glob("*.yaml"))
 SHARDED_CHECKS = (
     "allowed: allreduce_sketch, gather_consensus, matmul_checksum, nan_inf, replay, titan"
 )
@@ -153,7 +157,7 @@ CASES = [
         "fault.ranks",
         "allowed: one rank",
     ),
-    (["workload=transformer"], "workload", "allowed: custom, gpt, gpt2, llama, mlp"),
+    (["workload=transformer"], "workload", f"allowed: {', '.join(WORKLOADS)}"),
     (["workload.dtype=float8"], "workload.dtype", "allowed: float32, bfloat16, float16"),
     (
         ["detectors=[nan_inf,oracle]"],
