@@ -67,7 +67,7 @@ def quiesce(seconds: float = 0.1) -> None:
 def gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
     """Every rank's `obj` (picklable), in rank order; every rank of `group` calls it."""
     payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-    device = _wire_device(group)
+    device = wire_device(group)
     size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
     world = dist.get_world_size(group)
     sizes = [torch.empty_like(size) for _ in range(world)]
@@ -85,7 +85,7 @@ def gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any
     ]
 
 
-def _wire_device(group: dist.ProcessGroup | None) -> torch.device:
+def wire_device(group: dist.ProcessGroup | None = None) -> torch.device:
     """NCCL moves device memory only; gloo host memory."""
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())

@@ -175,12 +175,11 @@ class DetectorContext:
         """A model this rank can recompute any rank's step on by itself (replay): the model, when
         it is replicated. Sharded, a plain copy of it that this rank holds whole, built from the
         model itself on first use (`unsharded_copy`), its weights gathered from the stored
-        shards once per step (a collective: every rank
-        calls it together). The checks that replay in one step share that gather: the weights do
-        not change between backward and the optimizer step, and a trial runs each step once. The
-        gathered copy is what the optimizer stepped, so a shard that went wrong on its way into
-        one rank's forward (site gather) is not in it; the copy carries the model's forward hooks
-        (`forward_hooks`)."""
+        shards once per step (a collective: every rank calls it together). The checks that
+        replay in one step share that gather: the weights do not change between backward and
+        the optimizer step, and a trial runs each step once. The gathered copy is what the
+        optimizer stepped, so a shard that went wrong on its way into one rank's forward (site
+        gather) is not in it; the copy carries the model's forward hooks (`forward_hooks`)."""
         params = list(self.model.parameters())
         if not is_dtensor(params[0]):
             return self.model
@@ -351,13 +350,15 @@ class PluginBus:
         """The harness's own work at a site, timed as `part` where the bus keeps a stopwatch."""
         return nullcontext() if self.stopwatch is None else self.stopwatch.charged(part)
 
-    def _each(self, plugins: list[Plugin] | None = None) -> Iterator[Plugin]:
+    def _each(self, plugins: list[Plugin] | None = None) -> Iterable[Plugin]:
         """The plug-ins in order; with a stopwatch, the time each spends in its hook charged to
-        it (an injector's to "injection")."""
+        it (an injector's to "injection"). Without one, the list itself: the campaigns' step
+        pays for no generator."""
         plugins = self.plugins if plugins is None else plugins
-        if self.stopwatch is None:
-            yield from plugins
-            return
+        return plugins if self.stopwatch is None else self._timed(plugins)
+
+    def _timed(self, plugins: list[Plugin]) -> Iterator[Plugin]:
+        assert self.stopwatch is not None
         for plugin in plugins:
             part = plugin.name if isinstance(plugin, Detector) else "injection"
             with self.stopwatch.charged(part):

@@ -191,13 +191,7 @@ class Guard:
         step = self.step - 1
         path = checkpoint.step_path(self.folder, step)
         if self._shards is not None:
-            import torch.distributed.checkpoint as dcp  # sharded jobs only, as FSDP above
-
-            path = path.with_suffix(".dcp")
-            dcp.save({"step": step, **state}, checkpoint_id=path)
-            if self.info.rank == 0:
-                checkpoint.seal_shards(path)
-            return path
+            return checkpoint.save_shards(path, {"step": step, **state}, self.info.rank)
         if self.info.rank != 0:
             return None
         checkpoint.save(path, {"step": step, **state})

@@ -73,7 +73,7 @@ class ShippedBatches:
         started = time.perf_counter()
         sends = [dst for src, dst in routes if src == self.rank]
         recvs = [src for src, dst in routes if dst == self.rank]
-        device = _wire_device()
+        device = inflight.wire_device()
         payload = torch.empty(0, dtype=torch.uint8)
         if sends:
             if self.own is None or self.own[0] != step:
@@ -100,13 +100,6 @@ class ShippedBatches:
                 if gpu is not None:
                     torch.cuda.set_rng_state(gpu, self.device)
                 yield self.replay_fn(model, _to(batch, self.device))
-
-
-def _wire_device() -> torch.device:
-    """NCCL sends device memory only; gloo host memory."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _encode(batch: Any) -> torch.Tensor:

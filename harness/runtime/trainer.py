@@ -296,14 +296,11 @@ def _checkpoint(
     (torch.distributed.checkpoint)."""
     path = checkpoint.step_path(folder, step)
     if sharded:
-        import torch.distributed.checkpoint as dcp  # sharded runs only: see `_sharded`
-        from torch.distributed.checkpoint.state_dict import get_state_dict
+        from torch.distributed.checkpoint.state_dict import get_state_dict  # see `_sharded`
 
-        path = path.with_suffix(".dcp")
         model_state, optimizer_state = get_state_dict(model, optimizer)
-        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)
-        if info.rank == 0:  # the save returns once every rank's shards and the metadata are written
-            checkpoint.seal_shards(path)
+        state = {"model": model_state, "optimizer": optimizer_state}
+        path = checkpoint.save_shards(path, state, info.rank)
     elif info.rank == 0:
         state = {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict()}
         checkpoint.save(path, state)
