@@ -242,11 +242,17 @@ def main() -> None:
         if hook is not None:
             model.register_comm_hook(None, {"bf16": bf16_on_any_backend}.get(args.comm_hook, hook))
     else:
-        guard = Guard(
-            model, detectors=args.detectors, mode=args.mode, inject=args.inject,
-            comm_hook=(None, hook) if hook else None, replay_fn=loss_of,
-            ranks_per_node=args.ranks_per_node, checkpoints=folder, start_step=start,
-        )  # fmt: skip
+        try:
+            guard = Guard(
+                model, detectors=args.detectors, mode=args.mode, inject=args.inject,
+                comm_hook=(None, hook) if hook else None, replay_fn=loss_of,
+                ranks_per_node=args.ranks_per_node, checkpoints=folder, start_step=start,
+            )  # fmt: skip
+        except ValueError as exc:  # a setting the guard refuses: one line, exit 2, on every rank
+            if rank == 0:
+                print(f"train_guarded.py: error: {exc}", file=sys.stderr)
+            dist.destroy_process_group()
+            sys.exit(2)
     shipped = guard.shipped if guard else None
 
     alarm, exit_code, done, trained, times = None, 0, start, [], []

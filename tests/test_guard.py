@@ -120,6 +120,14 @@ def test_all_runs_what_applies_and_says_why_it_left_the_rest_out(one_rank):
     assert "needs Guard(..., replay_fn=fn)" in without.left_out["titan_replay"]
 
 
+def test_a_rehearsal_that_can_never_strike_is_refused(one_rank):
+    """A target the model does not have: the campaigns' own check of fault targets."""
+    fault = {"site": "matmul", "model": "scale", "factor": 2.0, "ranks": [0], "steps": [1],
+             "tensor": "nothing"}  # fmt: skip
+    with pytest.raises(ValueError, match="^inject.tensor: 'nothing' matches nothing at site"):
+        Guard(one_rank, inject=fault)
+
+
 def test_a_module_neither_ddp_nor_sharded_is_refused(one_rank):
     with pytest.raises(ValueError, match="^model: a DistributedDataParallel module or a module"):
         Guard(one_rank.module)

@@ -76,7 +76,7 @@ class Guard:
         job = selection.Job(world_topology, mode, replay_fn, comm_hook)
         chosen = selection.select(detectors, job)
         self.checks, self.left_out = chosen.checks, chosen.left_out
-        fault = None if inject is None else selection.rehearsal(inject, first.dtype, world_topology)
+        fault = None if inject is None else selection.rehearsal(inject, self.model, world_topology)
 
         name = os.environ.get("SDC_NODE_NAME", socket.gethostname())
         self.machines: list[str] = inflight.gather_objects(

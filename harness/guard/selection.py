@@ -14,9 +14,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 import detectors as registry
-from harness.config.faults import fault_config
+from harness.config.faults import check_target, fault_config
 from harness.config.schema import FaultConfig, TopologyConfig
 from harness.core.checks import CheckConfig
 from harness.core.values import choice
@@ -136,14 +137,17 @@ def topology(world: int, per_node: int, parallel: str, shard_size: int | None) -
     )
 
 
-def rehearsal(inject: dict[str, Any], dtype: torch.dtype, topology: TopologyConfig) -> FaultConfig:
-    """A rehearsal fault, validated like a campaign's (steps are not bounded: a loop has no
-    end)."""
+def rehearsal(inject: dict[str, Any], model: nn.Module, topology: TopologyConfig) -> FaultConfig:
+    """A rehearsal fault, validated like a campaign's, its target among `model`'s (steps are not
+    bounded: a loop has no end)."""
+    dtype = next(model.parameters()).dtype
     unbounded = WorkloadConfig(
         name="custom", steps=2**31, dtype=_dtype_name(dtype), seed=0, micro_batches=1,
         micro_batch_size=1, lr=1.0,
     )  # fmt: skip
-    return fault_config("inject", dict(inject), unbounded, topology)
+    fault = fault_config("inject", dict(inject), unbounded, topology)
+    check_target("inject", fault, model, shard_group=topology.shard_group)
+    return fault
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
