@@ -40,7 +40,7 @@ SEQUENCES, LENGTH, VOCAB = 4, 32, 128
 def build_model() -> torch.nn.Module:
     torch.manual_seed(0)
     config = transformers.Qwen2Config(
-        vocab_size=VOCAB, hidden_size=96, intermediate_size=256, num_hidden_layers=2,
+        vocab_size=VOCAB, hidden_size=96, intermediate_size=384, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=LENGTH,
         attention_dropout=0.1, use_cache=False,
     )  # fmt: skip
