@@ -1,9 +1,10 @@
 """The guard in a user's own loop under torchrun (tests/loops/user_loop.py, written from
 docs/guard.md with no harness code but the Guard): a transformers Qwen2 (1.15 MiB of float32
 gradients) with attention dropout, two micro-batches accumulated without a reduction, bf16
-autocast, clipping at 0.3 and AdamW as LLM recipes set it, under FSDP2's fully_shard over 4 ranks (FSDP), over 3 replica groups of 2
-shards (HSDP, 6 ranks), and under DDP; every rank its own machine. HSDP (six ranks), the fault
-matrix under FSDP and HSDP and the other endings after each check's alarm are the slow set's."""
+autocast, clipping at 0.3 and AdamW as LLM recipes set it, under FSDP2's fully_shard over 4
+ranks (FSDP), over 3 replica groups of 2 shards (HSDP, 6 ranks), and under DDP; every rank its
+own machine. HSDP (six ranks), the fault matrix under FSDP and HSDP and the other endings after
+each check's alarm are the slow set's."""
 
 from __future__ import annotations
 
