@@ -1,6 +1,16 @@
 """`matmul_checksum`: every matrix multiply of the forward (harness/core/matmuls.py: F.linear,
-matmul, mm, bmm, addmm, baddbmm) verified in the step that computes it, with the rank and the
-module named: a checksum in the line of Huang and Abraham's algorithm-based fault tolerance.
+matmul, mm, bmm, addmm, baddbmm, a mixture of experts' grouped products, and attention's score
+and value products where the call runs on the math backend) verified in the step that computes
+it, with the rank and the module named: a checksum in the line of Huang and Abraham's
+algorithm-based fault tolerance.
+
+Attention (harness/core/attention.py) is checked as the math backend computes it: the score
+product S = (Q sqrt(s)) (K sqrt(s))^T in float32 before the mask is added (a fault in a score
+the mask then discards is still in S's row sum), and the value product P V of the softmax's
+probabilities; both are float32 products, so their bound is the fine one below. A call on a
+fused backend (flash, memory-efficient, cuDNN: the CPU's default, and the GPU's) never forms S
+or P and is not checked; the harness's ranks pin the math backend, and under the guard a job
+has its attention checked where it runs on the math backend (`sdpa_kernel(SDPBackend.MATH)`).
 
 A product P = L R (of L [..., m, q] and R [..., q, p]) must satisfy P e = L (R e), e the vector
 of ones: each row's sum against the row of L times the row sums of R, O(operands) work for an
@@ -140,6 +150,24 @@ def _grouped(args: list, kwargs: dict) -> Product | None:
 
 def _floating(t: object) -> bool:
     return isinstance(t, torch.Tensor) and t.is_floating_point()
+
+
+def checked_flops(call: MatmulCall, output: torch.Tensor, backward: bool) -> int:
+    """The product FLOPs of `call` that this check verifies: 2 m q p for the forward product
+    and, with `backward`, as much for each operand gradient it checks (as `_check_left` and
+    `_check_right` decide), that operand requiring a gradient."""
+    product = product_of(call)
+    if product is None:
+        return 0
+    each = 2 * output.numel() * product.right.shape[-2]
+    flat = product.right.dim() == 2 and product.left.dim() > 2
+    checked = each
+    for at, operand in ((product.left_at, product.left), (product.right_at, product.right)):
+        if not (backward and call.args[at].requires_grad):
+            continue
+        if product.offs is not None or flat or product.checks_grad(operand, output):
+            checked += each
+    return checked
 
 
 @dataclass(frozen=True)
@@ -289,6 +317,8 @@ class MatmulChecksum(Detector):
             return
         key = self._key(step, call.module)
         product = product_of(call) if self._sampled(step, key) else None
+        if call.role:
+            key = f"{key} {call.role}"
         if product is None:
             return
         checked = Checked(key, step, product)

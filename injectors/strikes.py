@@ -48,16 +48,22 @@ class ModuleOutput(Site):
 
 
 class Matmul(Site):
-    """matmul: the first matrix multiply in the target module's forward (or a child's), as the
-    harness's watch of the forward's products hands it over (harness/core/matmuls.py): its
-    output replaced, or with `fault.phase=backward` the gradient backward computes for its
-    second operand corrupted. Armed by the module's pre-hook when the fault is due, disarmed by
-    the strike or by the end of the module's forward."""
+    """matmul: the `fault.product`-th matrix multiply (1-based, in call order, attention's score
+    product before its value product) made while the target module's forward (or a child's)
+    runs, as the harness's watch of the forward's products hands it over
+    (harness/core/matmuls.py): its output replaced, or with `fault.phase=backward` the gradient
+    backward computes for its second operand corrupted. Armed by the module's pre-hook when the
+    fault is due, disarmed by the strike or by the end of the module's forward. While armed, an
+    attention call in the target is computed as its two products even where it would run fused
+    (harness/core/attention.py): a fused kernel never forms them."""
 
     def __init__(self, injector: FaultInjector, model: nn.Module):
         super().__init__(injector, model)
         self.phase = self.fault.phase
         self.armed: str | None = None
+        self.made = 0  # products made in the armed module so far
+        # The call whose output a forward fault replaces (by id()), and its target module.
+        self.struck: tuple[int, str] | None = None
 
     def watches_module(self, name: str) -> bool:
         return self.injector.active and name in self.injector.positions
@@ -65,25 +71,27 @@ class Matmul(Site):
     def watches_matmuls(self) -> bool:
         return self.injector.active
 
+    def expands_attention(self, step: int, stack: tuple[str, ...]) -> bool:
+        return self.armed is not None and self.armed in stack
+
     def on_forward_pre(self, step: int, module: str) -> None:
         if self.injector.due(step):
-            self.armed = module
+            self.armed, self.made = module, 0
 
     def on_forward(self, step: int, module: str, output: torch.Tensor) -> torch.Tensor | None:
         self.armed = None
         return None
 
-    def _strikes(self, call: MatmulCall, phase: str) -> str | None:
-        """The armed module, disarmed, when this call is its first product in this phase."""
-        module = self.armed
-        if module is None or self.phase != phase or module not in call.stack:
-            return None
-        self.armed = None
-        return module
-
     def on_matmul_operands(self, step: int, call: MatmulCall) -> None:
-        module = self._strikes(call, "backward")
-        if module is None:
+        module = self.armed
+        if module is None or module not in call.stack:
+            return
+        self.made += 1
+        if self.made != self.fault.product:
+            return
+        self.armed = None
+        if self.phase == "forward":
+            self.struck = (id(call), module)
             return
         injector = self.injector
 
@@ -95,8 +103,10 @@ class Matmul(Site):
     def on_matmul_output(
         self, step: int, call: MatmulCall, output: torch.Tensor
     ) -> torch.Tensor | None:
-        module = self._strikes(call, "forward")
-        return None if module is None else self.injector.replaced(step, module, output)
+        if self.struck is None or self.struck[0] != id(call):
+            return None
+        module, self.struck = self.struck[1], None
+        return self.injector.replaced(step, module, output)
 
 
 class Loss(Site):

@@ -252,6 +252,14 @@ IGNORED_OR_MISTYPED = [
         "allowed: forward, backward",
     ),
     (["campaign=single", "fault.stride=4"], "fault.site", "ignores fault.stride=4"),
+    (["fault=grad_scale", "fault.product=2"], "fault.product", "only site matmul picks"),
+    # gpt's block makes 6 products: qkv, attention's scores and values, proj, fc, out.
+    (
+        ["workload=gpt", "fault.site=matmul", "fault.model=scale", "fault.factor=8"]
+        + ["fault.tensor=blocks.?", "fault.product=7"],
+        "fault.product",
+        "7 is never reached: 'blocks.0' makes 6 products per forward; allowed: 1..6",
+    ),
     # A container's own forward never runs: a fault there could never strike.
     (
         [

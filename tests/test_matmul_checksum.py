@@ -9,6 +9,7 @@ the detector's code. The campaign tests at the end run the real DDP world."""
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import replace
 
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from detectors.matmul_checksum import MatmulChecksum
+from harness.campaign.coverage import product_coverage
 from harness.config.schema import FaultConfig, RunConfig
 from harness.core.events import Alert, ElementInject
 from harness.core.matmuls import traced
@@ -103,8 +105,9 @@ def test_interval_and_fraction_check_a_seeded_share_of_the_products():
     for step in range(4):
         for rank in (every, sampled, again):
             rank.train(step)
-    full = len(every.checked[0])  # 9 Linears: their outputs, weight and input gradients
-    assert full == 27 and all(len(keys) == full for keys in every.checked)
+    # 9 Linears and 2 blocks' attention (2 products each): outputs, both operands' gradients.
+    full = len(every.checked[0])
+    assert full == 3 * (9 + 2 * 2) and all(len(keys) == full for keys in every.checked)
     assert sampled.checked[1] == sampled.checked[3] == []
     for step in (0, 2):
         assert 0.2 * full < len(sampled.checked[step]) < 0.8 * full
@@ -259,34 +262,50 @@ def test_the_largest_element_of_a_product_fires_in_every_seed_and_is_caught_in_i
         assert caught and all(a.step == 1 and a.suspect_ranks == [0] for a in caught), seed
 
 
-# x8 on the experts' first grouped product (forward), or a flipped sign in the gradient its
-# backward computes for the experts' weights (backward).
-EXPERT_FAULTS = {
-    "forward x8": ["fault.phase=forward", "fault.model=scale", "fault.factor=8"],
-    "backward sign": ["fault.phase=backward", "fault.model=bitflip", "fault.bit=sign"],
-}
+# A Mixtral's products, each as (target, product, fault, what the checksum names): x8 on the
+# experts' first grouped product (forward), a flipped sign in the gradient its backward computes
+# for the experts' weights; x8 on attention's score product, the 4th product of self_attn (after
+# q, k and v: fault.product picks it), and a flipped sign in the gradient of its value product's
+# second operand (the values), the 5th.
+EXPERTS, ATTENTION = "model.layers.0.mlp.experts", "model.layers.0.self_attn"
+MOE_FAULTS = {
+    "experts forward x8": (EXPERTS, 1, ["fault.model=scale", "fault.factor=8"], "output"),
+    "experts backward sign": (
+        EXPERTS, 1, ["fault.phase=backward", "fault.model=bitflip", "fault.bit=sign"],
+        "weight gradient",
+    ),
+    "attention scores x8": (
+        ATTENTION, 4, ["fault.model=scale", "fault.factor=8"], "attention scores output"
+    ),
+    "attention values backward sign": (
+        ATTENTION, 5, ["fault.phase=backward", "fault.model=bitflip", "fault.bit=sign"],
+        "attention values weight gradient",
+    ),
+}  # fmt: skip
 
 
-@pytest.mark.parametrize("fault", EXPERT_FAULTS.values(), ids=EXPERT_FAULTS.keys())
-def test_a_wrong_expert_product_is_caught_in_its_step_naming_the_experts(fault):
+@pytest.mark.parametrize("case", MOE_FAULTS.values(), ids=MOE_FAULTS.keys())
+def test_a_wrong_moe_product_is_caught_in_its_step_naming_it(case):
     """A Mixtral's experts compute with torch._grouped_mm, one matrix per expert over the tokens
-    routed to it: a fault on it is struck and checked expert by expert (a product that was
-    neither a fault target nor checked before), caught in its step."""
+    routed to it, and its attention with F.scaled_dot_product_attention: neither was a fault
+    target nor checked before. A fault on either is struck where `fault.product` points and
+    caught in its step, the product named."""
+    target, product, fault, named = case
     run = compose_run(
         "campaign=single", "workload=mixtral", "topology.nodes=1", "fault.site=matmul",
-        "fault.tensor=model.layers.0.mlp.experts", "fault.ranks=[0]", "fault.steps=[3]", *fault,
+        f"fault.tensor={target}", f"fault.product={product}", "fault.ranks=[0]",
+        "fault.steps=[3]", *fault,
     )  # fmt: skip
+    assert run.forward.products[ATTENTION] == 6  # q, k, v, scores, values, o
     rank = Rank(run, run.scenarios[0], seed=0)
     for step in range(4):
         rank.train(step)
     (event,) = [e for e in rank.log.events if isinstance(e, ElementInject)]
-    assert event.fired and event.step == 3 and event.tensor == "model.layers.0.mlp.experts"
+    assert event.fired and event.step == 3 and event.tensor == target
     alerts = rank.alerts()
     assert alerts and all(a.step == 3 and a.suspect_ranks == [0] for a in alerts)
-    product = "output" if event.phase == "forward" else "weight gradient"
-    assert any(
-        a.evidence["module"] == event.tensor and a.evidence["product"] == product for a in alerts
-    ), [a.evidence for a in alerts]
+    named_there = [a for a in alerts if a.evidence["module"] == target]
+    assert any(a.evidence["product"] == named for a in named_there), [a.evidence for a in alerts]
 
 
 def test_only_modules_that_run_are_targets():
@@ -328,6 +347,25 @@ def test_a_campaign_catches_a_wrong_product_off_the_audit_steps(run_ok, tmp_path
             assert e["detector"] == "matmul_checksum" and e["step"] == 3
             target = next(t for trial, t in injected if trial == e["trial_id"])
             assert e["evidence"]["module"].startswith(target)
+    # The share of the step's products the check verified, recorded and reported.
+    coverage = json.loads((out / "campaign.json").read_text())["product_coverage"]
+    assert coverage["checked"] == 1.0 and coverage["flops"] > 0
+    assert "Product coverage: matmul_checksum checks 100.0% of" in (out / "report.md").read_text()
+
+
+@pytest.mark.parametrize("workload", ["gpt", "llama", "gpt2", "mixtral"])
+def test_the_check_covers_the_product_flops_of_a_step(workload):
+    """Every product FLOP torch's counter sees in a step (attention's and the experts' too) is
+    one the check verifies; its interval and fraction scale the share; without it, none."""
+    checked = (f"workload={workload}", "detectors=[matmul_checksum]")
+    coverage = product_coverage(compose_run(*checked))
+    assert coverage.flops > 0 and coverage.checked >= 0.99, coverage
+    thinned = compose_run(
+        *checked, "detectors.matmul_checksum.interval=2", "detectors.matmul_checksum.fraction=0.5"
+    )
+    assert product_coverage(thinned).checked == pytest.approx(coverage.checked / 4)
+    unchecked = product_coverage(compose_run(f"workload={workload}", "detectors=[nan_inf]"))
+    assert unchecked == replace(coverage, checked=0.0)
 
 
 @pytest.mark.slow

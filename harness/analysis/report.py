@@ -171,6 +171,27 @@ def numerics_line(df: pd.DataFrame) -> str:
     return "; ".join(dict.fromkeys(lines))
 
 
+def coverage_line(df: pd.DataFrame) -> str:
+    """The share of a step's product FLOPs that matmul_checksum checks (campaign.json's
+    `product_coverage`), for the compute-fault rows (site matmul), one line; '' when no run
+    records it."""
+    parts = []
+    for run in sorted(df["run"].unique()):
+        held = (RunFolder(Path(run)).campaign_record() or {}).get("product_coverage")
+        if held:
+            workload = ", ".join(sorted(df.loc[df["run"] == run, "workload"].unique()))
+            parts.append(
+                f"{held['checked']:.1%} of {held['flops'] / 1e9:.3g} GFLOP of products per rank "
+                f"and step ({workload})"
+            )
+    if not parts:
+        return ""
+    return (
+        "Product coverage: matmul_checksum checks " + "; ".join(dict.fromkeys(parts)) + ": "
+        "what a compute fault (site matmul) strikes outside that share, no checksum sees.\n\n"
+    )
+
+
 def golden_line(df: pd.DataFrame) -> str:
     """How many golden runs the rows were judged against, and which of them the golden store
     gave instead of a run (golden.jsonl's `reused_from`), one line."""
@@ -223,6 +244,7 @@ def write_report(df: pd.DataFrame, out: Path, dirs: list[Path] | None = None) ->
         + markdown_table(catch_rates(df)),
         "## Catch rate by scenario cell\n\nA blind spot is a cell with harmful or latent trials "
         "whose catch rate among them has a 95% upper bound below 50%.\n\n"
+        + coverage_line(df)
         + markdown_table(cells(df)),
         "## What each detector sees and misses\n\nFired trials caught by each detector, per "
         "scenario (k/n, 95% Wilson interval).\n\n" + markdown_table(sees_and_misses(df)),

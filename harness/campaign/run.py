@@ -15,7 +15,7 @@ from typing import Protocol
 
 from tqdm import tqdm
 
-from harness.campaign import overhead
+from harness.campaign import coverage, overhead
 from harness.campaign.fastforward import (
     drop_snapshots,
     fast_forwarded,
@@ -60,6 +60,7 @@ def _bound_to(out: Path) -> tuple[str, dict | None] | None:
     if held is None:
         return None
     env = held.pop("environment", None)
+    held.pop("product_coverage", None)  # measured from the config: not part of the identity
     for name in NOT_IDENTITY:
         held.pop(name, None)
     return json.dumps(held, sort_keys=True, indent=1), env
@@ -100,7 +101,11 @@ def bind(out: Path, run: RunConfig, ranks: list[environment.RankEnvironment]) ->
             )  # fmt: skip
         return
     out.mkdir(parents=True, exist_ok=True)
-    content = {**dataclasses.asdict(run), "environment": now}
+    content = {
+        **dataclasses.asdict(run),
+        "environment": now,
+        "product_coverage": coverage.product_coverage(run).record(),
+    }
     path = RunFolder(out).campaign
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(content, sort_keys=True, indent=1))

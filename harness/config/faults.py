@@ -229,6 +229,9 @@ def _shape(key: str, values: dict[str, Any], site: str, model: str) -> None:
     values["phase"] = choice(f"{key}.phase", values.get("phase", "forward"), MATMUL_PHASES)
     if values["phase"] != "forward" and site != "matmul":
         raise ConfigError(f"{key}.phase", "only site matmul has a backward phase; leave it forward")
+    values["product"] = integer(f"{key}.product", values.get("product", 1), 1)
+    if values["product"] != 1 and site != "matmul":
+        raise ConfigError(f"{key}.product", "only site matmul picks a product; leave it 1")
     if model in ("swap", "burst"):
         for name, unset in (("schedule", ()), ("select", "random")):
             if values.get(name, unset) not in (unset, None, ()):
@@ -293,6 +296,8 @@ def check_target(
         where = SITE_TARGETS.get(fault.site, "")
         message = f"'{fault.tensor}' matches nothing at site {fault.site}{where}; allowed: {names}"
         raise ConfigError(f"{key}.tensor", message)
+    if fault.site == "matmul" and forward is not None:
+        _reaches_product(key, fault, [name for name, _ in matched], forward)
     if shard_group is not None and fault.site in SHARD_HELD:
         sizes = _held(key, fault, model, [name for name, _ in matched], shard_group)
     else:
@@ -300,6 +305,20 @@ def check_target(
     if fault.index is not None and None not in sizes and fault.index + fault.elements > sum(sizes):
         high = sum(sizes) - fault.elements
         raise ConfigError(f"{key}.index", f"{fault.index} is out of range; allowed: 0..{high}")
+
+
+def _reaches_product(
+    key: str, fault: FaultConfig, targets: list[str], forward: ForwardModules
+) -> None:
+    """Every module the fault may strike makes at least `fault.product` products in one run of
+    its forward: a K it never reaches could never strike."""
+    fewest = min(targets, key=lambda name: forward.products[name])
+    most = forward.products[fewest]
+    if fault.product > most:
+        raise ConfigError(
+            f"{key}.product", f"{fault.product} is never reached: '{fewest}' makes {most} "
+            f"product{'s' * (most != 1)} per forward; allowed: 1..{most}"
+        )  # fmt: skip
 
 
 # The sites where a sharded rank holds only its own chunk of each parameter (dim 0, as FSDP2's

@@ -181,6 +181,7 @@ class FaultConfig:
     burst_model: str | None = None
     stride: int = 1
     phase: str = "forward"
+    product: int = 1  # site matmul: the K-th product made while the target runs, 1-based
 
     @property
     def clean(self) -> bool:
@@ -214,6 +215,8 @@ class FaultConfig:
                 parts.append(f"s{self.stride}")
         if self.phase != "forward":
             parts.append(self.phase)
+        if self.product != 1:
+            parts.append(f"p{self.product}")
         if self.nbits > 1:
             parts.append(f"n{self.nbits}{'adj' if self.adjacent else 'rnd'}")
         if self.ber is not None:

@@ -1,6 +1,9 @@
 """Matrix multiplies as plug-ins see them: every call to one of `MATMULS` in a model's forward,
 caught by one torch-function mode (`Watch`) that is open from the model's forward pre-hook to its
-forward hook, with the names of the modules whose forward is running at that moment.
+forward hook, with the names of the modules whose forward is running at that moment. A call of
+F.scaled_dot_product_attention is two products, the score product Q K^T and the value product
+P V, each handed over as a `torch.matmul` (harness/core/attention.py), where the call runs on the
+math backend or a plug-in asks for its products (`expands`); a fused call passes through whole.
 
 Plug-ins take part through two hooks (harness/core/plugins.py): `on_matmul_operands` may wrap a
 call's operands before the product is computed (checks first, then injectors, so that a gradient
@@ -11,7 +14,9 @@ leaves a mode off while its handler runs.
 
 `traced` runs one forward under the same mode and names the modules whose forward runs and those
 in whose forward a matrix multiply runs: the targets a fault at site activation or matmul can
-strike (a container such as an `nn.ModuleList` holds layers but its own forward never runs).
+strike (a container such as an `nn.ModuleList` holds layers but its own forward never runs), and
+how many products one run of each makes (what `fault.product` can pick), attention's two counted
+whatever backend the call would take.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
+
+from harness.core import attention
 
 # The matrix multiplies a matmul fault can strike and matmul_checksum verifies, with the position
 # of their second operand (a Linear's weight).
@@ -44,6 +51,8 @@ class MatmulCall:
     kwargs: dict[str, Any]
     # Every module whose forward is running, outermost first (the root model is not named).
     stack: tuple[str, ...]
+    # What the product is where the call is one of a function's products ("attention scores").
+    role: str = ""
 
     @property
     def module(self) -> str:
@@ -62,24 +71,54 @@ class ForwardModules:
 
     ran: tuple[str, ...]  # modules whose forward runs
     multiplying: tuple[str, ...]  # those in whose forward (or a child's) a matrix multiply runs
+    products: dict[str, int]  # the most products one run of a multiplying module's forward makes
+
+
+def _never(_stack: tuple[str, ...]) -> bool:
+    return False
 
 
 class Watch(TorchFunctionMode):
     """Open during a model's forward: each matrix multiply goes to `on_call`, which computes it
-    (`call.func(*call.args, **call.kwargs)`) and returns what the model gets."""
+    (`call.func(*call.args, **call.kwargs)`) and returns what the model gets. `expands(stack)`
+    says whether an attention call that would run fused is computed as its two products."""
 
-    def __init__(self, on_call: Callable[[MatmulCall], Any]):
+    def __init__(
+        self,
+        on_call: Callable[[MatmulCall], Any],
+        expands: Callable[[tuple[str, ...]], bool] = _never,
+    ):
         super().__init__()
         self.on_call = on_call
+        self.expands = expands
         self.stack: list[str] = []
         self.ran: dict[str, None] = {}
+        self.counts: dict[str, int] = {}  # products of each running module's current run
+        self.most: dict[str, int] = {}
         self.depth = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            stack = tuple(self.stack)
+            if self.expands(stack) or attention.runs_math(args, kwargs):
+                return attention.decomposed(args, kwargs, self._multiply)
+            return func(*args, **kwargs)
         if func not in MATMULS:
             return func(*args, **kwargs)
-        return self.on_call(MatmulCall(func, list(args), kwargs, tuple(self.stack)))
+        return self._product(func, list(args), kwargs)
+
+    def _multiply(self, left: torch.Tensor, right: torch.Tensor, role: str) -> torch.Tensor:
+        return self._product(torch.matmul, [left, right], {}, role)
+
+    def _product(
+        self, func: Callable, args: list[Any], kwargs: dict[str, Any], role: str = ""
+    ) -> Any:
+        stack = tuple(self.stack)
+        for name in stack:
+            self.counts[name] += 1
+            self.most[name] = max(self.most.get(name, 0), self.counts[name])
+        return self.on_call(MatmulCall(func, args, kwargs, stack, role))
 
     def install(self, model: nn.Module) -> list[Any]:
         """Hooks that keep `stack` and open the mode for the root's forward; their handles."""
@@ -96,6 +135,7 @@ class Watch(TorchFunctionMode):
         def hook(_module, _inputs):
             self.stack.append(name)
             self.ran[name] = None
+            self.counts[name] = 0
 
         return hook
 
@@ -115,14 +155,13 @@ class Watch(TorchFunctionMode):
 
 
 def traced(model: nn.Module, forward: Callable[[], Any]) -> ForwardModules:
-    """The modules one call of `forward` (a forward of `model`) runs, and those that multiply."""
-    multiplying: dict[str, None] = {}
+    """The modules one call of `forward` (a forward of `model`) runs, those that multiply, and
+    how many products each makes."""
 
-    def record(call: MatmulCall) -> Any:
-        multiplying.update(dict.fromkeys(call.stack))
+    def compute(call: MatmulCall) -> Any:
         return call.func(*call.args, **call.kwargs)
 
-    watch = Watch(record)
+    watch = Watch(compute, expands=lambda _stack: True)
     handles = watch.install(model)
     try:
         forward()
@@ -130,4 +169,4 @@ def traced(model: nn.Module, forward: Callable[[], Any]) -> ForwardModules:
         for handle in handles:
             handle.remove()
     ran = tuple(watch.ran)
-    return ForwardModules(ran, tuple(n for n in ran if n in multiplying))
+    return ForwardModules(ran, tuple(n for n in ran if n in watch.most), dict(watch.most))

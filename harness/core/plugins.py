@@ -98,6 +98,11 @@ class Plugin:
         """Whether it takes part in the forward's matrix multiplies (harness/core/matmuls.py)."""
         return False
 
+    def expands_attention(self, step: int, stack: tuple[str, ...]) -> bool:
+        """Whether an attention call that would run fused, made while the modules `stack` run,
+        must be computed as its two products (harness/core/attention.py)."""
+        return False
+
     def on_matmul_operands(self, step: int, call: MatmulCall) -> None:
         """A matrix multiply is about to run: `call.args` may be wrapped in place."""
 
@@ -412,7 +417,10 @@ class PluginBus:
                         output = replaced
                 return output
 
-            handles += Watch(multiply).install(model)
+            def expands(stack: tuple[str, ...]) -> bool:
+                return any(p.expands_attention(step_of(), stack) for p in multipliers)
+
+            handles += Watch(multiply, expands).install(model)
         for name, module in model.named_modules():
             watchers = [p for p in self.plugins if name and p.watches_module(name)]
             if not watchers:

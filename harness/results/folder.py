@@ -2,7 +2,8 @@
 binds the folder to one campaign. The campaign, recovery, the torchrun worker and the report
 all find their files here, so the layout has one owner.
 
-    out/campaign.json    the campaign's config and the environment its ranks computed in
+    out/campaign.json    the campaign's config, the environment its ranks computed in, and the
+                         share of a step's product FLOPs matmul_checksum checks (`product_coverage`)
     out/trials.csv       one row per trial (harness/results/schema.py)
     out/events.jsonl     every trial's events, one JSON object per line
     out/golden.jsonl     the golden runs' results

@@ -30,9 +30,16 @@ Contract of `installed("emulated")`, a TorchFunctionMode entered once by the ran
 - Everything else passes through unchanged: float32 (and mixed-dtype) products, every other
   function, and every function outside autocast's reach. A float32 workload computes the same
   bits with the mode on or off.
-- Attention is modelled as one fused kernel that keeps its scores and probabilities in float32
-  and rounds only its output (a flash-attention kernel also rounds the probabilities to 16 bits
+- Attention runs on the math backend, in float32 (the math backend widens 16-bit operands), and
+  rounds only its output (a flash-attention kernel also rounds the probabilities to 16 bits
   before its second product; that rounding is not modelled).
+
+Whatever the numerics, `installed` pins F.scaled_dot_product_attention to the math backend
+(`SDPBackend.MATH`), on the CPU and on cuda: a fused kernel never forms the score product Q K^T
+or the value product P V, so neither could be struck or checked there; on the math backend the
+products' watch computes the call as those two products and changes no bit
+(harness/core/attention.py). The cost is the math backend's: its scores in memory, at the
+harness's context lengths a few MB.
 
 On cuda the GPU computes its own 16-bit products: `emulated` is refused there, and the unset
 key resolves to `emulated` on the CPU and `native` on cuda (`resolve`). The value a world ran
@@ -47,6 +54,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
 from harness.errors import ConfigError
@@ -91,9 +99,9 @@ def resolve(requested: str | None, device: str | None) -> str | None:
 @contextmanager
 def installed(requested: str | None, device: str) -> Iterator[None]:
     """While open, this rank's 16-bit products on `device` (a torch device string) are computed
-    as `requested` resolves there."""
+    as `requested` resolves there, and attention on the math backend."""
     emulated = resolve(requested, torch.device(device).type) == "emulated"
-    with EmulatedProducts() if emulated else nullcontext():
+    with sdpa_kernel(SDPBackend.MATH), EmulatedProducts() if emulated else nullcontext():
         yield
 
 
