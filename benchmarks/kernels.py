@@ -6,7 +6,8 @@
 3. `allreduce_sketch` per bucket: its rider before the allreduce, its projection after.
 4. `matmul_checksum` on one product of the `gpt` workload (its MLP's first Linear, 1024 tokens
    of 128 features into 512): the forward check against the product itself, and against one read
-   pass over the product's operands and output.
+   pass over the product's operands and output (per kind of product and per workload step:
+   benchmarks/products.py).
 
 The reference bucket is DDP's default (25 MiB); the reference model is the `gpt` workload
 widened to about 59M parameters, so that both, like real ones, are read from memory rather

@@ -50,6 +50,16 @@ the check's blind band (docs/detectors.md). MindSpore's check for bfloat16, c_ma
 is a bound on the largest element of a whole matrix: each row's own norm is tighter wherever
 rows differ in scale.
 
+Under emulated numerics (harness/core/emulation.py: a 16-bit product is the float32 product of
+16-bit values, rounded once) the watch computes the product itself and hands over the float32
+product before its rounding (`MatmulCall.accumulator`) and, in backward, each operand's float32
+gradient before its rounding (`MatmulCall.wide_grads`). The check then reads those against the
+32-bit bound (u_o of float32: about 2^16 tighter than the 16-bit one) and checks each rounding
+exactly (`rounding_ratio`): the 16-bit value must equal the float32 one rounded, bit for bit,
+which a clean run always meets and any change of the 16-bit value breaks. That closes the 16-bit
+blind band for every product the emulation computes (docs/detectors.md); elsewhere (native
+numerics, cuda) the 16-bit bound stands.
+
 Cost: a sum and a norm of each operand and of the product's rows, and one product of L with a
 vector, per checked product (benchmarks: docs/performance.md); `interval` and `fraction` (a
 seeded share of the products of a checked step) trade it against coverage. The verdicts stay on
@@ -75,7 +85,7 @@ import torch.nn.functional as F
 
 from detectors import grouped_products as grouped
 from harness.core.checks import CheckConfig
-from harness.core.matmuls import MatmulCall
+from harness.core.matmuls import MatmulCall, Tap
 from harness.core.plugins import Detector, DetectorContext, EventLog
 from harness.core.values import above, flag, fraction, integer
 
@@ -233,20 +243,21 @@ class Checked:
     row_sums: torch.Tensor | None = None
     grad_norms: torch.Tensor | None = None
     sums_norm: torch.Tensor | None = None  # ||R^T e|| per batch matrix
+    # Under emulated numerics, the operands' float32 gradients before their rounding
+    # (MatmulCall.wide_grads), by position in the call's arguments.
+    wide_grads: dict[int, torch.Tensor] | None = None
 
 
-class Tap(torch.autograd.Function):
-    """Forward passes its input on; backward hands the gradient to `seen`, then passes it on."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, seen) -> torch.Tensor:
-        ctx.seen = seen
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        ctx.seen(grad)
-        return grad, None
+def rounding_ratio(rounded: torch.Tensor, wide: torch.Tensor, low: torch.dtype) -> torch.Tensor:
+    """0 when `rounded` holds `wide` rounded once to `low` (then widened exactly to its own
+    dtype), infinite when an element does not: the rounding is exact, so any change is a fault.
+    Compared bit for bit: a NaN from upstream rounds to the same bits in both, so only this
+    product's own change counts (and the comparison of integers is 3x faster on the CPU than
+    one of 16-bit floats)."""
+    expected = wide.to(low).to(rounded.dtype)
+    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[rounded.element_size()]
+    wrong = torch.ne(rounded.view(bits), expected.view(bits)).any()
+    return torch.where(wrong, math.inf, 0.0)
 
 
 @contextmanager
@@ -321,7 +332,8 @@ class MatmulChecksum(Detector):
             key = f"{key} {call.role}"
         if product is None:
             return
-        checked = Checked(key, step, product)
+        checked = Checked(key, step, product, wide_grads=call.wide_grads)
+        call.wide = True
         self.open[id(call)] = checked
         if self.config.backward and torch.is_grad_enabled():
             for at, which in ((product.left_at, "left"), (product.right_at, "right")):
@@ -336,7 +348,7 @@ class MatmulChecksum(Detector):
         if checked is None:
             return None
         with unwatched(output.device):
-            self._check_output(step, checked, output)
+            self._check_output(step, checked, output, call.accumulator)
         if self.config.backward and output.requires_grad and torch.is_grad_enabled():
             # A hook, not a Function: a model may change the product in place.
             output.register_hook(self._output_grad(checked))
@@ -351,8 +363,16 @@ class MatmulChecksum(Detector):
             left = left.reshape(-1, left.shape[-1])
         return left, right
 
-    def _check_output(self, step: int, checked: Checked, output: torch.Tensor) -> None:
-        """P e against alpha L (R e) (+ the addend's row sums)."""
+    def _check_output(
+        self,
+        step: int,
+        checked: Checked,
+        output: torch.Tensor,
+        accumulator: torch.Tensor | None = None,
+    ) -> None:
+        """P e against alpha L (R e) (+ the addend's row sums). With the float32 product before
+        its rounding at hand (emulated numerics), that product against the float32 bound and
+        the output against its rounding, exactly."""
         product = checked.product
         checked.dtype = output.dtype
         if product.offs is not None:
@@ -360,7 +380,11 @@ class MatmulChecksum(Detector):
             return
         checked.flat = product.right.dim() == 2 and product.left.dim() > 2
         left, right = self._operands(checked)
-        out = output.reshape(-1, output.shape[-1]) if checked.flat else output
+        if accumulator is not None:
+            exact = rounding_ratio(output, accumulator, output.dtype)
+            self.found.append((step, "forward", f"{checked.key} output rounding", exact))
+        measured = output if accumulator is None else accumulator
+        out = measured.reshape(-1, measured.shape[-1]) if checked.flat else measured
         sums = right.sum(-1, keepdim=True, dtype=F32)
         checked.right_fro = torch.linalg.vector_norm(right, dim=(-2, -1), dtype=F32)
         expected = (left.to(F32) @ sums).squeeze(-1)
@@ -375,7 +399,7 @@ class MatmulChecksum(Detector):
                 expected = expected + product.beta * (
                     summed.reshape(-1) if checked.flat else summed
                 )
-        rounding = self._rounding(output.dtype)
+        rounding = self._rounding(measured.dtype)
         left_norm = torch.linalg.vector_norm(left, dim=-1, dtype=F32)
         checked.left_fro = torch.linalg.vector_norm(left_norm, dim=-1)
         if product.alpha != 1:
@@ -440,18 +464,28 @@ class MatmulChecksum(Detector):
         return seen
 
     def _operand_grad(self, checked: Checked, which: str):
+        """The operand's gradient, as the product's backward made it. With its float32 value
+        before the rounding at hand (emulated numerics), that value is checked against the
+        float32 bound and the gradient against its rounding, exactly."""
+        product = checked.product
+        at = product.left_at if which == "left" else product.right_at
+
         def seen(grad: torch.Tensor) -> None:
+            wide = (checked.wide_grads or {}).pop(at, None)
             if checked.projected is None:
                 return
             with self.charged(), unwatched(grad.device):
-                if which == "left":
-                    self._check_left(checked, grad)
-                else:
-                    self._check_right(checked, grad)
+                if wide is not None:
+                    ratio = rounding_ratio(grad, wide, checked.dtype)
+                    name = "input" if which == "left" else "weight"
+                    entry = f"{checked.key} {name} gradient rounding"
+                    self.found.append((checked.step, "pre_allreduce", entry, ratio))
+                check = self._check_left if which == "left" else self._check_right
+                check(checked, grad if wide is None else wide, wide is not None)
 
         return seen
 
-    def _check_left(self, checked: Checked, grad: torch.Tensor) -> None:
+    def _check_left(self, checked: Checked, grad: torch.Tensor, accumulated: bool = False) -> None:
         """dL = alpha dP R^T: dL e against alpha dP (R^T e) (alpha is in the dP figures)."""
         product = checked.product
         if product.offs is not None:
@@ -465,7 +499,7 @@ class MatmulChecksum(Detector):
         if not checked.flat and not product.checks_grad(product.left, grad):
             return
         out = grad.reshape(-1, grad.shape[-1]) if checked.flat else grad
-        rounding = self._rounding(checked.dtype, grad.dtype)
+        rounding = self._rounding(*((F32,) if accumulated else (checked.dtype, grad.dtype)))
         row_norm = None if rounding.fine else torch.linalg.vector_norm(out, dim=-1, dtype=F32)
         ratio = worst_ratio(
             out.sum(-1, dtype=F32), checked.projected, row_norm,
@@ -474,7 +508,7 @@ class MatmulChecksum(Detector):
         )  # fmt: skip
         self.found.append((checked.step, "pre_allreduce", f"{checked.key} input gradient", ratio))
 
-    def _check_right(self, checked: Checked, grad: torch.Tensor) -> None:
+    def _check_right(self, checked: Checked, grad: torch.Tensor, accumulated: bool = False) -> None:
         """dR = alpha L^T dP: dR e against alpha L^T (dP e). The rows of L^T are L's columns,
         whose norms ||L||_F bounds: reducing a matrix along its columns costs twenty times a
         reduction along its rows on the CPU, and the bound's L term is small beside the
@@ -492,7 +526,7 @@ class MatmulChecksum(Detector):
             return
         left, _ = self._operands(checked)
         wide = left.to(F32)
-        rounding = self._rounding(checked.dtype, grad.dtype)
+        rounding = self._rounding(*((F32,) if accumulated else (checked.dtype, grad.dtype)))
         expected = (checked.row_sums.unsqueeze(-2) @ wide).squeeze(-2)
         left_norm = checked.left_fro.unsqueeze(-1)
         # dR's rows are the columns of a Linear's weight gradient (dR = dW^T).

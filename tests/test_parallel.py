@@ -117,9 +117,11 @@ def test_faults_at_each_collective_site_are_caught_in_their_step(run_ok, tmp_pat
 
 # 8 sequences per step under HSDP in bfloat16 (gpt's default is 16): at 4, replay did not name
 # rank 3's wrong gathered copy at step 2 (titan_replay, gather_consensus and matmul_checksum did).
+# HSDP in the slow set (23 s): the default run keeps HSDP's sites in the collective-site test and
+# its replica groups in tests/test_replica_groups.py.
 @pytest.mark.parametrize(
     "parallel, micro_batch_size",
-    [(FSDP, 4), (HSDP_BF16, 8)],
+    [(FSDP, 4), pytest.param(HSDP_BF16, 8, marks=pytest.mark.slow)],
     ids=["fsdp-float32", "hsdp-bfloat16"],
 )
 def test_replays_on_a_gathered_replica_name_the_rank_and_change_no_weight(
@@ -236,6 +238,9 @@ def test_torchrun_runs_a_sharded_custom_campaign_and_writes_the_spawned_worlds_r
     assert (row["detect_step"], row["suspect_ranks"]) == ("2", "1"), row
 
 
+# Slow set (30 s): under FSDP the default run keeps gpt's sites and the guard's transformers Qwen2
+# loop (tests/test_guard_loops.py); the Llama with the LLM recipe keeps its DDP tests.
+@pytest.mark.slow
 def test_a_transformers_llama_with_the_llm_recipe_is_checked_under_fsdp(run_ok, tmp_path):
     """The real architecture (a transformers Llama, one FSDP group per decoder layer) trained
     with the LLM recipe (bf16-mixed autocast, clipping, warmup + cosine), every applicable

@@ -21,8 +21,9 @@ whatever backend the call would take.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from harness.core import attention
+from harness.core import attention, emulation
 
 # The matrix multiplies a matmul fault can strike and matmul_checksum verifies, with the position
 # of their second operand (a Linear's weight).
@@ -53,6 +54,13 @@ class MatmulCall:
     stack: tuple[str, ...]
     # What the product is where the call is one of a function's products ("attention scores").
     role: str = ""
+    # Set by a plug-in that reads what follows: where `compute` made a 16-bit product as the
+    # emulated numerics do, the float32 product before its rounding (until the plug-ins have
+    # seen the output), and, filled in backward, the float32 gradient of each operand before its
+    # rounding, by position in `args` (the reader pops them).
+    wide: bool = False
+    accumulator: torch.Tensor | None = None
+    wide_grads: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
     def module(self) -> str:
@@ -63,6 +71,42 @@ class MatmulCall:
     def second(self) -> int:
         """The position in `args` of the second operand."""
         return MATMULS[self.func]
+
+    def compute(self) -> Any:
+        """The product. Asked for `wide` under emulated numerics, a 16-bit one is computed here
+        as the emulation computes it (harness/core/emulation.py, the same bits), keeping its
+        float32 product in `accumulator` and tapping its float32 operands for `wide_grads`: what
+        a check needs to verify the float32 products against a float32 bound and each rounding
+        exactly."""
+        wide = emulation.widened(self.func, self.args, self.kwargs) if self.wide else None
+        if wide is None:
+            return self.func(*self.args, **self.kwargs)
+        args, kwargs, low = wide
+        grads = self.wide_grads  # not `self`: the hook outlives the call until backward
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor) and a.requires_grad and torch.is_grad_enabled():
+                a.register_hook(functools.partial(_keep, grads, i))
+        with torch.autocast("cpu", enabled=False):
+            self.accumulator = self.func(*args, **kwargs)
+        return self.accumulator.to(low)
+
+
+def _keep(grads: dict[int, torch.Tensor], at: int, grad: torch.Tensor) -> None:
+    grads[at] = grad
+
+
+class Tap(torch.autograd.Function):
+    """Forward passes its input on; backward hands the gradient to `seen`, then passes it on."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, seen) -> torch.Tensor:
+        ctx.seen = seen
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        ctx.seen(grad)
+        return grad, None
 
 
 @dataclass(frozen=True)

@@ -410,11 +410,12 @@ class PluginBus:
                 step = step_of()
                 for plugin in self._each(operands):
                     plugin.on_matmul_operands(step, call)
-                output = call.func(*call.args, **call.kwargs)
+                output = call.compute()
                 for plugin in self._each(multipliers):
                     replaced = plugin.on_matmul_output(step, call, output)
                     if replaced is not None:
                         output = replaced
+                call.accumulator = None  # a float32 copy of the product: not kept to backward
                 return output
 
             def expands(stack: tuple[str, ...]) -> bool:
