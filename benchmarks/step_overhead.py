@@ -35,7 +35,7 @@ import torch
 from benchmarks.common import Rotation, params_of
 from benchmarks.timing import Figure, interleaved, median
 from benchmarks.worlds import Timings, Worlds, base_run, steps_for, time_configs, with_detectors
-from detectors.matmul_checksum import product_of
+from detectors.product_bounds import product_of
 from harness.config.schema import RunConfig
 from harness.core.matmuls import MatmulCall, Watch
 from harness.runtime.workloads import Workload

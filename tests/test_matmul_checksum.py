@@ -1,5 +1,5 @@
 """matmul_checksum: a wrong product is caught in the step that computes it, naming the rank and the
-module, whenever the change exceeds the bound detectors/matmul_checksum.py states; clean runs
+module, whenever the change exceeds the bound detectors/product_bounds.py states; clean runs
 stay far inside that bound in float32, bfloat16 and under autocast, on the toy models, on one
 with over 1 MiB of gradients and on the transformers Llama with the LLM recipe.
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
-from detectors.matmul_checksum import checked_flops
+from detectors.product_bounds import checked_flops
 from harness.config.schema import RunConfig
 from harness.core.matmuls import MatmulCall, Watch
 from harness.runtime import numerics

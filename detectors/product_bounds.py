@@ -1,0 +1,212 @@
+"""What `matmul_checksum` (detectors/matmul_checksum.py) computes for one product: the call
+read as a product (`product_of`), its rows' checksum errors against their rounding bound
+(`worst_ratio`), the exact check of a rounding (`rounding_ratio`), and the product FLOPs it
+verifies (`checked_flops`, for campaign.json's product_coverage).
+
+A product P = L R (of L [..., m, q] and R [..., q, p]) must satisfy P e = L (R e), e the vector
+of ones: each row's sum against the row of L times the row sums of R, O(operands) work for an
+O(m q p) product. Checked, when the product is computed:
+    forward   C = A B (F.linear: x W^T + b; addmm, baddbmm: beta input + alpha A B)
+    backward  dA = dC B^T and dB = A^T dC, the gradients the product's backward computes for its
+              operands (a Linear's input and weight), each when it reaches that operand
+A row sums over features, never over tokens: rows that are alike (padding, a repeated input)
+never add up their rounding errors in one sum.
+
+The bound. u_o is the unit roundoff of the product's dtype (bfloat16 2^-8, float16 2^-11,
+float32 2^-24), u_a that of its accumulation (float32 for 16- and 32-bit kernels, float64 for
+float64), u_i that of the operands where the kernel rounds them (float32 under
+`torch.set_float32_matmul_precision`: "high" TF32 2^-11, "medium" bfloat16 2^-8; else 0: an
+autocast kernel's operand casts are repeated here exactly). Row i of P passes when
+
+    |sum_j P_ij - L_i . (R e)| <= s [ (u_o + sqrt(p) u_a) ||P_i||
+                                       + (u_a (sqrt(q) + sqrt(p)) + sqrt(2) u_i) ||L_i|| ||R||_F
+                                       + sqrt(q) u_a ||L_i|| ||R e|| ] + p tiny
+
+with s = `sigmas` and tiny float32's smallest normal. Two terms read a cheaper upper bound: a
+32- or 64-bit product reads ||L_i|| ||R||_F for ||P_i|| (Cauchy-Schwarz; its own rounding is
+negligible there), and a weight gradient dR = L^T dP reads ||L||_F for its rows' ||L_i||, the
+norms of L's columns (a reduction along columns costs twenty times one along rows on the CPU).
+An addend (a Linear's bias, addmm's input) is added in the accumulation and the sum rounded
+once, as BLAS's gemm with beta does (and as the CPU's F.linear was measured to: 0.002% of
+bfloat16 outputs differ from one rounding of the float32 result, 27% from two): a model that
+adds a bias itself does it in an operation of its own, outside the product. Each term bounds a
+sum of independent rounding errors by Hoeffding's inequality, as Higham and Mary's probabilistic
+error analysis does: the product's own rounding to its dtype (u_o ||P_i||, which dominates in 16
+bits), its accumulation over q (by Cauchy-Schwarz, sum_l |L_il R_lj| <= ||L_i|| ||R_:j||), and
+the check's own sums over p and q. A clean row exceeds it with probability below 2 exp(-s^2 /
+2): 2.5e-14 at the default 8. A change d of one element of row i is caught when |d| exceeds the
+row's bound: in bfloat16 about s u_o ||P_i|| = ||P_i|| / 32, a third of the row's RMS at p =
+128; in float32 a few tenths of a percent of ||L_i|| ||R||_F at gpt's sizes. What falls below is
+the check's blind band (docs/detectors.md). MindSpore's check for bfloat16, c_max 2^-8 sqrt(n),
+is a bound on the largest element of a whole matrix: each row's own norm is tighter wherever
+rows differ in scale.
+
+Under emulated numerics (harness/core/emulation.py: a 16-bit product is the float32 product of
+16-bit values, rounded once) the watch computes the product itself and hands over the float32
+product before its rounding (`MatmulCall.accumulator`) and, in backward, each operand's float32
+gradient before its rounding (`MatmulCall.wide_grads`). The check then reads those against the
+32-bit bound (u_o of float32: about 2^16 tighter than the 16-bit one) and checks each rounding
+exactly (`rounding_ratio`): the 16-bit value must equal the float32 one rounded, bit for bit,
+which a clean run always meets and any change of the 16-bit value breaks. That closes the 16-bit
+blind band for every product the emulation computes (docs/detectors.md); elsewhere (native
+numerics, cuda) the 16-bit bound stands.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from harness.core.matmuls import MatmulCall
+
+F32 = torch.float32
+TINY = torch.finfo(F32).tiny
+# The operands' rounding inside a float32 kernel, by torch's float32 matmul precision.
+OPERAND_ROUNDING = {"highest": 0.0, "high": 2.0**-11, "medium": 2.0**-8}
+
+
+def roundoff(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).eps / 2
+
+
+@dataclass
+class Product:
+    """P = alpha L R (+ beta addend), as a kernel of dtype `dtype` reads it: L [..., m, q] and
+    R [..., q, p], with L's leading dimensions merged into rows where R is a matrix."""
+
+    left: torch.Tensor
+    right: torch.Tensor
+    addend: torch.Tensor | None
+    alpha: float
+    beta: float
+    left_at: int  # where the operands are in the call's arguments
+    right_at: int
+    transposed: bool  # R is the argument transposed (F.linear's weight)
+    # A grouped product (torch._grouped_mm): R [E, q, p] one matrix per group of L's rows, `offs`
+    # the cumulative row counts (detectors/grouped_products.py).
+    offs: torch.Tensor | None = None
+
+    def checks_grad(self, operand: torch.Tensor, output: torch.Tensor) -> bool:
+        """An operand's gradient is one product when it is not broadcast over P's batch."""
+        return operand.shape[:-2] == output.shape[:-2]
+
+
+def product_of(call: MatmulCall) -> Product | None:
+    """The call as a product, or None for one this check does not verify."""
+    args, kwargs = call.args, call.kwargs
+    if "out" in kwargs:
+        return None
+    if call.func is F.linear:
+        bias = args[2] if len(args) > 2 else kwargs.get("bias")
+        x, w = args[0], args[1]
+        found = Product(x, w.transpose(-1, -2), bias, 1.0, 1.0, 0, 1, True)
+    elif call.func is torch._grouped_mm:
+        return _grouped(args, kwargs)
+    elif call.func in (torch.addmm, torch.baddbmm):
+        beta, alpha = float(kwargs.get("beta", 1)), float(kwargs.get("alpha", 1))
+        found = Product(args[1], args[2], args[0], alpha, beta, 1, 2, False)
+    else:
+        found = Product(args[0], args[1], None, 1.0, 1.0, 0, 1, False)
+    tensors = [found.left, found.right] + ([] if found.addend is None else [found.addend])
+    if not all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in tensors):
+        return None
+    if found.left.dim() < 2 or found.right.dim() < 2:
+        return None
+    return found
+
+
+def _grouped(args: list, kwargs: dict) -> Product | None:
+    """A mixture of experts' grouped product: 2-D tokens against 3-D experts, no bias, the
+    output in the operands' dtype; other grouped layouts are not verified."""
+    offs = args[2] if len(args) > 2 else kwargs.get("offs")
+    extra = len(args) > 3 or any(kwargs.get(k) is not None for k in ("bias", "out_dtype"))
+    left, right = args[0], args[1]
+    if offs is None or extra or not all(_floating(t) for t in (left, right)):
+        return None
+    if left.dim() != 2 or right.dim() != 3 or offs.dim() != 1:
+        return None
+    return Product(left, right, None, 1.0, 1.0, 0, 1, False, offs)
+
+
+def _floating(t: object) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_floating_point()
+
+
+def checked_flops(call: MatmulCall, output: torch.Tensor, backward: bool) -> int:
+    """The product FLOPs of `call` that this check verifies: 2 m q p for the forward product
+    and, with `backward`, as much for each operand gradient it checks (as `_check_left` and
+    `_check_right` decide), that operand requiring a gradient."""
+    product = product_of(call)
+    if product is None:
+        return 0
+    each = 2 * output.numel() * product.right.shape[-2]
+    flat = product.right.dim() == 2 and product.left.dim() > 2
+    checked = each
+    for at, operand in ((product.left_at, product.left), (product.right_at, product.right)):
+        if not (backward and call.args[at].requires_grad):
+            continue
+        if product.offs is not None or flat or product.checks_grad(operand, output):
+            checked += each
+    return checked
+
+
+@dataclass(frozen=True)
+class Rounding:
+    """The unit roundoffs of one product (module docstring): its dtype's, its accumulation's,
+    its operands' inside the kernel; and the bound's width in Hoeffding widths."""
+
+    out: float
+    acc: float
+    operands: float
+    sigmas: float
+
+    @property
+    def fine(self) -> bool:
+        """A 32- or 64-bit product: its own rounding is negligible, and ||P_i|| is bounded by
+        ||L_i|| ||R||_F (Cauchy-Schwarz) instead of being read."""
+        return self.out < 1e-6
+
+
+def worst_ratio(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    row_norm: torch.Tensor | None,
+    left_norm: torch.Tensor,
+    right_fro: torch.Tensor,
+    right_sums_norm: torch.Tensor,
+    inner: int,
+    length: int,
+    rounding: Rounding,
+) -> torch.Tensor:
+    """The largest ratio over the rows of |P_i e - L_i (R e)| to the row's bound (module
+    docstring), a 0-d tensor: above 1, NaN or infinite when a row breaks it; rows whose operands'
+    checksum is not finite count 0 (a fault upstream, not this product's). `row_norm` None: the
+    Cauchy-Schwarz bound ||L_i|| ||R||_F stands for ||P_i||."""
+    s, q, p = rounding.sigmas, math.sqrt(inner), math.sqrt(length)
+    # The coefficients are folded on the host: each tensor operation costs microseconds here.
+    row = s * (rounding.out + p * rounding.acc)
+    fro = s * (rounding.acc * (q + p) + math.sqrt(2) * rounding.operands)
+    sums = s * q * rounding.acc
+    if row_norm is None:
+        per_left = torch.add(right_fro * (fro + row), right_sums_norm, alpha=sums)
+        bound = left_norm * per_left.unsqueeze(-1)
+    else:
+        per_left = torch.add(right_fro * fro, right_sums_norm, alpha=sums)
+        bound = torch.addcmul(row_norm * row, left_norm, per_left.unsqueeze(-1))
+    ratio = (actual - expected).abs_().div_(bound.add_(length * TINY))
+    return torch.where(torch.isfinite(expected), ratio, 0.0).amax()
+
+
+def rounding_ratio(rounded: torch.Tensor, wide: torch.Tensor, low: torch.dtype) -> torch.Tensor:
+    """0 when `rounded` holds `wide` rounded once to `low` (then widened exactly to its own
+    dtype), infinite when an element does not: the rounding is exact, so any change is a fault.
+    Compared bit for bit: a NaN from upstream rounds to the same bits in both, so only this
+    product's own change counts (and the comparison of integers is 3x faster on the CPU than
+    one of 16-bit floats)."""
+    expected = wide.to(low).to(rounded.dtype)
+    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[rounded.element_size()]
+    wrong = torch.ne(rounded.view(bits), expected.view(bits)).any()
+    return torch.where(wrong, math.inf, 0.0)
