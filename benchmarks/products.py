@@ -23,8 +23,9 @@ import torch.nn.functional as F
 from benchmarks.common import compose_run, detector
 from benchmarks.timing import Figure, interleaved, paired_ratio
 from harness.core import attention
+from harness.core.bus import PluginBus
 from harness.core.matmuls import MatmulCall
-from harness.core.plugins import EventLog, PluginBus
+from harness.core.plugins import EventLog
 from harness.runtime import numerics
 from harness.runtime.workloads import Workload
 

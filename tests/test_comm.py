@@ -12,7 +12,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from harness.core.plugins import Bucket, Plugin, PluginBus
+from harness.core.bus import PluginBus
+from harness.core.plugins import Bucket, Plugin
 from harness.launch.world import shutdown
 from harness.runtime.comm import HookState, comm_hook, harness_ddp
 from harness.runtime.workloads import Workload

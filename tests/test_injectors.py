@@ -13,7 +13,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from harness.config.schema import FaultConfig
-from harness.core.plugins import EventLog, PluginBus, RankInfo
+from harness.core.bus import PluginBus
+from harness.core.plugins import EventLog, RankInfo
 from harness.errors import ConfigError
 from harness.launch.world import shutdown
 from harness.runtime.comm import HookState, comm_hook

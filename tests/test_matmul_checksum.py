@@ -19,9 +19,10 @@ import torch
 from detectors.matmul_checksum import MatmulChecksum
 from harness.campaign.coverage import product_coverage
 from harness.config.schema import FaultConfig, RunConfig
+from harness.core.bus import PluginBus
 from harness.core.events import Alert, ElementInject
 from harness.core.matmuls import traced
-from harness.core.plugins import DetectorContext, EventLog, PluginBus, RankInfo
+from harness.core.plugins import DetectorContext, EventLog, RankInfo
 from harness.runtime import numerics
 from harness.runtime.workloads import Workload
 from injectors import injector

@@ -22,8 +22,9 @@ from detectors.allreduce_sketch import AllreduceSketch
 from detectors.gather_consensus import GatherConsensus
 from detectors.nan_inf import NanInf
 from harness.config.schema import WorkloadConfig
+from harness.core.bus import PluginBus
 from harness.core.events import Alert, Sensitivity
-from harness.core.plugins import DetectorContext, EventLog, PluginBus, RankInfo
+from harness.core.plugins import DetectorContext, EventLog, RankInfo
 from harness.runtime import numerics
 from harness.runtime.replica import unsharded_copy
 from harness.runtime.shard_sites import ShardedBuckets

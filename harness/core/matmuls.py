@@ -202,10 +202,7 @@ def traced(model: nn.Module, forward: Callable[[], Any]) -> ForwardModules:
     """The modules one call of `forward` (a forward of `model`) runs, those that multiply, and
     how many products each makes."""
 
-    def compute(call: MatmulCall) -> Any:
-        return call.func(*call.args, **call.kwargs)
-
-    watch = Watch(compute, expands=lambda _stack: True)
+    watch = Watch(MatmulCall.compute, expands=lambda _stack: True)
     handles = watch.install(model)
     try:
         forward()

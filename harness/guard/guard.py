@@ -28,9 +28,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import detectors as registry
 from harness.campaign import recovery
 from harness.core import inflight
+from harness.core.bus import PluginBus
 from harness.core.events import Alert, CheckWarning, Inject, of
 from harness.core.phases import PHASE_ORDER
-from harness.core.plugins import DetectorContext, EventLog, PluginBus, RankInfo
+from harness.core.plugins import DetectorContext, EventLog, RankInfo
 from harness.core.stopwatch import HOOK, Stopwatch
 from harness.core.values import integer
 from harness.guard import selection

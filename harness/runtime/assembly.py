@@ -19,9 +19,10 @@ from torch.utils.hooks import RemovableHandle
 
 import detectors
 from harness.config.schema import FaultConfig
+from harness.core.bus import PluginBus
 from harness.core.checks import CheckConfig
 from harness.core.matmuls import ForwardModules
-from harness.core.plugins import Detector, DetectorContext, EventLog, PluginBus
+from harness.core.plugins import Detector, DetectorContext, EventLog
 from harness.runtime.comm import HookState
 from injectors import injector
 

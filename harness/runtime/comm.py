@@ -60,7 +60,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from harness.core import inflight
-from harness.core.plugins import Bucket, PluginBus
+from harness.core.bus import PluginBus
+from harness.core.plugins import Bucket
 from harness.core.stopwatch import HOOK
 
 FIRST_CHUNK_BYTES = 1 << 20

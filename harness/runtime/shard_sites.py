@@ -33,7 +33,8 @@ import torch
 import torch.distributed as dist
 
 from harness.core import inflight
-from harness.core.plugins import Bucket, PluginBus
+from harness.core.bus import PluginBus
+from harness.core.plugins import Bucket
 from harness.core.stopwatch import HOOK
 from harness.runtime.sharding import GroupLayout, ShardSites
 

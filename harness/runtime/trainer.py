@@ -28,9 +28,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from harness.config.schema import RunConfig, TrialSpec
 from harness.core import inflight
+from harness.core.bus import PluginBus
 from harness.core.dtensors import local, whole
 from harness.core.events import Checkpoint, HostReads, Retry, Stop
-from harness.core.plugins import DetectorContext, EventLog, PluginBus, RankInfo
+from harness.core.plugins import DetectorContext, EventLog, RankInfo
 from harness.results.schema import RankResult
 from harness.runtime import checkpoint, devices, numerics, snapshots
 from harness.runtime.assembly import assemble
