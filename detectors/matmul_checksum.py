@@ -19,10 +19,8 @@ per checked product (docs/performance.md); `interval` and `fraction` (a seeded s
 checked step's products) trade it against coverage. Verdicts stay on the device until the
 step's read (harness/core/verdicts.py); no collective: each rank judges its own products.
 
-Backward checks keep a reference to the operands until backward (the product's backward keeps
-them too, except under autocast, where it keeps its 16-bit copies and this check the originals).
-Products it cannot check in backward: an operand broadcast over the product's batch dimensions
-(its gradient is a sum over them); 1-D operands are not checked at all.
+Backward checks hold the operands until backward (as the product's backward does). Not checked
+in backward: an operand broadcast over the product's batch (its gradient sums over it).
 """
 
 from __future__ import annotations
@@ -68,8 +66,7 @@ class Checked:
     row_sums: torch.Tensor | None = None
     grad_norms: torch.Tensor | None = None
     sums_norm: torch.Tensor | None = None  # ||R^T e|| per batch matrix
-    # Under emulated numerics, the operands' float32 gradients before their rounding
-    # (MatmulCall.wide_grads), by position in the call's arguments.
+    # Under emulated numerics, the operands' float32 gradients by position (MatmulCall).
     wide_grads: dict[int, torch.Tensor] | None = None
 
 
@@ -196,7 +193,7 @@ class MatmulChecksum(Detector):
         if accumulator is not None:
             exact = rounding_ratio(output, accumulator, output.dtype)
             self.found.append((step, "forward", f"{checked.key} output rounding", exact))
-        measured = output if accumulator is None else accumulator
+        measured = product.as_output(output if accumulator is None else accumulator)
         out = measured.reshape(-1, measured.shape[-1]) if checked.flat else measured
         sums = right.sum(-1, keepdim=True, dtype=F32)
         checked.right_fro = torch.linalg.vector_norm(right, dim=(-2, -1), dtype=F32)
@@ -251,7 +248,7 @@ class MatmulChecksum(Detector):
         def seen(grad: torch.Tensor) -> None:
             with self.charged(), unwatched(grad.device):
                 _, right = self._operands(checked)
-                grad = grad.to(checked.dtype)
+                grad = checked.product.as_output(grad.to(checked.dtype))
                 if checked.product.offs is not None:
                     dp = grouped.output_grad(right, checked.product.offs, grad)
                     checked.projected, checked.row_sums = dp["projected"], dp["row_sums"]
@@ -293,8 +290,11 @@ class MatmulChecksum(Detector):
                     name = "input" if which == "left" else "weight"
                     entry = f"{checked.key} {name} gradient rounding"
                     self.found.append((checked.step, "pre_allreduce", entry, ratio))
-                check = self._check_left if which == "left" else self._check_right
-                check(checked, grad if wide is None else wide, wide is not None)
+                measured = grad if wide is None else wide
+                if which == "left":
+                    self._check_left(checked, product.as_left(measured), wide is not None)
+                else:
+                    self._check_right(checked, product.as_right(measured), wide is not None)
 
         return seen
 

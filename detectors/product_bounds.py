@@ -88,10 +88,24 @@ class Product:
     # A grouped product (torch._grouped_mm): R [E, q, p] one matrix per group of L's rows, `offs`
     # the cumulative row counts (detectors/grouped_products.py).
     offs: torch.Tensor | None = None
+    # torch.matmul's 1-D operands, read as a row [1, q] (left) or a column [q, 1] (right): the
+    # product's output and the operands' gradients lack that dimension until `as_*` adds it.
+    vectors: tuple[bool, bool] = (False, False)
 
     def checks_grad(self, operand: torch.Tensor, output: torch.Tensor) -> bool:
         """An operand's gradient is one product when it is not broadcast over P's batch."""
         return operand.shape[:-2] == output.shape[:-2]
+
+    def as_output(self, t: torch.Tensor) -> torch.Tensor:
+        """The output (or its gradient) as [..., m, p]."""
+        t = t.unsqueeze(-1) if self.vectors[1] else t
+        return t.unsqueeze(-2) if self.vectors[0] else t
+
+    def as_left(self, grad: torch.Tensor) -> torch.Tensor:
+        return grad.unsqueeze(0) if self.vectors[0] else grad
+
+    def as_right(self, grad: torch.Tensor) -> torch.Tensor:
+        return grad.unsqueeze(-1) if self.vectors[1] else grad
 
 
 def product_of(call: MatmulCall) -> Product | None:
@@ -113,9 +127,19 @@ def product_of(call: MatmulCall) -> Product | None:
     tensors = [found.left, found.right] + ([] if found.addend is None else [found.addend])
     if not all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in tensors):
         return None
+    if call.func in VECTOR_PRODUCTS:
+        left, right = found.left, found.right
+        found.vectors = (left.dim() == 1, right.dim() == 1)
+        found.left = left.unsqueeze(0) if left.dim() == 1 else left
+        found.right = right.unsqueeze(-1) if right.dim() == 1 else right
     if found.left.dim() < 2 or found.right.dim() < 2:
         return None
     return found
+
+
+# The products that take 1-D operands (torch.matmul's rules: a vector is a row on the left, a
+# column on the right, and that dimension is dropped from the output).
+VECTOR_PRODUCTS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)
 
 
 def _grouped(args: list, kwargs: dict) -> Product | None:
@@ -148,7 +172,11 @@ def checked_flops(call: MatmulCall, output: torch.Tensor, backward: bool) -> int
     for at, operand in ((product.left_at, product.left), (product.right_at, product.right)):
         if not (backward and call.args[at].requires_grad):
             continue
-        if product.offs is not None or flat or product.checks_grad(operand, output):
+        if (
+            product.offs is not None
+            or flat
+            or product.checks_grad(operand, product.as_output(output))
+        ):
             checked += each
     return checked
 

@@ -22,7 +22,7 @@ from harness.config.schema import FaultConfig, RunConfig
 from harness.core.bus import PluginBus
 from harness.core.events import Alert, ElementInject
 from harness.core.matmuls import traced
-from harness.core.plugins import DetectorContext, EventLog, RankInfo
+from harness.core.plugins import DetectorContext, EventLog, Plugin, RankInfo
 from harness.runtime import numerics
 from harness.runtime.workloads import Workload
 from injectors import injector
@@ -362,6 +362,61 @@ def test_a_wrong_moe_product_is_caught_in_its_step_naming_it(case):
     assert alerts and all(a.step == 3 and a.suspect_ranks == [0] for a in alerts)
     named_there = [a for a in alerts if a.evidence["module"] == target]
     assert any(a.evidence["product"] == named for a in named_there), [a.evidence for a in alerts]
+
+
+class Vectors(torch.nn.Module):
+    """torch.matmul with 1-D operands: a vector on the right, on the left, and on both sides."""
+
+    def __init__(self):
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.w = torch.nn.Parameter(torch.randn(16, 8, generator=gen))
+        self.v = torch.nn.Parameter(torch.randn(8, generator=gen))
+        self.u = torch.nn.Parameter(torch.randn(16, generator=gen))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = (x @ self.w) @ self.v  # [4, 6, 8] @ [8] -> [4, 6]
+        row = self.u @ self.w  # [16] @ [16, 8] -> [8]
+        return scores.square().mean() + self.v @ row  # [8] @ [8] -> a scalar
+
+
+class Scaled(Plugin):
+    """A wrong product: x8 on the first element of the `which`-th product of the forward."""
+
+    def __init__(self, which: int):
+        self.which, self.seen = which, 0
+
+    def watches_matmuls(self) -> bool:
+        return True
+
+    def on_matmul_output(self, step, call, output):
+        self.seen += 1
+        if self.seen != self.which:
+            return None
+        wrong = output.clone()
+        wrong.view(-1)[0] *= 8
+        return wrong
+
+
+@pytest.mark.parametrize("wrong", [None, 2, 3, 4], ids=["clean", "right", "left", "both"])
+def test_products_of_1d_operands_are_checked(wrong):
+    """Each product with a vector operand is checked forward and for both operands' gradients;
+    x8 on one element of its output is caught, naming that product."""
+    model, log = Vectors(), EventLog(0, 0)
+    ctx = DetectorContext(RankInfo(0, 1, 1), model, None, 1, ((0,),))
+    check = MatmulChecksum(MatmulChecksum.Config(), ctx, log)
+    plugins = [] if wrong is None else [Scaled(wrong)]
+    bus = PluginBus([*plugins, check], log.verdicts)
+    bus.install_forward_hooks(model, lambda: 0)
+    model(torch.randn(4, 6, 16, generator=torch.Generator().manual_seed(1))).backward()
+    found = {key: float(ratio) for _, _, key, ratio in check.found}
+    # Each product: its output and both operands' gradients, but the input x's (no gradient).
+    assert len(found) == 4 * 3 - 1, found
+    broken = {key for key, ratio in found.items() if not ratio <= 1.0}
+    if wrong is None:
+        assert broken == set() and max(found.values()) < 0.5, found
+    else:
+        assert f"model#{wrong - 1} output" in broken, found
 
 
 def test_only_modules_that_run_are_targets():
