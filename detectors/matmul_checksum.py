@@ -1,26 +1,18 @@
-"""`matmul_checksum`: every matrix multiply of the forward (harness/core/matmuls.py: F.linear,
-matmul, mm, bmm, addmm, baddbmm, a mixture of experts' grouped products, and attention's score
+"""`matmul_checksum`: every product of the forward (harness/core/matmuls.py: F.linear, matmul, mm,
+bmm, addmm, baddbmm, a mixture of experts' grouped products, convolutions, and attention's score
 and value products where the call runs on the math backend) verified in the step that computes
 it, with the rank and the module named: a checksum in the line of Huang and Abraham's
-algorithm-based fault tolerance.
+algorithm-based fault tolerance. Attention is checked as the math backend computes it
+(harness/core/attention.py): its score product before the mask is added, so a fault in a score
+the mask then discards is still in its row's sum; a fused call (flash, memory-efficient, cuDNN)
+never forms its products and is not checked. Convolutions: detectors/convolutions.py.
 
-Attention (harness/core/attention.py) is checked as the math backend computes it: the score
-product S = (Q sqrt(s)) (K sqrt(s))^T in float32 before the mask is added (a fault in a score
-the mask then discards is still in S's row sum), and the value product P V of the softmax's
-probabilities; both are float32 products, so their bound is the 32-bit one. A call on a
-fused backend (flash, memory-efficient, cuDNN: the CPU's default, and the GPU's) never forms S
-or P and is not checked; the harness's ranks pin the math backend, and under the guard a job
-has its attention checked where it runs on the math backend (`sdpa_kernel(SDPBackend.MATH)`).
-
-Each product P = L R: its rows' sums against L (R e), within a rounding bound, and its rounding
-exactly where its float32 value is at hand (detectors/product_bounds.py states both). Cost: a
-sum and a norm of each operand and of the product's rows, and one product of L with a vector,
-per checked product (docs/performance.md); `interval` and `fraction` (a seeded share of a
-checked step's products) trade it against coverage. Verdicts stay on the device until the
-step's read (harness/core/verdicts.py); no collective: each rank judges its own products.
-
-Backward checks hold the operands until backward (as the product's backward does). Not checked
-in backward: an operand broadcast over the product's batch (its gradient sums over it).
+Each product P = L R: its rows' sums against L (R e) within a rounding bound, and its rounding
+exactly where its float32 value is at hand (detectors/product_bounds.py). Cost (per product: a
+sum and a norm of each operand and row, one product of L with a vector; docs/performance.md)
+against coverage: `interval`, `fraction`. No collective: each rank judges its own products, the
+verdicts kept on the device until the step's read. Backward checks hold the operands until
+backward; not checked there: an operand broadcast over the product's batch.
 """
 
 from __future__ import annotations
@@ -33,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from detectors import convolutions
 from detectors import grouped_products as grouped
 from detectors.product_bounds import (
     F32,
@@ -66,8 +59,7 @@ class Checked:
     row_sums: torch.Tensor | None = None
     grad_norms: torch.Tensor | None = None
     sums_norm: torch.Tensor | None = None  # ||R^T e|| per batch matrix
-    # Under emulated numerics, the operands' float32 gradients by position (MatmulCall).
-    wide_grads: dict[int, torch.Tensor] | None = None
+    wide_grads: dict[int, torch.Tensor] | None = None  # emulated numerics' (MatmulCall)
 
 
 @contextmanager
@@ -107,10 +99,9 @@ class MatmulChecksum(Detector):
         self.seed = ctx.workload.cfg.seed if ctx.workload is not None else 0
         self.u_in = OPERAND_ROUNDING.get(torch.get_float32_matmul_precision(), 0.0)
         self.open: dict[int, Checked] = {}  # by call, from operands to output
-        self.calls: dict[str, int] = {}  # products per module in `calls_step`
-        self.calls_step = -1
-        # (step, phase, product, worst ratio) not yet deferred.
-        self.found: list[tuple[int, str, str, torch.Tensor]] = []
+        self.convolutions: dict[int, str] = {}  # by call: the key of a convolution checked
+        self.calls, self.calls_step = dict[str, int](), -1  # products per module in that step
+        self.found: list[tuple[int, str, str, torch.Tensor]] = []  # (step, phase, key, ratio)
 
     def watches_matmuls(self) -> bool:
         return True
@@ -118,9 +109,8 @@ class MatmulChecksum(Detector):
     def _key(self, step: int, module: str) -> str:
         if step != self.calls_step:
             self.calls, self.calls_step = {}, step
-        n = self.calls.get(module, 0)
-        self.calls[module] = n + 1
-        return f"{module or 'model'}#{n}"
+        n = self.calls[module] = self.calls.get(module, 0) + 1
+        return f"{module or 'model'}#{n - 1}"
 
     def _sampled(self, step: int, key: str) -> bool:
         if self.config.fraction >= 1.0:
@@ -137,6 +127,10 @@ class MatmulChecksum(Detector):
         if step % self.config.interval:
             return
         key = self._key(step, call.module)
+        if call.func in convolutions.FUNCS:
+            if self._sampled(step, key) and convolutions.checkable(call):
+                self.convolutions[id(call)] = key
+            return
         product = product_of(call) if self._sampled(step, key) else None
         if call.role:
             key = f"{key} {call.role}"
@@ -154,6 +148,12 @@ class MatmulChecksum(Detector):
     def on_matmul_output(
         self, step: int, call: MatmulCall, output: torch.Tensor
     ) -> torch.Tensor | None:
+        key = self.convolutions.pop(id(call), None)
+        if key is not None:
+            with unwatched(output.device):
+                figures = convolutions.forward(call, output)
+                ratio = self._ratio(figures, figures["inner"], figures["length"], output.dtype)
+            self.found.append((step, "forward", f"{key} output", ratio))
         checked = self.open.pop(id(call), None)
         if checked is None:
             return None
@@ -227,10 +227,10 @@ class MatmulChecksum(Detector):
         figures = grouped.forward(left, right, checked.product.offs, output)
         checked.right_fro = figures["right_fro"]
         checked.left_fro = figures["left_norm"]
-        ratio = self._grouped_ratio(figures, right.shape[-2], right.shape[-1], output.dtype)
+        ratio = self._ratio(figures, right.shape[-2], right.shape[-1], output.dtype)
         self.found.append((step, "forward", f"{checked.key} output", ratio))
 
-    def _grouped_ratio(
+    def _ratio(
         self, figures: dict[str, torch.Tensor], inner: int, length: int, *dtypes: torch.dtype
     ) -> torch.Tensor:
         rounding = self._rounding(*dtypes)
@@ -304,7 +304,7 @@ class MatmulChecksum(Detector):
         if product.offs is not None:
             figures = grouped.left_grad(grad, self._dp(checked), checked.right_fro)
             inner = product.right.shape[-1]
-            ratio = self._grouped_ratio(figures, inner, grad.shape[-1], checked.dtype, grad.dtype)
+            ratio = self._ratio(figures, inner, grad.shape[-1], checked.dtype, grad.dtype)
             self.found.append(
                 (checked.step, "pre_allreduce", f"{checked.key} input gradient", ratio)
             )
@@ -330,7 +330,7 @@ class MatmulChecksum(Detector):
         if product.offs is not None:
             left, _ = self._operands(checked)
             figures, inner = grouped.right_grad(left, product.offs, grad, self._dp(checked))
-            ratio = self._grouped_ratio(figures, inner, grad.shape[-1], checked.dtype, grad.dtype)
+            ratio = self._ratio(figures, inner, grad.shape[-1], checked.dtype, grad.dtype)
             self.found.append(
                 (checked.step, "pre_allreduce", f"{checked.key} weight gradient", ratio)
             )

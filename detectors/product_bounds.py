@@ -60,6 +60,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from detectors import convolutions
 from harness.core.matmuls import MatmulCall
 
 F32 = torch.float32
@@ -111,7 +112,7 @@ class Product:
 def product_of(call: MatmulCall) -> Product | None:
     """The call as a product, or None for one this check does not verify."""
     args, kwargs = call.args, call.kwargs
-    if "out" in kwargs:
+    if "out" in kwargs or call.func in convolutions.FUNCS:
         return None
     if call.func is F.linear:
         bias = args[2] if len(args) > 2 else kwargs.get("bias")
@@ -163,6 +164,8 @@ def checked_flops(call: MatmulCall, output: torch.Tensor, backward: bool) -> int
     """The product FLOPs of `call` that this check verifies: 2 m q p for the forward product
     and, with `backward`, as much for each operand gradient it checks (as `_check_left` and
     `_check_right` decide), that operand requiring a gradient."""
+    if call.func in convolutions.FUNCS:  # forward only (detectors/convolutions.py)
+        return convolutions.forward_flops(call, output) if convolutions.checkable(call) else 0
     product = product_of(call)
     if product is None:
         return 0

@@ -419,6 +419,47 @@ def test_products_of_1d_operands_are_checked(wrong):
         assert f"model#{wrong - 1} output" in broken, found
 
 
+class Patches(torch.nn.Module):
+    """A vision transformer's patch embedding (a strided Conv2d), padded 3x3 and 1-D convolutions,
+    and a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Conv2d(3, 32, kernel_size=4, stride=4)
+        self.mix = torch.nn.Conv2d(32, 16, kernel_size=3, padding=1)
+        self.line = torch.nn.Conv1d(16, 8, kernel_size=3, padding="same")
+        self.head = torch.nn.Linear(8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.mix(torch.nn.functional.gelu(self.embed(x)))  # [2, 16, 4, 4]
+        return self.head(self.line(h.flatten(2)).mean(-1)).square().mean()
+
+
+@pytest.mark.parametrize("wrong", [None, 1, 2, 3], ids=["clean", "embed", "mix", "line"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_convolutions_are_checked_forward(wrong, dtype):
+    """Each ungrouped convolution's output is checked at every output position against a
+    convolution with its summed filters; x8 on one element is caught, naming that module."""
+    torch.manual_seed(0)
+    model, log = Patches().to(dtype), EventLog(0, 0)
+    ctx = DetectorContext(RankInfo(0, 1, 1), model, None, 1, ((0,),))
+    check = MatmulChecksum(MatmulChecksum.Config(), ctx, log)
+    bus = PluginBus([*([] if wrong is None else [Scaled(wrong)]), check], log.verdicts)
+    bus.install_forward_hooks(model, lambda: 0)
+    x = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(1)).to(dtype)
+    model(x)
+    found = {key: float(ratio) for _, phase, key, ratio in check.found if phase == "forward"}
+    # Fault targets at site matmul, one product each.
+    plain = Patches()
+    assert traced(plain, lambda: plain(x.float())).products["embed"] == 1
+    assert {"embed#0 output", "mix#0 output", "line#0 output", "head#0 output"} == set(found)
+    broken = {key for key, ratio in found.items() if not ratio <= 1.0}
+    if wrong is None:
+        assert broken == set() and max(found.values()) < 0.5, found
+    else:
+        assert broken == {["embed", "mix", "line"][wrong - 1] + "#0 output"}, found
+
+
 def test_only_modules_that_run_are_targets():
     run = compose_run("workload=gpt")
     workload = Workload(run.workload)

@@ -40,6 +40,8 @@ MATMULS: dict[Callable, int] = {
     torch.mm: 1, torch.bmm: 1, torch.addmm: 2, torch.baddbmm: 2,
     # A mixture of experts' products (F.grouped_mm reaches the mode as torch._grouped_mm).
     torch._grouped_mm: 1,
+    # Convolutions: a product of the weight with every input patch.
+    F.conv1d: 1, F.conv2d: 1, F.conv3d: 1,
 }  # fmt: skip
 
 
