@@ -127,16 +127,19 @@ def _never(_stack: tuple[str, ...]) -> bool:
 class Watch(TorchFunctionMode):
     """Open during a model's forward: each matrix multiply goes to `on_call`, which computes it
     (`call.func(*call.args, **call.kwargs)`) and returns what the model gets. `expands(stack)`
-    says whether an attention call that would run fused is computed as its two products."""
+    says whether an attention call that would run fused is computed as its two products.
+    `traces`: also count each module's products (`traced`), work a training step never reads."""
 
     def __init__(
         self,
         on_call: Callable[[MatmulCall], Any],
         expands: Callable[[tuple[str, ...]], bool] = _never,
+        traces: bool = False,
     ):
         super().__init__()
         self.on_call = on_call
         self.expands = expands
+        self.traces = traces
         self.stack: list[str] = []
         self.ran: dict[str, None] = {}
         self.counts: dict[str, int] = {}  # products of each running module's current run
@@ -161,7 +164,7 @@ class Watch(TorchFunctionMode):
         self, func: Callable, args: list[Any], kwargs: dict[str, Any], role: str = ""
     ) -> Any:
         stack = tuple(self.stack)
-        for name in stack:
+        for name in stack if self.traces else ():
             self.counts[name] += 1
             self.most[name] = max(self.most.get(name, 0), self.counts[name])
         return self.on_call(MatmulCall(func, args, kwargs, stack, role))
@@ -204,7 +207,7 @@ def traced(model: nn.Module, forward: Callable[[], Any]) -> ForwardModules:
     """The modules one call of `forward` (a forward of `model`) runs, those that multiply, and
     how many products each makes."""
 
-    watch = Watch(MatmulCall.compute, expands=lambda _stack: True)
+    watch = Watch(MatmulCall.compute, expands=lambda _stack: True, traces=True)
     handles = watch.install(model)
     try:
         forward()
