@@ -91,6 +91,9 @@ def clean_twins(tmp_path: Path, hook: str, *model: str) -> tuple[dict, dict]:
     return with_guard, without
 
 
+# Slow set (32 s): the default run keeps the guard's bit-identity on the FSDP Qwen2 loop
+# (tests/test_guard_loops.py) and the documented command below.
+@pytest.mark.slow
 def test_gpt2_with_dropout_and_accumulation_is_bit_identical_to_no_guard(tmp_path):
     """Replay at every step recomputes each peer's two micro-batches under the random state
     each was trained under (its dropout masks): no alert, and the guard changes no bit. Three
