@@ -19,7 +19,8 @@ regenerates any other's from the workload (`Regenerated`); in a user's loop the 
 batch each rank trained on to the ranks that replay it (harness/runtime/batch_exchange.py). Both
 offer `ship` (every rank calls it with the same routes before the batches are needed), `losses`
 (each micro-batch's loss, computed under the random state its own rank computed it under, so
-dropout masks the same elements) and `divisor`.
+dropout masks the same elements) and `backpropagated` (what the loop backpropagates of such a
+loss: divided by the step's count of micro-batches, or however the user's trainer scales it).
 
 Replay never disturbs training: gradients come from torch.autograd.grad (param.grad is never
 touched) and `losses` draws from forked generators, so a clean run with replay on ends bit-
@@ -58,8 +59,8 @@ class Regenerated:
     def __init__(self, ctx: Any):
         self.ctx = ctx
 
-    def divisor(self, rank: int) -> float:
-        return self.ctx.divisor
+    def backpropagated(self, loss: torch.Tensor, rank: int) -> torch.Tensor:
+        return loss / self.ctx.divisor
 
     def ship(self, step: int, routes: list[tuple[int, int]]) -> None:
         """Nothing to ship: (source, destination) routes are regenerated at the destination."""
@@ -173,7 +174,7 @@ class Replay(Detector):
         names = [n for n, _ in model.named_parameters()]
         total_loss, grads, count = 0.0, None, 0
         for loss in self.data.losses(model, step, rank):
-            part = torch.autograd.grad(loss / self.data.divisor(rank), params)
+            part = torch.autograd.grad(self.data.backpropagated(loss, rank), params)
             grads = (
                 list(part) if grads is None else [a + b for a, b in zip(grads, part, strict=True)]
             )

@@ -78,10 +78,10 @@ class TitanReplay(Detector):
     def _replay(self, model: nn.Module, step: int) -> tuple[list[float], dict[str, int]]:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         losses, grads = [], None
-        divisor = self.data.divisor(self.info.rank)
         # Each micro-batch under the random state it trained under, its backward inside it.
         for loss in self.data.losses(model, step, self.info.rank):
-            part = torch.autograd.grad(loss / divisor, [p for _, p in named])
+            backward = self.data.backpropagated(loss, self.info.rank)
+            part = torch.autograd.grad(backward, [p for _, p in named])
             grads = (
                 list(part) if grads is None else [a + b for a, b in zip(grads, part, strict=True)]
             )

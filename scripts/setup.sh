@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up .venv: the CPU build of torch first (so pip never pulls a multi-GB CUDA build), then
-# the project in editable mode with its test tools and transformers (the `hf` extra). Safe to rerun: it skips work already done.
+# the project in editable mode with its test tools, transformers and accelerate (the `hf`
+# extra) and Lightning (the `lightning` extra). Safe to rerun: it skips work already done.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python="${PYTHON:-python3}"
@@ -12,5 +13,5 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
 fi
 [ -x .venv/bin/python ] || "$python" -m venv .venv
 .venv/bin/python -m pip install --quiet --disable-pip-version-check "$torch_spec"
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[dev,hf]"
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[dev,hf,lightning]"
 echo "$want" > "$stamp"

@@ -35,9 +35,10 @@ Replay ships the batch each rank trained on, with torch's random state before it
 rank one node back, which recomputes it with `replay_fn(model, batch) -> loss` on its own replica
 under that state (so dropout draws the same masks; harness/runtime/batch_exchange.py). Under
 gradient accumulation call `audit_batch` and `loss` for every micro-batch (those without a
-reduction too) and backpropagate `loss / K`; replay recomputes all K. A forward that does not
-reproduce even so (a non-deterministic op) is reported as a warning, "not deterministic"
-(`guard.warnings`), not as an alarm against a rank.
+reduction too) and backpropagate `loss / K`; replay recomputes all K. A loop that scales each
+micro-batch's loss otherwise says how: `scale_loss=fn`, fn(loss, K) -> what it backpropagates.
+A forward that does not reproduce even so (a non-deterministic op) is reported as a warning,
+"not deterministic" (`guard.warnings`), not as an alarm against a rank.
 
 Recovery (act mode, `checkpoints=FOLDER`): an alarm writes FOLDER/quarantine.json (suspect
 machines, ranks, step, first suspect step, detector, evidence, exit code), sets aside the

@@ -61,12 +61,13 @@ class SDCAlarm(RuntimeError):
         }  # fmt: skip
 
 
-def quarantine(folder: Path, alarm: SDCAlarm) -> None:
-    """quarantine.json for the scheduler, and the suspect interval's checkpoints set aside."""
+def quarantine(folder: Path, alarm: SDCAlarm, written: list[tuple[int, Path]]) -> None:
+    """quarantine.json for the scheduler, and the suspect interval's checkpoints set aside: the
+    guard's own in `folder`, and those a trainer wrote elsewhere (`written`: step, path)."""
     folder.mkdir(parents=True, exist_ok=True)
     set_aside = []
-    for step, path in checkpoint.saved(folder):
-        if step >= alarm.first_suspect_step:
+    for step, path in [*checkpoint.saved(folder), *written]:
+        if step >= alarm.first_suspect_step and path.exists():
             path.rename(path.with_name(path.name + ".suspect"))
             set_aside.append(path.name)
     record = dict(alarm.record(), set_aside=set_aside)

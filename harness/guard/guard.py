@@ -59,6 +59,7 @@ class Guard:
         comm_hook: tuple[Any, Callable] | None = None,
         seed: int = 0,
         replay_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
+        scale_loss: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
         ranks_per_node: int | None = None,
         checkpoints: str | Path | None = None,
         start_step: int = 0,
@@ -87,11 +88,14 @@ class Guard:
         self.folder = Path(checkpoints) if checkpoints is not None else None
         self.alarm: SDCAlarm | None = None
         self.checkpointed: set[int] = set()
+        self.written: list[tuple[int, Path]] = []  # checkpoints a trainer saved: (step, path)
         # Where the checks' time goes, and the loop's steps: read in costs().
         self.stopwatch, self._clock = Stopwatch(first.device), Stopwatch(first.device)
         self.log = EventLog(rank, self.info.node, stopwatch=self.stopwatch)
         recomputing = any(registry.detector_class(n).recomputes_batches for n in self.checks)
-        self.shipped = ShippedBatches(replay_fn, rank, first.device) if recomputing else None
+        self.shipped = (
+            ShippedBatches(replay_fn, rank, first.device, scale_loss) if recomputing else None
+        )
         ctx = DetectorContext(self.info, self.model, None, 0, tuple((r,) for r in range(world)),
                               replay_data=self.shipped)  # fmt: skip
         plugins = assemble(self.model, ctx, self.log, self.checks, fault, seed,
@@ -198,6 +202,12 @@ class Guard:
         checkpoint.save(path, {"step": step, **state})
         return path
 
+    def checkpoint_written(self, path: str | Path) -> None:
+        """A checkpoint of the step just finished that the loop's trainer wrote itself, once
+        `before_checkpoint` approved it: an alarm sets it aside (`*.suspect`) with the guard's
+        own when it falls in the suspect interval."""
+        self.written.append((self.step - 1, Path(path)))
+
     @staticmethod
     def restore_point(folder: str | Path) -> tuple[int, str]:
         """The newest checkpoint in `folder` that the checks approved and whose checksum
@@ -296,7 +306,7 @@ class Guard:
             return
         self.alarm = alarm
         if self.folder is not None and self.info.rank == 0:
-            quarantine(self.folder, alarm)
+            quarantine(self.folder, alarm, self.written)
         # Training ends here: nothing the guard did may still be in flight when it does.
         self.close()
         raise alarm.again()

@@ -12,9 +12,11 @@ the random state shipped with it, so a forward with dropout draws the same masks
 its own rank (the loop's own generators are untouched: the replay runs in forked ones). Why an
 explicit `audit_batch` rather than capturing the forward's inputs: the loss often needs more
 than the forward sees (targets, masks), and the user's `replay_fn` is then the one function from
-batch to loss, exactly what the loop computes. The loop backpropagates each micro-batch's loss
-divided by the step's count of micro-batches (the mean, as DDP's accumulation recipes do), and
-replay divides the same way.
+batch to loss, exactly what the loop computes. A hand-written loop backpropagates each micro-batch's
+loss divided by the step's count of micro-batches (the mean, as DDP's accumulation recipes do),
+and replay divides the same way; a trainer that scales it otherwise (Hugging Face's by the tokens
+of the whole step) says how with `scale(loss, micro_batches)`, the same arithmetic in the same
+order, so that replay's gradient is bit for bit the rank's.
 
 The cost per audit is one serialization and one send and receive of a batch per rank (`bytes`
 and `seconds` add them up), plus the recomputation.
@@ -44,9 +46,14 @@ class ShippedBatches:
     them."""
 
     def __init__(
-        self, replay_fn: Callable[[nn.Module, Any], torch.Tensor], rank: int, device: torch.device
+        self,
+        replay_fn: Callable[[nn.Module, Any], torch.Tensor],
+        rank: int,
+        device: torch.device,
+        scale: Callable[[torch.Tensor, int], torch.Tensor] | None = None,
     ):
         self.replay_fn = replay_fn
+        self.scale = scale or _mean
         self.rank = rank
         self.device = device
         self.own: tuple[int, list[Kept]] | None = None
@@ -64,8 +71,9 @@ class ShippedBatches:
     def _kept(self, rank: int) -> list[Kept]:
         return self.own[1] if rank == self.rank and self.own else self.received[rank]
 
-    def divisor(self, rank: int) -> float:
-        return float(len(self._kept(rank)))
+    def backpropagated(self, loss: torch.Tensor, rank: int) -> torch.Tensor:
+        """What `rank`'s loop backpropagated of one of its micro-batch losses at this step."""
+        return self.scale(loss, len(self._kept(rank)))
 
     def ship(self, step: int, routes: list[tuple[int, int]]) -> None:
         """Send this rank's batch along every route that starts here; receive along those that
@@ -100,6 +108,10 @@ class ShippedBatches:
                 if gpu is not None:
                     torch.cuda.set_rng_state(gpu, self.device)
                 yield self.replay_fn(model, _to(batch, self.device))
+
+
+def _mean(loss: torch.Tensor, micro_batches: int) -> torch.Tensor:
+    return loss / float(micro_batches)
 
 
 def _encode(batch: Any) -> torch.Tensor:

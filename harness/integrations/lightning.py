@@ -1,0 +1,231 @@
+"""The guard as a Lightning callback: `Trainer(..., callbacks=[SDCGuard(detectors="all",
+mode="act", checkpoints=DIR)])` (docs/guard.md, "Lightning").
+
+Entry contract: a `lightning.pytorch.Trainer` with `strategy="ddp"` (Lightning's own launcher or
+torchrun; the spawn and fork launchers are refused), automatic optimization with one optimizer,
+and a precision whose gradients are the loss's own (`32-true`, `64-true`, `bf16-mixed`,
+`bf16-true`; float16's loss scaling is refused). Every rank builds the same callback. The
+module's `training_step(batch, batch_idx)` is a function of the batch, its index and the
+weights: replay calls it again on another rank, with `self.log` silenced.
+
+What the callback does with the Guard's five calls (harness/guard/__init__.py), at Lightning's
+hooks:
+- `on_train_start` (DDP has wrapped the module, checkpoints are restored): the Guard attaches to
+  `trainer.strategy.model`, counting steps from `trainer.global_step`. The module's
+  `training_step` is wrapped on the instance (Lightning looks it up there for each batch): the
+  wrapper keeps each micro-batch for replay just before its forward, and passes the step's loss
+  through the checks, so a rehearsed loss fault is substituted as in a hand-written loop
+  (`on_before_backward` could not: Lightning ignores what it returns). Replay recomputes with the
+  class's own `training_step` under the precision plugin's autocast, divided by
+  `accumulate_grad_batches` as Lightning divides it: no `replay_fn` to write.
+- `on_before_optimizer_step` (after the last micro-batch's backward, before Lightning clips and
+  steps): `before_step`; act mode stops here, every rank together.
+- `on_train_batch_end` after an optimizer step: `after_step`, the checks on the updated weights.
+- Checkpoints: the strategy's `save_checkpoint` is gated (every rank calls it for each
+  `ModelCheckpoint` save): the checks that approve a checkpoint run first, and a checkpoint they
+  do not approve, or any after an alarm, is not written.
+
+An alarm in act mode raises `SDCAlarm` out of `trainer.fit` on every rank; the script ends with
+`sys.exit(alarm.exit_code)` (86: suspect hardware, 87: not attributed), and the checkpoints
+written from the first suspect step on are set aside (`*.suspect`), listed in quarantine.json.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import nn
+
+import detectors as registry
+from harness.core.values import choice
+from harness.guard import Guard, SDCAlarm
+from harness.guard.selection import ALL, Chosen
+
+# Precisions whose backward sees the loss itself: float16's GradScaler multiplies it by a scale
+# that changes between steps and overflows on purpose (an inf gradient that is not corruption).
+PRECISIONS = ("32-true", "64-true", "bf16-mixed", "bf16-true")
+
+
+class SDCGuard(pl.Callback):
+    """The Guard's checks in a Lightning fit; `guard` holds the Guard once the fit has started
+    (its alerts, warnings, costs)."""
+
+    def __init__(
+        self,
+        detectors: Chosen = ("nan_inf",),
+        mode: str = "observe",
+        inject: dict[str, Any] | None = None,
+        checkpoints: str | Path | None = None,
+        ranks_per_node: int | None = None,
+        comm_hook: tuple[Any, Callable] | None = None,
+        seed: int = 0,
+        warmup_steps: int = 3,
+    ):
+        choice("mode", mode, ("observe", "act"))
+        if detectors != ALL:
+            for name in [detectors] if isinstance(detectors, str) else detectors:
+                choice("detectors", name, registry.available())
+        self.options = dict(
+            detectors=detectors, mode=mode, inject=inject, checkpoints=checkpoints,
+            comm_hook=comm_hook, seed=seed, warmup_steps=warmup_steps,
+        )  # fmt: skip
+        self.ranks_per_node = ranks_per_node
+        self.guard: Guard | None = None
+        self._module: pl.LightningModule | None = None
+        self._strategy: DDPStrategy | None = None
+        self._stepped = 0
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        _refuse_unservable(trainer, pl_module)
+        per_node = self.ranks_per_node or int(
+            os.environ.get("SDC_RANKS_PER_NODE") or trainer.num_devices
+        )
+        micro_batches = trainer.accumulate_grad_batches
+        precision = trainer.strategy.precision_plugin
+
+        def replay(model: nn.Module, args: tuple) -> torch.Tensor:
+            with precision.train_step_context(), _silenced(model):
+                return _loss_of(type(model).training_step(model, *args))
+
+        self.guard = Guard(
+            trainer.strategy.model,
+            **self.options,
+            replay_fn=replay,
+            scale_loss=lambda loss, _: loss / micro_batches,
+            ranks_per_node=per_node,
+            start_step=trainer.global_step,
+        )
+        self._stepped = trainer.global_step
+        self._module, self._strategy = pl_module, trainer.strategy
+        pl_module.training_step = self._guarded_step(pl_module.training_step)
+        trainer.strategy.save_checkpoint = self._gated_save(trainer.strategy.save_checkpoint)
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        self._attached().before_step()
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+        batch_idx: int,
+    ) -> None:  # fmt: skip
+        if trainer.global_step > self._stepped:  # an optimizer step ended this batch
+            self._stepped = trainer.global_step
+            self._attached().after_step(trainer.optimizers[0])
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._detach(keep_gate=False)
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        # After an alarm the gate stays: nothing this trainer saves later (Lightning's
+        # OnExceptionCheckpoint runs after this hook) may be written.
+        self._detach(keep_gate=isinstance(exception, SDCAlarm))
+
+    def _attached(self) -> Guard:
+        if self.guard is None:
+            raise RuntimeError("SDCGuard: the fit has not started")
+        return self.guard
+
+    def _guarded_step(self, training_step: Callable) -> Callable:
+        """The module's training_step, with the micro-batch kept for replay before its forward
+        and the loss passed through the checks."""
+
+        @functools.wraps(training_step)
+        def guarded(*args: Any) -> Any:
+            guard = self._attached()
+            guard.audit_batch(args)
+            out = training_step(*args)
+            loss = guard.loss(_loss_of(out))
+            return {**out, "loss": loss} if isinstance(out, Mapping) else loss
+
+        return guarded
+
+    def _gated_save(self, save: Callable) -> Callable:
+        """The strategy's save_checkpoint (every rank calls it; rank 0 writes), run only once the
+        checks approve the step just finished."""
+
+        @functools.wraps(save)
+        def gated(checkpoint: dict[str, Any], filepath: str | Path, *args: Any, **kw: Any) -> None:
+            guard = self._attached()
+            if guard.alarm is not None:
+                rank_zero_warn(f"SDCGuard: not saving {filepath} after an alarm: {guard.alarm}")
+                return
+            if guard.closed:
+                save(checkpoint, filepath, *args, **kw)
+                return
+            if not guard.before_checkpoint():
+                rank_zero_warn(f"SDCGuard: not saving {filepath}: the checks did not approve it")
+                return
+            save(checkpoint, filepath, *args, **kw)
+            guard.checkpoint_written(filepath)
+
+        return gated
+
+    def _detach(self, keep_gate: bool) -> None:
+        if self._module is not None:
+            vars(self._module).pop("training_step", None)
+        if self._strategy is not None and not keep_gate:
+            vars(self._strategy).pop("save_checkpoint", None)
+        if self.guard is not None:
+            self.guard.close()
+
+
+def _refuse_unservable(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    """One ValueError line for a fit the callback cannot guard as it is."""
+    strategy = trainer.strategy
+    if not isinstance(strategy, DDPStrategy):
+        raise ValueError(f"strategy: SDCGuard serves strategy='ddp'; got {type(strategy).__name__}")
+    if strategy._start_method != "popen":
+        raise ValueError(
+            f"strategy: 'ddp' (Lightning's own launcher, or torchrun) is allowed; got "
+            f"ddp_{strategy._start_method}, whose ranks cannot each end with the alarm's exit code"
+        )
+    if trainer.precision not in PRECISIONS:
+        raise ValueError(
+            f"precision: {', '.join(PRECISIONS)} are allowed; got '{trainer.precision}' "
+            "(float16's loss scaling overflows to inf on purpose)"
+        )
+    if not pl_module.automatic_optimization:
+        raise ValueError(
+            "automatic_optimization: SDCGuard guards Lightning's automatic optimization; in "
+            "manual optimization use harness.guard.Guard's calls in training_step"
+        )
+    if len(trainer.optimizers) != 1:
+        raise ValueError(f"optimizers: one is allowed; got {len(trainer.optimizers)}")
+
+
+def _loss_of(out: Any) -> torch.Tensor:
+    """The loss in what training_step returned (a tensor, or a mapping with "loss")."""
+    loss = out.get("loss") if isinstance(out, Mapping) else out
+    if not isinstance(loss, torch.Tensor):
+        raise ValueError(
+            "training_step: SDCGuard needs a loss tensor, or a mapping with one under 'loss'; "
+            f"got {type(out).__name__}"
+        )
+    return loss
+
+
+@contextmanager
+def _silenced(model: nn.Module) -> Iterator[None]:
+    """`self.log` and `self.log_dict` as no-ops while replay recomputes a step: a replayed
+    step's metrics are not the fit's, and `sync_dist` would start a collective on one rank."""
+
+    def ignored(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    model.log = model.log_dict = ignored
+    try:
+        yield
+    finally:
+        del model.log, model.log_dict

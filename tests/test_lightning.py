@@ -1,0 +1,101 @@
+"""The guard as a Lightning callback (harness/integrations/lightning.py), through
+examples/train_lightning.py under torchrun: a transformers Qwen2 with attention dropout in a
+LightningModule, `Trainer(accelerator="cpu", devices=4, strategy="ddp", precision="bf16-mixed",
+accumulate_grad_batches=2, gradient_clip_val=1.0, max_steps=6)`, every check at its defaults,
+a ModelCheckpoint every step; each rank its own simulated machine."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+
+from harness.errors import ConfigError
+from harness.guard import EXIT_SUSPECT_HARDWARE
+from harness.integrations.lightning import SDCGuard
+from tests.conftest import BIN
+
+EXAMPLE = Path(__file__).parents[1] / "examples" / "train_lightning.py"
+RANKS = 4
+
+
+def fit(out: Path, *args: str) -> tuple[list[dict], subprocess.CompletedProcess]:
+    proc = subprocess.run(
+        [str(BIN / "torchrun"), "--standalone", f"--nproc-per-node={RANKS}", str(EXAMPLE),
+         "--out", str(out), *args],
+        capture_output=True, text=True, timeout=300, env=dict(os.environ),
+    )  # fmt: skip
+    files = [out / f"rank{r}.json" for r in range(RANKS)]
+    assert all(f.exists() for f in files), proc.stderr[-3000:]
+    return [json.loads(f.read_text()) for f in files], proc
+
+
+def test_a_clean_fit_with_every_check_is_bit_identical_to_the_fit_without_it(tmp_path):
+    ranks, proc = fit(tmp_path, "--twin")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert {r["digest"] for r in ranks} == {ranks[0]["unguarded"]}, "every replica, as without"
+    assert [r["alerts"] for r in ranks] == [[]] * RANKS
+    assert [r["steps"] for r in ranks] == [6] * RANKS
+    # Every check that applies to DDP ran, replay and the product checks among them.
+    assert {"replay", "matmul_checksum", "weight_consensus", "allreduce_sketch"} <= set(
+        ranks[0]["checks"]
+    )
+    saved = sorted(p.name for p in (tmp_path / "checkpoints").glob("*.ckpt"))
+    assert saved == [f"step={s}.ckpt" for s in range(1, 7)]
+    costs = json.loads((tmp_path / "costs.json").read_text())
+    assert costs["steps"] > 0 and set(costs["checks"]) == set(ranks[0]["checks"])
+
+
+def test_a_rehearsed_gradient_fault_stops_the_fit_at_its_step_on_every_rank(tmp_path):
+    """x3 on the largest gradient element of rank 2 at step 5, an audit of replay (every 5
+    steps): every rank stops before that step's update, naming rank 2 and its machine, exits
+    86, and no checkpoint of the suspect interval (since the last clean audit) stays."""
+    fault = {"site": "grad", "model": "scale", "factor": 3.0, "ranks": [2], "steps": [5],
+             "select": "largest"}  # fmt: skip
+    ranks, proc = fit(tmp_path, "--inject", json.dumps(fault))
+    alarm = {"detector": "replay", "step": 5, "suspect_ranks": [2],
+             "suspect_machines": ["host2"], "exit_code": EXIT_SUSPECT_HARDWARE}  # fmt: skip
+    assert [r["alarm"] for r in ranks] == [alarm] * RANKS
+    assert [r["steps"] for r in ranks] == [5] * RANKS, "step 5 never ended"
+    # torchrun stops the others (-15) once the first rank has exited with 86.
+    codes = {int(c) for c in re.findall(r"exitcode\s+: (-?\d+)", proc.stderr)}
+    assert EXIT_SUSPECT_HARDWARE in codes and codes <= {EXIT_SUSPECT_HARDWARE, -15}
+    folder = tmp_path / "checkpoints"
+    quarantine = json.loads((folder / "quarantine.json").read_text())
+    assert quarantine["first_suspect_step"] == 1 and quarantine["suspect_ranks"] == [2]
+    # Lightning names a checkpoint by the steps done: step=2.ckpt is step 1's, the first
+    # suspect one; step 5's was never written.
+    assert sorted(quarantine["set_aside"]) == [f"step={s}.ckpt" for s in range(2, 6)]
+    assert sorted(p.name for p in folder.iterdir() if p.suffix == ".ckpt") == ["step=1.ckpt"]
+    assert not (folder / "step=6.ckpt").exists() and not (folder / "step=6.ckpt.suspect").exists()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"mode": "stop"}, "mode: 'stop' is not allowed"),
+        ({"detectors": ["nan_inf", "parity"]}, "detectors: 'parity' is not allowed"),
+    ],
+)
+def test_bad_arguments_are_refused_when_the_callback_is_built(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        SDCGuard(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("trainer", "message"),
+    [
+        ({"strategy": "ddp_spawn"}, "strategy: 'ddp' .* is allowed; got ddp_spawn"),
+        ({"strategy": "auto"}, "strategy: SDCGuard serves strategy='ddp'; got SingleDevice"),
+        ({"strategy": "ddp", "precision": "16-true"}, "precision: .* got '16-true'"),
+    ],
+)
+def test_a_fit_the_callback_cannot_guard_is_refused_in_one_line(trainer, message):
+    built = pl.Trainer(accelerator="cpu", devices=1, logger=False, **trainer)
+    with pytest.raises(ValueError, match=message):
+        SDCGuard().on_train_start(built, pl.LightningModule())
