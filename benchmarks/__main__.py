@@ -23,11 +23,19 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import growth, kernels, numerics, products, step_overhead, throughput
+from benchmarks import (
+    growth,
+    integrations,
+    kernels,
+    numerics,
+    products,
+    step_overhead,
+    throughput,
+)
 from benchmarks.timing import Figure
 from benchmarks.worlds import Worlds
 
-PARTS = ("kernels", "overhead", "hook", "throughput", "growth", "numerics")
+PARTS = ("kernels", "overhead", "hook", "throughput", "growth", "numerics", "integrations")
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -75,6 +83,9 @@ def run_all(out: Path, quick: bool, only: list[str], rounds: int | None = None) 
             part("growth", growth.run, worlds, out, _with_rounds(plan, "world_rounds", rounds))
     if "numerics" in only:
         part("numerics", numerics.run, numerics.Plan.quick() if quick else numerics.Plan())
+    if "integrations" in only:
+        plan = integrations.Plan.quick() if quick else integrations.Plan()
+        part("integrations", integrations.run, plan)
     (out / "durations.txt").write_text("\n".join(durations) + "\n")
     return figures
 

@@ -1,10 +1,11 @@
 """A Lightning fit with the guard as a callback: a transformers causal LM (a small Qwen2 with
-attention dropout, random init) in a LightningModule, DDP over 4 CPU processes (gloo),
-bf16-mixed, two accumulated batches a step, clipping, checkpoints every step.
+attention dropout, random init) in a LightningModule, over 4 CPU processes (gloo), bf16-mixed,
+clipping, checkpoints every step; under DDP two accumulated batches a step, under FSDP2
+(`--strategy fsdp`: ModelParallelStrategy, `fully_shard` on each block and the model) one.
 
     torchrun --standalone --nproc-per-node=4 examples/train_lightning.py --out DIR \
-        [--detectors all|JSON] [--mode observe|act] [--inject JSON] [--steps N] [--save-every N] \
-        [--guard-off] [--twin]
+        [--strategy ddp|fsdp] [--detectors all|JSON] [--mode observe|act] [--inject JSON] \
+        [--steps N] [--save-every N] [--guard-off] [--twin]
 
 (or `python examples/train_lightning.py ...`: Lightning starts the other three processes itself).
 `--twin` first fits the same module without the callback in the same processes, the clean
@@ -30,13 +31,14 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import transformers
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, Dataset
 
 from harness.guard import SDCAlarm
 from harness.integrations.lightning import SDCGuard
 
 RANKS, SEQUENCES, LENGTH, VOCAB = 4, 4, 32, 128
-ACCUMULATE = 2
 
 
 class Tokens(Dataset):
@@ -63,6 +65,15 @@ class CausalLM(pl.LightningModule):
             attention_dropout=0.1, use_cache=False,
         )  # fmt: skip
         self.model = transformers.Qwen2ForCausalLM(config)
+
+    def configure_model(self) -> None:
+        """FSDP2 (ModelParallelStrategy): each block its own group, then the model's root."""
+        if not isinstance(self.trainer.strategy, ModelParallelStrategy):
+            return
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.model(**batch).loss
@@ -106,13 +117,18 @@ def fit(args: argparse.Namespace, guard: SDCGuard | None) -> tuple[CausalLM, Ste
                 filename="{step}",
             )  # fmt: skip
         )
+    fsdp = args.strategy == "fsdp"
+    # Lightning reduce-scatters every batch under ModelParallelStrategy: no accumulation there.
+    accumulate = 1 if fsdp else 2
     trainer = pl.Trainer(
-        accelerator="cpu", devices=RANKS, strategy="ddp", precision="bf16-mixed",
-        accumulate_grad_batches=ACCUMULATE, gradient_clip_val=1.0, max_steps=args.steps,
+        accelerator="cpu", devices=RANKS, precision="bf16-mixed",
+        strategy=ModelParallelStrategy(data_parallel_size=RANKS, tensor_parallel_size=1)
+        if fsdp else "ddp",
+        accumulate_grad_batches=accumulate, gradient_clip_val=1.0, max_steps=args.steps,
         callbacks=callbacks, enable_checkpointing=guard is not None, logger=False,
         enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
     )  # fmt: skip
-    data = Tokens(RANKS * SEQUENCES * ACCUMULATE * args.steps)
+    data = Tokens(RANKS * SEQUENCES * accumulate * args.steps)
     trainer.fit(module, DataLoader(data, batch_size=SEQUENCES))
     return module, clock
 
@@ -120,6 +136,7 @@ def fit(args: argparse.Namespace, guard: SDCGuard | None) -> tuple[CausalLM, Ste
 def digest(module: torch.nn.Module) -> str:
     h = hashlib.sha256()
     for p in module.parameters():
+        p = p.to_local() if hasattr(p, "to_local") else p  # this rank's shard under FSDP2
         h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
@@ -132,6 +149,7 @@ def checks(value: str) -> str | list | dict:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--strategy", choices=("ddp", "fsdp"), default="ddp")
     parser.add_argument("--detectors", type=checks, default="all")
     parser.add_argument("--mode", choices=("observe", "act"), default="act")
     parser.add_argument("--inject", type=json.loads, default=None)

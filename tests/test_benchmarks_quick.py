@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from benchmarks import gpu_check
-from benchmarks.__main__ import main
+from benchmarks.__main__ import PARTS, main
 
 ROOT = Path(__file__).resolve().parent.parent
 OVERHEAD_COLUMNS = ["detector", "interval", "overhead_pct", "floor_pct"]
@@ -53,7 +53,10 @@ def _gpu_check_on_cpu(out: Path) -> subprocess.Popen:
 def test_every_benchmark_runs_once_and_reports_sane_numbers(tmp_path, capsys):
     gpu = _gpu_check_on_cpu(tmp_path / "gpu")
     out = tmp_path / "bench"
-    assert main(["--quick", "--out", str(out)]) == 0
+    # Every part but the trainers' callbacks: their examples' twins run in tests/test_lightning.py
+    # and tests/test_hf_trainer.py, which check the step times this part divides.
+    parts = [p for p in PARTS if p != "integrations"]
+    assert main(["--quick", "--out", str(out), "--only", ",".join(parts)]) == 0
 
     figures = {row["key"]: row for row in _csv(out / "figures.csv")}
     for key in POSITIVE:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
+from lightning.pytorch.strategies import ModelParallelStrategy
 
 from harness.errors import ConfigError
 from harness.guard import EXIT_SUSPECT_HARDWARE
@@ -35,29 +36,46 @@ def fit(out: Path, *args: str) -> tuple[list[dict], subprocess.CompletedProcess]
     return [json.loads(f.read_text()) for f in files], proc
 
 
-def test_a_clean_fit_with_every_check_is_bit_identical_to_the_fit_without_it(tmp_path):
-    ranks, proc = fit(tmp_path, "--twin")
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        "ddp",
+        # FSDP2 through ModelParallelStrategy (each block and the model sharded, no accumulation):
+        # 16 s more; the default run's Lightning fit is DDP's.
+        pytest.param("fsdp", marks=pytest.mark.slow),
+    ],
+)
+def test_a_clean_fit_with_every_check_is_bit_identical_to_the_fit_without_it(tmp_path, strategy):
+    ranks, proc = fit(tmp_path, "--twin", "--strategy", strategy)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert {r["digest"] for r in ranks} == {ranks[0]["unguarded"]}, "every replica, as without"
+    # Each rank's weights (its shard, under FSDP2) as the same rank's without the callback.
+    assert [r["digest"] for r in ranks] == [r["unguarded"] for r in ranks]
+    if strategy == "ddp":
+        assert len({r["digest"] for r in ranks}) == 1, "every replica the same"
     assert [r["alerts"] for r in ranks] == [[]] * RANKS
     assert [r["steps"] for r in ranks] == [6] * RANKS
+    # What benchmarks/integrations.py divides: each fit's median step.
+    assert all(r["step_ms"] > 0 and r["unguarded_step_ms"] > 0 for r in ranks)
     # Every check that applies to DDP ran, replay and the product checks among them.
-    assert {"replay", "matmul_checksum", "weight_consensus", "allreduce_sketch"} <= set(
-        ranks[0]["checks"]
-    )
-    saved = sorted(p.name for p in (tmp_path / "checkpoints").glob("*.ckpt"))
+    consensus = "weight_consensus" if strategy == "ddp" else "gather_consensus"
+    assert {"replay", "matmul_checksum", consensus, "allreduce_sketch"} <= set(ranks[0]["checks"])
+    saved = sorted(p.name for p in (tmp_path / "checkpoints").glob("*.ckpt"))  # files or folders
     assert saved == [f"step={s}.ckpt" for s in range(1, 7)]
     costs = json.loads((tmp_path / "costs.json").read_text())
     assert costs["steps"] > 0 and set(costs["checks"]) == set(ranks[0]["checks"])
 
 
-def test_a_rehearsed_gradient_fault_stops_the_fit_at_its_step_on_every_rank(tmp_path):
+@pytest.mark.parametrize(
+    "strategy",
+    ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)],  # as the clean fit
+)
+def test_a_rehearsed_gradient_fault_stops_the_fit_at_its_step_on_every_rank(tmp_path, strategy):
     """x3 on the largest gradient element of rank 2 at step 5, an audit of replay (every 5
     steps): every rank stops before that step's update, naming rank 2 and its machine, exits
     86, and no checkpoint of the suspect interval (since the last clean audit) stays."""
     fault = {"site": "grad", "model": "scale", "factor": 3.0, "ranks": [2], "steps": [5],
              "select": "largest"}  # fmt: skip
-    ranks, proc = fit(tmp_path, "--inject", json.dumps(fault))
+    ranks, proc = fit(tmp_path, "--inject", json.dumps(fault), "--strategy", strategy)
     alarm = {"detector": "replay", "step": 5, "suspect_ranks": [2],
              "suspect_machines": ["host2"], "exit_code": EXIT_SUSPECT_HARDWARE}  # fmt: skip
     assert [r["alarm"] for r in ranks] == [alarm] * RANKS
@@ -71,7 +89,7 @@ def test_a_rehearsed_gradient_fault_stops_the_fit_at_its_step_on_every_rank(tmp_
     # Lightning names a checkpoint by the steps done: step=2.ckpt is step 1's, the first
     # suspect one; step 5's was never written.
     assert sorted(quarantine["set_aside"]) == [f"step={s}.ckpt" for s in range(2, 6)]
-    assert sorted(p.name for p in folder.iterdir() if p.suffix == ".ckpt") == ["step=1.ckpt"]
+    assert sorted(p.name for p in folder.glob("*.ckpt")) == ["step=1.ckpt"]
     assert not (folder / "step=6.ckpt").exists() and not (folder / "step=6.ckpt.suspect").exists()
 
 
@@ -91,8 +109,12 @@ def test_bad_arguments_are_refused_when_the_callback_is_built(kwargs, message):
     ("trainer", "message"),
     [
         ({"strategy": "ddp_spawn"}, "strategy: 'ddp' .* is allowed; got ddp_spawn"),
-        ({"strategy": "auto"}, "strategy: SDCGuard serves strategy='ddp'; got SingleDevice"),
+        ({"strategy": "auto"}, "strategy: .ddp. or ModelParallelStrategy .* got SingleDevice"),
         ({"strategy": "ddp", "precision": "16-true"}, "precision: .* got '16-true'"),
+        (
+            {"strategy": ModelParallelStrategy(), "accumulate_grad_batches": 2},
+            "accumulate_grad_batches: 1 is allowed under ModelParallelStrategy",
+        ),
     ],
 )
 def test_a_fit_the_callback_cannot_guard_is_refused_in_one_line(trainer, message):

@@ -2,16 +2,21 @@
 mode="act", checkpoints=DIR)])` (docs/guard.md, "Lightning").
 
 Entry contract: a `lightning.pytorch.Trainer` with `strategy="ddp"` (Lightning's own launcher or
-torchrun; the spawn and fork launchers are refused), automatic optimization with one optimizer,
-and a precision whose gradients are the loss's own (`32-true`, `64-true`, `bf16-mixed`,
+torchrun; the spawn and fork launchers are refused) or FSDP2 through `ModelParallelStrategy`
+(`configure_model` shards one child of the LightningModule that holds every parameter with
+`fully_shard`, on its blocks and its root; tensor parallelism and accumulation, which Lightning
+reduce-scatters every micro-batch there, refused); automatic optimization with one optimizer;
+a precision whose gradients are the loss's own (`32-true`, `64-true`, `bf16-mixed`,
 `bf16-true`; float16's loss scaling is refused). Every rank builds the same callback. The
 module's `training_step(batch, batch_idx)` is a function of the batch, its index and the
-weights: replay calls it again on another rank, with `self.log` silenced.
+weights: replay calls it again on another rank, with `self.log` silenced (under FSDP2 with an
+unsharded copy of the sharded child in its place).
 
 What the callback does with the Guard's five calls (harness/guard/__init__.py), at Lightning's
 hooks:
-- `on_train_start` (DDP has wrapped the module, checkpoints are restored): the Guard attaches to
-  `trainer.strategy.model`, counting steps from `trainer.global_step`. The module's
+- `on_train_start` (DDP has wrapped the module, or configure_model sharded it; checkpoints are
+  restored): the Guard attaches to `trainer.strategy.model` (DDP) or to the sharded child,
+  counting steps from `trainer.global_step`. The module's
   `training_step` is wrapped on the instance (Lightning looks it up there for each batch): the
   wrapper keeps each micro-batch for replay just before its forward, and passes the step's loss
   through the checks, so a rehearsed loss fault is substituted as in a hand-written loop
@@ -41,7 +46,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
@@ -92,12 +97,14 @@ class SDCGuard(pl.Callback):
         micro_batches = trainer.accumulate_grad_batches
         precision = trainer.strategy.precision_plugin
 
+        watched, child = _watched(trainer.strategy, pl_module)
+
         def replay(model: nn.Module, args: tuple) -> torch.Tensor:
-            with precision.train_step_context(), _silenced(model):
-                return _loss_of(type(model).training_step(model, *args))
+            with precision.train_step_context(), _silenced(pl_module), _in(pl_module, child, model):
+                return _loss_of(type(pl_module).training_step(pl_module, *args))
 
         self.guard = Guard(
-            trainer.strategy.model,
+            watched,
             **self.options,
             replay_fn=replay,
             scale_loss=lambda loss, _: loss / micro_batches,
@@ -184,9 +191,24 @@ class SDCGuard(pl.Callback):
 def _refuse_unservable(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
     """One ValueError line for a fit the callback cannot guard as it is."""
     strategy = trainer.strategy
-    if not isinstance(strategy, DDPStrategy):
-        raise ValueError(f"strategy: SDCGuard serves strategy='ddp'; got {type(strategy).__name__}")
-    if strategy._start_method != "popen":
+    if isinstance(strategy, ModelParallelStrategy):
+        if trainer.accumulate_grad_batches != 1:
+            raise ValueError(
+                "accumulate_grad_batches: 1 is allowed under ModelParallelStrategy, which "
+                "reduce-scatters every micro-batch where the checks judge a step's whole gradient "
+                f"(got {trainer.accumulate_grad_batches}; strategy='ddp' accumulates)"
+            )
+        if strategy.device_mesh["tensor_parallel"].size() != 1:
+            raise ValueError(
+                "tensor_parallel_size: 1 is allowed (the checks know data parallelism: DDP, "
+                "FSDP2, HSDP)"
+            )
+    elif not isinstance(strategy, DDPStrategy):
+        raise ValueError(
+            "strategy: 'ddp' or ModelParallelStrategy (FSDP2) is allowed; got "
+            f"{type(strategy).__name__}"
+        )
+    elif strategy._start_method != "popen":
         raise ValueError(
             f"strategy: 'ddp' (Lightning's own launcher, or torchrun) is allowed; got "
             f"ddp_{strategy._start_method}, whose ranks cannot each end with the alarm's exit code"
@@ -203,6 +225,42 @@ def _refuse_unservable(trainer: pl.Trainer, pl_module: pl.LightningModule) -> No
         )
     if len(trainer.optimizers) != 1:
         raise ValueError(f"optimizers: one is allowed; got {len(trainer.optimizers)}")
+
+
+def _watched(
+    strategy: pl.strategies.Strategy, pl_module: pl.LightningModule
+) -> tuple[nn.Module, str | None]:
+    """What the Guard attaches to, and where it sits in the LightningModule: DDP's wrapper, or
+    the child that configure_model sharded with fully_shard (its root), holding every
+    parameter."""
+    if isinstance(strategy, DDPStrategy):
+        return strategy.model, None
+    from torch.distributed.fsdp import FSDPModule
+
+    roots = [(n, c) for n, c in pl_module.named_children() if isinstance(c, FSDPModule)]
+    inside = {id(p) for _, c in roots for p in c.parameters()}
+    if len(roots) != 1 or any(id(p) not in inside for p in pl_module.parameters()):
+        raise ValueError(
+            "configure_model: one child module holding every parameter, sharded with "
+            f"fully_shard on its root, is allowed; got {len(roots)} sharded children"
+        )
+    name, root = roots[0]
+    return root, name
+
+
+@contextmanager
+def _in(pl_module: nn.Module, child: str | None, model: nn.Module) -> Iterator[None]:
+    """`model`, replay's replica, in place of the module the Guard watches, for one step: under
+    DDP that is the module itself; under FSDP2 an unsharded copy of the sharded child."""
+    if child is None:
+        yield
+        return
+    own = getattr(pl_module, child)
+    setattr(pl_module, child, model)
+    try:
+        yield
+    finally:
+        setattr(pl_module, child, own)
 
 
 def _loss_of(out: Any) -> torch.Tensor:
