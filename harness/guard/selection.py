@@ -22,7 +22,7 @@ from harness.config.schema import FaultConfig, TopologyConfig
 from harness.core.checks import CheckConfig
 from harness.core.values import choice
 from harness.errors import ConfigError
-from harness.runtime import comm
+from harness.runtime import user_comm
 from harness.runtime.workloads import WorkloadConfig
 
 ALL = "all"
@@ -95,7 +95,7 @@ def _configured(name: str, params: dict[str, Any], job: Job) -> CheckConfig:
         )
     if check.verifies_reduction and job.comm_hook is not None and not _linear(job.comm_hook):
         hook = getattr(job.comm_hook[1], "__name__", job.comm_hook[1])
-        linear = ", ".join(h.__name__ for h in comm.LINEAR_HOOKS)
+        linear = ", ".join(h.__name__ for h in user_comm.LINEAR_HOOKS)
         raise _DoesNotApply(
             f"'{name}' cannot verify the comm hook {hook}: it checks a reduction that sums every "
             f"rank's bucket over the whole world (torch's {linear})"
@@ -117,7 +117,7 @@ def _configured(name: str, params: dict[str, Any], job: Job) -> CheckConfig:
 def _linear(comm_hook: tuple[Any, Callable]) -> bool:
     """A hook the sketch can verify: one of torch's linear hooks, reducing over the world."""
     group, hook = comm_hook
-    if hook not in comm.LINEAR_HOOKS:
+    if hook not in user_comm.LINEAR_HOOKS:
         return False
     return group is None or dist.get_world_size(group) == dist.get_world_size()
 

@@ -4,16 +4,11 @@
     site, checks on the result)
 
 Plug-ins may append a few float32 numbers (`Plugin.rider`) that are summed with the bucket.
-Three ways to reduce:
-- harness (the campaigns' trainer): gradients reduced in a fixed layout of the harness's own,
-  whatever DDP's buckets are at the time (below), with a fixed rider slot appended, whether or
-  not a check rides, so detectors and recovery never change the trajectory;
-- transparent: exactly what DDP's default allreduce does to the bucket, so a user's own loop
-  with the guard attached trains bit-identically to the loop without it (riders then pay for a
-  small collective of their own);
-- wrapped: a comm hook the user already has (say, compression) does the reduction. Riders are
-  taken from the local bucket before that hook starts (it may reduce the bucket in place,
-  asynchronously), and `LINEAR_HOOKS` tells the sketch what each of torch's own hooks sums.
+Three ways to reduce: in the campaigns' trainer, gradients reduced in a fixed layout of the
+harness's own, whatever DDP's buckets are at the time (below), with a fixed rider slot appended,
+whether or not a check rides, so detectors and recovery never change the trajectory; in a
+user's loop under the guard, DDP's own bucket reduced as DDP or the user's comm hook would
+(harness/runtime/user_comm.py).
 
 Why a fixed layout: gloo and NCCL round a sum in an order that depends on the buffer's length
 and on each element's position in it. A fresh DDP puts every parameter in one bucket and
@@ -56,27 +51,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from harness.core import inflight
 from harness.core.bus import PluginBus
 from harness.core.plugins import Bucket
-from harness.core.stopwatch import HOOK
+from harness.runtime import user_comm
+from harness.runtime.user_comm import future_value
 
 FIRST_CHUNK_BYTES = 1 << 20
 CHUNK_BYTES = 25 << 20
 # DDP's bucket cap in MiB: above any model's size, so DDP never splits a dtype's gradients.
 _ONE_BUCKET_MB = 1 << 30
-
-
-# Torch's comm hooks whose reduction is a plain sum of each rank's bucket divided by the world
-# size, and the dtype each sums in (None: the bucket's own): what the sketch can verify.
-LINEAR_HOOKS: dict[Callable, torch.dtype | None] = {
-    default_hooks.allreduce_hook: None,
-    default_hooks.fp16_compress_hook: torch.float16,
-    default_hooks.bf16_compress_hook: torch.bfloat16,
-}
 
 
 def rider_slots(world_size: int) -> int:
@@ -205,7 +191,7 @@ class HookState:
 def comm_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Local plug-ins, the collective, then the plug-ins on the averaged result."""
     if state.transparent or state.inner is not None:
-        return _user_layout(state, bucket)
+        return user_comm.reduced(state, bucket)
     return _fixed_layout(state, bucket)
 
 
@@ -284,10 +270,10 @@ class _Launched:
     futures: list[torch.futures.Future]
 
     def deliver(self, state: HookState, step: int, into: dict[str, torch.Tensor]) -> None:
-        result = _value(self.futures[0])
+        result = future_value(self.futures[0])
         n = sum(self.sizes)
         # The rider region: in the chunk's own result, in a collective of its own, or unsent.
-        alone = _value(self.futures[1]) if len(self.futures) > 1 else self.slot
+        alone = future_value(self.futures[1]) if len(self.futures) > 1 else self.slot
         summed = result[n:] if self.shared else alone
         _deliver(state, step, self.view, self.names, self.sizes, self.spans, result, summed, into)
 
@@ -381,11 +367,6 @@ def reduce_in_group(
     return parts
 
 
-def _value(future: torch.futures.Future) -> torch.Tensor:
-    value = future.value()
-    return value[0] if isinstance(value, list) else value
-
-
 def _named_views(
     flat: torch.Tensor, names: tuple[str, ...], sizes: list[int], like: dict[str, torch.Tensor]
 ) -> list[tuple[str, torch.Tensor]]:
@@ -394,68 +375,3 @@ def _named_views(
         views.append((name, flat[at : at + n].view_as(like[name])))
         at += n
     return views
-
-
-def _user_layout(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future:
-    """The guard's hook: DDP's own bucket, reduced as DDP or the user's hook would; its own
-    time, apart from the plug-ins', charged to the hook."""
-    with state.bus.charged(HOOK):
-        return _user_reduction(state, bucket)
-
-
-def _user_reduction(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future:
-    step = state.step
-    names = [state.names[id(p)] for p in bucket.parameters()]
-    view = Bucket(
-        index=bucket.index(),
-        buffer=bucket.buffer(),
-        tensors=list(zip(names, bucket.gradients(), strict=True)),
-        is_last=bucket.is_last(),
-    )
-    state.bus.local_grad(step, view)
-    buffer = view.buffer
-    if state.inner is None:
-        # As DDP's default reduction scales: each gradient times 1/W as it is copied into the
-        # bucket (reducer.cpp, copy_grad_to_bucket). Dividing by W rounds otherwise unless W is
-        # a power of two.
-        buffer.mul_(1.0 / state.world_size)
-        slot = torch.empty(state.slots, dtype=torch.float32, device=buffer.device)
-        spans = state.pack(state.bus.riders(step, view), slot)
-        futures = [dist.all_reduce(buffer, async_op=True).get_future()]
-    else:
-        # Riders first: the wrapped hook may start reducing the bucket in place, asynchronously.
-        # It divides by the world size itself, and may compress to another dtype on the way.
-        inner_state, inner_hook = state.inner
-        view.contribution = 1.0 / state.world_size
-        view.wire = LINEAR_HOOKS.get(inner_hook)
-        slot = torch.empty(state.slots, dtype=torch.float32, device=buffer.device)
-        spans = state.pack(state.bus.riders(step, view), slot)
-        futures = [inner_hook(inner_state, bucket)]
-    if spans:
-        # A payload that cannot share the bucket's own collective pays for one.
-        futures.append(dist.all_reduce(slot, async_op=True).get_future())
-        inflight.hold(slot)
-
-    def reduced(fut: torch.futures.Future) -> torch.Tensor:
-        with state.bus.charged(HOOK):
-            done = [_value(f) for f in fut.value()]
-            result = done[0]
-            view.buffer = result
-            view.tensors = _views(result, buffer, view.tensors)
-            view.riders = {owner: done[1][a : a + k] for owner, a, k in spans}
-            state.bus.reduced_grad(step, view)
-            return result
-
-    return torch.futures.collect_all(futures).then(reduced)
-
-
-def _views(
-    result: torch.Tensor, buffer: torch.Tensor, named: list[tuple[str, torch.Tensor]]
-) -> list[tuple[str, torch.Tensor]]:
-    """The named gradients as views into `result`, which a wrapped hook may have allocated anew."""
-    if result.data_ptr() == buffer.data_ptr():
-        return named
-    base = buffer.storage_offset()
-    return [
-        (name, result[t.storage_offset() - base :][: t.numel()].view_as(t)) for name, t in named
-    ]
