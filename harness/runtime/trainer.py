@@ -31,7 +31,7 @@ from harness.core import inflight
 from harness.core.bus import PluginBus
 from harness.core.dtensors import local, whole
 from harness.core.events import Checkpoint, HostReads, Retry, Stop
-from harness.core.plugins import DetectorContext, EventLog, RankInfo
+from harness.core.plugins import Detector, DetectorContext, EventLog, RankInfo
 from harness.results.schema import RankResult
 from harness.runtime import checkpoint, devices, numerics, snapshots
 from harness.runtime.assembly import assemble
@@ -143,112 +143,164 @@ def run_trial(
 def _trained(
     run: RunConfig, spec: TrialSpec, info: RankInfo, store: Path, beat: Callable[[], None]
 ) -> RankResult:
+    rank = _set_up(run, spec, info)
+    losses: list[torch.Tensor] = []  # read once, when the trial ends
+    try:
+        for step in range(rank.first_step, rank.workload.cfg.steps):
+            beat()
+            losses.append(_step(rank, step, store))
+    except TrialStopped:
+        rank.log.emit(Stop(step=rank.result.stopped_step, detector=rank.result.stopped_by))
+    return _finished(rank, losses)
+
+
+@dataclass
+class _Rank:
+    """What one rank trains a trial with (`_set_up`)."""
+
+    run: RunConfig
+    spec: TrialSpec
+    info: RankInfo
+    workload: Workload
+    model: nn.Module
+    trained: nn.Module  # what the forward runs: DDP around `model`, or `model` sharded
+    optimizer: torch.optim.Optimizer
+    shards: "ShardedBuckets | None"
+    log: EventLog
+    ctx: DetectorContext
+    bus: PluginBus
+    built: list[Detector]
+    state: HookState
+    acting: bool
+    result: RankResult
+    stop_point: StopPoint
+    first_step: int
+
+
+def _set_up(run: RunConfig, spec: TrialSpec, info: RankInfo) -> _Rank:
+    """The model (sharded, or in DDP with the harness's hook), its checks and fault assembled,
+    the optimizer, and a recovery segment's checkpoint restored."""
     cfg = replace(run.workload, seed=spec.seed)
-    device = torch.device(info.device)
-    workload = Workload(cfg, device)
+    workload = Workload(cfg, torch.device(info.device))
     model = workload.build_model()
     # Sharded before anything sees the parameters: the plug-ins and the optimizer hold shards.
     shards = _sharded(model, run, info, spec.hook) if run.topology.sharded else None
     log = EventLog(info.rank, info.node)
-    plan = data_plan(spec, info)
     hardware = spec.segment.hardware if spec.segment else tuple(range(info.world_size))
     # docs/design.md section 5: the golden run carries the same checks, observing only; its
     # snapshots hand their state to fast-forwarded trials.
     checks = run.checks(spec)
     if spec.golden:
         checks = {name: config.in_mode("observe") for name, config in checks.items()}
-    ctx = DetectorContext(info, model, workload, cfg.steps, plan)
+    ctx = DetectorContext(info, model, workload, cfg.steps, data_plan(spec, info))
     if shards is not None:
         from harness.runtime.replica import unsharded_copy  # sharded runs only: see `_sharded`
 
         ctx.unsharded_copy = partial(unsharded_copy, model)
     rank = assemble(model, ctx, log, checks, spec.fault, spec.seed, hardware, forward=run.forward)
-    bus, built, state = rank.bus, rank.checks, rank.state
     if shards is not None:
-        shards.bind(bus)
+        shards.bind(rank.bus)
     acting = any(config.acts for config in checks.values())
-
     optimizer = workload.build_optimizer(model)
-    first = 0
+    first_step = 0
     if spec.segment is not None:
-        first = spec.segment.start_step
+        first_step = spec.segment.start_step
         if spec.segment.checkpoint:
-            path = Path(spec.segment.checkpoint)
-            if path.suffix == ".dcp":
-                snapshots.restore_shards(model, optimizer, path)
-            else:
-                snapshots.restore(model, optimizer, checkpoint.load(path, device))
-            snapshots.load_checks(path, built, info)
-    state.keep_contributions = run.recovery.enabled and acting and spec.hook
-    ddp = _replicated(model, state, spec.hook) if shards is None else model
+            _restored(Path(spec.segment.checkpoint), model, optimizer, rank.checks, info)
+    rank.state.keep_contributions = run.recovery.enabled and acting and spec.hook
+    trained = _replicated(model, rank.state, spec.hook) if shards is None else model
     result = RankResult(spec.trial_id, info.rank, log.events)
-    stop_point = StopPoint(bus, acting, result, state, log, info)
-    batches = ctx.batches(info.rank)
+    return _Rank(
+        run=run, spec=spec, info=info, workload=workload, model=model, trained=trained,
+        optimizer=optimizer, shards=shards, log=log, ctx=ctx, bus=rank.bus, built=rank.checks,
+        state=rank.state, acting=acting, result=result, first_step=first_step,
+        stop_point=StopPoint(rank.bus, acting, result, rank.state, log, info),
+    )  # fmt: skip
 
-    losses: list[torch.Tensor] = []  # read once, when the trial ends
-    try:
-        for step in range(first, cfg.steps):
-            beat()
-            state.step = step
-            if shards is not None:
-                shards.step = step
-            reads = bus.host_reads
-            devices.synchronize(device)
-            started = time.perf_counter()
-            optimizer.zero_grad(set_to_none=True)
-            step_loss = torch.zeros((), dtype=torch.float64, device=device)
-            for i, (source, micro) in enumerate(batches):
-                last = i == len(batches) - 1
-                # The micro-batch's own random state: a peer replaying it draws the same.
-                with _synced(ddp, last), workload.forward_rng(step, source, micro):
-                    loss = workload.loss(ddp, workload.batch(step, source, micro))
-                    loss = bus.loss(step, loss)
-                    (loss / ctx.divisor).backward()
-                step_loss += loss.detach().double() / len(batches)
-            bus.audit(step)
-            if acting:
-                stop_point.reached(step, may_retry=True)
-            workload.prepare_update(model, optimizer, step)  # clipping, the step's learning rate
-            optimizer.step()
-            bus.optimizer_state(step, optimizer)
-            bus.update(step, model)
-            if (step + 1) % run.checkpoint.interval == 0:
-                # Observe mode reads its verdicts here, with the checks' approval.
-                approved = bus.checkpoint_approved(step, model)
-                (approved,) = stop_point.reached(step, extra=approved)
-                if approved:
-                    folder = store / spec.trial_id
-                    _checkpoint(folder, step, model, optimizer, info, log, shards is not None)
-            if step in spec.snapshots:
-                snapshot = snapshots.snapshot_path(store, spec.seed, step)
-                snapshots.save_snapshot(snapshot, model, optimizer, built, info)
-            devices.synchronize(device)  # the clock times the step's work, not its queueing
-            result.step_times.append(time.perf_counter() - started)
-            result.host_reads.append(bus.host_reads - reads)
-            losses.append(step_loss)
-    except TrialStopped:
-        log.emit(Stop(step=result.stopped_step, detector=result.stopped_by))
 
+def _restored(
+    path: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    built: list[Detector],
+    info: RankInfo,
+) -> None:
+    """A recovery segment starts from its checkpoint: weights, optimizer and checks' state."""
+    if path.suffix == ".dcp":
+        snapshots.restore_shards(model, optimizer, path)
+    else:
+        snapshots.restore(model, optimizer, checkpoint.load(path, torch.device(info.device)))
+    snapshots.load_checks(path, built, info)
+
+
+def _step(rank: _Rank, step: int, store: Path) -> torch.Tensor:
+    """One step in docs/design.md's order; its loss, the mean over its micro-batches, unread."""
+    bus, workload, model, optimizer = rank.bus, rank.workload, rank.model, rank.optimizer
+    device = torch.device(rank.info.device)
+    rank.state.step = step
+    if rank.shards is not None:
+        rank.shards.step = step
+    reads = bus.host_reads
+    devices.synchronize(device)
+    started = time.perf_counter()
+    optimizer.zero_grad(set_to_none=True)
+    step_loss = torch.zeros((), dtype=torch.float64, device=device)
+    batches = rank.ctx.batches(rank.info.rank)
+    for i, (source, micro) in enumerate(batches):
+        last = i == len(batches) - 1
+        # The micro-batch's own random state: a peer replaying it draws the same.
+        with _synced(rank.trained, last), workload.forward_rng(step, source, micro):
+            loss = workload.loss(rank.trained, workload.batch(step, source, micro))
+            loss = bus.loss(step, loss)
+            (loss / rank.ctx.divisor).backward()
+        step_loss += loss.detach().double() / len(batches)
+    bus.audit(step)
+    if rank.acting:
+        rank.stop_point.reached(step, may_retry=True)
+    workload.prepare_update(model, optimizer, step)  # clipping, the step's learning rate
+    optimizer.step()
+    bus.optimizer_state(step, optimizer)
+    bus.update(step, model)
+    if (step + 1) % rank.run.checkpoint.interval == 0:
+        # Observe mode reads its verdicts here, with the checks' approval.
+        approved = bus.checkpoint_approved(step, model)
+        (approved,) = rank.stop_point.reached(step, extra=approved)
+        if approved:
+            folder = store / rank.spec.trial_id
+            sharded = rank.shards is not None
+            _checkpoint(folder, step, model, optimizer, rank.info, rank.log, sharded)
+    if step in rank.spec.snapshots:
+        snapshot = snapshots.snapshot_path(store, rank.spec.seed, step)
+        snapshots.save_snapshot(snapshot, model, optimizer, rank.built, rank.info)
+    devices.synchronize(device)  # the clock times the step's work, not its queueing
+    rank.result.step_times.append(time.perf_counter() - started)
+    rank.result.host_reads.append(bus.host_reads - reads)
+    return step_loss
+
+
+def _finished(rank: _Rank, losses: list[torch.Tensor]) -> RankResult:
+    """The trial's end on this rank: its losses read, the weights' digest and finiteness, the
+    optimizer state's non-finite count, the final evaluation."""
+    result, model, bus = rank.result, rank.model, rank.bus
     bus.resolve()
     result.losses = torch.stack(losses).tolist() if losses else []
     if result.host_reads:
-        log.emit(HostReads(most_in_a_step=max(result.host_reads), total=bus.host_reads))
-
+        rank.log.emit(HostReads(most_in_a_step=max(result.host_reads), total=bus.host_reads))
     result.weights_digest = weights_digest(model)
     result.weights_finite = all(bool(torch.isfinite(local(p)).all()) for p in model.parameters())
-    if shards is not None:
+    if rank.shards is not None:
         # A rank's own shards are all it holds; any rank's non-finite one makes the weights so.
-        finite = torch.tensor([float(result.weights_finite)], device=device)
+        finite = torch.tensor([float(result.weights_finite)], device=rank.info.device)
         dist.all_reduce(finite, op=dist.ReduceOp.MIN)
         result.weights_finite = bool(finite.item())
     # This rank's optimizer state: under sharding, its own shard of it.
     result.optimizer_nonfinite = sum(
         int((~torch.isfinite(local(t))).sum())
-        for state in optimizer.state.values()
+        for state in rank.optimizer.state.values()
         for t in state.values()
         if torch.is_tensor(t) and t.is_floating_point()
     )
-    result.final_loss = workload.eval_loss(model)
+    result.final_loss = rank.workload.eval_loss(model)
     return result
 
 
