@@ -58,6 +58,8 @@ LONGEST_FIRST = (
     "test_recovery.py",
     "test_replica_groups.py",
     "test_detectors.py",
+    "test_lightning.py",
+    "test_hf_trainer.py",
     "test_golden_store.py",
     "test_recipes.py",
     "test_matmul_checksum.py",

@@ -1,0 +1,152 @@
+"""The guard in a plain Hugging Face Trainer (harness/integrations/transformers.py): the example,
+examples/train_hf_trainer.py, under torchrun with real DDP (a Qwen2 with attention dropout, two
+accumulated micro-batches, bf16 autocast, clipping), and the settings the callback refuses, in
+this process. Four ranks, each its own simulated machine, as the documented command runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+import detectors
+from harness.guard import EXIT_SUSPECT_HARDWARE
+from harness.integrations.transformers import SDCGuardCallback
+from tests.conftest import BIN
+
+EXAMPLE = Path(__file__).parents[1] / "examples" / "train_hf_trainer.py"
+RANKS = 4
+STEPS = 6
+
+
+def example(out: Path, *args: str) -> tuple[list[dict], subprocess.CompletedProcess]:
+    """Every rank's record, and the torchrun that ran them."""
+    env = dict(os.environ, SDC_NODE_NAME="host{node}")
+    proc = subprocess.run(
+        [str(BIN / "torchrun"), "--standalone", f"--nproc-per-node={RANKS}", str(EXAMPLE),
+         "--out", str(out), "--steps", str(STEPS), *args],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    found = [out / f"rank{r}.json" for r in range(RANKS)]
+    assert all(f.exists() for f in found), proc.stderr[-3000:]
+    return [json.loads(f.read_text()) for f in found], proc
+
+
+def saved(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.glob("checkpoint-*"))
+
+
+def test_a_clean_fit_with_every_check_is_bit_identical_to_the_trainer_without_it(tmp_path):
+    """Every check that applies, at its defaults (replay of steps 0 and 5, titan_replay of step
+    0, the product checksums, consensus before each checkpoint): no alert, no warning, and each
+    rank's weights are those of the same Trainer without the callback, trained first in the same
+    processes. The checkpoints the checks approved are written."""
+    records, proc = example(tmp_path, "--twin")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for record in records:
+        assert record["alerts"] == [] and record["warnings"] == [] and record["alarm"] is None
+        assert record["steps"] == STEPS
+        assert set(record["checks"]) | set(record["left_out"]) == set(detectors.available())
+        assert record["digest"] == record["unguarded"]
+        # What benchmarks/integrations.py divides: each fit's median step.
+        assert record["step_ms"] > 0 and record["unguarded_step_ms"] > 0
+    assert len({r["digest"] for r in records}) == 1, "the replicas agree"
+    assert saved(tmp_path / "checkpoints") == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
+
+
+# x3 on rank 2's largest local gradient element at step 5, where replay audits (every 5 steps):
+# within grad_stats' spread, and the sketch verifies only the sum of what was sent.
+SCALED = {"site": "grad", "model": "scale", "factor": 3.0, "ranks": [2], "steps": [5],
+          "select": "largest"}  # fmt: skip
+
+
+def test_a_scaled_gradient_stops_the_fit_at_its_step_and_sets_aside_what_it_may_have_touched(
+    tmp_path,
+):
+    """Act mode, a checkpoint every step: replay names rank 2 and its machine at step 5, every
+    rank leaves train() with the alarm and exits 86, quarantine.json is written, nothing of step
+    5 is saved (checkpoint-6), and the Trainer's checkpoints since the last clean audit (step 0)
+    are set aside: only checkpoint-1 is left to resume from."""
+    records, proc = example(tmp_path, "--save-every", "1", "--inject", json.dumps(SCALED))
+    alarm = {"detector": "replay", "step": 5, "suspect_ranks": [2], "suspect_machines": ["host2"]}
+    assert [r["alarm"] for r in records] == [alarm] * RANKS
+    assert [r["exit_code"] for r in records] == [EXIT_SUSPECT_HARDWARE] * RANKS
+    assert [r["steps"] for r in records] == [5] * RANKS, "step 5's update never happened"
+    # torchrun lists each rank that exited before its agent stopped the rest (-15, SIGTERM).
+    codes = {int(c) for c in re.findall(r"exitcode\s+: (-?\d+)", proc.stderr)}
+    assert EXIT_SUSPECT_HARDWARE in codes and codes <= {EXIT_SUSPECT_HARDWARE, -15}
+    folder = tmp_path / "checkpoints"
+    record = json.loads((folder / "quarantine.json").read_text())
+    assert record["suspect_machines"] == ["host2"] and record["step"] == 5
+    assert record["first_suspect_step"] == 1
+    suspect = [f"checkpoint-{n}" for n in range(2, 6)]
+    assert sorted(record["set_aside"]) == suspect
+    assert saved(folder) == ["checkpoint-1", *(f"{name}.suspect" for name in suspect)]
+
+
+def tiny_trainer(out: Path, cls: type = transformers.Trainer, **settings) -> transformers.Trainer:
+    """A one-step Trainer in this process (no process group), with the callback."""
+    config = transformers.Qwen2Config(
+        vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=8,
+    )  # fmt: skip
+    trainer_settings = {k: settings.pop(k) for k in ("compute_loss_func",) if k in settings}
+    tokens = torch.zeros(8, dtype=torch.long)
+    return cls(
+        model=transformers.Qwen2ForCausalLM(config),
+        args=transformers.TrainingArguments(
+            output_dir=str(out), use_cpu=True, max_steps=1, report_to=[], disable_tqdm=True,
+            **settings,
+        ),
+        train_dataset=[{"input_ids": tokens, "labels": tokens}] * 4,
+        callbacks=[SDCGuardCallback(detectors="all", mode="act")],
+        **trainer_settings,
+    )  # fmt: skip
+
+
+class OwnLoss(transformers.Trainer):
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+
+@pytest.mark.parametrize(
+    "cls, settings, refused",
+    [
+        (OwnLoss, {}, "Trainer: the Trainer's own compute_loss and training_step are allowed; "
+                      "OwnLoss"),
+        (transformers.Trainer, {"compute_loss_func": lambda outputs, labels, **kw: outputs.loss},
+         "compute_loss_func: None is allowed"),
+        (transformers.Trainer, {"label_smoothing_factor": 0.1},
+         "label_smoothing_factor: 0 is allowed; got 0.1"),
+        (transformers.Trainer, {"fp16": True}, "fp16: bf16 or float32 are allowed"),
+        (transformers.Trainer,
+         {"accelerator_config": {"gradient_accumulation_kwargs": {"sync_each_batch": True}}},
+         "accelerator_config.gradient_accumulation_kwargs.sync_each_batch: False is allowed"),
+        (transformers.Trainer, {"save_strategy": "best", "metric_for_best_model": "loss"},
+         "save_strategy: 'no', 'steps' or 'epoch' are allowed"),
+        (transformers.Trainer, {}, "model: SDCGuardCallback serves DistributedDataParallel "
+                                   "(torchrun, one process per device); the Trainer wrapped the "
+                                   "model as Qwen2ForCausalLM"),
+    ],
+)  # fmt: skip
+def test_what_the_callback_cannot_guard_is_refused_in_one_line(tmp_path, cls, settings, refused):
+    """When training begins, before any collective: a loss the Trainer computes or scales where
+    replay cannot recompute it, a reduction per micro-batch, a save decided after the last event,
+    and anything but DDP (here: a single process)."""
+    trainer = tiny_trainer(tmp_path, cls, **settings)
+    with pytest.raises(ValueError) as error:
+        trainer.train()
+    assert str(error.value).startswith(refused) and "\n" not in str(error.value)
+
+
+def test_a_wrong_mode_or_check_name_is_refused_where_the_callback_is_written():
+    with pytest.raises(ValueError, match="mode: 'fix' is not allowed; allowed: observe, act"):
+        SDCGuardCallback(mode="fix")
+    with pytest.raises(ValueError, match="detectors: 'replays' is not allowed; allowed: "):
+        SDCGuardCallback(detectors=["nan_inf", "replays"])
