@@ -3,7 +3,7 @@ attached as a callback (harness/integrations/transformers.py).
 
     torchrun --standalone --nproc-per-node=4 examples/train_hf_trainer.py --out DIR
         [--detectors JSON] [--mode observe|act] [--inject JSON] [--steps N]
-        [--save-every K] [--guard-off] [--twin] [--ranks-per-node K]
+        [--rehearse JSON] [--save-every K] [--guard-off] [--twin] [--ranks-per-node K]
 
 A Qwen2 from a small config (random init, nothing downloaded; attention dropout 0.1) trains on
 synthetic token sequences, each rank on its own share of them (accelerate shards the loader),
@@ -13,15 +13,17 @@ DIR/checkpoints, on the CPU over gloo (one thread a rank). `--detectors` maps ch
 their parameters (default: "all", every check that applies, at its defaults); `--inject` takes
 the keys of `fault.*` to rehearse a fault; `--mode` defaults to act. `--guard-off` trains without
 the callback; `--twin` first trains the same thing without it in the same processes (a fresh
-model and Trainer, the same seed): the bit-identity reference, without a second launch.
+model and Trainer, the same seed): the bit-identity reference, without a second launch;
+`--rehearse JSON` then trains once more with that fault rehearsed, into DIR/rehearsal (its
+record under "rehearsal"): a clean fit and a rehearsal in one launch.
 `--ranks-per-node` defaults to 1 and SDC_NODE_NAME to "host{node}": every rank its own simulated
 machine, so that replay has the three nodes it needs under `--standalone`.
 
 Writes DIR/rank<r>.json: {"digest", "unguarded" (the twin's digest), "steps", "checks",
 "left_out", "alerts", "warnings", "alarm" (detector, step, suspect_ranks, suspect_machines),
 "exit_code", "step_ms", "unguarded_step_ms"} (the median step, on_step_end to on_step_end),
-and exits with `exit_code`: 0, or the alarm's (86 suspect hardware, 87 not attributed); 2 with
-one line for a setting the callback refuses.
+and exits with the first fit's `exit_code` that is not 0: the alarm's (86 suspect hardware, 87 not
+attributed); 2 with one line for a setting the callback refuses.
 """
 
 import argparse
@@ -113,12 +115,44 @@ def checks(value: str) -> str | list | dict:
     return value if value == "all" else json.loads(value)
 
 
+def guarded(args: argparse.Namespace, out: Path, inject: dict | None) -> dict:
+    """One Trainer with the callback (or without, `--guard-off`), checkpoints into
+    out/checkpoints; what this rank saw."""
+    clock = StepClock()
+    guard = None if args.guard_off else SDCGuardCallback(
+        detectors=args.detectors, mode=args.mode, inject=inject,
+        checkpoints=out / "checkpoints", ranks_per_node=args.ranks_per_node,
+    )  # fmt: skip
+    trainer = trainer_for(out / "checkpoints", args, [c for c in (guard, clock) if c])
+    record: dict = {"alarm": None, "exit_code": 0}
+    try:
+        trainer.train()
+    except SDCAlarm as alarm:
+        record["alarm"] = {"detector": alarm.detector, "step": alarm.step,
+                           "suspect_ranks": alarm.suspect_ranks,
+                           "suspect_machines": alarm.suspect_machines}  # fmt: skip
+        record["exit_code"] = alarm.exit_code
+    checked = guard.guard if guard else None
+    return record | {
+        "digest": digest(trainer.model),
+        "steps": trainer.state.global_step,
+        "checks": sorted(checked.checks) if checked else [],
+        "left_out": checked.left_out if checked else {},
+        "alerts": [{"step": a.step, "detector": a.detector, "phase": a.phase,
+                    "suspect_ranks": a.suspect_ranks} for a in checked.alerts] if checked else [],
+        "warnings": [{"warning": w.what, "step": w.step} for w in checked.warnings]
+                    if checked else [],
+        "step_ms": clock.median_ms(),
+    }  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--detectors", type=checks, default="all")
     parser.add_argument("--mode", choices=("observe", "act"), default="act")
     parser.add_argument("--inject", type=json.loads, default=None)
+    parser.add_argument("--rehearse", type=json.loads, default=None)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--save-every", type=int, default=2)
     parser.add_argument("--guard-off", action="store_true")
@@ -129,51 +163,27 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    record: dict = {"unguarded": None, "unguarded_step_ms": None, "alarm": None}
-    if args.twin:
-        clock = StepClock()
-        twin = trainer_for(args.out / "twin", args, [clock])
-        twin.train()
-        record |= {"unguarded": digest(twin.model), "unguarded_step_ms": clock.median_ms()}
-
-    clock = StepClock()
-    guard = None if args.guard_off else SDCGuardCallback(
-        detectors=args.detectors, mode=args.mode, inject=args.inject,
-        checkpoints=args.out / "checkpoints", ranks_per_node=args.ranks_per_node,
-    )  # fmt: skip
-    trainer = trainer_for(args.out / "checkpoints", args, [c for c in (guard, clock) if c])
-    exit_code = 0
+    record: dict = {"unguarded": None, "unguarded_step_ms": None}
     try:
-        trainer.train()
-    except SDCAlarm as alarm:
-        record["alarm"] = {"detector": alarm.detector, "step": alarm.step,
-                           "suspect_ranks": alarm.suspect_ranks,
-                           "suspect_machines": alarm.suspect_machines}  # fmt: skip
-        exit_code = alarm.exit_code
+        if args.twin:
+            clock = StepClock()
+            twin = trainer_for(args.out / "twin", args, [clock])
+            twin.train()
+            record |= {"unguarded": digest(twin.model), "unguarded_step_ms": clock.median_ms()}
+        record |= guarded(args, args.out, args.inject)
+        if args.rehearse is not None:
+            record["rehearsal"] = guarded(args, args.out / "rehearsal", args.rehearse)
     except ValueError as exc:  # a setting the callback refuses: one line, exit 2, on every rank
         if rank == 0:
             print(f"train_hf_trainer.py: error: {exc}", file=sys.stderr)
         dist.destroy_process_group()
         sys.exit(2)
-
-    checked = guard.guard if guard else None
-    record |= {
-        "digest": digest(trainer.model),
-        "steps": trainer.state.global_step,
-        "checks": sorted(checked.checks) if checked else [],
-        "left_out": checked.left_out if checked else {},
-        "alerts": [{"step": a.step, "detector": a.detector, "phase": a.phase,
-                    "suspect_ranks": a.suspect_ranks} for a in checked.alerts] if checked else [],
-        "warnings": [{"warning": w.what, "step": w.step} for w in checked.warnings]
-                    if checked else [],
-        "exit_code": exit_code,
-        "step_ms": clock.median_ms(),
-    }  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank{rank}.json").write_text(json.dumps(record))
     dist.barrier()  # every rank's record (and rank 0's quarantine.json) is written before any exits
     dist.destroy_process_group()
-    sys.exit(exit_code)
+    codes = [record["exit_code"], record.get("rehearsal", {}).get("exit_code", 0)]
+    sys.exit(next((code for code in codes if code), 0))
 
 
 if __name__ == "__main__":

@@ -5,14 +5,17 @@ clipping, checkpoints every step; under DDP two accumulated batches a step, unde
 
     torchrun --standalone --nproc-per-node=4 examples/train_lightning.py --out DIR \
         [--strategy ddp|fsdp] [--detectors all|JSON] [--mode observe|act] [--inject JSON] \
-        [--steps N] [--save-every N] [--guard-off] [--twin]
+        [--rehearse JSON] [--steps N] [--save-every N] [--guard-off] [--twin]
 
 (or `python examples/train_lightning.py ...`: Lightning starts the other three processes itself).
 `--twin` first fits the same module without the callback in the same processes, the clean
-run's reference. Each rank writes DIR/rank<r>.json: the SHA-256 of its weights (and the twin's),
-the steps fitted, the median step time (and the twin's), the checks that ran, those left out and
-why, its alerts and the alarm; rank 0 writes DIR/costs.json (what each check cost). The process
-exits with the alarm's code: 86 suspect hardware, 87 not attributed, 0 without one.
+run's reference; `--rehearse JSON` (the keys of `fault.*`) then fits it once more with that fault
+rehearsed, into DIR/rehearsal: a clean fit and a rehearsal, as a team tries the callback before
+it deploys it, in one launch. Each rank writes DIR/rank<r>.json: the SHA-256 of its weights (and
+the twin's), the steps fitted, the median step time (and the twin's), the checks that ran, those
+left out and why, its alerts and the alarm (the rehearsal's under "rehearsal"); rank 0 writes
+costs.json (what each check cost) beside each clean fit's checkpoints. The process exits with
+the first alarm's code: 86 suspect hardware, 87 not attributed, 0 without one.
 """
 
 from __future__ import annotations
@@ -103,7 +106,7 @@ class StepClock(pl.Callback):
         return 1000 * statistics.median(measured) if measured else None
 
 
-def fit(args: argparse.Namespace, guard: SDCGuard | None) -> tuple[CausalLM, StepClock]:
+def fit(args: argparse.Namespace, guard: SDCGuard | None, out: Path) -> tuple[CausalLM, StepClock]:
     pl.seed_everything(0, verbose=False)
     module, clock = CausalLM(), StepClock()
     callbacks: list[pl.Callback] = [clock]
@@ -111,7 +114,7 @@ def fit(args: argparse.Namespace, guard: SDCGuard | None) -> tuple[CausalLM, Ste
         callbacks.append(guard)
         callbacks.append(
             pl.callbacks.ModelCheckpoint(
-                dirpath=args.out / "checkpoints",
+                dirpath=out / "checkpoints",
                 every_n_train_steps=args.save_every,
                 save_top_k=-1,
                 filename="{step}",
@@ -146,6 +149,32 @@ def checks(value: str) -> str | list | dict:
     return value if value == "all" else json.loads(value)
 
 
+def guarded(args: argparse.Namespace, out: Path, inject: dict | None) -> dict[str, Any]:
+    """One fit with the callback, checkpoints into out/checkpoints; what this rank saw."""
+    guard = SDCGuard(
+        detectors=args.detectors, mode=args.mode, inject=inject, checkpoints=out / "checkpoints",
+        ranks_per_node=1,
+    )  # fmt: skip
+    record: dict[str, Any] = {"alarm": None}
+    try:
+        module, clock = fit(args, guard, out)
+        record |= {"digest": digest(module), "step_ms": clock.median_ms()}
+    except SDCAlarm as alarm:
+        record["alarm"] = {
+            "detector": alarm.detector, "step": alarm.step, "suspect_ranks": alarm.suspect_ranks,
+            "suspect_machines": alarm.suspect_machines, "exit_code": alarm.exit_code,
+        }  # fmt: skip
+    g = guard.guard
+    assert g is not None, "the fit started"
+    record |= {"steps": g.step, "checks": sorted(g.checks), "left_out": g.left_out}
+    record["alerts"] = [
+        {"step": a.step, "detector": a.detector, "suspect_ranks": a.suspect_ranks} for a in g.alerts
+    ]
+    if record["alarm"] is None:
+        g.write_costs(out / "costs.json")
+    return record
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
@@ -153,6 +182,7 @@ def main() -> int:
     parser.add_argument("--detectors", type=checks, default="all")
     parser.add_argument("--mode", choices=("observe", "act"), default="act")
     parser.add_argument("--inject", type=json.loads, default=None)
+    parser.add_argument("--rehearse", type=json.loads, default=None)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--save-every", type=int, default=1)
     parser.add_argument("--guard-off", action="store_true")
@@ -164,40 +194,20 @@ def main() -> int:
     os.environ.setdefault("SDC_NODE_NAME", "host{node}")
 
     result: dict[str, Any] = {"unguarded": None, "unguarded_step_ms": None}
-    if args.twin:
-        twin, clock = fit(args, None)
+    if args.twin or args.guard_off:
+        twin, clock = fit(args, None, args.out)
         result |= {"unguarded": digest(twin), "unguarded_step_ms": clock.median_ms()}
-    guard = None
-    if not args.guard_off:
-        guard = SDCGuard(
-            detectors=args.detectors, mode=args.mode, inject=args.inject,
-            checkpoints=args.out / "checkpoints", ranks_per_node=1,
-        )  # fmt: skip
-    alarm = None
-    try:
-        module, clock = fit(args, guard)
-    except SDCAlarm as raised:
-        alarm = raised
-    rank = torch.distributed.get_rank()
-    if alarm is None:
-        result |= {"digest": digest(module), "step_ms": clock.median_ms()}
-    result["alarm"] = alarm and {
-        "detector": alarm.detector, "step": alarm.step, "suspect_ranks": alarm.suspect_ranks,
-        "suspect_machines": alarm.suspect_machines, "exit_code": alarm.exit_code,
-    }  # fmt: skip
-    if guard is not None and guard.guard is not None:
-        g = guard.guard
-        result |= {"steps": g.step, "checks": sorted(g.checks), "left_out": g.left_out}
-        result["alerts"] = [
-            {"step": a.step, "detector": a.detector, "suspect_ranks": a.suspect_ranks}
-            for a in g.alerts
-        ]
-        if alarm is None:
-            g.write_costs(args.out / "costs.json")
+    fits = [] if args.guard_off else [guarded(args, args.out, args.inject)]
+    if args.rehearse is not None:
+        fits.append(guarded(args, args.out / "rehearsal", args.rehearse))
+        result["rehearsal"] = fits[-1]
+    if fits:
+        result |= fits[0]
     args.out.mkdir(parents=True, exist_ok=True)
+    rank = torch.distributed.get_rank()
     (args.out / f"rank{rank}.json").write_text(json.dumps(result, indent=1))
     torch.distributed.destroy_process_group()
-    return alarm.exit_code if alarm else 0
+    return next((f["alarm"]["exit_code"] for f in fits if f["alarm"]), 0)
 
 
 if __name__ == "__main__":

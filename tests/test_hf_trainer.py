@@ -42,13 +42,28 @@ def saved(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.glob("checkpoint-*"))
 
 
-def test_a_clean_fit_with_every_check_is_bit_identical_to_the_trainer_without_it(tmp_path):
+# x3 on rank 2's largest local gradient element at step 5, where replay audits (every 5 steps):
+# within grad_stats' spread, and the sketch verifies only the sum of what was sent.
+SCALED = {"site": "grad", "model": "scale", "factor": 3.0, "ranks": [2], "steps": [5],
+          "select": "largest"}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def fits(tmp_path_factory) -> tuple[Path, list[dict], subprocess.CompletedProcess]:
+    """One launch, three Trainers in the same processes, a checkpoint every step: without the
+    callback (`--twin`), with it and every check at its defaults, then with it and the x3
+    rehearsed (`--rehearse`)."""
+    out = tmp_path_factory.mktemp("hf")
+    records, proc = example(out, "--twin", "--save-every", "1", "--rehearse", json.dumps(SCALED))
+    return out, records, proc
+
+
+def test_a_clean_fit_with_every_check_is_bit_identical_to_the_trainer_without_it(fits):
     """Every check that applies, at its defaults (replay of steps 0 and 5, titan_replay of step
     0, the product checksums, consensus before each checkpoint): no alert, no warning, and each
     rank's weights are those of the same Trainer without the callback, trained first in the same
     processes. The checkpoints the checks approved are written."""
-    records, proc = example(tmp_path, "--twin")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    out, records, _ = fits
     for record in records:
         assert record["alerts"] == [] and record["warnings"] == [] and record["alarm"] is None
         assert record["steps"] == STEPS
@@ -57,31 +72,26 @@ def test_a_clean_fit_with_every_check_is_bit_identical_to_the_trainer_without_it
         # What benchmarks/integrations.py divides: each fit's median step.
         assert record["step_ms"] > 0 and record["unguarded_step_ms"] > 0
     assert len({r["digest"] for r in records}) == 1, "the replicas agree"
-    assert saved(tmp_path / "checkpoints") == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
-
-
-# x3 on rank 2's largest local gradient element at step 5, where replay audits (every 5 steps):
-# within grad_stats' spread, and the sketch verifies only the sum of what was sent.
-SCALED = {"site": "grad", "model": "scale", "factor": 3.0, "ranks": [2], "steps": [5],
-          "select": "largest"}  # fmt: skip
+    assert saved(out / "checkpoints") == [f"checkpoint-{n}" for n in range(1, STEPS + 1)]
 
 
 def test_a_scaled_gradient_stops_the_fit_at_its_step_and_sets_aside_what_it_may_have_touched(
-    tmp_path,
+    fits,
 ):
     """Act mode, a checkpoint every step: replay names rank 2 and its machine at step 5, every
     rank leaves train() with the alarm and exits 86, quarantine.json is written, nothing of step
     5 is saved (checkpoint-6), and the Trainer's checkpoints since the last clean audit (step 0)
     are set aside: only checkpoint-1 is left to resume from."""
-    records, proc = example(tmp_path, "--save-every", "1", "--inject", json.dumps(SCALED))
+    out, records, proc = fits
+    rehearsals = [r["rehearsal"] for r in records]
     alarm = {"detector": "replay", "step": 5, "suspect_ranks": [2], "suspect_machines": ["host2"]}
-    assert [r["alarm"] for r in records] == [alarm] * RANKS
-    assert [r["exit_code"] for r in records] == [EXIT_SUSPECT_HARDWARE] * RANKS
-    assert [r["steps"] for r in records] == [5] * RANKS, "step 5's update never happened"
+    assert [r["alarm"] for r in rehearsals] == [alarm] * RANKS
+    assert [r["exit_code"] for r in rehearsals] == [EXIT_SUSPECT_HARDWARE] * RANKS
+    assert [r["steps"] for r in rehearsals] == [5] * RANKS, "step 5's update never happened"
     # torchrun lists each rank that exited before its agent stopped the rest (-15, SIGTERM).
     codes = {int(c) for c in re.findall(r"exitcode\s+: (-?\d+)", proc.stderr)}
     assert EXIT_SUSPECT_HARDWARE in codes and codes <= {EXIT_SUSPECT_HARDWARE, -15}
-    folder = tmp_path / "checkpoints"
+    folder = out / "rehearsal" / "checkpoints"
     record = json.loads((folder / "quarantine.json").read_text())
     assert record["suspect_machines"] == ["host2"] and record["step"] == 5
     assert record["first_suspect_step"] == 1

@@ -36,18 +36,31 @@ def fit(out: Path, *args: str) -> tuple[list[dict], subprocess.CompletedProcess]
     return [json.loads(f.read_text()) for f in files], proc
 
 
-@pytest.mark.parametrize(
-    "strategy",
-    [
+# x3 on the largest gradient element of rank 2 at step 5, an audit of replay (every 5 steps).
+SCALED = {"site": "grad", "model": "scale", "factor": 3.0, "ranks": [2], "steps": [5],
+          "select": "largest"}  # fmt: skip
+
+
+@pytest.fixture(
+    scope="module",
+    params=[
         "ddp",
         # FSDP2 through ModelParallelStrategy (each block and the model sharded, no accumulation):
-        # 16 s more; the default run's Lightning fit is DDP's.
+        # 25 s more; the default run's Lightning fits are DDP's.
         pytest.param("fsdp", marks=pytest.mark.slow),
     ],
 )
-def test_a_clean_fit_with_every_check_is_bit_identical_to_the_fit_without_it(tmp_path, strategy):
-    ranks, proc = fit(tmp_path, "--twin", "--strategy", strategy)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def fits(request, tmp_path_factory) -> tuple[str, Path, list[dict], subprocess.CompletedProcess]:
+    """One launch, three fits in the same processes: without the callback (`--twin`), with it
+    and every check at its defaults, then with it and the x3 rehearsed (`--rehearse`)."""
+    out = tmp_path_factory.mktemp(request.param)
+    ranks, proc = fit(out, "--twin", "--rehearse", json.dumps(SCALED), "--strategy", request.param)
+    return request.param, out, ranks, proc
+
+
+def test_a_clean_fit_with_every_check_is_bit_identical_to_the_fit_without_it(fits):
+    strategy, out, ranks, _ = fits
+    assert [r["alarm"] for r in ranks] == [None] * RANKS
     # Each rank's weights (its shard, under FSDP2) as the same rank's without the callback.
     assert [r["digest"] for r in ranks] == [r["unguarded"] for r in ranks]
     if strategy == "ddp":
@@ -56,34 +69,28 @@ def test_a_clean_fit_with_every_check_is_bit_identical_to_the_fit_without_it(tmp
     assert [r["steps"] for r in ranks] == [6] * RANKS
     # What benchmarks/integrations.py divides: each fit's median step.
     assert all(r["step_ms"] > 0 and r["unguarded_step_ms"] > 0 for r in ranks)
-    # Every check that applies to DDP ran, replay and the product checks among them.
+    # Every check that applies ran, replay and the product checks among them.
     consensus = "weight_consensus" if strategy == "ddp" else "gather_consensus"
     assert {"replay", "matmul_checksum", consensus, "allreduce_sketch"} <= set(ranks[0]["checks"])
-    saved = sorted(p.name for p in (tmp_path / "checkpoints").glob("*.ckpt"))  # files or folders
+    saved = sorted(p.name for p in (out / "checkpoints").glob("*.ckpt"))  # files or folders
     assert saved == [f"step={s}.ckpt" for s in range(1, 7)]
-    costs = json.loads((tmp_path / "costs.json").read_text())
+    costs = json.loads((out / "costs.json").read_text())
     assert costs["steps"] > 0 and set(costs["checks"]) == set(ranks[0]["checks"])
 
 
-@pytest.mark.parametrize(
-    "strategy",
-    ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)],  # as the clean fit
-)
-def test_a_rehearsed_gradient_fault_stops_the_fit_at_its_step_on_every_rank(tmp_path, strategy):
-    """x3 on the largest gradient element of rank 2 at step 5, an audit of replay (every 5
-    steps): every rank stops before that step's update, naming rank 2 and its machine, exits
-    86, and no checkpoint of the suspect interval (since the last clean audit) stays."""
-    fault = {"site": "grad", "model": "scale", "factor": 3.0, "ranks": [2], "steps": [5],
-             "select": "largest"}  # fmt: skip
-    ranks, proc = fit(tmp_path, "--inject", json.dumps(fault), "--strategy", strategy)
+def test_a_rehearsed_gradient_fault_stops_the_fit_at_its_step_on_every_rank(fits):
+    """Every rank stops before step 5's update, naming rank 2 and its machine, exits 86, and no
+    checkpoint of the suspect interval (since the last clean audit) stays."""
+    _, out, ranks, proc = fits
     alarm = {"detector": "replay", "step": 5, "suspect_ranks": [2],
              "suspect_machines": ["host2"], "exit_code": EXIT_SUSPECT_HARDWARE}  # fmt: skip
-    assert [r["alarm"] for r in ranks] == [alarm] * RANKS
-    assert [r["steps"] for r in ranks] == [5] * RANKS, "step 5 never ended"
+    rehearsals = [r["rehearsal"] for r in ranks]
+    assert [r["alarm"] for r in rehearsals] == [alarm] * RANKS
+    assert [r["steps"] for r in rehearsals] == [5] * RANKS, "step 5 never ended"
     # torchrun stops the others (-15) once the first rank has exited with 86.
     codes = {int(c) for c in re.findall(r"exitcode\s+: (-?\d+)", proc.stderr)}
     assert EXIT_SUSPECT_HARDWARE in codes and codes <= {EXIT_SUSPECT_HARDWARE, -15}
-    folder = tmp_path / "checkpoints"
+    folder = out / "rehearsal" / "checkpoints"
     quarantine = json.loads((folder / "quarantine.json").read_text())
     assert quarantine["first_suspect_step"] == 1 and quarantine["suspect_ranks"] == [2]
     # Lightning names a checkpoint by the steps done: step=2.ckpt is step 1's, the first
