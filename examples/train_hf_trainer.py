@@ -161,6 +161,8 @@ def main() -> None:
     args = parser.parse_args()
 
     torch.set_num_threads(1)
+    # One simulated node per process, so that replay finds its three nodes on one host.
+    os.environ.setdefault("SDC_NODE_NAME", "host{node}")
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     record: dict = {"unguarded": None, "unguarded_step_ms": None}
@@ -188,5 +190,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    os.environ.setdefault("SDC_NODE_NAME", "host{node}")
     main()
