@@ -111,13 +111,13 @@ FORKED_RANKS = Path(__file__).parent / "loops" / "forked_ranks.py"
 
 
 def example_ranks(
-    script: Path, nproc: int, *args: str
+    script: Path, nproc: int, *args: str, env: dict[str, str] | None = None
 ) -> tuple[list[int], subprocess.CompletedProcess]:
     """An example's ranks as torchrun starts them, forked from one parent that imported it once
     (tests/loops/forked_ranks.py): every rank's exit code in rank order, and the parent's run."""
     proc = subprocess.run(
         [sys.executable, str(FORKED_RANKS), str(nproc), str(script), *args],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=300, env=env,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.splitlines()[-1]), proc

@@ -16,7 +16,7 @@ import pytest
 import detectors
 from harness.guard import EXIT_SUSPECT_HARDWARE, Guard
 from harness.results.costs import JobCosts
-from tests.conftest import BIN
+from tests.conftest import BIN, example_ranks
 
 EXAMPLE = Path(__file__).parents[1] / "examples" / "train_guarded.py"
 EVERY = {"nan_inf": {}, "grad_stats": {}, "allreduce_sketch": {}, "weight_consensus": {},
@@ -29,17 +29,16 @@ RANKS = 3
 GPT2 = ("--model", "gpt2", "--dropout", "0.1", "--accumulate", "2")
 
 
-def example(out: Path, *args: str, ranks: int = RANKS) -> tuple[dict, subprocess.CompletedProcess]:
+def example(out: Path, *args: str, ranks: int = RANKS) -> tuple[dict, list[int]]:
+    """Rank 0's summary and every rank's exit code; the ranks forked from one parent that
+    imported the example once, with torchrun's environment (tests/loops/forked_ranks.py)."""
     env = dict(os.environ, SDC_NODE_NAME="machine-{node}")
-    proc = subprocess.run(
-        [str(BIN / "torchrun"), "--standalone", f"--nproc-per-node={ranks}", str(EXAMPLE),
-         "--out", str(out), "--steps", str(STEPS), *args],
-        capture_output=True, text=True, timeout=300, env=env,
-    )  # fmt: skip
+    args = ("--out", str(out), "--steps", str(STEPS), *args)
+    codes, proc = example_ranks(EXAMPLE, ranks, *args, env=env)
     assert (out / "summary.json").exists(), proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
-    assert (proc.returncode == 0) == (summary["exit_code"] == 0), proc.stderr[-3000:]
-    return summary, proc
+    assert codes == [summary["exit_code"]] * ranks, proc.stderr[-3000:]
+    return summary, codes
 
 
 @pytest.mark.slow
@@ -121,8 +120,8 @@ def test_llama_under_the_llm_recipe_raises_no_alert(tmp_path):
     accumulated micro-batches: every check (the example's default, "all"), no alert; then
     with replay at every step too."""
     llm = ("--model", "llama", "--amp", "--clip", "1.0", "--dropout", "0.1", "--accumulate", "2")
-    summary, proc = example(tmp_path / "all", *llm)
-    assert proc.returncode == 0 and summary["alerts"] == [] and summary["warnings"] == []
+    summary, _ = example(tmp_path / "all", *llm)
+    assert summary["exit_code"] == 0 and summary["alerts"] == [] and summary["warnings"] == []
     summary = guarded(tmp_path / "every", *llm)
     assert summary["alerts"] == [] and summary["warnings"] == [] and summary["steps"] == STEPS
 
@@ -130,8 +129,8 @@ def test_llama_under_the_llm_recipe_raises_no_alert(tmp_path):
 @pytest.mark.slow
 def test_titan_replay_of_the_first_step_is_silent_in_a_clean_run(tmp_path):
     """Default-run twin: the documented command, which runs it among every check."""
-    summary, proc = example(tmp_path, "--detectors", '["titan_replay"]', ranks=4)
-    assert proc.returncode == 0 and summary["alerts"] == [] and summary["steps"] == STEPS
+    summary, _ = example(tmp_path, "--detectors", '["titan_replay"]', ranks=4)
+    assert summary["exit_code"] == 0 and summary["alerts"] == [] and summary["steps"] == STEPS
 
 
 # The largest gradient element on rank 1 times 4: within grad_stats' spread, and the sketch
@@ -141,21 +140,21 @@ SCALED = {"site": "grad", "model": "scale", "factor": 4.0, "ranks": [1], "steps"
 
 
 @pytest.fixture(scope="module")
-def scaled_gradient(tmp_path_factory) -> tuple[Path, dict, subprocess.CompletedProcess]:
+def scaled_gradient(tmp_path_factory) -> tuple[Path, dict, list[int]]:
     out = tmp_path_factory.mktemp("scaled")
-    summary, proc = example(
+    summary, codes = example(
         out, "--detectors", json.dumps(EVERY), "--mode", "act", "--checkpoint-every", "2",
         "--inject", json.dumps(SCALED), *GPT2,
     )  # fmt: skip
-    return out, summary, proc
+    return out, summary, codes
 
 
 def test_replay_stops_a_scaled_gradient_and_quarantines_its_machine(scaled_gradient):
-    out, summary, proc = scaled_gradient
+    out, summary, codes = scaled_gradient
     assert summary["alarm"] == {"detector": "replay", "step": 4, "suspect_ranks": [1],
                                 "suspect_machines": ["machine-1"]}  # fmt: skip
     assert summary["exit_code"] == EXIT_SUSPECT_HARDWARE
-    assert f"exitcode  : {EXIT_SUSPECT_HARDWARE}" in proc.stderr, "each rank exits with it"
+    assert codes == [EXIT_SUSPECT_HARDWARE] * RANKS, "each rank exits with it"
     record = json.loads((out / "checkpoints" / "quarantine.json").read_text())
     assert record["suspect_machines"] == ["machine-1"] and record["suspect_ranks"] == [1]
     assert record["step"] == 4 and record["first_suspect_step"] == 4
