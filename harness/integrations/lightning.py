@@ -86,7 +86,7 @@ class SDCGuard(pl.Callback):
         self.ranks_per_node = ranks_per_node
         self.guard: Guard | None = None
         self._module: pl.LightningModule | None = None
-        self._strategy: DDPStrategy | None = None
+        self._strategy: pl.strategies.Strategy | None = None
         self._stepped = 0
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
