@@ -37,7 +37,7 @@ from benchmarks.timing import Figure, interleaved, median
 from benchmarks.worlds import Timings, Worlds, base_run, steps_for, time_configs, with_detectors
 from detectors.product_bounds import product_of
 from harness.config.schema import RunConfig
-from harness.core.matmuls import MatmulCall, Watch
+from harness.core.matmuls import MatmulCall, Watch, watching
 from harness.runtime.workloads import Workload
 
 CHECKS = ("nan_inf", "weight_consensus", "allreduce_sketch", "matmul_checksum")
@@ -133,11 +133,8 @@ def product_elements(run: RunConfig) -> int:
             total += product.left.numel() + product.right.numel() + output.numel()
         return output
 
-    handles = Watch(count).install(model)
-    with torch.no_grad():
+    with watching(model, Watch(count)), torch.no_grad():
         workload.loss(model, workload.batch(0, 0, 0))
-    for handle in handles:
-        handle.remove()
     return total * run.workload.micro_batches
 
 

@@ -26,7 +26,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 
 from detectors.product_bounds import checked_flops
 from harness.config.schema import RunConfig
-from harness.core.matmuls import MatmulCall, Watch
+from harness.core.matmuls import MatmulCall, Watch, watching
 from harness.runtime import numerics
 from harness.runtime.workloads import Workload
 
@@ -79,18 +79,14 @@ def product_coverage(run: RunConfig) -> ProductCoverage:
             checked += checked_flops(call, output, check.backward)
         return output
 
-    handles = Watch(count).install(model)
     counter = FlopCounterMode(display=False, custom_mapping=UNCOUNTED)
-    try:
-        with (
-            numerics.installed(run.topology.cpu_numerics, "cpu"),
-            counter,
-            workload.forward_rng(0, 0, 0),
-        ):
-            workload.loss(model, batch).backward()
-    finally:
-        for handle in handles:
-            handle.remove()
+    with (
+        watching(model, Watch(count)),
+        numerics.installed(run.topology.cpu_numerics, "cpu"),
+        counter,
+        workload.forward_rng(0, 0, 0),
+    ):
+        workload.loss(model, batch).backward()
     total = counter.get_total_flops()
     share = 0.0
     if check is not None and total:

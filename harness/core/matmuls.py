@@ -22,7 +22,8 @@ whatever backend the call would take.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -203,16 +204,21 @@ class Watch(TorchFunctionMode):
             self.__exit__(None, None, None)
 
 
-def traced(model: nn.Module, forward: Callable[[], Any]) -> ForwardModules:
-    """The modules one call of `forward` (a forward of `model`) runs, those that multiply, and
-    how many products each makes."""
-
-    watch = Watch(MatmulCall.compute, expands=lambda _stack: True, traces=True)
+@contextmanager
+def watching(model: nn.Module, watch: Watch) -> Iterator[Watch]:
+    """`watch` on `model`'s forwards for the block, and off it afterwards, whatever happens."""
     handles = watch.install(model)
     try:
-        forward()
+        yield watch
     finally:
         for handle in handles:
             handle.remove()
+
+
+def traced(model: nn.Module, forward: Callable[[], Any]) -> ForwardModules:
+    """The modules one call of `forward` (a forward of `model`) runs, those that multiply, and
+    how many products each makes."""
+    with watching(model, Watch(MatmulCall.compute, expands=lambda _: True, traces=True)) as watch:
+        forward()
     ran = tuple(watch.ran)
     return ForwardModules(ran, tuple(n for n in ran if n in watch.most), dict(watch.most))
