@@ -108,11 +108,25 @@ def resolve_out(cfg: DictConfig) -> Path:
     return Path(cfg.out)
 
 
+class _Validated:
+    """The command's one validation: preflight's, which the run Hydra starts then reuses when it
+    composes the same config (`out` aside: its timestamp may have moved on). A sweep's jobs
+    differ from the preflight's and from each other, and each is validated as it starts."""
+
+    config: dict | None = None
+    run: RunConfig | None = None
+
+
 def validated(cfg: DictConfig) -> RunConfig:
+    config = {k: v for k, v in plain(cfg).items() if k != "out"}
+    if config == _Validated.config and _Validated.run is not None:
+        return _Validated.run
     try:
-        return run_config(plain(cfg))
+        run = run_config(plain(cfg))
     except ConfigError as exc:
         fail(str(exc))
+    _Validated.config, _Validated.run = config, run
+    return run
 
 
 def plain(cfg: DictConfig) -> dict:

@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from harness import cli
 from harness.campaign.fastforward import golden_specs
 from harness.cli import CONFIG_DIR
+from harness.config.load import run_config
 from harness.errors import ConfigError
 from tests.conftest import compose_run
 
@@ -102,3 +104,18 @@ def test_fault_targets_are_checked_on_a_model_that_is_never_allocated():
     )
     assert proc.returncode == 0, proc.stderr
     assert int(proc.stdout.split()[-1]) < 1500  # MiB: torch and Hydra loaded, no model
+
+
+def test_the_parent_validates_a_command_once(tmp_path, monkeypatch, run_ok):
+    """preflight validates before Hydra writes anything; the run Hydra then starts composes the
+    same config (its `out` timestamp aside) and takes that validation instead of a second one."""
+    calls = []
+
+    def counted(raw):
+        calls.append(raw)
+        return run_config(raw)
+
+    monkeypatch.setattr(cli, "run_config", counted)
+    monkeypatch.setattr(cli._Validated, "config", None)  # no earlier command's, in this worker
+    run_ok("workload=gpt", "launcher=torchrun", f"out={tmp_path / 'plan'}", cwd=tmp_path)
+    assert len(calls) == 1
