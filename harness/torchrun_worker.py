@@ -22,6 +22,7 @@ from typing import NoReturn
 from harness.campaign.run import CampaignError, run_campaign
 from harness.config.load import run_config
 from harness.config.schema import RunConfig, TopologyConfig
+from harness.config.workload import release_probes
 from harness.core import logs
 from harness.core.plugins import RankInfo
 from harness.errors import ConfigError
@@ -107,6 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     if refused:
         fail(refused if info.rank == 0 else "", 2)
     if info.rank != 0:
+        release_probes()  # rank 0 counts the products for campaign.json; the others train
         _exit(follow(world))
     executor = TorchrunExecutor(world, folder.crash_log)
     try:

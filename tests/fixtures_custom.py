@@ -6,6 +6,8 @@ import os
 
 import torch
 
+from harness.examples import SmallConvNet
+
 
 def unseeded_digits(seed: int, step: int, rank: int, micro: int, size: int):
     """Ignores its arguments: a data function replay and golden runs cannot use."""
@@ -38,3 +40,13 @@ class IrreproducibleNet(torch.nn.Module):
         h = torch.relu(self.hidden(x.flatten(1)))
         keep = torch.rand(h.shape, generator=self.noise) > 0.1
         return self.head(h * keep / 0.9)
+
+
+class CountedConvNet(SmallConvNet):
+    """The example's net, counting its constructions in this process."""
+
+    built = 0
+
+    def __init__(self):
+        super().__init__()
+        CountedConvNet.built += 1

@@ -8,6 +8,7 @@ import subprocess
 import pytest
 
 from tests.conftest import BIN, rows
+from tests.fixtures_custom import CountedConvNet
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCENARIOS = ("campaign.scenarios=[{site:none},{site:grad,model:value,value:nan,ranks:[1],"
@@ -34,6 +35,20 @@ def test_a_custom_conv_net_runs_campaigns_detectors_and_reports_unchanged(tmp_pa
             assert "replay" in row["detected_by"] and row["suspect_ranks"] == "2"
     assert any(r["effect"] != "masked" for r in activation)
     assert (out / "report.html").exists()
+
+
+def test_the_command_builds_the_users_model_once(tmp_path, monkeypatch, run_ok):
+    """Validation's dry step, the fault checks' names and shapes, the forward trace an activation
+    fault is checked against, and campaign.json's count of the products all use one model in
+    the command's process (the ranks build their own)."""
+    monkeypatch.setattr(CountedConvNet, "built", 0)
+    run_ok("workload=custom", "workload.model._target_=tests.fixtures_custom.CountedConvNet",
+           "workload.steps=4", "campaign.seeds=1", "campaign.noise_seeds=2",
+           "fault.site=activation", "fault.model=scale", "fault.factor=10", "fault.ranks=[1]",
+           "fault.steps=[2]", "fault.tensor=conv1", "detectors=[nan_inf]",
+           f"out={tmp_path / 'run'}", cwd=tmp_path)  # fmt: skip
+    assert CountedConvNet.built == 1
+    assert rows(tmp_path / "run")[0]["fired"] == "True"
 
 
 @pytest.mark.parametrize(

@@ -26,6 +26,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 
 from detectors.product_bounds import checked_flops
 from harness.config.schema import RunConfig
+from harness.config.workload import probe
 from harness.core.matmuls import MatmulCall, Watch, watching
 from harness.runtime import numerics
 from harness.runtime.workloads import Workload
@@ -67,7 +68,7 @@ UNCOUNTED = {
 def product_coverage(run: RunConfig) -> ProductCoverage:
     """One micro-batch's forward and backward under the FLOP counter and the products' watch."""
     workload = Workload(run.workload)
-    model = workload.build_model()
+    model = probe(run.workload).model
     batch = workload.batch(0, 0, 0)
     check = run.detectors.get("matmul_checksum")
     checked = 0

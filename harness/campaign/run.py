@@ -25,6 +25,7 @@ from harness.campaign.fastforward import (
 from harness.campaign.golden_store import GoldenMismatch, GoldenStore
 from harness.campaign.recovery import run_with_recovery, scratch_folders
 from harness.config.schema import RunConfig, TopologyConfig, TrialSpec
+from harness.config.workload import release_probes
 from harness.errors import ConfigError
 from harness.launch import stacks
 from harness.launch.world import World, WorldStartError
@@ -328,6 +329,7 @@ def run_campaign(run: RunConfig, out: Path, executor: Executor | None = None) ->
     try:
         ranks = executor.start(run.topology)
         bind(out, run, ranks)
+        release_probes()  # validation's model, whose products campaign.json counted
         if run.golden_cache is not None:
             store = GoldenStore(Path(run.golden_cache), run, environment.record(ranks))
             reused = campaign.use_store(store)

@@ -26,7 +26,7 @@ from harness.config.schema import (
     TopologyConfig,
     TrialSpec,
 )
-from harness.config.workload import MODULE_SITES, forward_modules, workload_config
+from harness.config.workload import MODULE_SITES, forward_modules, probe, workload_config
 from harness.core.checks import CheckConfig
 from harness.core.values import choice, integer, known_keys, positive
 from harness.errors import ConfigError
@@ -292,9 +292,13 @@ def run_config(raw: dict[str, Any]) -> RunConfig:
         scenario_raw = expand_scenarios(scenarios_raw, DTYPES[workload.dtype])
         if not scenario_raw:
             raise ConfigError("campaign.scenarios", "a campaign needs at least one scenario")
-    # Names and shapes are all the fault checks need: a model on `meta` allocates nothing. A
-    # fault at a module needs what the forward runs, found by running one.
-    model = Workload(workload, device="meta").build_model()
+    # Names and shapes are all the fault checks need: a custom workload's dry step has built its
+    # one model in this process already; any other comes from a model on `meta`, which
+    # allocates nothing. A fault at a module needs what the forward runs, found by running one.
+    if workload.name == "custom":
+        model = probe(workload).model
+    else:
+        model = Workload(workload, device="meta").build_model()
     module_sites = {str(s.get("site")) for _, s in scenario_raw} & set(MODULE_SITES)
     forward = forward_modules(workload) if module_sites else None
     scenarios, trials = [], []

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
+from torch import nn
 
 from harness.config.schema import (
     CUSTOM_TARGETS,
@@ -167,7 +168,7 @@ def _dry_step(cfg: WorkloadConfig) -> None:
     workload = Workload(cfg)
     key = "workload.model"
     try:
-        model = workload.build_model()
+        model = probe(cfg).model
         key = "workload.data"
         inputs, targets = workload.batch(0, 0, 0)
         key = "workload.model"
@@ -198,8 +199,40 @@ MODULE_SITES = ("activation", "matmul")
 def forward_modules(cfg: WorkloadConfig) -> ForwardModules:
     """What one forward of micro-batch 0 runs, on the CPU, in this process: the modules an
     activation or a matmul fault can strike (harness/core/matmuls.py)."""
-    workload = Workload(cfg)
-    model = workload.build_model()
-    batch = workload.batch(0, 0, 0)
-    with torch.no_grad(), workload.forward_rng(0, 0, 0):
-        return traced(model, lambda: workload.loss(model, batch))
+    built = probe(cfg)
+    if built.forward is None:
+        workload = Workload(cfg)
+        batch = workload.batch(0, 0, 0)
+        with torch.no_grad(), workload.forward_rng(0, 0, 0):
+            built.forward = traced(built.model, lambda: workload.loss(built.model, batch))
+    return built.forward
+
+
+@dataclass
+class Probe:
+    """The command's one model of a workload, on the CPU: a custom workload's dry step trains it
+    one step and the fault checks read its parameters' names and shapes (any other workload's
+    come from `meta`), the forward trace runs it (`forward`, once traced), and the campaign
+    counts its products (harness/campaign/coverage.py). A user's model is then built once in
+    the command's process, whatever validation and campaign.json need of it; none of these
+    reads its values as they were at initialisation."""
+
+    model: nn.Module
+    forward: ForwardModules | None = None
+
+
+# Keyed by the workload's repr: a custom workload's targets are dicts, which do not hash.
+_probes: dict[str, Probe] = {}
+
+
+def probe(cfg: WorkloadConfig) -> Probe:
+    """The workload's one model in this process, built on first use."""
+    key = repr(cfg)
+    if key not in _probes:
+        _probes[key] = Probe(Workload(cfg).build_model())
+    return _probes[key]
+
+
+def release_probes() -> None:
+    """This process is done with its validation's models: a rank trains a model of its own."""
+    _probes.clear()
