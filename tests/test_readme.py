@@ -39,7 +39,9 @@ def test_the_readme_has_its_two_commands_first():
 
 @pytest.mark.parametrize("overrides", SDC_BENCH, ids=" ".join)
 def test_every_sdc_bench_line_composes_and_validates(overrides):
-    compose_run(*implied_campaign(overrides))  # as `sdc-bench` completes its command line
+    # As `sdc-bench` completes its command line; a bad key or value raises ConfigError here.
+    run = compose_run(*implied_campaign(overrides))
+    assert run.trials and run.detectors, "a campaign with trials and checks to run"
 
 
 def test_every_other_command_is_installed_or_a_script_of_the_repository():

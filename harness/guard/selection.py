@@ -48,13 +48,8 @@ class Job:
 def select(chosen: Chosen, job: Job) -> Selection:
     """The checks `chosen` names for `job`: "all", a check's name, names, or a mapping from
     names to their settings."""
-    choice("mode", job.mode, ("observe", "act"))
-    if isinstance(chosen, str) and chosen != ALL:
-        chosen = [chosen]
-    names = registry.available() if chosen == ALL else list(chosen)
+    names = named(chosen, job.mode)
     params = chosen if isinstance(chosen, dict) else {name: {} for name in names}
-    for name in params:
-        choice("detectors", name, registry.available())
     checks, refused = {}, {}
     for name, p in params.items():
         try:
@@ -65,6 +60,18 @@ def select(chosen: Chosen, job: Job) -> Selection:
         why = next(iter(refused.values()))
         raise ValueError(f"detectors: {why}; allowed here: {', '.join(applicable(job))}")
     return Selection(checks, refused)
+
+
+def named(chosen: Chosen, mode: str) -> list[str]:
+    """The checks `chosen` names ("all": every registered one) and the mode, validated with no
+    job at hand: all a callback can refuse where it is written, before any process group."""
+    choice("mode", mode, ("observe", "act"))
+    if isinstance(chosen, str) and chosen != ALL:
+        chosen = [chosen]
+    names = registry.available() if chosen == ALL else list(chosen)
+    for name in names:
+        choice("detectors", name, registry.available())
+    return names
 
 
 def applicable(job: Job) -> list[str]:

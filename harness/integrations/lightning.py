@@ -50,10 +50,8 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
-import detectors as registry
-from harness.core.values import choice
-from harness.guard import Guard, SDCAlarm
-from harness.guard.selection import ALL, Chosen
+from harness.guard import Guard, SDCAlarm, selection
+from harness.guard.selection import Chosen
 
 # Precisions whose backward sees the loss itself: float16's GradScaler multiplies it by a scale
 # that changes between steps and overflows on purpose (an inf gradient that is not corruption).
@@ -75,10 +73,7 @@ class SDCGuard(pl.Callback):
         seed: int = 0,
         warmup_steps: int = 3,
     ):
-        choice("mode", mode, ("observe", "act"))
-        if detectors != ALL:
-            for name in [detectors] if isinstance(detectors, str) else detectors:
-                choice("detectors", name, registry.available())
+        selection.named(detectors, mode)  # fails here, where the callback is written
         self.options = dict(
             detectors=detectors, mode=mode, inject=inject, checkpoints=checkpoints,
             comm_hook=comm_hook, seed=seed, warmup_steps=warmup_steps,

@@ -53,10 +53,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from transformers import TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
 
-import detectors as registry
-from harness.core.values import choice
-from harness.guard import Guard, SDCAlarm
-from harness.guard.selection import ALL, Chosen
+from harness.guard import Guard, SDCAlarm, selection
+from harness.guard.selection import Chosen
 
 
 class SDCGuardCallback(transformers.TrainerCallback):
@@ -74,11 +72,7 @@ class SDCGuardCallback(transformers.TrainerCallback):
         seed: int = 0,
         warmup_steps: int = 3,
     ):
-        # Settings that need no process group fail here, where the callback is written.
-        choice("mode", mode, ("observe", "act"))
-        if detectors != ALL:
-            for name in [detectors] if isinstance(detectors, str) else detectors:
-                choice("detectors", name, registry.available())
+        selection.named(detectors, mode)  # fails here, where the callback is written
         self.options = dict(
             detectors=detectors, mode=mode, inject=inject, ranks_per_node=ranks_per_node,
             comm_hook=comm_hook, seed=seed, warmup_steps=warmup_steps,
