@@ -15,7 +15,8 @@ it deploys it, in one launch. Each rank writes DIR/rank<r>.json: the SHA-256 of 
 the twin's), the steps fitted, the median step time (and the twin's), the checks that ran, those
 left out and why, its alerts and the alarm (the rehearsal's under "rehearsal"); rank 0 writes
 costs.json (what each check cost) beside each clean fit's checkpoints. The process exits with
-the first alarm's code: 86 suspect hardware, 87 not attributed, 0 without one.
+the first alarm's code: 86 suspect hardware, 87 not attributed, 0 without one; 2 with one line
+for a setting the callback refuses.
 """
 
 from __future__ import annotations
@@ -194,13 +195,20 @@ def main() -> int:
     os.environ.setdefault("SDC_NODE_NAME", "host{node}")
 
     result: dict[str, Any] = {"unguarded": None, "unguarded_step_ms": None}
-    if args.twin or args.guard_off:
-        twin, clock = fit(args, None, args.out)
-        result |= {"unguarded": digest(twin), "unguarded_step_ms": clock.median_ms()}
-    fits = [] if args.guard_off else [guarded(args, args.out, args.inject)]
-    if args.rehearse is not None:
-        fits.append(guarded(args, args.out / "rehearsal", args.rehearse))
-        result["rehearsal"] = fits[-1]
+    try:
+        if args.twin or args.guard_off:
+            twin, clock = fit(args, None, args.out)
+            result |= {"unguarded": digest(twin), "unguarded_step_ms": clock.median_ms()}
+        fits = [] if args.guard_off else [guarded(args, args.out, args.inject)]
+        if args.rehearse is not None:
+            fits.append(guarded(args, args.out / "rehearsal", args.rehearse))
+            result["rehearsal"] = fits[-1]
+    except ValueError as exc:  # a setting the callback refuses: one line, exit 2, on every rank
+        if int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))) == 0:
+            print(f"train_lightning.py: error: {exc}", file=sys.stderr)
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        return 2
     if fits:
         result |= fits[0]
     args.out.mkdir(parents=True, exist_ok=True)
