@@ -12,11 +12,13 @@ import importlib
 import pkgutil
 
 from harness.core import registry
+from harness.core.vocabulary import STEP_SITES, Site
 from injectors.model import FaultModel
 
-SITES = ("grad", "allreduce", "weight", "optimizer", "activation", "loss", "matmul")
-# Sharded training's all-gather (topology.parallel=fsdp|hsdp): a site a replicated step has not.
-GATHER = "gather"
+# The sites every parallelism has; sharded training's all-gather (topology.parallel=fsdp|hsdp)
+# is a site a replicated step has not (harness/core/vocabulary.py).
+SITES = tuple(s.value for s in STEP_SITES)
+GATHER = Site.GATHER.value
 _NOT_MODELS = {"bits", "model", "injector", "contribution", "strikes"}
 
 

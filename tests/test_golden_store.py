@@ -18,7 +18,7 @@ from harness.campaign.golden_store import (
     code_version,
     package_version,
 )
-from harness.results.judgement import Golden
+from harness.results.schema import Golden
 from harness.runtime import checkpoint
 from tests.conftest import compose_run, rows, sdc_bench, without_timing
 

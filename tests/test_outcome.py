@@ -9,8 +9,8 @@ import pytest
 from harness.analysis.tables import bit_class, wilson
 from harness.config.schema import FaultConfig, TrialSpec
 from harness.core.events import Alert, Checkpoint, ElementInject
-from harness.results.judgement import Golden, noise_band, trial_row
-from harness.results.schema import RankResult
+from harness.results.judgement import noise_band, trial_row
+from harness.results.schema import Golden, RankResult
 from tests.conftest import compose_run
 
 GRAD_NAN = FaultConfig(site="grad", model="value", value="nan", ranks=(1,), steps=(3,))
@@ -61,21 +61,21 @@ def test_caught_in_its_step_before_the_optimizer_is_contained_and_attributed():
         ),
     ] + [_part(r) for r in (2, 3)]
     row = _row(GRAD_NAN, parts)
-    assert (row["fired"], row["detected"], row["contained"], row["attribution_correct"]) == (
+    assert (row.fired, row.detected, row.contained, row.attribution_correct) == (
         True,
         True,
         True,
         True,
     )
-    assert row["ttd_steps"] == 0 and row["ttd_seconds"] == pytest.approx(1.0)
-    assert row["effect"] == "harmful" and row["final_loss"] == ""
+    assert row.ttd_steps == 0 and row.ttd_seconds == pytest.approx(1.0)
+    assert row.effect == "harmful" and row.final_loss is None
 
 
 def test_a_gradient_fault_caught_a_step_late_is_not_contained():
     parts = [_part(0, [_alert(0, 4, "pre_allreduce", [0])]), _part(1, [_inject(1, 3)], digest="x")]
     row = _row(GRAD_NAN, parts + [_part(2), _part(3)])
-    assert row["detected"] and not row["contained"] and not row["attribution_correct"]
-    assert row["ttd_steps"] == 1
+    assert row.detected and not row.contained and not row.attribution_correct
+    assert row.ttd_steps == 1
 
 
 def test_a_checkpoint_between_injection_and_alert_breaks_containment():
@@ -86,57 +86,57 @@ def test_a_checkpoint_between_injection_and_alert_breaks_containment():
         _part(2, [_inject(2, 3), _alert(2, 5, "consensus", [2])], digest="x"),
         _part(3),
     ]
-    assert _row(WEIGHT, late)["contained"] is False
+    assert _row(WEIGHT, late).contained is False
     early = [
         _part(0, [checkpoint]),
         _part(1),
         _part(2, [_inject(2, 3), _alert(2, 4, "consensus", [2])], digest="x"),
         _part(3),
     ]
-    assert _row(WEIGHT, early)["contained"] is True
+    assert _row(WEIGHT, early).contained is True
 
 
 def test_effects():
     struck = [_part(r, [_inject(r, 3)] if r == 3 else []) for r in range(4)]
-    assert _row(GRAD_NAN, struck)["effect"] == "masked"
+    assert _row(GRAD_NAN, struck).effect == "masked"
     # The same run with a fault planned that never changed a value: no effect, not masked.
     missed = [_part(r, [_inject(r, 3, fired=False)] if r == 3 else []) for r in range(4)]
     row = _row(GRAD_NAN, missed)
-    assert (row["effect"], row["fired"]) == ("none", False)
+    assert (row.effect, row.fired) == ("none", False)
     near = [_part(r, loss=1.05, digest="x") for r in range(4)]
-    assert _row(GRAD_NAN, near, band=0.1)["effect"] == "benign"
+    assert _row(GRAD_NAN, near, band=0.1).effect == "benign"
     far = [_part(r, loss=1.5, digest="x") for r in range(4)]
-    assert _row(GRAD_NAN, far, band=0.1)["effect"] == "harmful"
+    assert _row(GRAD_NAN, far, band=0.1).effect == "harmful"
     crash = _row(GRAD_NAN, None, crash="rank 2 killed by SIGKILL")
-    assert crash["effect"] == "crash" and crash["crash_cause"] == "rank 2 killed by SIGKILL"
-    assert _row(FaultConfig(), [_part(r) for r in range(4)])["effect"] == "none"
+    assert crash.effect == "crash" and crash.crash_cause == "rank 2 killed by SIGKILL"
+    assert _row(FaultConfig(), [_part(r) for r in range(4)]).effect == "none"
 
 
 def test_damaged_state_inside_the_band_is_latent_not_benign():
     diverged = [_part(r, loss=1.05, digest="x" if r == 2 else "y") for r in range(4)]
     row = _row(WEIGHT, diverged, band=0.1)
-    assert (row["effect"], row["damage"]) == ("latent", "replicas diverged")
+    assert (row.effect, row.damage) == ("latent", ("replicas diverged",))
     frozen = [_part(r, loss=1.05, digest="x") for r in range(4)]
     frozen[1].optimizer_nonfinite = 3  # an Adam moment overflowed: those weights stop moving
     row = _row(GRAD_NAN, frozen, band=0.1)
-    assert (row["effect"], row["damage"]) == ("latent", "non-finite optimizer state (3 elements)")
+    assert (row.effect, row.damage) == ("latent", ("non-finite optimizer state (3 elements)",))
     nan_weight = [_part(r, loss=1.05, digest="x", finite=r != 0) for r in range(4)]
-    assert _row(GRAD_NAN, nan_weight, band=0.1)["effect"] == "latent"
+    assert _row(GRAD_NAN, nan_weight, band=0.1).effect == "latent"
     # Outside the band the loss decides: harmful, whatever else is damaged.
     far = [_part(r, loss=1.5, digest="x" if r == 2 else "y") for r in range(4)]
-    assert _row(WEIGHT, far, band=0.1)["effect"] == "harmful"
+    assert _row(WEIGHT, far, band=0.1).effect == "harmful"
 
 
 def test_an_injection_that_changed_nothing_has_not_fired():
     quiet = _inject(1, 3, fired=False)
     row = _row(GRAD_NAN, [_part(0), _part(1, [quiet]), _part(2), _part(3)])
-    assert row["fired"] is False and row["detected"] is False and row["contained"] == ""
+    assert row.fired is False and row.detected is False and row.contained is None
 
 
 def test_alerts_before_the_injection_do_not_count_as_detection():
     parts = [_part(0, [_alert(0, 1, "pre_allreduce", [0])]), _part(1, [_inject(1, 3)])]
     row = _row(GRAD_NAN, parts + [_part(2), _part(3)])
-    assert row["alerts"] == 1 and row["detected"] is False
+    assert row.alerts == 1 and row.detected is False
 
 
 def test_noise_band_and_wilson():

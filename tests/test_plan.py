@@ -29,7 +29,7 @@ from harness.analysis.plan import (
 )
 from harness.campaign import overhead
 from harness.results import schema
-from harness.results.schema import COLUMNS
+from tests.rows import write as write_cells
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "sweep"
 HAND = Job(
@@ -44,7 +44,7 @@ HAND = Job(
 
 def trial(step: int, seed: int, harmful: bool, on: str, every: str = "", found: str = "") -> dict:
     """A fired transient gradient fault at `step`; `found` is `check=step;...` (detect_steps)."""
-    row = dict.fromkeys(COLUMNS, "")
+    row: dict = {}
     caught = ";".join(sorted(p.split("=")[0] for p in found.split(";") if p))
     row.update(
         trial_id=f"t{step}-s{seed}-{every}",
@@ -77,7 +77,7 @@ def write_run(
     """trials.csv and overhead.csv; `hook_vs_ddp`: the hook's row against plain DDP (None: a
     table measured before plain DDP was)."""
     folder.mkdir(parents=True)
-    pd.DataFrame(trials, columns=COLUMNS).to_csv(folder / "trials.csv", index=False)
+    write_cells(folder / "trials.csv", trials)
     measured = ["detector", "interval", "overhead_pct", "floor_pct"]  # other columns blank
     rows = [dict(zip(measured, c, strict=True)) for c in costs]
     if hook_vs_ddp is not None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from harness.cli import implied_campaign
-from harness.results.schema import COLUMNS
+from harness.results.trial_row import COLUMNS
 from tests.conftest import compose_run
 
 ROOT = Path(__file__).parents[1]

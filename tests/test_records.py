@@ -6,14 +6,14 @@ import pytest
 import torch
 
 from harness.core.events import Crash
-from harness.results.judgement import Golden
 from harness.results.records import Records
-from harness.results.schema import COLUMNS
+from harness.results.schema import Golden
 from harness.runtime import checkpoint
+from tests.rows import row
 
 
 def _row(trial_id):
-    return {c: "" for c in COLUMNS} | {"trial_id": trial_id}
+    return row(trial_id=trial_id)
 
 
 def test_resume_drops_a_torn_row_and_the_events_of_unfinished_trials(tmp_path):

@@ -6,6 +6,9 @@ from pathlib import Path
 
 import matplotlib
 
+from harness.core.vocabulary import Effect, Site
+from harness.results.trial_row import Column
+
 matplotlib.use("Agg")  # no display: the report is written by a batch job
 
 import matplotlib.pyplot as plt  # noqa: E402
@@ -13,12 +16,12 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 EFFECT_COLORS = {
-    "masked": "#9ecae1",
-    "benign": "#a1d99b",
-    "latent": "#fdd0a2",
-    "harmful": "#fc9272",
-    "crash": "#636363",
-    "none": "#ffffff",
+    Effect.MASKED: "#9ecae1",
+    Effect.BENIGN: "#a1d99b",
+    Effect.LATENT: "#fdd0a2",
+    Effect.HARMFUL: "#fc9272",
+    Effect.CRASH: "#636363",
+    Effect.NONE: "#ffffff",
 }
 
 
@@ -31,17 +34,19 @@ def _save(fig: plt.Figure, path: Path) -> Path:
 
 def catch_rate_by_detector(df: pd.DataFrame, detectors: list[str], wilson, path: Path) -> Path:
     """Catch rate among fired and among harmful trials, with 95% Wilson intervals."""
-    fired = df[df["fired"] == True]  # noqa: E712
+    fired = df[df[Column.fired] == True]  # noqa: E712
     fig, ax = plt.subplots(figsize=(max(4, 1.3 * len(detectors) + 2), 3.2))
     width = 0.38
     for offset, (label, subset) in zip(
         (-width / 2, width / 2),
-        (("fired", fired), ("harmful", fired[fired["effect"] == "harmful"])),
+        (("all fired", fired), ("harmful", fired[fired[Column.effect] == Effect.HARMFUL])),
         strict=True,
     ):
         rates, errors = [], [[], []]
         for d in detectors:
-            k = int(subset["detected_by"].map(lambda s, d=d: d in s.split(";")).astype(bool).sum())
+            k = int(
+                subset[Column.detected_by].map(lambda s, d=d: d in s.split(";")).astype(bool).sum()
+            )
             n = len(subset)
             lo, hi = wilson(k, n) if n else (0.0, 0.0)
             rate = k / n if n else 0.0
@@ -59,11 +64,13 @@ def catch_rate_by_detector(df: pd.DataFrame, detectors: list[str], wilson, path:
 
 def effects_by_scenario(df: pd.DataFrame, path: Path) -> Path:
     """Masked / benign / latent / harmful / crash shares per (site, model)."""
-    faulty = df[df["site"] != "none"]
-    table = pd.crosstab([faulty["site"], faulty["model"]], faulty["effect"], normalize="index")
+    faulty = df[df[Column.site] != Site.NONE]
+    table = pd.crosstab(
+        [faulty[Column.site], faulty[Column.model]], faulty[Column.effect], normalize="index"
+    )
     fig, ax = plt.subplots(figsize=(7, 0.35 * len(table) + 1.5))
     left = np.zeros(len(table))
-    for effect in ("masked", "benign", "latent", "harmful", "crash"):
+    for effect in (Effect.MASKED, Effect.BENIGN, Effect.LATENT, Effect.HARMFUL, Effect.CRASH):
         if effect in table:
             ax.barh(range(len(table)), table[effect], left=left, color=EFFECT_COLORS[effect],
                     label=effect, edgecolor="black", linewidth=0.3)  # fmt: skip
@@ -77,12 +84,14 @@ def effects_by_scenario(df: pd.DataFrame, path: Path) -> Path:
 
 def catch_heatmap(df: pd.DataFrame, dtype: str, path: Path) -> Path | None:
     """Catch rate (any detector) per site and bit index, for trials with a numeric bit."""
-    fired = df[(df["fired"] == True) & (df["dtype"] == dtype)].copy()  # noqa: E712
-    fired["bit_index"] = pd.to_numeric(fired["bit"], errors="coerce")
+    fired = df[(df[Column.fired] == True) & (df[Column.dtype] == dtype)].copy()  # noqa: E712
+    fired["bit_index"] = pd.to_numeric(fired[Column.bit], errors="coerce")
     fired = fired.dropna(subset=["bit_index"])
     if fired.empty:
         return None
-    grid = fired.pivot_table(index="site", columns="bit_index", values="detected", aggfunc="mean")
+    grid = fired.pivot_table(
+        index=Column.site, columns="bit_index", values=Column.detected, aggfunc="mean"
+    )
     fig, ax = plt.subplots(figsize=(max(5, 0.3 * grid.shape[1] + 2), 0.5 * len(grid) + 1.5))
     image = ax.imshow(grid.to_numpy(dtype=float), vmin=0, vmax=1, cmap="viridis", aspect="auto")
     ax.set_yticks(range(len(grid)), grid.index)
@@ -93,12 +102,12 @@ def catch_heatmap(df: pd.DataFrame, dtype: str, path: Path) -> Path | None:
 
 
 def detection_delay(df: pd.DataFrame, path: Path) -> Path | None:
-    caught = df[df["detected"] == True]  # noqa: E712
+    caught = df[df[Column.detected] == True]  # noqa: E712
     if caught.empty:
         return None
     fig, ax = plt.subplots(figsize=(5, 3))
-    for detector, g in caught.groupby("first_detector"):
-        ax.hist(pd.to_numeric(g["ttd_steps"]), bins=range(0, 22), alpha=0.6, label=detector)
+    for detector, g in caught.groupby(Column.first_detector):
+        ax.hist(pd.to_numeric(g[Column.ttd_steps]), bins=range(0, 22), alpha=0.6, label=detector)
     ax.set_xlabel("steps from injection to first alert")
     ax.set_ylabel("trials")
     ax.legend(fontsize=8)
@@ -110,15 +119,15 @@ def escape_impact(escaped: pd.DataFrame, cell: list[str], path: Path) -> Path:
     loss that is not a number is drawn as a cross at the right edge."""
     groups = list(escaped.groupby(cell, dropna=False))
     fig, ax = plt.subplots(figsize=(7, 0.4 * len(groups) + 1.5))
-    deltas = pd.to_numeric(escaped["loss_delta"], errors="coerce").abs()
+    deltas = pd.to_numeric(escaped[Column.loss_delta], errors="coerce").abs()
     finite = deltas[np.isfinite(deltas) & (deltas > 0)]
     edge = 10 * finite.max() if len(finite) else 1.0
     lost = False
     for y, (_, g) in enumerate(groups):
-        delta = pd.to_numeric(g["loss_delta"], errors="coerce").abs().to_numpy()
+        delta = pd.to_numeric(g[Column.loss_delta], errors="coerce").abs().to_numpy()
         shown = np.isfinite(delta) & (delta > 0)
         jitter = np.linspace(-0.15, 0.15, len(delta)) if len(delta) > 1 else np.zeros(1)
-        ax.scatter(delta[shown], y + jitter[shown], s=14, color=EFFECT_COLORS["harmful"],
+        ax.scatter(delta[shown], y + jitter[shown], s=14, color=EFFECT_COLORS[Effect.HARMFUL],
                    edgecolor="black", linewidth=0.3)  # fmt: skip
         if (~np.isfinite(delta)).any():
             lost = True

@@ -9,6 +9,7 @@ import math
 import pandas as pd
 
 from harness.analysis.tables import rate_text
+from harness.results.trial_row import Column
 
 
 def pairs(text: object) -> dict[str, int]:
@@ -18,14 +19,14 @@ def pairs(text: object) -> dict[str, int]:
     return {k: int(v) for k, v in (item.split("=") for item in text.split(";") if item)}
 
 
-INTERVAL_COLUMNS = ["check", "interval", "persistence", "caught", "ttd_steps"]
+INTERVAL_COLUMNS = ["check", "interval", Column.persistence, "caught", Column.ttd_steps]
 
 
 def interval_outcomes(df: pd.DataFrame) -> pd.DataFrame:
     """One row per fired trial and periodic check in it: the check's interval there, whether the
     check itself caught the fault (whichever alerted first) and its time to detection."""
     rows = []
-    for r in df[df["fired"] == True].itertuples(index=False):  # noqa: E712
+    for r in df[df[Column.fired] == True].itertuples(index=False):  # noqa: E712
         found = pairs(r.detect_steps)
         for check, k in pairs(r.check_intervals).items():
             step = found.get(check)
@@ -41,13 +42,13 @@ def audit_intervals(df: pd.DataFrame) -> list[dict[str, object]]:
     if outcomes.empty or outcomes.groupby("check")["interval"].nunique().max() < 2:
         return []
     rows = []
-    for (check, k, persistence), g in outcomes.groupby(["check", "interval", "persistence"]):
-        ttd = g["ttd_steps"].dropna()
+    for (check, k, persistence), g in outcomes.groupby(["check", "interval", Column.persistence]):
+        ttd = g[Column.ttd_steps].dropna()
         rows.append(
             {
                 "check": check,
                 "interval": k,
-                "persistence": persistence,
+                Column.persistence: persistence,
                 "caught": rate_text(int(g["caught"].sum()), len(g)),
                 "ttd steps (median / max)": f"{ttd.median():g} / {ttd.max():g}"
                 if len(ttd)

@@ -30,8 +30,10 @@ import pandas as pd
 
 from harness.analysis.intervals import pairs
 from harness.analysis.tables import Counts, ReportError, load_overhead, load_trials, wilson
+from harness.core.vocabulary import DAMAGING
 from harness.results.costs import JobCosts
 from harness.results.schema import HOOK
+from harness.results.trial_row import Column
 
 PLAN_FILE = "plan.md"
 FIGURE_FILE = "plan.png"
@@ -45,7 +47,6 @@ LLAMA3_SOURCE = (
     "attributed to silent data corruption (Llama Team, The Llama 3 Herd of Models, 2024, "
     "section 3.3.4, table 5)"
 )
-DAMAGE = ("harmful", "latent")
 PUBLISHED = ("nan_inf", "replay", "weight_consensus")
 # Sets drawn against the interval (every single check is drawn too).
 NAMED_SETS = {
@@ -55,8 +56,9 @@ NAMED_SETS = {
 # Columns that name a fault and its seed: the same fault run at several intervals of a check
 # that is not in a set counts once for that set.
 FAULT_COLUMNS = [
-    "workload", "dtype", "nodes", "ranks_per_node", "site", "model", "bit", "factor", "value",
-    "scope", "persistence", "fault_ranks", "fault_steps", "seed", "inject_step",
+    Column.workload, Column.dtype, Column.nodes, Column.ranks_per_node, Column.site,
+    Column.model, Column.bit, Column.factor, Column.value, Column.scope, Column.persistence,
+    Column.fault_ranks, Column.fault_steps, Column.seed, Column.inject_step,
 ]  # fmt: skip
 
 
@@ -168,13 +170,13 @@ def loss(option: Option, job: Job) -> Loss:
 
 def fired_faults(trials: pd.DataFrame) -> pd.DataFrame:
     """The fired trials, with the columns `measured` reads as sets and mappings."""
-    fired = trials[trials["fired"] == True].copy()  # noqa: E712 (a column of booleans)
-    fired["on"] = fired["detectors"].map(lambda s: frozenset(d for d in s.split(";") if d))
-    fired["every"] = fired["check_intervals"].map(pairs)
-    fired["found"] = fired["detect_steps"].map(pairs)
+    fired = trials[trials[Column.fired] == True].copy()  # noqa: E712 (a column of booleans)
+    fired["on"] = fired[Column.detectors].map(lambda s: frozenset(d for d in s.split(";") if d))
+    fired["every"] = fired[Column.check_intervals].map(pairs)
+    fired["found"] = fired[Column.detect_steps].map(pairs)
     # Damage (docs/design.md, section 5): harmful, latent (the loss hides it), or replicas
     # left apart.
-    fired["damaged"] = fired["effect"].isin(DAMAGE) | (fired["replicas_agree"] == False)  # noqa: E712
+    fired["damaged"] = fired[Column.effect].isin(DAMAGING) | (fired[Column.replicas_agree] == False)  # noqa: E712
     return fired
 
 
@@ -193,7 +195,7 @@ def measured(fired: pd.DataFrame, checks: tuple[str, ...], cost: Overheads) -> l
         group = group.drop_duplicates(subset=FAULT_COLUMNS)
         first = group["found"].map(lambda f: min((f[c] for c in checks if c in f), default=None))
         hit = first.notna()
-        ttd = (first[hit].astype(float) - group.loc[hit, "inject_step"].astype(float)).tolist()
+        ttd = (first[hit].astype(float) - group.loc[hit, Column.inject_step].astype(float)).tolist()
         n = len(group)
         options.append(
             Option(
@@ -265,7 +267,7 @@ def job_overheads(costs: JobCosts, source: str, trials: pd.DataFrame) -> Overhea
     the job's step costs f k_f / k at interval k (one run's cost, over k), f itself at k_f;
     the hook its own entry, once for any set. A check the run's trials ran and the file lacks is
     a PlanError naming it."""
-    ran = sorted({d for ds in trials["detectors"].fillna("") for d in str(ds).split(";") if d})
+    ran = sorted({d for ds in trials[Column.detectors].fillna("") for d in str(ds).split(";") if d})
     missing = [name for name in ran if name not in costs.checks]
     if missing:
         raise PlanError(
@@ -285,7 +287,7 @@ def job_overheads(costs: JobCosts, source: str, trials: pd.DataFrame) -> Overhea
 
 def options(trials: pd.DataFrame, cost: Overheads) -> list[Option]:
     """Every set of the checks the run ran (each at each interval it ran at), and no checks."""
-    names = sorted({d for ds in trials["detectors"] for d in ds.split(";") if d})
+    names = sorted({d for ds in trials[Column.detectors] for d in ds.split(";") if d})
     fired = fired_faults(trials)
     found = measured(fired, (), cost)  # no checks: every fired fault, each once
     for size in range(1, len(names) + 1):

@@ -47,6 +47,7 @@ from harness.analysis.tables import (
     wilson,
 )
 from harness.results import machine
+from harness.results.trial_row import Column
 
 OVERHEAD_GROWTH = 0.25
 # Two measurements of the nightly's overheads (100 steps, 5 rounds) on an idle 2-core machine
@@ -188,7 +189,7 @@ def environment_lines(base: Run, cur: Run) -> list[str]:
     """Whether the two runs' rows can compare bit for bit, and what compares either way."""
     before, after = base.environment, cur.environment
     if machine.same_numbers(before, after):
-        shared = base.trials.merge(cur.trials, on="trial_id", suffixes=("_base", "_cur"))
+        shared = base.trials.merge(cur.trials, on=Column.trial_id, suffixes=("_base", "_cur"))
         kept = (shared["effect_base"] == shared["effect_cur"]) & (
             shared["golden_final_loss_base"] == shared["golden_final_loss_cur"]
         )

@@ -38,8 +38,11 @@ from harness.analysis.tables import (
     wilson,
 )
 from harness.core.events import Sensitivity, from_record, of, to_record
+from harness.core.vocabulary import Site
 from harness.results import machine
 from harness.results.folder import EVENTS_FILE, RunFolder
+from harness.results.schema import Golden
+from harness.results.trial_row import Column
 
 
 def _pct(x: float) -> str:
@@ -97,11 +100,11 @@ def escape_section(df: pd.DataFrame, folder: Path) -> str:
 def never_struck(df: pd.DataFrame) -> int:
     """Trials with a fault planned that never changed a value: counted apart from every effect
     (`effect` none, `fired` False), so that fired counts can be trusted."""
-    return int(((df["site"] != "none") & (df["fired"] != True)).sum())  # noqa: E712
+    return int(((df[Column.site] != Site.NONE) & (df[Column.fired] != True)).sum())  # noqa: E712
 
 
 def effects_line(df: pd.DataFrame) -> str:
-    effects = df["effect"].value_counts()
+    effects = df[Column.effect].value_counts()
     line = ", ".join(f"{e} {effects[e]}" for e in sorted(effects.index))
     unfired = never_struck(df)
     return line + (f"; {unfired} planned faults never struck (effect none)" if unfired else "")
@@ -179,7 +182,7 @@ def coverage_line(df: pd.DataFrame) -> str:
     for run in sorted(df["run"].unique()):
         held = (RunFolder(Path(run)).campaign_record() or {}).get("product_coverage")
         if held:
-            workload = ", ".join(sorted(df.loc[df["run"] == run, "workload"].unique()))
+            workload = ", ".join(sorted(df.loc[df["run"] == run, Column.workload].unique()))
             parts.append(
                 f"{held['checked']:.1%} of {held['flops'] / 1e9:.3g} GFLOP of products per rank "
                 f"and step ({workload})"
@@ -199,12 +202,13 @@ def golden_line(df: pd.DataFrame) -> str:
     for run in sorted(df["run"].unique()):
         path = RunFolder(Path(run)).goldens
         if path.exists():
-            held += [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
-    reused = [g for g in held if g.get("reused_from")]
+            lines = path.read_text(encoding="utf-8").splitlines()
+            held += [Golden(**json.loads(line)) for line in lines]
+    reused = [g for g in held if g.reused_from]
     if not reused:
         return f"{len(held)}, each run in its campaign"
-    stores = sorted({str(Path(g["reused_from"]).parent.parent) for g in reused})
-    seeds = _spans(sorted({g["seed"] for g in reused}))
+    stores = sorted({str(Path(g.reused_from).parent.parent) for g in reused})
+    seeds = _spans(sorted({g.seed for g in reused}))
     return (
         f"{len(held)}; {len(reused)} reused from the golden store ({', '.join(stores)}; seeds "
         f"{seeds}), {len(held) - len(reused)} run in their campaign"
@@ -232,8 +236,8 @@ def write_report(df: pd.DataFrame, out: Path, dirs: list[Path] | None = None) ->
         "Environment: " + environment_line(df) + "  ",
         "Numerics: " + numerics_line(df) + "  ",
         "Golden runs: " + golden_line(df) + "  ",
-        f"Trials: {len(df)}; workloads: {', '.join(sorted(df['workload'].unique()))}; "
-        f"dtypes: {', '.join(sorted(df['dtype'].unique()))}; "
+        f"Trials: {len(df)}; workloads: {', '.join(sorted(df[Column.workload].unique()))}; "
+        f"dtypes: {', '.join(sorted(df[Column.dtype].unique()))}; "
         "effects: " + effects_line(df),
         "Rates are k/n with a 95% Wilson interval. Catch rate = detected / fired "
         "(docs/design.md §5); "
@@ -284,9 +288,9 @@ def write_report(df: pd.DataFrame, out: Path, dirs: list[Path] | None = None) ->
     if extra:
         sections.append(extra)
     sections.append(_figures(df, folder))
-    clean = df[df["site"] == "none"]
+    clean = df[df[Column.site] == Site.NONE]
     if len(clean):
-        same = int(clean["golden_match"].sum())
+        same = int(clean[Column.golden_match].sum())
         sections.append(
             "## Detectors observe only\n\nClean trials whose final weights are bit-identical to "
             f"their golden run (same seed, checks observing): {same}/{len(clean)}."
@@ -315,7 +319,7 @@ def _figures(df: pd.DataFrame, folder: Path) -> str:
         ),
         ("Time to detection", figures.detection_delay(df, folder / "ttd.png")),
     ]
-    for dtype in sorted(df["dtype"].unique()):
+    for dtype in sorted(df[Column.dtype].unique()):
         path = figures.catch_heatmap(df, dtype, folder / f"heatmap_{dtype}.png")
         drawn.append((f"Catch rate by site and bit ({dtype})", path))
     lines = ["## Figures"]

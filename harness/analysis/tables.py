@@ -8,25 +8,32 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 
 import pandas as pd
 
 from harness.core.formats import BIT_CLASSES, classify_bit
+from harness.core.vocabulary import DAMAGING, Effect, Site
 from harness.results.folder import TRIALS_FILE
 from harness.results.schema import (
-    CONTRACT_COLUMNS,
-    EXTRA_COLUMNS,
     OVERHEAD_COLUMNS,
     OVERHEAD_FILE,
     OVERHEAD_REQUIRED,
     RECOVERY_KINDS,
     recovery_kinds,
 )
+from harness.results.trial_row import (
+    COLUMNS,
+    Column,
+    TrialRow,
+    TrialRowError,
+    cell_text,
+    read_trials,
+)
 
 Z95 = 1.959963984540054
 TRIAL_SETS = ("all fired", "non-masked", "harmful")
-DAMAGING = ("harmful", "latent")
 ANY = "any detector"
 
 Counts = tuple[int, int]  # (k, n): k successes in n trials
@@ -66,7 +73,9 @@ def bit_class(dtype: str, bit: object) -> str:
 
 
 def load_trials(dirs: list[Path]) -> pd.DataFrame:
-    """Every trials.csv under the given folders (a sweep folder holds one per job)."""
+    """Every trials.csv under the given folders (a sweep folder holds one per job), each read
+    into TrialRows (harness/results/trial_row.py) and framed by `trials_frame`, with `run` (the
+    file's folder) and `bit_class` added."""
     files = []
     for d in dirs:
         if not d.is_dir():
@@ -77,29 +86,33 @@ def load_trials(dirs: list[Path]) -> pd.DataFrame:
         files += found
     frames = []
     for f in files:
-        df = pd.read_csv(f, keep_default_na=False, na_values=[""], dtype={"trial_id": str})
-        missing = [c for c in CONTRACT_COLUMNS if c not in df.columns]
-        if missing:
-            raise ReportError(f"{f}: missing columns: {', '.join(missing)}")
-        for column in EXTRA_COLUMNS:
-            if column not in df.columns:
-                df[column] = ""
-        frames.append(df.assign(run=str(f.parent)))
+        try:
+            _, rows = read_trials(f)
+        except TrialRowError as exc:
+            raise ReportError(str(exc)) from None
+        frames.append(trials_frame(rows).assign(run=str(f.parent)))
     df = pd.concat(frames, ignore_index=True)
-    for col in (
-        "fired",
-        "detected",
-        "contained",
-        "attribution_correct",
-        "golden_match",
-        "replicas_agree",
-    ):
-        df[col] = df[col].map({True: True, False: False, "True": True, "False": False})
-    df["bit_class"] = [bit_class(d, b) for d, b in zip(df["dtype"], df["bit"], strict=True)]
-    for col in ("detected_by", "alert_detectors", "detectors", "parallel"):
-        # A column with no value in any row reads as float NaN: make it text before filling.
-        df[col] = df[col].astype(object).fillna("").astype(str)
+    df["bit_class"] = [
+        bit_class(d, b) for d, b in zip(df[Column.dtype], df[Column.bit], strict=True)
+    ]
     return df
+
+
+def _framed(value: object) -> object:
+    """A field as a frame holds it: a list or mapping as its cell's text (pandas groups and
+    compares text), an enum as its plain text, None as a missing value."""
+    if isinstance(value, tuple | dict):
+        return cell_text(value)
+    if isinstance(value, StrEnum):
+        return str(value)
+    return value
+
+
+def trials_frame(rows: list[TrialRow]) -> pd.DataFrame:
+    """TrialRows as one frame, a column per field: booleans are bools (object where the column
+    may be blank), numbers are numbers (float where it may be blank), blanks are missing."""
+    records = [{c: _framed(getattr(row, c)) for c in COLUMNS} for row in rows]
+    return pd.DataFrame.from_records(records, columns=list(COLUMNS))
 
 
 def rate_text(k: int, n: int) -> str:
@@ -120,7 +133,7 @@ def markdown_table(rows: list[dict[str, object]]) -> str:
 
 
 def detector_names(df: pd.DataFrame) -> list[str]:
-    return sorted({d for ds in df["detectors"] for d in ds.split(";") if d})
+    return sorted({d for ds in df[Column.detectors] for d in ds.split(";") if d})
 
 
 def _names(column: pd.Series, name: str) -> pd.Series:
@@ -130,15 +143,19 @@ def _names(column: pd.Series, name: str) -> pd.Series:
 
 def catch_counts(df: pd.DataFrame) -> dict[str, dict[str, Counts]]:
     """(k, n) caught per trial set (TRIAL_SETS) and per column (ANY, then each detector)."""
-    fired = df[df["fired"] == True]  # noqa: E712 (a column of booleans)
-    subsets = (fired, fired[fired["effect"] != "masked"], fired[fired["effect"] == "harmful"])
+    fired = df[df[Column.fired] == True]  # noqa: E712 (a column of booleans)
+    subsets = (
+        fired,
+        fired[fired[Column.effect] != Effect.MASKED],
+        fired[fired[Column.effect] == Effect.HARMFUL],
+    )
     found = {}
     for label, subset in zip(TRIAL_SETS, subsets, strict=True):
-        found[label] = {ANY: (int(subset["detected"].sum()), len(subset))}
+        found[label] = {ANY: (int(subset[Column.detected].sum()), len(subset))}
         for d in detector_names(df):
             # Over the trials in which the detector ran: a merged sweep mixes detector sets.
-            on = subset[_names(subset["detectors"], d)]
-            found[label][d] = (int(_names(on["detected_by"], d).sum()), len(on))
+            on = subset[_names(subset[Column.detectors], d)]
+            found[label][d] = (int(_names(on[Column.detected_by], d).sum()), len(on))
     return found
 
 
@@ -172,18 +189,20 @@ class Cell:
 def cell_stats(df: pd.DataFrame) -> list[Cell]:
     """Catch counts per (site, model, bit class), among fired and among harmful or latent
     trials (the damage a blind spot lets through)."""
-    fired = df[df["fired"] == True]  # noqa: E712
+    fired = df[df[Column.fired] == True]  # noqa: E712
     found = []
-    for (site, model, klass), g in fired.groupby(["site", "model", "bit_class"], dropna=False):
-        harmful = g[g["effect"].isin(DAMAGING)]
-        effects = ", ".join(f"{e} {c}" for e, c in g["effect"].value_counts().items())
+    for (site, model, klass), g in fired.groupby(
+        [Column.site, Column.model, "bit_class"], dropna=False
+    ):
+        harmful = g[g[Column.effect].isin(DAMAGING)]
+        effects = ", ".join(f"{e} {c}" for e, c in g[Column.effect].value_counts().items())
         found.append(
             Cell(
                 site=site,
                 model=model,
                 bit_class=klass or "-",
-                fired=(int(g["detected"].sum()), len(g)),
-                harmful=(int(harmful["detected"].sum()), len(harmful)),
+                fired=(int(g[Column.detected].sum()), len(g)),
+                harmful=(int(harmful[Column.detected].sum()), len(harmful)),
                 effects=effects,
             )
         )
@@ -194,8 +213,8 @@ def cells(df: pd.DataFrame) -> list[dict[str, object]]:
     """Catch rate per (site, model, bit class), and whether the cell is a blind spot."""
     return [
         {
-            "site": c.site,
-            "model": c.model,
+            Column.site: c.site,
+            Column.model: c.model,
             "bit class": c.bit_class,
             "catch rate (fired)": rate_text(*c.fired),
             "catch rate (harmful or latent)": rate_text(*c.harmful),
@@ -206,25 +225,25 @@ def cells(df: pd.DataFrame) -> list[dict[str, object]]:
     ]
 
 
-ESCAPE_CELL = ["site", "model", "persistence", "bit_class"]
+ESCAPE_CELL = [Column.site, Column.model, Column.persistence, "bit_class"]
 
 
 def harmful_escapes(df: pd.DataFrame) -> pd.DataFrame:
     """Harmful trials that no detector caught, with their scenario cell's columns filled."""
-    harmful = df[(df["fired"] == True) & (df["effect"] == "harmful")]  # noqa: E712
-    missed = harmful[harmful["detected"] != True]  # noqa: E712
-    return missed.fillna({"persistence": ""})
+    harmful = df[(df[Column.fired] == True) & (df[Column.effect] == Effect.HARMFUL)]  # noqa: E712
+    missed = harmful[harmful[Column.detected] != True]  # noqa: E712
+    return missed.fillna({Column.persistence: ""})
 
 
 def escapes(df: pd.DataFrame) -> list[dict[str, object]]:
     """The loss damage (loss_delta, final loss minus its golden run's) of harmful trials that no
     detector caught, per scenario cell (ESCAPE_CELL). A blank loss_delta is a final loss that is
     not a number: the damage has no size, and is counted apart."""
-    harmful = df[(df["fired"] == True) & (df["effect"] == "harmful")]  # noqa: E712
-    totals = harmful.fillna({"persistence": ""}).groupby(ESCAPE_CELL, dropna=False).size()
+    harmful = df[(df[Column.fired] == True) & (df[Column.effect] == Effect.HARMFUL)]  # noqa: E712
+    totals = harmful.fillna({Column.persistence: ""}).groupby(ESCAPE_CELL, dropna=False).size()
     rows = []
     for key, missed in harmful_escapes(df).groupby(ESCAPE_CELL, dropna=False):
-        delta = pd.to_numeric(missed["loss_delta"], errors="coerce")
+        delta = pd.to_numeric(missed[Column.loss_delta], errors="coerce")
         finite = delta[delta.map(math.isfinite)]
         labels = (c.replace("_", " ") for c in ESCAPE_CELL)
         row: dict[str, object] = dict(zip(labels, (k or "-" for k in key), strict=True))
@@ -239,18 +258,18 @@ def escapes(df: pd.DataFrame) -> list[dict[str, object]]:
 def sees_and_misses(df: pd.DataFrame) -> list[dict[str, object]]:
     """Per scenario (site, model, scope, persistence): what share of fired trials each detector
     caught, with n and a 95% Wilson interval. A dash: the detector was not on in those trials."""
-    fired = df[df["fired"] == True]  # noqa: E712
-    keys = ["site", "model", "scope", "persistence"]
+    fired = df[df[Column.fired] == True]  # noqa: E712
+    keys = [Column.site, Column.model, Column.scope, Column.persistence]
     rows = []
     # A column of blanks reads as float NaN, which pandas will not fill with text.
-    named = fired.astype({"scope": object}).fillna({"scope": ""})
+    named = fired.astype({Column.scope: object}).fillna({Column.scope: ""})
     for key, g in named.groupby(keys, dropna=False):
         row: dict[str, object] = dict(zip(keys, (k or "-" for k in key), strict=True))
         for d in detector_names(df):
-            on = g[_names(g["detectors"], d)]
-            caught = _names(on["detected_by"], d)
+            on = g[_names(g[Column.detectors], d)]
+            caught = _names(on[Column.detected_by], d)
             row[d] = rate_text(int(caught.sum()), len(on)) if len(on) else "-"
-        row["harmful"] = int((g["effect"] == "harmful").sum())
+        row["harmful"] = int((g[Column.effect] == Effect.HARMFUL).sum())
         rows.append(row)
     return rows
 
@@ -258,34 +277,34 @@ def sees_and_misses(df: pd.DataFrame) -> list[dict[str, object]]:
 def recovery(df: pd.DataFrame) -> str:
     """What recovery did: how each trial got back (an in-step retry of the reduction, a rollback,
     a rollback with quarantine, counted apart), steps lost, time, nodes that left, verdicts."""
-    verdicts = df["recovery_verdict"].map(lambda v: v if isinstance(v, str) else "")
+    verdicts = df[Column.recovery_verdict].map(lambda v: v if isinstance(v, str) else "")
     tried = df[verdicts != ""]
     if tried.empty:
         return ""
     rows = []
     for _, r in tried.iterrows():
-        shrunk = pd.notna(r["final_nodes"]) and int(r["final_nodes"]) < int(r["nodes"])
+        after = r[Column.final_nodes]
+        shrunk = pd.notna(after) and int(after) < int(r[Column.nodes])
         rows.append(
             {
-                "trial": r["trial_id"],
-                "recovered": r["recovered"],
-                "recoveries": r["recoveries"],
-                "quarantined nodes": r["quarantined_nodes"] if pd.notna(r["quarantined_nodes"])
-                else "-",
-                "world after": f"{int(r['final_nodes'])} nodes" + (" (shrunk)" if shrunk else "")
-                if pd.notna(r["final_nodes"]) else "-",
-                "restored from step": r["restore_step"] if pd.notna(r["restore_step"]) else "-",
-                "steps lost": r["steps_lost"],
-                "recovery s": r["recovery_s"] if pd.notna(r["recovery_s"]) else "-",
-                "matches golden": r["golden_match"],
-                "effect": r["effect"],
-                "how": r["recovery_verdict"],
+                "trial": r[Column.trial_id],
+                Column.recovered: r[Column.recovered],
+                Column.recoveries: int(r[Column.recoveries]),
+                "quarantined nodes": r[Column.quarantined_nodes] or "-",
+                "world after": f"{int(after)} nodes" + (" (shrunk)" if shrunk else "")
+                if pd.notna(after) else "-",
+                "restored from step": r[Column.restore_step] or "-",
+                "steps lost": int(r[Column.steps_lost]),
+                "recovery s": r[Column.recovery_s] if pd.notna(r[Column.recovery_s]) else "-",
+                "matches golden": r[Column.golden_match],
+                Column.effect: r[Column.effect],
+                "how": r[Column.recovery_verdict],
             }
         )  # fmt: skip
-    recovered = tried[tried["recovered"].astype(str) == "True"]
+    recovered = tried[tried[Column.recovered] == True]  # noqa: E712 (True, False or blank)
     kinds = [recovery_kinds(v) for v in verdicts[recovered.index]]
     by_kind = {k: sum(k in found for found in kinds) for k in RECOVERY_KINDS}
-    same = int(recovered["golden_match"].astype(str).eq("True").sum())
+    same = int((recovered[Column.golden_match] == True).sum())  # noqa: E712
     head = (
         f"{len(recovered)} of {len(tried)} trials that needed recovery got back: "
         f"{by_kind['retry']} by an in-step retry of the reduction, {by_kind['rollback']} by a "
@@ -300,18 +319,24 @@ def by_parallel(df: pd.DataFrame) -> list[dict[str, object]]:
     """Each detector's catch rate per fault (site, model, dtype) under each parallelism the
     trials ran with, side by side: what a check loses when the model is sharded. Empty unless
     the trials span more than one (a table written before sharding existed reads as ddp)."""
-    parallel = df["parallel"].replace("", "ddp")
-    modes = sorted(set(parallel))  # ddp, fsdp, hsdp: replicas first, as the names sort
+    modes = sorted(set(df[Column.parallel]))  # ddp, fsdp, hsdp: replicas first, as names sort
     if len(modes) < 2:
         return []
-    fired = df.assign(parallel=parallel)[df["fired"] == True]  # noqa: E712 (booleans)
+    fired = df[df[Column.fired] == True]  # noqa: E712 (booleans)
     rows = []
-    for (site, model, dtype), cell in fired.groupby(["site", "model", "dtype"], sort=True):
+    for (site, model, dtype), cell in fired.groupby(
+        [Column.site, Column.model, Column.dtype], sort=True
+    ):
         for d in detector_names(cell):
-            row: dict[str, object] = {"site": site, "model": model, "dtype": dtype, "detector": d}
+            row: dict[str, object] = {
+                Column.site: site,
+                Column.model: model,
+                Column.dtype: dtype,
+                "detector": d,
+            }
             for mode in modes:
-                on = cell[(cell["parallel"] == mode) & _names(cell["detectors"], d)]
-                caught = int(_names(on["detected_by"], d).sum())
+                on = cell[(cell[Column.parallel] == mode) & _names(cell[Column.detectors], d)]
+                caught = int(_names(on[Column.detected_by], d).sum())
                 row[mode] = rate_text(caught, len(on)) if len(on) else "not run"
             rows.append(row)
     return rows
@@ -319,11 +344,11 @@ def by_parallel(df: pd.DataFrame) -> list[dict[str, object]]:
 
 def false_positive_counts(df: pd.DataFrame) -> dict[str, Counts]:
     """Per detector: (clean trials it alerted in, clean trials)."""
-    clean = df[df["site"] == "none"]
+    clean = df[df[Column.site] == Site.NONE]
     found = {}
     for d in detector_names(df):
-        on = clean[_names(clean["detectors"], d)]
-        found[d] = (int(_names(on["alert_detectors"], d).sum()), len(on))
+        on = clean[_names(clean[Column.detectors], d)]
+        found[d] = (int(_names(on[Column.alert_detectors], d).sum()), len(on))
     return found
 
 
@@ -335,23 +360,23 @@ def false_positives(df: pd.DataFrame) -> list[dict[str, object]]:
 
 
 def per_trial(df: pd.DataFrame) -> str:
-    clean = df[df["site"] == "none"]
-    return f"{clean['alerts'].sum()}/{len(clean)}" if len(clean) else "no clean trials"
+    clean = df[df[Column.site] == Site.NONE]
+    return f"{clean[Column.alerts].sum()}/{len(clean)}" if len(clean) else "no clean trials"
 
 
 def detection_times(df: pd.DataFrame) -> list[dict[str, object]]:
-    caught = df[df["detected"] == True]  # noqa: E712
+    caught = df[df[Column.detected] == True]  # noqa: E712
     rows = []
-    for d, g in caught.groupby("first_detector"):
-        ttd = g["ttd_steps"]
+    for d, g in caught.groupby(Column.first_detector):
+        ttd = g[Column.ttd_steps]
         rows.append(
             {
                 "first detector": d,
                 "n": len(g),
                 "ttd steps (median / max)": f"{ttd.median():g} / {ttd.max():g}",
-                "ttd seconds (median)": f"{g['ttd_seconds'].median():.4f}",
-                "contained": rate_text(int(g["contained"].sum()), len(g)),
-                "attribution correct": rate_text(int(g["attribution_correct"].sum()), len(g)),
+                "ttd seconds (median)": f"{g[Column.ttd_seconds].median():.4f}",
+                Column.contained: rate_text(int(g[Column.contained].sum()), len(g)),
+                "attribution correct": rate_text(int(g[Column.attribution_correct].sum()), len(g)),
             }
         )
     return rows

@@ -40,7 +40,7 @@ from typing import Any
 import detectors
 from harness.config.schema import RunConfig, TrialSpec, WorkloadConfig
 from harness.results import machine
-from harness.results.judgement import Golden
+from harness.results.schema import Golden
 from harness.runtime import checkpoint, snapshots
 
 logger = logging.getLogger(__name__)

@@ -26,14 +26,16 @@ from harness.campaign.golden_store import GoldenMismatch, GoldenStore
 from harness.campaign.recovery import run_with_recovery, scratch_folders
 from harness.config.schema import RunConfig, TopologyConfig, TrialSpec
 from harness.config.workload import release_probes
+from harness.core.vocabulary import Effect, EffectSource
 from harness.errors import ConfigError
 from harness.launch import stacks
 from harness.launch.world import World, WorldStartError
 from harness.results import machine
 from harness.results.folder import RunFolder
-from harness.results.judgement import Golden, Judged, golden_from, noise_band, trial_row
+from harness.results.judgement import Judged, golden_from, noise_band, trial_row
 from harness.results.records import Records
-from harness.results.schema import TrialResult
+from harness.results.schema import Golden, TrialResult
+from harness.results.trial_row import TrialRow
 from harness.runtime import environment
 
 logger = logging.getLogger(__name__)
@@ -276,7 +278,7 @@ class Campaign:
 
     def record(
         self, spec: TrialSpec, outcome: TrialResult, twin: TrialResult | None = None
-    ) -> dict | None:
+    ) -> TrialRow | None:
         """Store a golden result, or append a trial's row; return the row. `twin` is the
         outcome of `observe_twin(spec)`, when it has one."""
         if not self.run.checkpoint.keep and not spec.golden:
@@ -302,7 +304,7 @@ class Campaign:
             return None
         band = noise_band([self.goldens[s] for s in self.run.reference_seeds])
         golden = self.goldens[spec.seed]
-        judged = None if twin is None else Judged(twin.parts, twin.crash, "observe twin")
+        judged = None if twin is None else Judged(twin.parts, twin.crash, EffectSource.OBSERVE_TWIN)
         row, events = trial_row(
             self.run, spec, outcome.parts, outcome.crash, golden, band, outcome.recovery, judged
         )
@@ -358,8 +360,8 @@ def run_campaign(run: RunConfig, out: Path, executor: Executor | None = None) ->
                     "before is intact, and a rerun resumes once there is room"
                 ) from exc
             if row is not None:
-                alerts += row["alerts"]
-                crashes += row["effect"] == "crash"
+                alerts += row.alerts
+                crashes += row.effect == Effect.CRASH
                 bar.set_postfix(alerts=alerts, crashes=crashes, refresh=False)
             bar.update()
             if executor.lost:

@@ -11,10 +11,11 @@ from typing import Any
 
 from harness.core.checks import CheckConfig
 from harness.core.matmuls import ForwardModules
+from harness.core.vocabulary import Parallel, Persistence, Scope, Site
 
-SITES_WITH_SCOPE = {"allreduce": ("rank", "reduction")}
-SCOPES = ("rank", "reduction")
-PERSISTENCE = ("transient", "intermittent", "permanent")
+SCOPES = tuple(s.value for s in Scope)
+SITES_WITH_SCOPE = {Site.ALLREDUCE.value: SCOPES}
+PERSISTENCE = tuple(p.value for p in Persistence)
 SELECT = ("random", "largest")
 MATMUL_PHASES = ("forward", "backward")
 WORKLOADS = ("mlp", "gpt", "llama", "custom")
@@ -101,7 +102,7 @@ class WorkloadConfig:
         return tuple(sorted(roots))
 
 
-PARALLEL = ("ddp", "fsdp", "hsdp")
+PARALLEL = tuple(p.value for p in Parallel)
 
 
 @dataclass(frozen=True)

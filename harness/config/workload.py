@@ -21,6 +21,7 @@ from harness.config.schema import (
     WORKLOADS,
     WorkloadConfig,
 )
+from harness.core import vocabulary
 from harness.core.matmuls import ForwardModules, traced
 from harness.core.values import choice, integer, known_keys, positive
 from harness.errors import ConfigError
@@ -192,8 +193,7 @@ def _dry_step(cfg: WorkloadConfig) -> None:
         ) from None
 
 
-# The sites whose targets are modules: what a forward runs decides what they can strike.
-MODULE_SITES = ("activation", "matmul")
+MODULE_SITES = tuple(s.value for s in vocabulary.MODULE_SITES)
 
 
 def forward_modules(cfg: WorkloadConfig) -> ForwardModules:

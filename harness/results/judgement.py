@@ -8,29 +8,22 @@ from __future__ import annotations
 import math
 import statistics
 from collections import Counter
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import dataclass, replace
 
 from harness.config.schema import FaultConfig, RunConfig, TrialSpec
 from harness.core.events import Alert, Checkpoint, CheckWarning, Crash, Event, Inject, TrialAlert
 from harness.core.phases import PHASE_ORDER
-from harness.results.schema import RankResult, RecoveryRecord
-
-# Faults that enter the gradient of their own step: containing them means alerting before
-# that step's optimizer update.
-GRADIENT_SITES = {"grad", "allreduce", "activation", "loss", "matmul"}
-
-
-@dataclass(frozen=True)
-class Golden:
-    """The fault-free reference for one seed."""
-
-    seed: int
-    final_loss: float
-    weights_digest: str
-    # The golden store's entry it came from (harness/campaign/golden_store.py); None: it ran in
-    # this campaign. Where a result comes from never makes it another result.
-    reused_from: str | None = field(default=None, compare=False)
+from harness.core.vocabulary import (
+    GRADIENT_SITES,
+    Effect,
+    EffectSource,
+    Parallel,
+    Persistence,
+    Scope,
+    Site,
+)
+from harness.results.schema import Golden, RankResult, RecoveryRecord
+from harness.results.trial_row import TrialRow
 
 
 def noise_band(goldens: list[Golden]) -> float:
@@ -70,20 +63,21 @@ def merge_alerts(events: list[Event]) -> list[TrialAlert]:
     return sorted(merged, key=lambda a: (a.step, PHASE_ORDER[a.phase], a.detector))
 
 
-def _bit(fault: FaultConfig, injections: list[Inject]) -> int | str:
-    """The bit actually flipped when it was one; else the configured bit, class or blank."""
+def _bit(fault: FaultConfig, injections: list[Inject]) -> int | str | None:
+    """The bit actually flipped when it was one; else the configured bit, class or None."""
     flipped = {e.bit for e in injections}
     if len(flipped) == 1 and None not in flipped:
         return flipped.pop()
-    return "" if fault.bit is None else fault.bit
+    return fault.bit
 
 
-def _join(values) -> str:
-    return ";".join(str(v) for v in sorted(values))
+def _sorted(values) -> tuple:
+    return tuple(sorted(values))
 
 
-def _blank_if_nan(x: float) -> float | str:
-    return "" if x is None or math.isnan(x) else x
+def _number(x: float) -> float | None:
+    """A loss as a cell: None when it is not a number (the column is blank)."""
+    return None if math.isnan(x) else x
 
 
 @dataclass(frozen=True)
@@ -93,7 +87,7 @@ class Judged:
 
     parts: list[RankResult] | None
     crash: str | None
-    source: str = "run"
+    source: EffectSource = EffectSource.RUN
 
 
 def trial_row(
@@ -105,7 +99,7 @@ def trial_row(
     band: float,
     recovery: RecoveryRecord | None = None,
     judged: Judged | None = None,
-) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+) -> tuple[TrialRow, list[Event]]:
     """The trial's row for trials.csv and its events for events.jsonl; `recovery` holds what
     harness.campaign.recovery did (None: recovery was off); `judged` the observe twin's result when
     a check stopped this trial."""
@@ -124,83 +118,90 @@ def trial_row(
     first = caught[0] if caught else None
 
     final_loss = worst_loss(parts)
-    golden_match = matches_golden(parts, golden)
-    row: dict[str, Any] = {
-        "trial_id": spec.trial_id,
-        "seed": spec.seed,
-        "workload": run.workload.name,
-        "dtype": run.workload.dtype,
-        "nodes": run.topology.nodes,
-        "ranks_per_node": run.topology.ranks_per_node,
-        "parallel": run.topology.parallel,
-        "shard_size": run.topology.shard_size or "",
-        "site": fault.site,
-        "model": fault.model,
-        "bit": _bit(fault, injections),
-        "factor": "" if fault.factor is None else fault.factor,
-        "value": fault.value or "",
-        "scope": fault.scope or "",
-        "persistence": "" if fault.clean else fault.persistence,
-        "fired": fired,
-        "inject_step": "" if inject_step is None else inject_step,
-        "injected_ranks": _join(injected_ranks),
-        "effect": classify(fault, judged.parts, judged.crash, golden, band, fired),
-        "detected": bool(first),
-        "first_detector": first.detector if first else "",
-        "detect_step": first.step if first else "",
-        "ttd_steps": first.step - inject_step if first else "",
-        "ttd_seconds": first.time - min(e.time for e in injections) if first else "",
-        "contained": contained(fault, inject_step, first, checkpoints) if fired else "",
-        "alerts": len(alerts),
-        "suspect_ranks": _join(first.suspect_ranks) if first else "",
-        "suspect_nodes": _join(first.suspect_nodes) if first else "",
-        "attribution_correct": attribution(first, injected_ranks, run) if first else "",
-        "recovered": recovery.columns()["recovered"] if recovery else "",
-        "final_loss": _blank_if_nan(final_loss),
-        "golden_final_loss": golden.final_loss,
-        "loss_delta": _blank_if_nan(final_loss - golden.final_loss),
-        "step_time_s": step_time(parts),
-        "campaign": run.campaign,
-        "detectors": _join(run.detectors),
-        "detected_by": _join({a.detector for a in caught}),
-        "alert_detectors": _join({a.detector for a in alerts}),
-        "fault_ranks": _join(fault.ranks),
-        "fault_steps": _join(fault.steps),
-        "golden_match": golden_match,
-        "replicas_agree": "" if parts is None else len({p.weights_digest for p in parts}) == 1,
-        "divergent_ranks": _join(divergent_ranks(parts)),
-        "noise_band": band,
-        "stopped_step": next(
-            (p.stopped_step for p in parts or [] if p.stopped_step is not None), ""
+    row = TrialRow(
+        trial_id=spec.trial_id,
+        seed=spec.seed,
+        workload=run.workload.name,
+        dtype=run.workload.dtype,
+        nodes=run.topology.nodes,
+        ranks_per_node=run.topology.ranks_per_node,
+        parallel=Parallel(run.topology.parallel),
+        shard_size=run.topology.shard_size or None,
+        site=Site(fault.site),
+        model=fault.model,
+        bit=_bit(fault, injections),
+        factor=fault.factor,
+        value=fault.value or None,
+        scope=Scope(fault.scope) if fault.scope else None,
+        persistence=None if fault.clean else Persistence(fault.persistence),
+        fired=fired,
+        inject_step=inject_step,
+        injected_ranks=_sorted(injected_ranks),
+        effect=classify(fault, judged.parts, judged.crash, golden, band, fired),
+        detected=bool(first),
+        first_detector=first.detector if first else None,
+        detect_step=first.step if first else None,
+        ttd_steps=first.step - inject_step if first else None,
+        ttd_seconds=first.time - min(e.time for e in injections) if first else None,
+        contained=contained(fault, inject_step, first, checkpoints) if fired else None,
+        alerts=len(alerts),
+        suspect_ranks=_sorted(first.suspect_ranks) if first else (),
+        suspect_nodes=_sorted(first.suspect_nodes) if first else (),
+        attribution_correct=attribution(first, injected_ranks, run) if first else None,
+        final_loss=_number(final_loss),
+        golden_final_loss=golden.final_loss,
+        loss_delta=_number(final_loss - golden.final_loss),
+        step_time_s=step_time(parts),
+        campaign=run.campaign,
+        detectors=_sorted(run.detectors),
+        detected_by=_sorted({a.detector for a in caught}),
+        alert_detectors=_sorted({a.detector for a in alerts}),
+        fault_ranks=_sorted(fault.ranks),
+        fault_steps=_sorted(fault.steps),
+        golden_match=matches_golden(parts, golden),
+        replicas_agree=None if parts is None else len({p.weights_digest for p in parts}) == 1,
+        divergent_ranks=_sorted(divergent_ranks(parts)),
+        noise_band=band,
+        stopped_step=next(
+            (p.stopped_step for p in parts or [] if p.stopped_step is not None), None
         ),
-        "crash_cause": crash or "",
+        crash_cause=crash or None,
         # Where training began: a fast-forwarded trial starts from its golden run's snapshot.
-        "start_step": spec.segment.start_step if spec.segment else 0,
+        start_step=spec.segment.start_step if spec.segment else 0,
+        damage=_sorted(damage(judged.parts)),
+        effect_from=judged.source,
         # Each check's own first alert at or after the injection: its time to detection even
         # when another check alerted first.
-        "damage": _join(damage(judged.parts)),
-        "effect_from": judged.source,
-        "detect_steps": _join(
-            f"{name}={step}" for name, step in _first_alert_by_check(caught).items()
-        ),
+        detect_steps=_by_entry(_first_alert_by_check(caught)),
         # The audit interval of each periodic check in this trial (a scenario may set them).
-        "check_intervals": _join(
-            f"{name}={every}"
-            for name, config in run.checks(spec).items()
-            if (every := config.every) is not None
-        ),
-        # What a check could not judge (replay: "not deterministic"), never counted as alerts.
-        "warnings": _join(
-            {f"{e.detector}: {e.what}" for e in events if isinstance(e, CheckWarning)}
-        ),
-    }
-    for key in ("recoveries", "restore_step", "steps_lost", "recovery_s", "quarantined_nodes",
-                "final_nodes", "recovery_verdict"):  # fmt: skip
-        row[key] = recovery.columns()[key] if recovery else ""
+        check_intervals=_by_entry(
+            {
+                name: every
+                for name, config in run.checks(spec).items()
+                if (every := config.every) is not None
+            }
+        ),  # fmt: skip
+        # What a check could not judge (replay: "not deterministic"), never counted as alerts;
+        # `;` separates the cell's entries, so a text's own becomes `,`.
+        warnings=_sorted(
+            {
+                f"{e.detector}: {e.what}".replace(";", ",")
+                for e in events
+                if isinstance(e, CheckWarning)
+            }
+        ),  # fmt: skip
+        **(recovery.fields() if recovery else {}),
+    )
     if crash:
         events.append(Crash(cause=crash, time=0.0))
     events += alerts
     return row, [replace(e, trial_id=spec.trial_id) for e in events]
+
+
+def _by_entry(mapping: dict[str, int]) -> dict[str, int]:
+    """A `name=value` column's entries in the order of their text, as the table has always
+    listed them."""
+    return dict(sorted(mapping.items(), key=lambda kv: f"{kv[0]}={kv[1]}"))
 
 
 def _first_alert_by_check(caught: list[TrialAlert]) -> dict[str, int]:
@@ -245,21 +246,21 @@ def classify(
     golden: Golden,
     band: float,
     fired: bool = True,
-) -> str:
+) -> Effect:
     """The effect (docs/design.md, section 5): crash, none, masked, harmful, latent, benign.
     A planned fault that never struck (`fired` False: say, an intermittent one whose draws all
     missed) and left the run its golden run had no effect: `none`, as a clean trial, never
     `masked`, which would count it as a fault the model absorbed."""
     if crash or parts is None:
-        return "crash"
+        return Effect.CRASH
     if fault.clean:
-        return "none"
+        return Effect.NONE
     if matches_golden(parts, golden):
-        return "masked" if fired else "none"
+        return Effect.MASKED if fired else Effect.NONE
     final_loss = worst_loss(parts)
     if not math.isfinite(final_loss) or abs(final_loss - golden.final_loss) > band:
-        return "harmful"
-    return "latent" if damage(parts) else "benign"
+        return Effect.HARMFUL
+    return Effect.LATENT if damage(parts) else Effect.BENIGN
 
 
 def contained(
@@ -294,9 +295,9 @@ def divergent_ranks(parts: list[RankResult] | None) -> list[int]:
     return [p.rank for p in parts if p.weights_digest != majority]
 
 
-def step_time(parts: list[RankResult] | None) -> float | str:
+def step_time(parts: list[RankResult] | None) -> float | None:
     """Median over steps of the slowest rank's step time: the world moves at its slowest rank.
-    Blank when no step completed (a fast-forwarded trial stopped in its first step)."""
+    None when no step completed (a fast-forwarded trial stopped in its first step)."""
     if not parts or not parts[0].step_times:
-        return ""
+        return None
     return statistics.median(max(ts) for ts in zip(*(p.step_times for p in parts), strict=True))

@@ -8,16 +8,14 @@ events of trials that have no row are discarded, so nothing is counted twice.
 from __future__ import annotations
 
 import csv
-import io
 import json
 import os
 from pathlib import Path
-from typing import Any
 
 from harness.core.events import Event, to_record
 from harness.results.folder import RunFolder
-from harness.results.judgement import Golden
-from harness.results.schema import COLUMNS
+from harness.results.schema import Golden
+from harness.results.trial_row import Column, TrialRow, header_line, row_line
 
 
 def _append_lines(path: Path, text: str) -> None:
@@ -35,12 +33,6 @@ def _drop_torn_tail(path: Path) -> None:
             f.truncate(data.rfind(b"\n") + 1)
 
 
-def _csv_line(values: list[Any]) -> str:
-    buffer = io.StringIO()
-    csv.writer(buffer, lineterminator="\n").writerow(values)
-    return buffer.getvalue()
-
-
 class Records:
     """trials.csv, events.jsonl and golden.jsonl of one campaign folder."""
 
@@ -54,13 +46,14 @@ class Records:
         if self.trials.exists():
             _drop_torn_tail(self.trials)
             with open(self.trials, newline="", encoding="utf-8") as f:
-                done = {row["trial_id"] for row in csv.DictReader(f)}
+                done = {row[Column.trial_id] for row in csv.DictReader(f)}
         if self.events.exists():
             _drop_torn_tail(self.events)
             kept = [
                 line
                 for line in self.events.read_text(encoding="utf-8").splitlines(keepends=True)
-                if json.loads(line)["trial_id"] in done
+                if json.loads(line)[Column.trial_id]
+                in done  # an event names its trial as a row does
             ]
             tmp = self.events.with_name(".events.jsonl.tmp")
             tmp.write_text("".join(kept), encoding="utf-8")
@@ -78,10 +71,9 @@ class Records:
     def add_golden(self, golden: Golden) -> None:
         _append_lines(self.golden_file, json.dumps(golden.__dict__) + "\n")
 
-    def add_trial(self, row: dict[str, Any], events: list[Event]) -> None:
+    def add_trial(self, row: TrialRow, events: list[Event]) -> None:
         if events:
             lines = "".join(json.dumps(to_record(e)) + "\n" for e in events)
             _append_lines(self.events, lines)
         fresh = not self.trials.exists() or self.trials.stat().st_size == 0
-        header = _csv_line(COLUMNS) if fresh else ""
-        _append_lines(self.trials, header + _csv_line([row[c] for c in COLUMNS]))
+        _append_lines(self.trials, (header_line() if fresh else "") + row_line(row))

@@ -36,6 +36,18 @@ class RankResult:
     host_reads: list[int] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class Golden:
+    """The fault-free reference for one seed."""
+
+    seed: int
+    final_loss: float
+    weights_digest: str
+    # The golden store's entry it came from (harness/campaign/golden_store.py); None: it ran in
+    # this campaign. Where a result comes from never makes it another result.
+    reused_from: str | None = field(default=None, compare=False)
+
+
 @dataclass
 class RecoveryRecord:
     """What harness.campaign.recovery did for one trial, as trials.csv's recovery columns say it:
@@ -52,20 +64,23 @@ class RecoveryRecord:
     final_nodes: int = 0
     completed: bool = False
 
-    def columns(self) -> dict[str, Any]:
-        """The recovery columns of the trial's row (blank where nothing was recovered)."""
+    def fields(self) -> dict[str, Any]:
+        """The recovery fields of the trial's TrialRow (`recovered` None where nothing was
+        recovered)."""
         acted = bool(self.stops or self.recoveries)
-        return {
-            "recovered": (not self.verdict and self.completed) if acted else "",
-            "recoveries": len(self.recoveries),
-            "restore_step": ";".join(str(r) for r in self.restores),
-            "steps_lost": self.steps_lost,
-            "recovery_s": round(self.seconds, 3) if self.stops else "",
-            "quarantined_nodes": ";".join(str(n) for n in self.quarantined),
-            "final_nodes": self.final_nodes,
-            "recovery_verdict": "; ".join([*self.recoveries, self.verdict] if self.verdict
-                                          else self.recoveries),
-        }  # fmt: skip
+        return dict(
+            recovered=(not self.verdict and self.completed) if acted else None,
+            recoveries=len(self.recoveries),
+            restore_step=tuple(self.restores),
+            steps_lost=self.steps_lost,
+            recovery_s=round(self.seconds, 3) if self.stops else None,
+            quarantined_nodes=tuple(self.quarantined),
+            final_nodes=self.final_nodes,
+            recovery_verdict="; ".join(
+                [*self.recoveries, self.verdict] if self.verdict else self.recoveries
+            )
+            or None,
+        )
 
 
 @dataclass
@@ -82,22 +97,6 @@ class TrialResult:
     workload_error: bool = False
 
 
-CONTRACT_COLUMNS = [
-    "trial_id", "seed", "workload", "dtype", "nodes", "ranks_per_node", "site", "model", "bit",
-    "factor", "value", "scope", "persistence", "fired", "inject_step", "injected_ranks", "effect",
-    "detected", "first_detector", "detect_step", "ttd_steps", "ttd_seconds", "contained",
-    "alerts", "suspect_ranks", "suspect_nodes", "attribution_correct", "recovered", "final_loss",
-    "golden_final_loss", "loss_delta", "step_time_s",
-]  # fmt: skip
-# Beyond the contract (docs/design.md, section 4): what the report and audits of the table need.
-EXTRA_COLUMNS = [
-    "campaign", "detectors", "detected_by", "alert_detectors", "fault_ranks", "fault_steps",
-    "golden_match", "replicas_agree", "divergent_ranks", "noise_band", "stopped_step",
-    "recoveries", "restore_step", "steps_lost", "recovery_s", "quarantined_nodes", "final_nodes",
-    "recovery_verdict", "crash_cause", "start_step", "check_intervals", "detect_steps", "damage",
-    "effect_from", "warnings", "parallel", "shard_size",
-]  # fmt: skip
-COLUMNS = CONTRACT_COLUMNS + EXTRA_COLUMNS
 # The ways a run gets back, as `recovery_verdict` names each recovery ("KIND at step S ...",
 # `;`-joined in order): the step's reduction re-run in the step itself, a rollback to a
 # checkpoint, and a rollback that also quarantined the suspect nodes.

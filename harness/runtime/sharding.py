@@ -82,8 +82,9 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import (
 from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
 from harness.core import inflight
+from harness.core.vocabulary import Parallel
 
-PARALLEL = ("fsdp", "hsdp")
+PARALLEL = (Parallel.FSDP.value, Parallel.HSDP.value)
 
 
 def mesh(parallel: str, world_size: int, shard_size: int, device_type: str) -> DeviceMesh:

@@ -26,7 +26,8 @@ from harness.analysis.tables import (
     wilson,
 )
 from harness.core.formats import classify_bit
-from harness.results.schema import COLUMNS, recovery_kinds
+from harness.results.schema import recovery_kinds
+from tests.rows import frame
 
 
 def textbook_wilson(k: int, n: int) -> tuple[float, float]:
@@ -170,10 +171,9 @@ def test_recovery_kinds_lists_each_recovery_and_skips_a_failure():
 
 
 def trials(*rows: dict) -> pd.DataFrame:
-    """Rows of trials.csv as load_trials leaves them: every column, booleans as bools."""
-    blank = dict.fromkeys(COLUMNS, "")
-    blank.update(fired=False, detected=False, site="grad", effect="none")
-    return pd.DataFrame([{**blank, **row} for row in rows])
+    """Rows of trials.csv as load_trials leaves them (the cells not given: a trial that did not
+    fire, at site grad)."""
+    return frame(*rows)
 
 
 BOTH = "nan_inf;replay"
