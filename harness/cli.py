@@ -19,7 +19,9 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 import detectors
+import injectors
 from harness.campaign.run import CampaignError, check_out, run_campaign
+from harness.config.faults import FAULT_KEYS
 from harness.config.load import run_config
 from harness.config.schema import RunConfig
 from harness.core import logs, registry
@@ -162,6 +164,21 @@ def app(cfg: DictConfig) -> None:
     print(f"trials: {trials}\nreport: {path}")
 
 
+def model_keys_added(argv: list[str]) -> list[str]:
+    """A fault model's own keys (its `Config`, injectors/model.py) are not in
+    experiments/fault/none.yaml, which holds the keys every fault has: `fault.KEY=V` for one of
+    them becomes Hydra's add-or-override `++fault.KEY=V`, and the model checks it."""
+    own = {k for m in injectors.available_models() for k in injectors.model_class(m).Config.names()}
+    added = []
+    for arg in argv:
+        key, sep, _ = arg.partition("=")
+        name = key.removeprefix("fault.")
+        if sep and key.startswith("fault.") and name in own and name not in FAULT_KEYS:
+            arg = f"++{arg}"
+        added.append(arg)
+    return added
+
+
 def implied_campaign(argv: list[str]) -> list[str]:
     """Overriding the fault without naming a campaign means: run that fault (campaign=single)."""
     keys = [a.lstrip("+~").split("=", 1)[0] for a in argv if "=" in a]
@@ -172,7 +189,7 @@ def implied_campaign(argv: list[str]) -> list[str]:
 
 def main() -> None:
     logs.configure("sdc-bench")
-    argv = implied_campaign(sys.argv[1:])
+    argv = model_keys_added(implied_campaign(sys.argv[1:]))
     sys.argv[1:] = argv
     store_installed_detectors()
     check_group_choices(argv)

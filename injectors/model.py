@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from harness.core.settings import Settings
+
 if TYPE_CHECKING:
     from harness.config.schema import FaultConfig
 
@@ -20,6 +22,9 @@ class FaultModel:
     grouped = False
     # A contribution model changes what one rank sends into a reduction (`contribute`).
     contribution = False
+    # The model's own keys, beside the keys every fault has: set as `fault.KEY` or a scenario's
+    # `KEY`, parsed into `fault.settings` (a `Config` instance) when the fault is validated.
+    Config: type[Settings] = Settings
 
     def __init__(self, fault: FaultConfig, rng: random.Random):
         self.fault = fault

@@ -1,6 +1,7 @@
-"""A detector from outside the repository: a package of its own, pip-installed from a folder,
-registers under the `sdc_bench.detectors` entry point and runs beside the built-in checks in a
-campaign, with its settings validated by its own `Config`."""
+"""A detector and a fault model from outside the repository: a package of their own,
+pip-installed from a folder, registers them under the `sdc_bench.detectors` and `sdc_bench.faults`
+entry points; they run beside the built-in ones in a campaign, each with its settings (the
+fault model's own keys among them) validated by its own `Config`."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import BIN, rows
+from tests.conftest import BIN, events, rows
 
 PACKAGE = Path(__file__).parent / "fixtures" / "detector_package"
 
@@ -75,3 +76,36 @@ def test_without_the_package_the_name_is_refused_with_the_choices(tmp_path):
     proc = _sdc_bench(dict(os.environ), tmp_path, "detectors=[nan_inf,grad_norm_limit]")
     assert proc.returncode == 2
     assert "detectors: 'grad_norm_limit' is not allowed; allowed: allreduce_sketch" in proc.stderr
+
+
+def test_an_installed_fault_model_strikes_with_its_own_key(installed, tmp_path):
+    out = tmp_path / "run"
+    fault = ["fault.site=grad", "fault.model=offset", "fault.delta=1e6", "fault.ranks=[1]",
+             "fault.steps=[3]"]  # fmt: skip
+    proc = _sdc_bench(installed, tmp_path, *fault, "workload.steps=6", "campaign.seeds=1",
+                      "detectors=[nan_inf,allreduce_sketch]", f"out={out}")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (trial,) = rows(out)
+    assert trial["trial_id"] == "000-grad-offset-delta1e+06-s0", trial
+    assert (trial["model"], trial["fired"], trial["injected_ranks"]) == ("offset", "True", "1")
+    (inject,) = [e for e in events(out) if e["kind"] == "inject" and e["fired"]]
+    assert inject["new"] - inject["old"] == pytest.approx(1e6, rel=1e-6)
+    assert trial["detected_by"] == "allreduce_sketch" and trial["detect_step"] == "3", trial
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["fault.model=offset", "fault.delta=0"],
+         "fault.delta: 0 changes nothing: the fault could never strike"),
+        (["fault.model=scale", "fault.factor=2", "fault.delta=3"],
+         "fault.delta: unknown key; allowed: site, model, bit,"),
+    ],
+)  # fmt: skip
+def test_a_fault_models_own_key_is_validated_by_its_config(installed, tmp_path, args, message):
+    out = tmp_path / "run"
+    proc = _sdc_bench(installed, tmp_path, "fault.site=grad", *args, f"out={out}")
+    assert proc.returncode == 2, proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith(f"sdc-bench: error: {message}"), line
+    assert not out.exists()

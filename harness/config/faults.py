@@ -29,9 +29,26 @@ from harness.core.values import choice, int_list, integer, known_keys
 from harness.errors import ConfigError
 from injectors import bits, sites
 
+# The keys every fault has; a model's own keys (its `Config`) come beside them.
+FAULT_KEYS = [f.name for f in fields(FaultConfig) if f.name != "settings"]
+
 
 def _fault_model(key: str, value: Any) -> str:
     return choice(key, value, ("none", *injectors.available_models()))
+
+
+def _model_keys(model: str) -> list[str]:
+    return [] if model == "none" else injectors.model_class(model).Config.names()
+
+
+def _split(
+    key: str, raw: dict[str, Any], models: list[str]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """`raw` as (the keys every fault has, the model's own keys), refusing a key that neither
+    the fault nor any of `models` has."""
+    known_keys(f"{key}.", raw, FAULT_KEYS + [k for m in models for k in _model_keys(m)])
+    own = {k: v for k, v in raw.items() if k in FAULT_KEYS}
+    return own, {k: v for k, v in raw.items() if k not in FAULT_KEYS}
 
 
 def _fault_site(key: str, value: Any) -> str:
@@ -117,11 +134,11 @@ def _ignored(values: dict[str, Any], raw: dict[str, Any]) -> str | None:
 def fault_config(
     key: str, raw: dict[str, Any], workload: WorkloadConfig, topology: TopologyConfig
 ) -> FaultConfig:
-    known_keys(f"{key}.", raw, [f.name for f in fields(FaultConfig)])
-    site = _fault_site(f"{key}.site", raw.get("site", "none"))
-    values = _fault_values(key, raw, workload, topology)
+    given, settings = _split(key, raw, [_fault_model(f"{key}.model", raw.get("model", "none"))])
+    site = _fault_site(f"{key}.site", given.get("site", "none"))
+    values = _fault_values(key, given, workload, topology)
     if site == "none":
-        ignored = _ignored(values, raw)
+        ignored = _ignored(values, given) or next(iter(settings), None)
         if ignored is not None:
             raise ConfigError(
                 f"{key}.site",
@@ -162,6 +179,7 @@ def fault_config(
             "one rank, on the node whose reduction is broken"
         )  # fmt: skip
     _largest(key, values, model)
+    values["settings"] = injectors.model_class(model).Config.parse(key, settings)
     fault = FaultConfig(**values)
     injectors.model_class(model).validate(key, fault)
     return fault
@@ -207,9 +225,10 @@ def unused_fault(
     campaign: str, raw: dict[str, Any], workload: WorkloadConfig, topology: TopologyConfig
 ) -> None:
     """A campaign with scenarios of its own ignores `fault.*`: refuse an override there."""
-    known_keys("fault.", raw, [f.name for f in fields(FaultConfig)])
-    _fault_site("fault.site", raw.get("site", "none"))
-    ignored = _ignored(_fault_values("fault", raw, workload, topology), raw)
+    given, settings = _split("fault", raw, list(injectors.available_models()))
+    _fault_site("fault.site", given.get("site", "none"))
+    ignored = _ignored(_fault_values("fault", given, workload, topology), given)
+    ignored = ignored or next(iter(settings), None)
     if ignored is not None:
         raise ConfigError(
             "campaign",
@@ -219,7 +238,7 @@ def unused_fault(
 
 
 def _shape(key: str, values: dict[str, Any], site: str, model: str) -> None:
-    """Issue 14's keys: a burst's sub-model and stride, a matmul fault's pass; grouped models
+    """A burst's sub-model and stride, a matmul fault's pass; grouped models
     (swap, burst) draw their own positions, so they take no schedule and no `largest`."""
     if values.get("burst_model") is not None and model != "burst":
         raise ConfigError(f"{key}.burst_model", "only model burst has a sub-model; leave it null")

@@ -11,6 +11,7 @@ from typing import Any
 
 from harness.core.checks import CheckConfig
 from harness.core.matmuls import ForwardModules
+from harness.core.settings import Settings
 from harness.core.vocabulary import Parallel, Persistence, Scope, Site
 
 SCOPES = tuple(s.value for s in Scope)
@@ -178,11 +179,13 @@ class FaultConfig:
     schedule: tuple[dict[str, Any], ...] = ()
     bucket: int | None = None
     follows: str = "hardware"
-    # Issue 14's fault shapes: a burst's sub-model and stride, a matmul fault's pass.
+    # A burst's sub-model and stride, a matmul fault's pass and product.
     burst_model: str | None = None
     stride: int = 1
     phase: str = "forward"
     product: int = 1  # site matmul: the K-th product made while the target runs, 1-based
+    # The model's own keys (its `Config`, injectors/model.py), parsed.
+    settings: Settings = Settings()
 
     @property
     def clean(self) -> bool:
@@ -230,6 +233,8 @@ class FaultConfig:
             parts.append("schedule")
         elif self.persistence != "transient":
             parts.append(self.persistence)
+        parts += [f"{k}{v:g}" if isinstance(v, float) else f"{k}{v}"
+                  for k, v in self.settings.params().items()]  # fmt: skip
         return "-".join(parts)
 
 

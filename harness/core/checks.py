@@ -1,22 +1,17 @@
 """A check's settings, typed: every detector declares a frozen dataclass, its nested `Config`
-(subclassing `CheckConfig`), whose `__post_init__` validates each field with the value checks of
-harness/core/values.py; a bad value is one `ConfigError` naming the dotted key.
-
-Campaign configs, a scenario's `checks:` grid and the guard all make a check's settings through
-`Config.parse(key, params)`, so one value reads and fails the same wherever it came from (the
-pattern of torchtitan's nested, validated component configs). Settings are plain data: they
-pickle to the ranks and `dataclasses.asdict` writes them into campaign.json.
+(subclassing `CheckConfig`, itself harness/core/settings.py's `Settings`), whose `__post_init__`
+validates each field; campaign configs, a scenario's `checks:` grid and the guard all make a
+check's settings through `Config.parse(key, params)`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Self
 
+from harness.core.settings import Settings
 from harness.core.values import choice, integer
-from harness.errors import ConfigError
 
 # observe: record alerts and train on (campaigns measure coverage and effect in one run);
 # act: also stop the step before its optimizer step or checkpoint.
@@ -24,29 +19,13 @@ MODES = ("observe", "act")
 
 
 @dataclass(frozen=True)
-class CheckConfig:
+class CheckConfig(Settings):
     """The settings every check has; a detector's `Config` adds its own fields after `mode`."""
 
     mode: str = "observe"
 
     def __post_init__(self) -> None:
         choice("mode", self.mode, MODES)
-
-    @classmethod
-    def parse(cls, key: str, params: Mapping[str, Any]) -> Self:
-        """Settings from a mapping (missing keys take the defaults); `key` is the check's dotted
-        config key, which every error is named under."""
-        allowed = [f.name for f in dataclasses.fields(cls)]
-        for name in params:
-            if name not in allowed:
-                raise ConfigError(f"{key}.{name}", f"unknown key; allowed: {', '.join(allowed)}")
-        try:
-            return cls(**params)
-        except ConfigError as error:
-            raise ConfigError(f"{key}.{error.key}", error.message) from None
-
-    def params(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     @property
     def every(self) -> int | None:
