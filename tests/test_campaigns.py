@@ -97,10 +97,15 @@ def test_command_line_detectors_win_over_a_campaigns_choice():
 def test_blind_spots_cover_site_model_persistence_and_scope_against_every_detector():
     run = compose_run("campaign=blind_spots")
     assert set(run.detectors) == EVERY_DETECTOR | {"megatron_hash"}
-    # Every model of a wrong value; `crash` takes a process down instead (effect crash). The
-    # contribution models exist only in a reduction; a one-element loss has nothing to swap.
-    contribution = {"drop", "duplicate", "stale"}
-    models = set(injectors.available_models()) - {"crash"} - contribution
+    # The models it names (a model joins once the file names it), each at every place and
+    # persistence: element and grouped models everywhere, contribution models only in a
+    # reduction (and a one-element loss has nothing to swap); `crash`, which takes a process
+    # down instead of a value, is not among them.
+    named = {f.model for f in run.scenarios if not f.clean}
+    contribution = {m for m in named if injectors.model_class(m).contribution}
+    models = named - contribution
+    grouped = {m for m in models if injectors.model_class(m).grouped}
+    assert "crash" not in named and contribution and grouped and models - grouped
     persistence = ("transient", "intermittent", "permanent")
     places = [(s, None) for s in injectors.SITES if s != "allreduce"]
     places += [("allreduce", "rank"), ("allreduce", "reduction")]
