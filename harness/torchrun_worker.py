@@ -5,8 +5,10 @@ torchrun starts (harness/launch/torchrun_world.py), with node identity from torc
     ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=COMPATIBLE ONEDNN_MAX_CPU_ISA=AVX2 \
         torchrun --standalone --nproc-per-node=4 -m harness.torchrun_worker DIR
 
-On several hosts, DIR must be one folder that every host sees (checked before any trial): rank
-0 writes the records, and every rank reads the golden runs' snapshots from DIR/store. A crash
+Rank 0 validates the plan (the code or the machine may have changed since it was written) and
+hands the resolved config to the others through torchrun's store; they never validate it. On
+several hosts, DIR must be one folder that every host sees (checked before any trial): rank 0
+writes the records, and every rank reads the golden runs' snapshots from DIR/store. A crash
 ends the run (exit 1) after its row is written; rerunning the same command resumes.
 """
 
@@ -20,13 +22,20 @@ from pathlib import Path
 from typing import NoReturn
 
 from harness.campaign.run import CampaignError, run_campaign
-from harness.config.load import run_config
+from harness.config.load import run_config, topology_config
 from harness.config.schema import RunConfig, TopologyConfig
-from harness.config.workload import release_probes
 from harness.core import logs
 from harness.core.plugins import RankInfo
 from harness.errors import ConfigError
-from harness.launch.torchrun_world import END, STOP, TorchrunExecutor, TorchrunWorld, follow
+from harness.launch.torchrun_world import (
+    END,
+    STOP,
+    TorchrunExecutor,
+    TorchrunWorld,
+    follow,
+    rendezvous_store,
+    shared_plan,
+)
 from harness.launch.world import init_rank
 from harness.results.folder import RunFolder
 from harness.runtime import determinism, devices, environment, numerics
@@ -89,26 +98,28 @@ def main(argv: list[str] | None = None) -> None:
     logs.configure("harness.torchrun_worker")
     args = argv or sys.argv[1:]
     out = Path(args[0])
+    rank = int(os.environ["RANK"])
     try:
         raw = json.loads((out / PLAN).read_text())
         if raw["workload"]["name"] == "custom" and "--trust-plan" not in args:
             # Targets are instantiated only from the user's own config, never from a file in a
             # results folder, unless the user says the plan is theirs.
             raise ConfigError("workload", "a custom plan names code to run; add --trust-plan")
-        run = run_config(raw)
+        # The plan's own topology says how long rank 0 may take to validate the whole plan.
+        store = rendezvous_store(rank, topology_config(dict(raw["topology"])))
+        run = shared_plan(store, rank, lambda: run_config(raw))
         info = rank_info(run)
         run = replace(run, topology=placed(run.topology))
         local_rank = int(os.environ.get("LOCAL_RANK", info.rank % info.ranks_per_node))
         info = replace(info, device=init_rank(run.topology, info.rank, local_rank))
     except (ConfigError, OSError) as exc:
-        fail(str(exc), 2)
+        fail(str(exc) if rank == 0 or not isinstance(exc, ConfigError) else "", 2)
     folder = RunFolder(out)
-    world = TorchrunWorld(run, info.rank, info.world_size, folder.store, info.device)
+    world = TorchrunWorld(run, info.rank, info.world_size, store, folder.store, info.device)
     refused = world.refusal() or world.shared(folder.store)
     if refused:
         fail(refused if info.rank == 0 else "", 2)
     if info.rank != 0:
-        release_probes()  # rank 0 counts the products for campaign.json; the others train
         _exit(follow(world))
     executor = TorchrunExecutor(world, folder.crash_log)
     try:

@@ -43,10 +43,14 @@ class IrreproducibleNet(torch.nn.Module):
 
 
 class CountedConvNet(SmallConvNet):
-    """The example's net, counting its constructions in this process."""
+    """The example's net, counting its constructions in this process, and across processes in
+    the file $SDC_COUNT_BUILDS names (one line with the building process's id each)."""
 
     built = 0
 
     def __init__(self):
         super().__init__()
         CountedConvNet.built += 1
+        if os.environ.get("SDC_COUNT_BUILDS"):
+            with open(os.environ["SDC_COUNT_BUILDS"], "a") as f:
+                f.write(f"{os.getpid()}\n")

@@ -23,6 +23,7 @@ import pickle
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -31,6 +32,7 @@ import torch.distributed as dist
 
 from harness.config.schema import RunConfig, TopologyConfig, TrialSpec
 from harness.core.plugins import RankInfo
+from harness.errors import ConfigError
 from harness.launch import stacks
 from harness.launch.world import PEER_FAILURE, shutdown
 from harness.results.schema import RankResult, TrialResult
@@ -49,6 +51,7 @@ RECORD_WAIT_S = 30.0
 SHARED_WAIT_S = 2.0
 END = None  # the task after the last one: every rank leaves the world cleanly
 STOP = "stop"  # rank 0 ended the campaign early: every rank leaves without a word
+PLAN_KEY = "plan"  # the resolved RunConfig rank 0 validated, for the other ranks
 
 
 @dataclass(frozen=True)
@@ -102,11 +105,54 @@ def mixed_devices(kinds: list[str], hosts: list[str]) -> str | None:
     )
 
 
+def rendezvous_store(rank: int, topology: TopologyConfig) -> dist.Store:
+    """torchrun's rendezvous store, as this campaign's ranks share it. Rank 0 may keep the others
+    waiting on it for a whole recovery segment they sit out."""
+    wait = timedelta(seconds=topology.startup_timeout_s + topology.trial_timeout_s)
+    # The agent's store outlives a restart of its workers (--max-restarts): each attempt keeps
+    # its own keys.
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    client = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=rank == 0 and not agent_store,
+        timeout=wait,
+    )
+    return dist.PrefixStore(f"sdc-bench/attempt{attempt}/", client)
+
+
+def shared_plan(store: dist.Store, rank: int, validate: Callable[[], RunConfig]) -> RunConfig:
+    """The plan, validated once: rank 0 validates it (`validate`) and hands the resolved config
+    to every other rank through the store, as the spawned campaign's parent hands it to its
+    ranks. A ConfigError there is raised on every rank, with its message on rank 0 alone."""
+    if rank != 0:
+        shared = store.get(PLAN_KEY)
+        if not shared:  # rank 0 refused the plan and says why
+            raise ConfigError("plan", "refused by rank 0")
+        return pickle.loads(shared)
+    try:
+        run = validate()
+    except ConfigError:
+        store.set(PLAN_KEY, b"")
+        raise
+    store.set(PLAN_KEY, pickle.dumps(run))
+    return run
+
+
 class TorchrunWorld:
     """This rank's side of the world: the store, the group of the current world, and each
     task's part."""
 
-    def __init__(self, run: RunConfig, rank: int, size: int, store_dir: Path, device: str = "cpu"):
+    def __init__(
+        self,
+        run: RunConfig,
+        rank: int,
+        size: int,
+        store: dist.Store,
+        store_dir: Path,
+        device: str = "cpu",
+    ):
         topo = run.topology
         self.rank, self.size, self.per_node = rank, size, topo.ranks_per_node
         self.device = device  # this rank's (harness/runtime/devices.py)
@@ -119,19 +165,7 @@ class TorchrunWorld:
         self.environments: list[environment.RankEnvironment] = []
         self.cpu_kernels = topo.cpu_kernels
         self.cpu_numerics = topo.cpu_numerics
-        # Rank 0 may keep the others waiting for a whole recovery segment they sit out.
-        wait = timedelta(seconds=topo.startup_timeout_s + topo.trial_timeout_s)
-        # The agent's store outlives a restart of its workers (--max-restarts): each attempt
-        # keeps its own keys.
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        client = dist.TCPStore(
-            os.environ["MASTER_ADDR"],
-            int(os.environ["MASTER_PORT"]),
-            is_master=rank == 0 and not agent_store,
-            timeout=wait,
-        )
-        self.store = dist.PrefixStore(f"sdc-bench/attempt{attempt}/", client)
+        self.store = store
         self.world: int | None = None
         self._join_first(timedelta(seconds=topo.startup_timeout_s))
 
