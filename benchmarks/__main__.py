@@ -114,9 +114,10 @@ def table(figures: list[Figure]) -> str:
 
 def environment() -> str:
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    cpu = torch.cpu.get_capabilities().get("cpu_name") or platform.processor() or platform.machine()
     return (
         f"time: {time.strftime('%Y-%m-%d %H:%M:%S')}\nhost: {platform.node()}\n"
-        f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores\n"
+        f"cpu: {cpu}, {os.cpu_count()} cores\n"
         f"python: {platform.python_version()}, torch: {torch.__version__}\n"
         f"load average (1, 5, 15 min): {load}\n"
     )

@@ -24,7 +24,7 @@ Why a faulty reduction cannot forge this in step with the data:
 - The projection is one matrix-vector product of the bucket's rows with v, or of u with the rows
   (one read pass either way), and a dot product; the weights cost rows + numel / rows random
   numbers. A 16-bit bucket is converted to float32 a piece at a time into one workspace, in
-  cache, its norm taken from there. On this CPU (benchmarks/README.md, issue 28) the rider
+  cache, its norm taken from there. On this CPU (benchmarks/README.md, the profiles) the rider
   costs about 1.9 read passes of the bucket, the check 1.2-1.7 (MKL's matrix-vector product
   streams slower than `torch.sum`), plus 0.5-0.7 ms of small operations per bucket: not the
   floor of 2, and a fused kernel through `torch.compile` measured slower in float32, needed a

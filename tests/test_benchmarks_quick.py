@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks import gpu_check
+from benchmarks import docs, gpu_check
 from benchmarks.__main__ import PARTS, main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,6 +67,15 @@ def test_every_benchmark_runs_once_and_reports_sane_numbers(tmp_path, capsys):
     assert {"met", "MISSED", "info"} >= {row["verdict"] for row in figures.values()}
     printed = capsys.readouterr().out
     assert "| figure | measured | target |" in printed and str(out) in printed
+    # The docs' table regenerates from this run's output, a row per figure.
+    doc = tmp_path / "performance.md"
+    doc.write_text(f"before\n{docs.BEGIN}stale\n{docs.END}after\n")
+    docs.regenerate(out, doc, tmp_path / "stored")
+    text = doc.read_text()
+    assert text.startswith(f"before\n{docs.BEGIN}Measured by") and text.endswith(
+        f"{docs.END}after\n"
+    )
+    assert docs.documented(doc).count("\n| ") == len(figures) + 1 and "stale" not in text
 
     for name in ("overhead.csv", "overhead_cpu.csv"):  # by wall time (the contract), CPU time
         with open(out / name, newline="") as f:
@@ -110,3 +119,9 @@ def test_every_benchmark_runs_once_and_reports_sane_numbers(tmp_path, capsys):
     assert items[("host_reads", "act: most in a step")] == 2
     assert 1 <= items[("host_reads", "act: mean per step")] < 2
     assert items[("host_reads", "observe: mean per step")] < 1
+
+
+def test_the_docs_table_is_the_stored_runs():
+    """docs/performance.md's figures are results/benchmarks/'s run, as benchmarks.docs writes
+    them: a figure typed into the docs by hand, or a stored run not written out, fails here."""
+    assert docs.documented() == docs.table(docs.STORED)

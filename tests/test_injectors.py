@@ -244,8 +244,8 @@ def test_published_example_one_scaled_gradient_poisons_every_replica_alike(tmp_p
     assert got[0][2] == [] and got[2][2] == []
 
 
-# Issue 14's fault models, in one campaign shared by the tests below: each scenario on a
-# different site, so one run covers them all.
+# The grouped, contribution and strided fault models and the matmul shapes, in one campaign
+# shared by the tests below: each scenario on a different site, so one run covers them all.
 NEW_MODELS = {
     "swap": "site:weight,model:swap,ranks:[1],steps:[3]",
     "burst": "site:grad,model:burst,burst_model:bitflip,bit:30,elements:4,ranks:[1],steps:[3]",

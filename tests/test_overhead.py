@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.analysis import report, tables
+from harness.analysis import overheads, report
 from harness.analysis.regress import load, regressions
 from harness.campaign import overhead
 from harness.campaign.run import SpawnExecutor
@@ -71,7 +71,7 @@ def test_one_row_per_detector_with_its_interval_and_replays_floor(measured):
 
 
 def test_the_report_shows_each_check_against_the_hook_and_plain_ddp(measured, tmp_path):
-    section = report.overhead_section(tables.load_overhead([measured]), tmp_path)
+    section = report.overhead_section(overheads.load_overhead([measured]), tmp_path)
     header, _, *lines = [line for line in section.splitlines() if line.startswith("|")]
     assert "overhead (vs hook)" in header and "overhead (vs plain DDP)" in header
     by_name = {line.split("|")[1].strip(): line.split("|")[3:5] for line in lines}

@@ -134,7 +134,7 @@ def test_a_corrupted_checkpoint_is_detected_and_an_older_verified_one_is_used(tm
 def test_a_wrong_reduction_is_re_run_and_a_repeating_one_quarantines_only_its_node(
     tmp_path, run_ok
 ):
-    """Issue 14: a reduction fault that names no node (every rank alarms on the received sum)
+    """A reduction fault that names no node (every rank alarms on the received sum)
     is re-run once from the local contributions kept before the collective: a transient one
     ends there, with no rollback, no quarantine, bit-identical to the golden run. A permanent
     one on node 1's reduction fails the repeat too; reductions in sub-groups that each leave

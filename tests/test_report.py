@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.analysis import intervals, report, tables
+from harness.analysis import intervals, overheads, report, tables
 from harness.campaign import overhead
 from harness.results import schema
 
@@ -83,7 +83,7 @@ def test_report_without_overhead_has_escapes_and_no_overhead_section(tmp_path):
 
 def test_sweep_report_merges_every_jobs_overhead_next_to_its_floor(tmp_path):
     root = sweep(tmp_path / "sweep")
-    merged = tables.load_overhead([root])
+    merged = overheads.load_overhead([root])
     assert list(merged["detector"]) == ["nan_inf", "replay", "replay"]
     assert list(merged["interval"]) == ["", "1", "5"]
     nan_inf = merged.iloc[0]

@@ -29,7 +29,8 @@ from pathlib import Path
 import pandas as pd
 
 from harness.analysis.intervals import pairs
-from harness.analysis.tables import Counts, ReportError, load_overhead, load_trials, wilson
+from harness.analysis.overheads import load_overhead
+from harness.analysis.tables import Counts, ReportError, load_trials, wilson
 from harness.core.vocabulary import DAMAGING
 from harness.results.costs import JobCosts
 from harness.results.schema import HOOK

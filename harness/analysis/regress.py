@@ -32,6 +32,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from harness.analysis.overheads import load_overhead
 from harness.analysis.tables import (
     ANY,
     Cell,
@@ -40,7 +41,6 @@ from harness.analysis.tables import (
     catch_counts,
     cell_stats,
     false_positive_counts,
-    load_overhead,
     load_trials,
     markdown_table,
     rate_text,

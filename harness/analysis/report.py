@@ -18,6 +18,7 @@ from markdown_it import MarkdownIt
 
 from harness.analysis import figures
 from harness.analysis.intervals import audit_intervals
+from harness.analysis.overheads import load_overhead
 from harness.analysis.tables import (
     ESCAPE_CELL,
     ReportError,
@@ -29,7 +30,6 @@ from harness.analysis.tables import (
     escapes,
     false_positives,
     harmful_escapes,
-    load_overhead,
     load_trials,
     markdown_table,
     per_trial,

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import detectors
-from harness.config.faults import check_target, expand_scenarios, fault_config, unused_fault
+from harness.config.fault_targets import check_target
+from harness.config.faults import expand_scenarios, fault_config, unused_fault
 from harness.config.schema import (
     BACKENDS,
     LAUNCHERS,

@@ -17,7 +17,8 @@ import torch.distributed as dist
 from torch import nn
 
 import detectors as registry
-from harness.config.faults import check_target, fault_config
+from harness.config.fault_targets import check_target
+from harness.config.faults import fault_config
 from harness.config.schema import FaultConfig, TopologyConfig
 from harness.core.checks import CheckConfig
 from harness.core.values import choice

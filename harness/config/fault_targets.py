@@ -1,0 +1,120 @@
+"""The tensors a checked fault names, against the workload's model: they exist at the fault's
+site, a module site's targets run in the forward (and make the product a matmul fault picks),
+and, sharded, the fault's rank holds an element of them. Checked once the fault's own keys are
+(harness/config/faults.py) and the model is built (harness/config/workload.py's probe).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from harness.config.schema import FaultConfig
+from harness.core.matmuls import ForwardModules
+from harness.errors import ConfigError
+from injectors import sites
+
+# What a module site's targets are, for the error that names none matched.
+SITE_TARGETS = {
+    "activation": " (modules whose forward runs)",
+    "matmul": " (modules in whose forward a matrix multiply runs)",
+}
+
+
+def check_target(
+    key: str,
+    fault: FaultConfig,
+    model: torch.nn.Module,
+    forward: ForwardModules | None = None,
+    shard_group: int | None = None,
+) -> None:
+    """The tensors a fault names must exist at its site on this workload's model; at a module
+    site, among the modules `forward` says the forward runs (one that never runs, such as a
+    container, could never strike). Sharded over groups of `shard_group` ranks, a fault in a
+    rank's own shard (sites allreduce, weight, optimizer) must find an element there."""
+    if fault.clean:
+        return
+    reachable = dict(sites.targets(fault.site, model, forward))
+    names = ", ".join(reachable)
+    for i, entry in enumerate(fault.schedule):
+        at = f"{key}.schedule[{i}]"
+        if entry["tensor"] not in reachable:
+            message = f"'{entry['tensor']}' is not at site {fault.site}; allowed: {names}"
+            raise ConfigError(f"{at}.tensor", message)
+        size = reachable[entry["tensor"]]
+        if size is not None and entry["index"] >= size:
+            message = f"{entry['index']} is out of range; allowed: 0..{size - 1}"
+            raise ConfigError(f"{at}.index", message)
+    if fault.schedule:
+        return
+    matched = sites.matching(fault, model, forward)
+    if not matched:
+        where = SITE_TARGETS.get(fault.site, "")
+        message = f"'{fault.tensor}' matches nothing at site {fault.site}{where}; allowed: {names}"
+        raise ConfigError(f"{key}.tensor", message)
+    if fault.site == "matmul" and forward is not None:
+        _reaches_product(key, fault, [name for name, _ in matched], forward)
+    if shard_group is not None and fault.site in SHARD_HELD:
+        sizes = _held(key, fault, model, [name for name, _ in matched], shard_group)
+    else:
+        sizes = [size for _, size in matched]
+    if fault.index is not None and None not in sizes and fault.index + fault.elements > sum(sizes):
+        high = sum(sizes) - fault.elements
+        raise ConfigError(f"{key}.index", f"{fault.index} is out of range; allowed: 0..{high}")
+
+
+def _reaches_product(
+    key: str, fault: FaultConfig, targets: list[str], forward: ForwardModules
+) -> None:
+    """Every module the fault may strike makes at least `fault.product` products in one run of
+    its forward: a K it never reaches could never strike."""
+    fewest = min(targets, key=lambda name: forward.products[name])
+    most = forward.products[fewest]
+    if fault.product > most:
+        raise ConfigError(
+            f"{key}.product", f"{fault.product} is never reached: '{fewest}' makes {most} "
+            f"product{'s' * (most != 1)} per forward; allowed: 1..{most}"
+        )  # fmt: skip
+
+
+# The sites where a sharded rank holds only its own chunk of each parameter (dim 0, as FSDP2's
+# `fully_shard` splits it: `torch.chunk`, so the last ranks of a short dim 0 hold nothing).
+SHARD_HELD = ("allreduce", "weight", "optimizer")
+
+
+def _held(
+    key: str, fault: FaultConfig, model: torch.nn.Module, names: list[str], shard_group: int
+) -> list[int]:
+    """The elements of the matched parameters that the fault's rank holds (the fewest over its
+    ranks); a rank that holds none of them is refused: its fault could never strike."""
+    params = dict(model.named_parameters())
+    if fault.site == "optimizer":  # a moment, `NAME.exp_avg`, is shaped as its parameter
+        params |= {f"{n}.{k}": p for n, p in params.items() for k in sites.MOMENTS}
+    # scope reduction: the receivers of one shard, at the place of fault.ranks[0].
+    ranks = fault.ranks[:1] if fault.scope == "reduction" else fault.ranks
+    held: list[int] = []
+    for rank in ranks:
+        mine = [_chunk(params[name].shape, rank % shard_group, shard_group) for name in names]
+        if not sum(mine):
+            allowed = [
+                r for r in range(shard_group)
+                if sum(_chunk(params[n].shape, r, shard_group) for n in names)
+            ]  # fmt: skip
+            raise ConfigError(
+                f"{key}.ranks",
+                f"rank {rank} holds no element of '{fault.tensor}' at site {fault.site}: its "
+                f"shard of dim 0 is empty; allowed: ranks at places "
+                f"{', '.join(map(str, allowed))} of their shard group of {shard_group}",
+            )
+        if not held or sum(mine) < sum(held):
+            held = mine
+    return held
+
+
+def _chunk(shape: torch.Size, place: int, group: int) -> int:
+    """Elements of a parameter of `shape` at `place` in a shard group of `group` ranks."""
+    if not shape:
+        return 1 if place == 0 else 0
+    rows = -(-shape[0] // group)
+    return max(0, min(shape[0], (place + 1) * rows) - place * rows) * math.prod(shape[1:])
