@@ -30,6 +30,7 @@ from harness.errors import ConfigError
 from harness.launch.torchrun_world import (
     END,
     STOP,
+    PlanRefused,
     TorchrunExecutor,
     TorchrunWorld,
     follow,
@@ -112,8 +113,10 @@ def main(argv: list[str] | None = None) -> None:
         run = replace(run, topology=placed(run.topology))
         local_rank = int(os.environ.get("LOCAL_RANK", info.rank % info.ranks_per_node))
         info = replace(info, device=init_rank(run.topology, info.rank, local_rank))
+    except PlanRefused:
+        fail("", 2)  # rank 0 says why
     except (ConfigError, OSError) as exc:
-        fail(str(exc) if rank == 0 or not isinstance(exc, ConfigError) else "", 2)
+        fail(str(exc), 2)
     folder = RunFolder(out)
     world = TorchrunWorld(run, info.rank, info.world_size, store, folder.store, info.device)
     refused = world.refusal() or world.shared(folder.store)

@@ -105,7 +105,9 @@ def test_blind_spots_cover_site_model_persistence_and_scope_against_every_detect
     contribution = {m for m in named if injectors.model_class(m).contribution}
     models = named - contribution
     grouped = {m for m in models if injectors.model_class(m).grouped}
-    assert "crash" not in named and contribution and grouped and models - grouped
+    assert named >= {"bitflip", "scale", "value", "stuck", "swap", "burst", *contribution}
+    assert {"drop", "duplicate", "stale"} <= contribution and "crash" not in named
+    assert grouped and models - grouped
     persistence = ("transient", "intermittent", "permanent")
     places = [(s, None) for s in injectors.SITES if s != "allreduce"]
     places += [("allreduce", "rank"), ("allreduce", "reduction")]

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import pytest
 import torch
 
+from harness.campaign.run import check_out
 from harness.core.events import Crash
+from harness.errors import ConfigError
 from harness.results.records import Records
 from harness.results.schema import Golden
 from harness.runtime import checkpoint
+from tests.conftest import compose_run
 from tests.rows import row
 
 
@@ -66,3 +72,25 @@ def test_a_sharded_checkpoint_verifies_only_whole_and_as_written(tmp_path):
     assert not checkpoint.verify(folder)
     (copy / folder.name / "__2_0.distcp").write_bytes(b"x")
     assert not checkpoint.verify(copy / folder.name)
+
+
+def test_a_campaign_recorded_before_fault_models_had_settings_resumes(tmp_path):
+    """campaign.json written before a fault could carry its model's settings has no `settings`
+    in its faults: the same campaign resumes from it; one with a model's setting given does not."""
+    run = compose_run("campaign=default")
+    record = dataclasses.asdict(run)
+
+    def without_settings(content):
+        if isinstance(content, dict):
+            return {k: without_settings(v) for k, v in content.items() if k != "settings"}
+        if isinstance(content, list | tuple):
+            return [without_settings(v) for v in content]
+        return content
+
+    older = without_settings(record)
+    assert json.dumps(older) != json.dumps(record)  # every fault holds `settings` now
+    (tmp_path / "campaign.json").write_text(json.dumps(older))
+    check_out(tmp_path, run)
+    (tmp_path / "campaign.json").write_text(json.dumps(record | {"seeds": run.seeds + 1}))
+    with pytest.raises(ConfigError, match="different campaign"):
+        check_out(tmp_path, run)

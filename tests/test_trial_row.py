@@ -84,10 +84,23 @@ def test_a_cell_that_does_not_read_names_its_file_line_and_column(tmp_path, colu
     cells[COLUMNS.index(column)] = text
     lines[2] = ",".join(cells)
     path.write_text("\n".join(lines) + "\n")
-    with pytest.raises(TrialRowError, match=rf"trials.csv, line 3: column {column}: '{text}'"):
+    with pytest.raises(
+        TrialRowError, match=rf"trials.csv, line 3: column {column}: '{text}' is not"
+    ) as raised:
         read_trials(path)
+    assert "<" not in str(raised.value)  # the cells' wording, not a Python type
     with pytest.raises(ReportError, match=f"column {column}"):
         load_trials([tmp_path])
+
+
+def test_a_row_cut_short_or_too_long_names_its_line(tmp_path):
+    path = tmp_path / "trials.csv"
+    write_trials(path, [FULL, FULL])
+    lines = path.read_text().splitlines()
+    for changed in (lines[1].rsplit(",", 30)[0], lines[1] + ",extra"):
+        path.write_text("\n".join([lines[0], changed, lines[2]]) + "\n")
+        with pytest.raises(TrialRowError, match="line 2: its cells do not match the header's 59"):
+            read_trials(path)
 
 
 def test_a_table_without_a_contract_column_is_refused(tmp_path):

@@ -11,7 +11,7 @@ import os
 import shutil
 from dataclasses import replace
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from tqdm import tqdm
 
@@ -50,10 +50,21 @@ NOT_IDENTITY = ("golden_cache",)
 
 
 def _identity(run: RunConfig) -> str:
-    content = dataclasses.asdict(run)
+    content = _no_empty_settings(dataclasses.asdict(run))
     for name in NOT_IDENTITY:
         content.pop(name)
     return json.dumps(content, sort_keys=True, indent=1)
+
+
+def _no_empty_settings(content: Any) -> Any:
+    """`content` without the `settings` of faults whose model has none: such a fault is the one
+    a campaign.json written before models could have settings holds, and resumes as it."""
+    if isinstance(content, dict):
+        return {k: _no_empty_settings(v) for k, v in content.items()
+                if not (k == "settings" and v == {})}  # fmt: skip
+    if isinstance(content, list | tuple):  # asdict keeps a tuple field a tuple
+        return [_no_empty_settings(v) for v in content]
+    return content
 
 
 def _bound_to(out: Path) -> tuple[str, dict | None] | None:

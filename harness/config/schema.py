@@ -233,8 +233,10 @@ class FaultConfig:
             parts.append("schedule")
         elif self.persistence != "transient":
             parts.append(self.persistence)
+        # A model's settings away from their defaults, as `factor` is: `delta1e+06`.
+        defaults = type(self.settings)().params()
         parts += [f"{k}{v:g}" if isinstance(v, float) else f"{k}{v}"
-                  for k, v in self.settings.params().items()]  # fmt: skip
+                  for k, v in self.settings.params().items() if v != defaults[k]]  # fmt: skip
         return "-".join(parts)
 
 

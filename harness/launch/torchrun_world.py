@@ -32,7 +32,6 @@ import torch.distributed as dist
 
 from harness.config.schema import RunConfig, TopologyConfig, TrialSpec
 from harness.core.plugins import RankInfo
-from harness.errors import ConfigError
 from harness.launch import stacks
 from harness.launch.world import PEER_FAILURE, shutdown
 from harness.results.schema import RankResult, TrialResult
@@ -122,18 +121,22 @@ def rendezvous_store(rank: int, topology: TopologyConfig) -> dist.Store:
     return dist.PrefixStore(f"sdc-bench/attempt{attempt}/", client)
 
 
+class PlanRefused(Exception):
+    """Rank 0 could not validate the plan, and says why itself."""
+
+
 def shared_plan(store: dist.Store, rank: int, validate: Callable[[], RunConfig]) -> RunConfig:
     """The plan, validated once: rank 0 validates it (`validate`) and hands the resolved config
     to every other rank through the store, as the spawned campaign's parent hands it to its
-    ranks. A ConfigError there is raised on every rank, with its message on rank 0 alone."""
+    ranks. Whatever stops rank 0's validation reaches the others at once, as PlanRefused."""
     if rank != 0:
         shared = store.get(PLAN_KEY)
-        if not shared:  # rank 0 refused the plan and says why
-            raise ConfigError("plan", "refused by rank 0")
+        if not shared:
+            raise PlanRefused
         return pickle.loads(shared)
     try:
         run = validate()
-    except ConfigError:
+    except BaseException:
         store.set(PLAN_KEY, b"")
         raise
     store.set(PLAN_KEY, pickle.dumps(run))

@@ -4,7 +4,7 @@ all find their files here, so the layout has one owner.
 
     out/campaign.json    the campaign's config, the environment its ranks computed in, and the
                          share of a step's product FLOPs matmul_checksum checks (`product_coverage`)
-    out/trials.csv       one row per trial (harness/results/schema.py)
+    out/trials.csv       one row per trial (harness/results/trial_row.py)
     out/events.jsonl     every trial's events, one JSON object per line
     out/golden.jsonl     the golden runs' results
     out/crashes.log      crashed trials' causes and stacks

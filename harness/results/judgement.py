@@ -180,7 +180,7 @@ def trial_row(
                 for name, config in run.checks(spec).items()
                 if (every := config.every) is not None
             }
-        ),  # fmt: skip
+        ),
         # What a check could not judge (replay: "not deterministic"), never counted as alerts;
         # `;` separates the cell's entries, so a text's own becomes `,`.
         warnings=_sorted(
@@ -189,7 +189,7 @@ def trial_row(
                 for e in events
                 if isinstance(e, CheckWarning)
             }
-        ),  # fmt: skip
+        ),
         **(recovery.fields() if recovery else {}),
     )
     if crash:

@@ -1,8 +1,8 @@
 """What a run leaves behind, as the rest of the harness and every reader of its tables see it:
-what each rank reports about a trial, and the columns of trials.csv and overhead.csv
-(docs/design.md, section 4).
-Analysis reads runs through this module (and harness.core) alone; it imports neither torch nor
-the rest of the harness.
+what each rank reports about a trial, the golden runs, recovery's record and overhead.csv's
+columns (docs/design.md, section 4; trials.csv's row is harness/results/trial_row.py).
+Analysis reads runs through these two modules and harness.core alone; it imports neither torch
+nor the rest of the harness.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """One row of trials.csv, typed: `TrialRow`'s fields are the table's columns, in the table's order
 (docs/design.md, section 4). The CSV header, the cell format, the reader analysis uses and the
-column table of docs/design.md all derive from this class, so a column is named once.
+column table of docs/outputs.md all derive from this class, so a column is named once.
 
 Cells: None is a blank; a bool is `True`/`False`; a list is `;`-joined in the order held; a
 mapping (a check's interval or first alert) is `name=value` entries, `;`-joined; an enum is its
@@ -119,7 +119,8 @@ class TrialRow:
             try:
                 values[name] = decode(text)
             except ValueError:
-                raise TrialRowError(f"column {name}: {text!r} is not {_HINTS[name]}") from None
+                wanted = _cells_of(_HINTS[name])
+                raise TrialRowError(f"column {name}: {text!r} is not {wanted}") from None
         missing = [f.name for f in _REQUIRED if f.name not in values]
         if missing:
             raise TrialRowError(f"missing columns: {', '.join(missing)}")
@@ -148,7 +149,7 @@ def _boolean(text: str) -> bool:
 
 
 def _decoder(hint: Any) -> Callable[[str], Any]:
-    """The inverse of `_cell` for a field of type `hint`."""
+    """The inverse of `cell_text` for a field of type `hint`."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin is tuple:
         item = _decoder(args[0])
@@ -183,15 +184,9 @@ _REQUIRED = [f for f in dataclasses.fields(TrialRow) if f.default is f.default_f
 CONTRACT_COLUMNS = tuple(
     f.name for f in dataclasses.fields(TrialRow) if f.metadata.get("contract", True)
 )
-EXTRA_COLUMNS = tuple(c for c in COLUMNS if c not in CONTRACT_COLUMNS)
 # Column names as attributes (`Column.effect`), for the analysis's frames: a misspelt name is
 # an AttributeError where a string would be an empty selection.
 Column = StrEnum("Column", [(c, c) for c in COLUMNS])
-
-
-def column_type(name: str) -> Any:
-    """The type a column's cells read as (`int | None`, `tuple[int, ...]`, an enum, ...)."""
-    return _HINTS[name]
 
 
 def _line(values: Iterable[str]) -> str:
@@ -221,6 +216,11 @@ def read_trials(path: Path) -> tuple[tuple[str, ...], list[TrialRow]]:
             raise TrialRowError(f"{path}: missing columns: {', '.join(missing)}")
         rows = []
         for row in reader:
+            if None in row or None in row.values():  # DictReader's mark of a cell too many or few
+                raise TrialRowError(
+                    f"{path}, line {reader.line_num}: its cells do not match the header's "
+                    f"{len(header)} columns"
+                )
             try:
                 rows.append(TrialRow.from_cells(row))
             except TrialRowError as exc:
@@ -232,6 +232,9 @@ def write_trials(path: Path, rows: Iterable[TrialRow], columns: Iterable[str] = 
     """A whole trials.csv with the given columns (a table read from an older file keeps its
     own); a campaign appends row by row instead (harness/results/records.py)."""
     columns = tuple(columns)
+    unknown = [c for c in columns if c not in COLUMNS]
+    if unknown:  # read_trials kept no value of them
+        raise TrialRowError(f"{path}: no such columns: {', '.join(unknown)}")
     with open(path, "w", newline="", encoding="utf-8") as f:
         f.write(header_line(columns))
         f.writelines(row_line(row, columns) for row in rows)

@@ -1,6 +1,6 @@
 """harness/analysis/tables.py and intervals.py: Wilson intervals against the textbook formula,
 the markdown the report writes, and catch rates, false positives and audit-interval outcomes
-counted by hand on small tables with trials.csv's columns (harness/results/schema.py)."""
+counted by hand on small tables of trials.csv's rows (harness/results/trial_row.py)."""
 
 from __future__ import annotations
 
