@@ -76,7 +76,7 @@ def test_a_sharded_checkpoint_verifies_only_whole_and_as_written(tmp_path):
 
 def test_a_campaign_recorded_before_fault_models_had_settings_resumes(tmp_path):
     """campaign.json written before a fault could carry its model's settings has no `settings`
-    in its faults: the same campaign resumes from it; one with a model's setting given does not."""
+    in its faults: the same campaign resumes from it, as from its own record; another does not."""
     run = compose_run("campaign=default")
     record = dataclasses.asdict(run)
 
@@ -89,8 +89,9 @@ def test_a_campaign_recorded_before_fault_models_had_settings_resumes(tmp_path):
 
     older = without_settings(record)
     assert json.dumps(older) != json.dumps(record)  # every fault holds `settings` now
-    (tmp_path / "campaign.json").write_text(json.dumps(older))
-    check_out(tmp_path, run)
+    for written in (older, record):  # before settings, and as this campaign writes it
+        (tmp_path / "campaign.json").write_text(json.dumps(written))
+        check_out(tmp_path, run)
     (tmp_path / "campaign.json").write_text(json.dumps(record | {"seeds": run.seeds + 1}))
     with pytest.raises(ConfigError, match="different campaign"):
         check_out(tmp_path, run)

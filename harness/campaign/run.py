@@ -57,8 +57,9 @@ def _identity(run: RunConfig) -> str:
 
 
 def _no_empty_settings(content: Any) -> Any:
-    """`content` without the `settings` of faults whose model has none: such a fault is the one
-    a campaign.json written before models could have settings holds, and resumes as it."""
+    """`content` without the `settings` of faults whose model has none, on both sides of the
+    comparison: such a fault is the one a campaign.json written before models could have
+    settings holds, and resumes as it."""
     if isinstance(content, dict):
         return {k: _no_empty_settings(v) for k, v in content.items()
                 if not (k == "settings" and v == {})}  # fmt: skip
@@ -73,6 +74,7 @@ def _bound_to(out: Path) -> tuple[str, dict | None] | None:
     held = RunFolder(out).campaign_record()
     if held is None:
         return None
+    held = _no_empty_settings(held)
     env = held.pop("environment", None)
     held.pop("product_coverage", None)  # measured from the config: not part of the identity
     for name in NOT_IDENTITY:
