@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-from collections import Counter
 
 import pytest
 
@@ -50,30 +49,6 @@ def test_the_command_builds_the_users_model_once(tmp_path, monkeypatch, run_ok):
            f"out={tmp_path / 'run'}", cwd=tmp_path)  # fmt: skip
     assert CountedConvNet.built == 1
     assert rows(tmp_path / "run")[0]["fired"] == "True"
-
-
-def test_under_torchrun_rank_0_validates_the_plan_and_the_others_only_train(tmp_path, run_ok):
-    """The ranks torchrun starts take rank 0's validated plan: rank 0 builds the user's model
-    once more than any other rank (its validation's), the others as often as their trials do."""
-    plan = tmp_path / "plan"
-    run_ok("workload=custom", "workload.model._target_=tests.fixtures_custom.CountedConvNet",
-           "campaign=single", "fault=none", "workload.steps=2", "campaign.seeds=1",
-           "campaign.noise_seeds=2", "detectors=[]", "topology.nodes=1",
-           "topology.ranks_per_node=2", "topology.cpu_kernels=native", "launcher=torchrun",
-           f"out={plan}",
-           cwd=tmp_path)  # fmt: skip
-    builds = tmp_path / "builds"
-    env = dict(os.environ, PYTHONPATH=ROOT, SDC_COUNT_BUILDS=str(builds))
-    env["PATH"] = f"{BIN}:{env['PATH']}"
-    done = subprocess.run(
-        ["torchrun", "--standalone", "--nproc-per-node=2", "-m", "harness.torchrun_worker",
-         str(plan), "--trust-plan"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert len(rows(plan)) == 1
-    per_rank = sorted(Counter(builds.read_text().split()).values())
-    assert len(per_rank) == 2 and per_rank[1] == per_rank[0] + 1 and per_rank[0] > 0, per_rank
 
 
 @pytest.mark.parametrize(

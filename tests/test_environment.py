@@ -8,6 +8,8 @@ import os
 import platform
 import re
 import subprocess
+from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +20,8 @@ from harness.errors import ConfigError
 from harness.launch.world import World
 from harness.runtime import environment
 from tests.conftest import BIN, compose_run, rows, sdc_bench, without_timing
+
+ROOT = str(Path(__file__).parents[1])
 
 # What a user may have in their shell when they start a campaign: nothing, or either pin.
 PARENT_CAPABILITY = (None, "avx2", "default")
@@ -131,18 +135,22 @@ RECORDED = ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA", "OPENBLAS_C
             "MKL_NUM_THREADS", "OMP_NUM_THREADS")  # fmt: skip
 
 
-def torchrun(run_ok, tmp_path, kernels: str, **variables: str) -> subprocess.CompletedProcess:
-    """Plan SMALL on 2 ranks with `kernels`, then run the worker under torchrun in an
-    environment with only `variables` of the recorded ones."""
+def torchrun(
+    run_ok, tmp_path, kernels: str, *workload: str, **variables: str
+) -> subprocess.CompletedProcess:
+    """Plan SMALL (on `workload`'s overrides) on 2 ranks with `kernels`, then run the worker
+    under torchrun in an environment with only `variables` of the recorded ones."""
     plan = tmp_path / "plan"
     args = [*SMALL, "workload.steps=2", "campaign.noise_seeds=2", "topology.ranks_per_node=2"]
-    run_ok(*args, f"topology.cpu_kernels={kernels}", "launcher=torchrun", f"out={plan}",
-           cwd=tmp_path)  # fmt: skip
+    run_ok(*args, *workload, f"topology.cpu_kernels={kernels}", "launcher=torchrun",
+           f"out={plan}", cwd=tmp_path)  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k not in RECORDED}
     env = dict(env, PATH=f"{BIN}:{env['PATH']}", **variables)
+    trust = ["--trust-plan"] if workload else []
     return subprocess.run(
-        [*TORCHRUN, str(plan)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240
-    )
+        [*TORCHRUN, str(plan), *trust], cwd=tmp_path, env=env, capture_output=True, text=True,
+        timeout=240,
+    )  # fmt: skip
 
 
 def test_a_torchrun_worker_without_the_printed_variables_exits_2_in_one_line(tmp_path, run_ok):
@@ -163,11 +171,22 @@ def test_a_torchrun_worker_without_the_printed_variables_exits_2_in_one_line(tmp
     assert not (tmp_path / "plan" / "campaign.json").exists()
 
 
-def test_campaign_json_records_what_the_torchrun_ranks_ran_not_the_plan(tmp_path, run_ok):
+def test_campaign_json_records_what_the_torchrun_ranks_ran_and_rank_0_alone_validated(
+    tmp_path, run_ok
+):
+    """The ranks' environment, not the plan's, goes into campaign.json; and the ranks take rank
+    0's validated plan: rank 0 builds the user's model once more than the other rank (its
+    validation's), the other as often as its trials need."""
     # Unpinned (`native`), the ranks run what their own environment chose: here torch's portable
     # kernels and MKL's AVX2 branch, where this test's process and the planning one run AVX2.
-    done = torchrun(run_ok, tmp_path, "native", ATEN_CPU_CAPABILITY="default", MKL_CBWR="AVX2")
+    builds = tmp_path / "builds"
+    custom = ("workload=custom", "workload.model._target_=tests.fixtures_custom.CountedConvNet")
+    done = torchrun(run_ok, tmp_path, "native", *custom, ATEN_CPU_CAPABILITY="default",
+                    MKL_CBWR="AVX2", PYTHONPATH=ROOT, SDC_COUNT_BUILDS=str(builds))  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
+    assert len(rows(tmp_path / "plan")) == 1
+    per_rank = sorted(Counter(builds.read_text().split()).values())
+    assert len(per_rank) == 2 and per_rank[1] == per_rank[0] + 1 and per_rank[0] > 0, per_rank
     env = json.loads((tmp_path / "plan" / "campaign.json").read_text())["environment"]
     # Every rank reported the same (one value per field); torchrun sets OMP_NUM_THREADS=1.
     assert env["cpu_capability"] == "DEFAULT"

@@ -81,8 +81,9 @@ def test_without_the_package_the_name_is_refused_with_the_choices(tmp_path):
 def test_an_installed_fault_model_strikes_with_its_own_key(installed, tmp_path):
     out = tmp_path / "run"
     fault = ["fault.site=grad", "fault.model=offset", "fault.delta=1e6", "fault.ranks=[1]",
-             "fault.steps=[3]"]  # fmt: skip
-    proc = _sdc_bench(installed, tmp_path, *fault, "workload.steps=6", "campaign.seeds=1",
+             "fault.steps=[2]"]  # fmt: skip
+    proc = _sdc_bench(installed, tmp_path, *fault, "workload.steps=4", "campaign.seeds=1",
+                      "campaign.noise_seeds=2",
                       "detectors=[nan_inf,grad_stats]", f"out={out}")  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     (trial,) = rows(out)
@@ -90,7 +91,7 @@ def test_an_installed_fault_model_strikes_with_its_own_key(installed, tmp_path):
     assert (trial["model"], trial["fired"], trial["injected_ranks"]) == ("offset", "True", "1")
     (inject,) = [e for e in events(out) if e["kind"] == "inject" and e["fired"]]
     assert inject["new"] - inject["old"] == pytest.approx(1e6, rel=1e-6)
-    assert trial["detected_by"] == "grad_stats" and trial["detect_step"] == "3", trial
+    assert trial["detected_by"] == "grad_stats" and trial["detect_step"] == "2", trial
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import subprocess
 
+import pytest
+
 from tests.conftest import BIN, rows, sdc_bench
 
 # Two jobs of one tiny trial each (2 nodes, 4 steps): a low mantissa bit and the exponent MSB.
@@ -23,6 +25,7 @@ def sweep(*args: str, cwd) -> subprocess.CompletedProcess:
     return sdc_bench("-m", *TINY, *args, cwd=cwd)
 
 
+@pytest.mark.slow  # the default run's sweep is the one below; this is its error path
 def test_a_failed_job_ends_the_sweep_but_not_the_merged_report(tmp_path):
     # Job 1 asks for bit 99 of a float32: sdc-bench exits 2 in that job, which ends the sweep.
     proc = sweep("fault.bit=30,99", cwd=tmp_path)
