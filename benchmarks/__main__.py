@@ -32,7 +32,7 @@ from benchmarks import (
     step_overhead,
     throughput,
 )
-from benchmarks.timing import Figure
+from benchmarks.timing import Figure, table
 from benchmarks.worlds import Worlds
 
 PARTS = ("kernels", "overhead", "hook", "throughput", "growth", "numerics", "integrations")
@@ -100,16 +100,6 @@ def _kernels(out: Path, quick: bool) -> list[Figure]:
 
 def _with_rounds(plan, key: str, rounds: int | None):
     return plan if rounds is None else replace(plan, **{key: rounds})
-
-
-def table(figures: list[Figure]) -> str:
-    """A markdown table: figure, measured, target, verdict, note."""
-    lines = ["| figure | measured | target | | note |", "|---|---:|---|---|---|"]
-    for f in figures:
-        lines.append(
-            f"| {f.label} | {f.value_text()} | {f.target_text()} | {f.verdict()} | {f.note} |"
-        )
-    return "\n".join(lines)
 
 
 def environment() -> str:

@@ -19,7 +19,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from benchmarks.timing import Figure
+from benchmarks.timing import Figure, table
 
 ROOT = Path(__file__).parents[1]
 STORED = ROOT / "results" / "benchmarks"
@@ -59,20 +59,10 @@ def measured_on(run: Path) -> str:
     )
 
 
-def table(run: Path) -> str:
-    """The generated block: where it was measured, then one row per figure."""
-    lines = [
-        measured_on(run),
-        "",
-        "| figure | measured | target | | note |",
-        "|---|---:|---|---|---|",
-    ]
-    for f in figures(run):
-        note = f.note.replace("|", "\\|")
-        lines.append(
-            f"| {f.label} | {f.value_text()} | {f.target_text()} | {f.verdict()} | {note} |"
-        )
-    return "\n".join(lines) + "\n"
+def block(run: Path) -> str:
+    """The generated block: where it was measured, then the table `python -m benchmarks`
+    printed for it."""
+    return f"{measured_on(run)}\n\n{table(figures(run))}\n"
 
 
 def documented(doc: Path = DOC) -> str:
@@ -89,7 +79,7 @@ def regenerate(run: Path, doc: Path = DOC, stored: Path = STORED) -> None:
             shutil.copyfile(run / name, stored / name)
     text = doc.read_text(encoding="utf-8")
     head, tail = text[: text.index(BEGIN) + len(BEGIN)], text[text.index(END) :]
-    doc.write_text(head + table(stored) + tail, encoding="utf-8")
+    doc.write_text(head + block(stored) + tail, encoding="utf-8")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -84,3 +84,15 @@ def paired_ratio(times: dict[str, list[float]], num: str, den: str) -> float:
 
 def median(values: list[float]) -> float:
     return statistics.median(values) if values else math.nan
+
+
+def table(figures: list[Figure]) -> str:
+    """A markdown table: figure, measured, target, verdict, note (what `python -m benchmarks`
+    prints and writes, and docs/performance.md shows)."""
+    lines = ["| figure | measured | target | | note |", "|---|---:|---|---|---|"]
+    for f in figures:
+        note = f.note.replace("|", "\\|")  # a `|` inside a cell would end it
+        lines.append(
+            f"| {f.label} | {f.value_text()} | {f.target_text()} | {f.verdict()} | {note} |"
+        )
+    return "\n".join(lines)

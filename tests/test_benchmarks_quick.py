@@ -124,4 +124,4 @@ def test_every_benchmark_runs_once_and_reports_sane_numbers(tmp_path, capsys):
 def test_the_docs_table_is_the_stored_runs():
     """docs/performance.md's figures are results/benchmarks/'s run, as benchmarks.docs writes
     them: a figure typed into the docs by hand, or a stored run not written out, fails here."""
-    assert docs.documented() == docs.table(docs.STORED)
+    assert docs.documented() == docs.block(docs.STORED)

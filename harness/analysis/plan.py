@@ -30,7 +30,7 @@ import pandas as pd
 
 from harness.analysis.intervals import pairs
 from harness.analysis.overheads import load_overhead
-from harness.analysis.tables import Counts, ReportError, load_trials, wilson
+from harness.analysis.tables import Counts, ReportError, detector_names, load_trials, wilson
 from harness.core.vocabulary import DAMAGING
 from harness.results.costs import JobCosts
 from harness.results.schema import HOOK
@@ -268,7 +268,7 @@ def job_overheads(costs: JobCosts, source: str, trials: pd.DataFrame) -> Overhea
     the job's step costs f k_f / k at interval k (one run's cost, over k), f itself at k_f;
     the hook its own entry, once for any set. A check the run's trials ran and the file lacks is
     a PlanError naming it."""
-    ran = sorted({d for ds in trials[Column.detectors].fillna("") for d in str(ds).split(";") if d})
+    ran = detector_names(trials)
     missing = [name for name in ran if name not in costs.checks]
     if missing:
         raise PlanError(
@@ -288,7 +288,7 @@ def job_overheads(costs: JobCosts, source: str, trials: pd.DataFrame) -> Overhea
 
 def options(trials: pd.DataFrame, cost: Overheads) -> list[Option]:
     """Every set of the checks the run ran (each at each interval it ran at), and no checks."""
-    names = sorted({d for ds in trials[Column.detectors] for d in ds.split(";") if d})
+    names = detector_names(trials)
     fired = fired_faults(trials)
     found = measured(fired, (), cost)  # no checks: every fired fault, each once
     for size in range(1, len(names) + 1):

@@ -41,7 +41,7 @@ from harness.core.events import Sensitivity, from_record, of, to_record
 from harness.core.vocabulary import Site
 from harness.results import machine
 from harness.results.folder import EVENTS_FILE, RunFolder
-from harness.results.schema import Golden
+from harness.results.schema import read_goldens
 from harness.results.trial_row import Column
 
 
@@ -198,12 +198,9 @@ def coverage_line(df: pd.DataFrame) -> str:
 def golden_line(df: pd.DataFrame) -> str:
     """How many golden runs the rows were judged against, and which of them the golden store
     gave instead of a run (golden.jsonl's `reused_from`), one line."""
-    held = []
-    for run in sorted(df["run"].unique()):
-        path = RunFolder(Path(run)).goldens
-        if path.exists():
-            lines = path.read_text(encoding="utf-8").splitlines()
-            held += [Golden(**json.loads(line)) for line in lines]
+    held = [
+        g for run in sorted(df["run"].unique()) for g in read_goldens(RunFolder(Path(run)).goldens)
+    ]
     reused = [g for g in held if g.reused_from]
     if not reused:
         return f"{len(held)}, each run in its campaign"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from harness.core.events import Event, to_record
 from harness.results.folder import RunFolder
-from harness.results.schema import Golden
+from harness.results.schema import Golden, read_goldens
 from harness.results.trial_row import Column, TrialRow, header_line, row_line
 
 
@@ -63,10 +63,7 @@ class Records:
         return done
 
     def goldens(self) -> dict[int, Golden]:
-        if not self.golden_file.exists():
-            return {}
-        lines = self.golden_file.read_text(encoding="utf-8").splitlines()
-        return {g.seed: g for g in (Golden(**json.loads(line)) for line in lines)}
+        return {g.seed: g for g in read_goldens(self.golden_file)}
 
     def add_golden(self, golden: Golden) -> None:
         _append_lines(self.golden_file, json.dumps(golden.__dict__) + "\n")

@@ -7,8 +7,10 @@ nor the rest of the harness.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from harness.core.events import Event
@@ -46,6 +48,13 @@ class Golden:
     # The golden store's entry it came from (harness/campaign/golden_store.py); None: it ran in
     # this campaign. Where a result comes from never makes it another result.
     reused_from: str | None = field(default=None, compare=False)
+
+
+def read_goldens(path: Path) -> list[Golden]:
+    """golden.jsonl's golden runs, in the order they were written (none without the file)."""
+    if not path.exists():
+        return []
+    return [Golden(**json.loads(line)) for line in path.read_text(encoding="utf-8").splitlines()]
 
 
 @dataclass
