@@ -50,3 +50,11 @@ def write_pattern(flat: torch.Tensor, index: int, value: int) -> None:
 
 def flip(flat: torch.Tensor, index: int, bit: int) -> None:
     write_pattern(flat, index, pattern(flat, index) ^ (1 << bit))
+
+
+def flip_all(view: torch.Tensor, bit: int) -> None:
+    """Flip `bit` of every element of `view` (any strides) in place."""
+    width_ = width(view.dtype)
+    # The mask as the signed integer view holds it: the sign bit is negative there.
+    mask = (1 << bit) - (1 << width_ if bit == width_ - 1 else 0)
+    view.view(_INT_VIEW[view.dtype]).bitwise_xor_(mask)

@@ -22,6 +22,9 @@ class FaultModel:
     grouped = False
     # A contribution model changes what one rank sends into a reduction (`contribute`).
     contribution = False
+    # A per-product model strikes whole products of the forward, each with its own chance
+    # (`corrupt_lane`), not elements drawn up front (injectors/defective_unit.py).
+    per_product = False
     # The model's own keys, beside the keys every fault has: set as `fault.KEY` or a scenario's
     # `KEY`, parsed into `fault.settings` (a `Config` instance) when the fault is validated.
     Config: type[Settings] = Settings
@@ -47,6 +50,10 @@ class FaultModel:
 
     def group(self, size: int, first: int, rng: random.Random) -> list[int]:
         """A grouped model's positions in a tensor of `size` elements, around `first`."""
+        raise NotImplementedError
+
+    def corrupt_lane(self, output: torch.Tensor) -> int:
+        """A per-product model: corrupt one struck product's output in place; the bit flipped."""
         raise NotImplementedError
 
     def contribute(

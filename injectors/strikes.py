@@ -3,7 +3,8 @@ plug-in hooks through which that site's tensors pass. `FaultInjector` (injectors
 hands every hook to it and keeps what all sites share: when the fault is due, which elements it
 takes, the corruption and its events.
 
-Families: module outputs (activation, and matmul inside a module's forward), the loss, gradient
+Families: module outputs (activation, and matmul inside a module's forward; a defective unit's
+products, every one on the rank with its own chance), the loss, gradient
 buckets (grad before the collective, allreduce after it, and a contribution model's change to
 what a rank sends into it), sharded training's gathered parameters (gather), and state after the
 step (optimizer moments, weights).
@@ -11,13 +12,14 @@ step (optimizer moments, weights).
 
 from __future__ import annotations
 
+import random
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from harness.core.dtensors import local
-from harness.core.events import ContributionInject
+from harness.core.events import ContributionInject, LaneInject
 from harness.core.matmuls import MatmulCall
 from harness.core.plugins import Bucket, Plugin, matches
 from injectors import sites
@@ -107,6 +109,61 @@ class Matmul(Site):
             return None
         module, self.struck = self.struck[1], None
         return self.injector.replaced(step, module, output)
+
+
+class Unit(Site):
+    """matmul with a per-product model (defective_unit): from the fault's first step, every
+    product the rank's forward makes in the targeted modules is struck with probability
+    `rate`, drawn from the trial's seed, the step and the product's place in the step (so a run
+    and its repeat strike the same products). While due, attention runs as its two products,
+    which the unit computes too (harness/core/attention.py). One event per struck product."""
+
+    phase = "forward"
+
+    def __init__(self, injector: FaultInjector, model: nn.Module):
+        super().__init__(injector, model)
+        self.rate = self.fault.settings.rate
+        self.step, self.made = -1, 0  # products made in the step so far
+        # Calls struck, by id(), with the module that made each and its place in the step.
+        self.struck: dict[int, tuple[str, int]] = {}
+
+    def watches_matmuls(self) -> bool:
+        return self.injector.active
+
+    def expands_attention(self, step: int, stack: tuple[str, ...]) -> bool:
+        return self.injector.due(step)
+
+    def on_matmul_operands(self, step: int, call: MatmulCall) -> None:
+        if not self.injector.due(step):
+            return
+        tensor = self.fault.tensor
+        if tensor != "*" and not any(matches(m, tensor) for m in call.stack):
+            return
+        if step != self.step:
+            self.step, self.made = step, 0
+        self.made += 1
+        draw = random.Random(f"defective-unit:{self.injector.seed}:{step}:{self.made}").random()
+        if draw < self.rate:
+            self.struck[id(call)] = (call.stack[-1] if call.stack else "", self.made)
+
+    def on_matmul_output(
+        self, step: int, call: MatmulCall, output: torch.Tensor
+    ) -> torch.Tensor | None:
+        hit = self.struck.pop(id(call), None)
+        if hit is None:
+            return None
+        corrupted = output.detach().clone()
+        bit = self.injector.model.corrupt_lane(corrupted)
+        settings = self.fault.settings
+        # A flipped bit always changes the element: every element of the lane changed.
+        elements = corrupted[..., settings.lane :: settings.lanes].numel()
+        self.injector.log.emit(LaneInject(
+            step=step, site=self.fault.site, model=self.fault.model, tensor=hit[0],
+            product=hit[1], bit=bit, lane=settings.lane, lanes=settings.lanes, elements=elements,
+            old_norm=sites.number(float(output.detach().double().norm())),
+            new_norm=sites.number(float(corrupted.double().norm())), fired=elements > 0,
+        ))  # fmt: skip
+        return sites.ReplaceValue.apply(output, corrupted)
 
 
 class Loss(Site):
@@ -282,5 +339,7 @@ BY_SITE: dict[str, type[Site]] = {
 def for_site(injector: FaultInjector, model: nn.Module) -> Site:
     # A contribution model is only valid at site allreduce (injectors/contribution.py): it acts
     # on what is sent, never on the reduced result.
+    if injector.model.per_product:
+        return Unit(injector, model)
     kind = Contribution if injector.model.contribution else BY_SITE[injector.fault.site]
     return kind(injector, model)

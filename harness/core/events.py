@@ -93,7 +93,9 @@ class Inject(RankEvent):
 
     @classmethod
     def variant(cls, record: dict[str, Any]) -> type[Event]:
-        return ContributionInject if record.get("riders") else ElementInject
+        if record.get("riders"):
+            return ContributionInject
+        return LaneInject if "lanes" in record else ElementInject
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,6 +133,27 @@ class ContributionInject(Inject):
     from_step: int | None  # a stale contribution's step
     fired: bool
     group: list[int] | None = optional()
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaneInject(Inject):
+    """A defective unit struck one matrix multiply (`tensor`: the innermost module whose forward
+    made it; `product`: its place among the rank's products of the step, from 1): `bit` flipped
+    in the outputs of lane `lane` of `lanes`, every one of its `elements`; the output's L2 norm
+    before and after (non-finite as strings). `index` and `bits` stay None so that every
+    inject record has them."""
+
+    product: int
+    index: None = None
+    bit: int
+    bits: None = None
+    lane: int
+    lanes: int
+    elements: int
+    old_norm: float | str
+    new_norm: float | str
+    fired: bool
+    phase: str = "forward"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -230,6 +253,7 @@ ALL: tuple[type[Event], ...] = (
     CheckWarning,
     ElementInject,
     ContributionInject,
+    LaneInject,
     Checkpoint,
     Retry,
     Stop,

@@ -1,0 +1,94 @@
+"""`defective_unit`: a broken unit of one rank's matrix engine, as fleet studies find them (a
+"mercurial core": one unit corrupts some of its operations, persistently, depending on the data).
+
+From `fault.steps[0]` on, every matrix multiply the rank's forward makes (in the modules
+`fault.tensor` names; every module by default) is struck with probability `rate`, drawn per
+product from the trial's seed, the step and the product's place in the step. A struck product's
+outputs in the unit's lane, the columns j with j % `lanes` == `lane` (a broken tensor-core lane
+computes one column class of every output tile), have one bit flipped: the unit's broken bit,
+`fault.bit` (an index, or a class drawn once from the seed, as bitflip reads it) in the output's
+own dtype. The backward computes from the corrupted output as it would from a genuine one.
+
+Keys: `lane` (0..lanes-1), `lanes` (the engine's width in columns), `rate` (0 < rate <= 1). The
+fault is permanent (the unit stays broken) at site matmul, forward; keys that pick elements
+(`index`, `elements`, `select`, `schedule`, `ber`, `product`) would be ignored and are refused.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+import torch
+
+from harness.core.settings import Settings
+from harness.errors import ConfigError
+from injectors import bits
+from injectors.bitflip import choose_bit
+from injectors.model import FaultModel
+
+# Keys of every fault that pick elements or a product: the unit picks its own.
+IGNORED = {"index": None, "elements": 1, "select": "random", "schedule": (), "ber": None,
+           "product": 1, "nbits": 1, "factor": None, "value": None, "stuck_at": None}  # fmt: skip
+
+
+class DefectiveUnit(FaultModel):
+    name = "defective_unit"
+    per_product = True
+
+    @dataclass(frozen=True)
+    class Config(Settings):
+        lane: int = 0
+        lanes: int = 16
+        rate: float = 0.01
+
+        def __post_init__(self) -> None:
+            for name in ("lane", "lanes"):
+                value = getattr(self, name)
+                if isinstance(value, bool) or not isinstance(value, int):
+                    raise ConfigError(name, f"'{value}' must be an integer")
+            if self.lanes < 1:
+                raise ConfigError("lanes", f"{self.lanes}: a unit has 1 or more lanes")
+            if not 0 <= self.lane < self.lanes:
+                allowed = f"allowed: 0..{self.lanes - 1}"
+                raise ConfigError("lane", f"{self.lane} is not allowed; {allowed}")
+            rate = self.rate
+            if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 < rate <= 1:
+                raise ConfigError("rate", f"'{rate}' must be a probability per product in (0, 1]")
+            if not math.isfinite(rate):
+                raise ConfigError("rate", f"'{rate}' must be finite")
+
+    @classmethod
+    def validate(cls, key: str, fault) -> None:
+        if fault.site != "matmul":
+            raise ConfigError(f"{key}.site", f"'{fault.site}': a defective unit computes "
+                              "products; allowed: matmul")  # fmt: skip
+        if fault.persistence != "permanent":
+            message = "a defective unit stays broken (`rate` draws its products)"
+            raise ConfigError(
+                f"{key}.persistence", f"'{fault.persistence}': {message}; allowed: permanent"
+            )
+        if fault.phase != "forward":
+            raise ConfigError(f"{key}.phase", "a defective unit corrupts products' outputs; "
+                              "allowed: forward")  # fmt: skip
+        for name, unset in IGNORED.items():
+            if getattr(fault, name) != unset:
+                raise ConfigError(f"{key}.{name}", "a defective unit picks its own products and "
+                                  "elements (lane, lanes, rate); leave it unset")  # fmt: skip
+
+    def __init__(self, fault, rng: random.Random):
+        super().__init__(fault, rng)
+        self.bits: dict[torch.dtype, int] = {}  # the broken bit, drawn once per output dtype
+
+    def corrupt_lane(self, output: torch.Tensor) -> int:
+        """Flip the unit's bit in the lane's outputs of one product in place; its bit index."""
+        if output.dtype not in self.bits:
+            self.bits[output.dtype] = choose_bit(self.fault, output.dtype, self.rng)
+        bit = self.bits[output.dtype]
+        settings = self.fault.settings
+        bits.flip_all(output[..., settings.lane :: settings.lanes], bit)
+        return bit
+
+
+MODEL = DefectiveUnit
