@@ -68,6 +68,10 @@ every rank. Each rank also checks its own slots came back exactly as it sent the
 Slots used: 2 * world_size + 1 (a tag and a projection per rank, the summed norms), within the
 harness's fixed rider region (harness/runtime/comm.py, rider_slots) next to grad_stats' 2 *
 world_size.
+
+Cost per step (sdc-plan): bytes = 2*B*N, flops = 4*N: the rider's projection before the reduction
+and the check's after: two read passes with a multiply-add per element each (the symbols:
+harness/analysis/estimates.py).
 """
 
 from __future__ import annotations

@@ -4,6 +4,9 @@ free). A rank whose log-norm is a robust outlier (distance from the median over 
 median absolute deviations, and at least `min_ratio` times off) is suspect; a loss above
 `spike` times the running maximum of earlier losses is a spike. Its false positive rate on clean
 runs is measured in the campaigns, not assumed.
+
+Cost per step (sdc-plan): bytes = B*N, flops = 2*N: one norm over the gradients (a multiply-add per
+element) (the symbols: harness/analysis/estimates.py).
 """
 
 from __future__ import annotations

@@ -13,6 +13,11 @@ sum and a norm of each operand and row, one product of L with a vector; docs/per
 against coverage: `interval`, `fraction`. No collective: each rank judges its own products, the
 verdicts kept on the device until the step's read. Backward checks hold the operands until
 backward; not checked there: an operand broadcast over the product's batch.
+
+Cost per step (sdc-plan): bytes = 3*A*(N + 1.5*N*t/d)/k, flops = 6*(N + 1.5*N*t/d)/k:
+on a checked step (every k-th, every product: `fraction` 1), every product's operands and output
+read about once, forward and the two backward products, a multiply-add per element read (the
+symbols: harness/analysis/estimates.py).
 """
 
 from __future__ import annotations

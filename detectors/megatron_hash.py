@@ -17,6 +17,9 @@ Under HSDP (`topology.parallel=hsdp`) the data-parallel replicas are the replica
 rank hashes the shards it holds and compares them with those of the rank at its place in
 replica group 0, which plays rank 0's part (two groups suffice: there is no majority to form).
 Under FSDP there is no replica, and the check does not apply.
+
+Cost per step (sdc-plan): bytes = B*N/k, flops = 0, host = B*N/k: every parameter copied to the host
+and SHA-1 hashed there every k steps (the symbols: harness/analysis/estimates.py).
 """
 
 from __future__ import annotations

@@ -10,6 +10,9 @@ closer look that names the element. No collective: each rank judges what it hold
 A sum would be one pass too, but finite float32 elements above 1e31 (an exponent flip's size)
 overflow it, and accumulating in float64 instead, as this check did for a while, costs about 20
 read passes on the CPU (a conversion per element); aminmax costs 1.25-1.4 (benchmarks/kernels.py).
+
+Cost per step (sdc-plan): bytes = 2*B*N, flops = 0: one read pass of the local gradients and one of
+the averaged ones (the symbols: harness/analysis/estimates.py).
 """
 
 from __future__ import annotations

@@ -25,7 +25,11 @@ loss: divided by the step's count of micro-batches, or however the user's traine
 Replay never disturbs training: gradients come from torch.autograd.grad (param.grad is never
 touched) and `losses` draws from forked generators, so a clean run with replay on ends bit-
 identical to one without. Its floor is one forward and backward of the audited rank's micro-
-batches per audit."""
+batches per audit.
+
+Cost per step (sdc-plan): bytes = B*N/k, flops = 0, train = 6*N*t/k: one forward and backward again
+every k steps, and a fingerprint of its gradient (the symbols: harness/analysis/estimates.py).
+"""
 
 from __future__ import annotations
 

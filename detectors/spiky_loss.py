@@ -9,6 +9,9 @@ interval: it runs on every loss. The rank whose loss is rejected is the suspect.
 
 So it is blind for its first 100 losses (every micro-batch counts), and, in a short campaign,
 for the whole run: that is its published behaviour, measured as such.
+
+Cost per step (sdc-plan): bytes = 0, flops = 0: one scalar per micro-batch (the symbols:
+harness/analysis/estimates.py).
 """
 
 from __future__ import annotations

@@ -17,6 +17,10 @@ before the collective, and the losses. The replay recomputes them with torch.aut
 so training is undisturbed. The suspect is the rank itself. The micro-batches come from
 `ctx.replay_data` as replay's do: regenerated in campaigns; in a user's loop, those the rank kept
 with `guard.audit_batch` (nothing is shipped: each rank replays its own).
+
+Cost per step (sdc-plan): bytes = B*N, flops = 0, train = 6*N*t: on a checked step, the step's
+forward and backward again and an XOR fold of the gradients (every step with num_steps -1; the first
+num_steps steps otherwise) (the symbols: harness/analysis/estimates.py).
 """
 
 from __future__ import annotations

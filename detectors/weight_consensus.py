@@ -13,6 +13,9 @@ Under HSDP (`topology.parallel=hsdp`) the replicas are the replica groups: each 
 fingerprints the shards it holds, and shard i of every group is compared with shard i of the
 others (the ranks at the same place in their shard groups), so a strict majority needs three
 groups. Under FSDP there is no replica to compare, and the check does not apply.
+
+Cost per step (sdc-plan): bytes = B*N/k, flops = 0: one fingerprint read of the weights every k
+steps (the symbols: harness/analysis/estimates.py).
 """
 
 from __future__ import annotations

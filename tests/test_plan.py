@@ -299,6 +299,39 @@ def test_the_report_of_a_run_with_several_intervals_has_the_plan(tmp_path):
         (["{trials_only}"], "no overhead.csv"),
         (["{fixture}", "--sdc-rate", "-1"], "--sdc-rate: must be a number >= 0"),
         (["{fixture}", "--gpus", "many"], "--gpus: invalid int value"),
+        (["{fixture}", "--gpu", "h100"], "--params: an estimate needs --gpu, --params"),
+        (
+            ["{fixture}", "--gpu", "a100", "--params", "7e10", "--tokens-per-step", "4e6"],
+            "--gpu: 'a100' is not allowed; allowed: h100, h200, b200",
+        ),
+        (
+            [
+                "{fixture}",
+                "--gpu",
+                "h100",
+                "--params",
+                "7e10",
+                "--tokens-per-step",
+                "4e6",
+                "--costs",
+                "{fixture}/costs.json",
+            ],
+            "take precedence",
+        ),
+        (
+            [
+                "{fixture}",
+                "--gpu",
+                "h100",
+                "--params",
+                "7e10",
+                "--tokens-per-step",
+                "4e6",
+                "--gpus",
+                "64",
+            ],
+            "--replicas: 128 replicas need as many --gpus",
+        ),
     ],
 )
 def test_bad_input_exits_2_with_one_line(tmp_path, capsys, args, says):
@@ -325,3 +358,16 @@ def test_the_console_script_exits_2_without_a_traceback(tmp_path):
     proc = subprocess.run([str(script), str(tmp_path / "nowhere")], capture_output=True, text=True)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr == f"sdc-plan: {tmp_path / 'nowhere'}: not a folder\n"
+
+
+def test_faults_that_differ_only_in_their_models_settings_count_apart(tmp_path):
+    """Two defective units alike but for their rate have the same columns; the trial id's label
+    (with the model's settings) keeps them two faults, not one run at two intervals."""
+    on = "nan_inf"
+    first = trial(20, 0, True, on, found="nan_inf=20")
+    second = {**trial(20, 0, True, on), "trial_id": "001-matmul-defective_unit-rate0.1-s0"}
+    first["trial_id"] = "000-matmul-defective_unit-rate0.01-s0"
+    folder = write_run(tmp_path / "run", [first, second], [("nan_inf", "", 1.0, "")])
+    result = plan(*load([folder]), HAND)
+    (option,) = [o for o, _ in result.ranked if o.name == "nan_inf"]
+    assert option.caught == (1, 2)

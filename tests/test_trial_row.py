@@ -46,6 +46,7 @@ FULL = TrialRow(
     check_intervals={"replay": 5, "weight_consensus": 10}, detect_steps={"replay": 11},
     damage=("replicas diverged",), effect_from=EffectSource.OBSERVE_TWIN,
     warnings=("replay: not deterministic",), parallel=Parallel.HSDP, shard_size=2,
+    fault_class="defective_unit", weight=0.495,
 )  # fmt: skip
 
 
@@ -99,7 +100,9 @@ def test_a_row_cut_short_or_too_long_names_its_line(tmp_path):
     lines = path.read_text().splitlines()
     for changed in (lines[1].rsplit(",", 30)[0], lines[1] + ",extra"):
         path.write_text("\n".join([lines[0], changed, lines[2]]) + "\n")
-        with pytest.raises(TrialRowError, match="line 2: its cells do not match the header's 59"):
+        with pytest.raises(
+            TrialRowError, match=f"line 2: its cells do not match the header's {len(COLUMNS)}"
+        ):
             read_trials(path)
 
 

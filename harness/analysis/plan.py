@@ -23,15 +23,23 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pandas as pd
 
+from harness.analysis.estimates import FORMULAS, JobShape
 from harness.analysis.intervals import pairs
+from harness.analysis.mix import trial_weights, weighed
 from harness.analysis.overheads import load_overhead
-from harness.analysis.tables import Counts, ReportError, detector_names, load_trials, wilson
-from harness.core.vocabulary import DAMAGING
+from harness.analysis.tables import (
+    Counts,
+    ReportError,
+    damaged,
+    detector_names,
+    load_trials,
+    wilson,
+)
 from harness.results.costs import JobCosts
 from harness.results.schema import HOOK
 from harness.results.trial_row import Column
@@ -175,9 +183,10 @@ def fired_faults(trials: pd.DataFrame) -> pd.DataFrame:
     fired["on"] = fired[Column.detectors].map(lambda s: frozenset(d for d in s.split(";") if d))
     fired["every"] = fired[Column.check_intervals].map(pairs)
     fired["found"] = fired[Column.detect_steps].map(pairs)
-    # Damage (docs/design.md, section 5): harmful, latent (the loss hides it), or replicas
-    # left apart.
-    fired["damaged"] = fired[Column.effect].isin(DAMAGING) | (fired[Column.replicas_agree] == False)  # noqa: E712
+    fired["damaged"] = damaged(fired)
+    # The fault's label (the trial id without its scenario's place, harness/config/load.py):
+    # it holds what the columns do not, such as a fault model's own settings.
+    fired["fault"] = fired[Column.trial_id].map(lambda t: t.split("-", 1)[-1])
     return fired
 
 
@@ -193,22 +202,34 @@ def measured(fired: pd.DataFrame, checks: tuple[str, ...], cost: Overheads) -> l
         if any(c is None for c in costs):
             continue
         # The same fault at intervals of checks outside the set is one trial for this set.
-        group = group.drop_duplicates(subset=FAULT_COLUMNS)
+        group = group.drop_duplicates(subset=[*FAULT_COLUMNS, "fault"])
         first = group["found"].map(lambda f: min((f[c] for c in checks if c in f), default=None))
         hit = first.notna()
-        ttd = (first[hit].astype(float) - group.loc[hit, Column.inject_step].astype(float)).tolist()
-        n = len(group)
+        ttd = first[hit].astype(float) - group.loc[hit, Column.inject_step].astype(float)
+        # Under a weighed mix each fault stands for its class's share (harness/analysis/mix.py).
+        w = trial_weights(group) if weighed(group) else pd.Series(1.0, index=group.index)
         options.append(
             Option(
                 checks=checks,
                 intervals=key,
                 overhead_pct=sum(costs) + ((cost.hook or 0.0) if checks else 0.0),
-                caught=(int(hit.sum()), n),
-                escaped=(int((group["damaged"] & ~hit).sum()), n),
-                ttd=(sum(ttd) / len(ttd), min(ttd), max(ttd)) if ttd else (math.nan,) * 3,
+                caught=_counts(w, hit),
+                escaped=_counts(w, group["damaged"] & ~hit),
+                ttd=(float((w[hit] * ttd).sum() / w[hit].sum()), ttd.min(), ttd.max())
+                if len(ttd)
+                else (math.nan,) * 3,
             )
         )
     return options
+
+
+def _counts(w: pd.Series, yes: pd.Series) -> Counts:
+    """(k, n) of the faults `yes` holds: whole counts unweighed; under weights the weighed share
+    at the Kish effective number of faults, n = (sum w)^2 / sum(w^2)."""
+    if (w == 1.0).all():
+        return (int(yes.sum()), len(w))
+    n = float(w.sum() ** 2 / (w**2).sum())
+    return (float((w * yes).sum() / w.sum()) * n, n)
 
 
 @dataclass(frozen=True)
@@ -221,9 +242,11 @@ class Overheads:
     # The harness's hook against plain DDP, percent of a step (overhead.csv's `hook` row); None
     # in a table measured before plain DDP was, whose costs are then against the hook alone.
     hook: float | None = None
-    # Where the figures come from when not the run's overhead.csv: the job's costs file.
+    # Where the figures come from when not the run's overhead.csv: the job's costs file, or the
+    # job's shape they were estimated for.
     job: JobCosts | None = None
     source: str = ""
+    estimate: JobShape | None = None
 
 
 def amortized(intervals: list[int], measured: list[float]) -> float:
@@ -286,6 +309,27 @@ def job_overheads(costs: JobCosts, source: str, trials: pd.DataFrame) -> Overhea
     return Overheads(at, per_run, [], costs.hook.overhead_pct, costs, source)
 
 
+def estimated_overheads(shape: JobShape, trials: pd.DataFrame) -> Overheads:
+    """Each check's cost in the job `shape` describes, from its docstring's formula
+    (harness/analysis/estimates.py), at each interval the run's trials ran it at; the hook's
+    own work (a few numbers riding on each reduction) as nothing. A check without a formula (an
+    installed one) is a PlanError naming it."""
+    ran = detector_names(trials)
+    missing = [name for name in ran if name not in FORMULAS]
+    if missing:
+        raise PlanError(
+            f"--gpu: no cost formula for '{missing[0]}', which the run's trials ran; formulas "
+            f"exist for {', '.join(sorted(FORMULAS))} (measure it in the job: --costs FILE)"
+        )
+    every = fired_faults(trials)["every"]
+    at, per_run = {}, {}
+    for name in ran:
+        per_run[name] = shape.overhead_pct(name)
+        for k in {""} | {str(e[name]) for e in every if name in e}:
+            at[(name, k)] = shape.overhead_pct(name, int(k) if k else 1)
+    return Overheads(at, per_run, [], 0.0, estimate=shape)
+
+
 def options(trials: pd.DataFrame, cost: Overheads) -> list[Option]:
     """Every set of the checks the run ran (each at each interval it ran at), and no checks."""
     names = detector_names(trials)
@@ -302,6 +346,7 @@ class Plan:
     job: Job
     ranked: list[tuple[Option, Loss]]  # best first
     overheads: Overheads
+    weighed: bool = False  # the faults weighed by the campaign's fault mix
 
     @property
     def best(self) -> tuple[Option, Loss]:
@@ -312,7 +357,16 @@ def plan(
     trials: pd.DataFrame, table: pd.DataFrame | None, job: Job, costs: Overheads | None = None
 ) -> Plan:
     """`costs` (job_overheads) in place of `table`'s (overhead.csv), when given."""
-    cost = costs if costs is not None else overheads(table)
+    if costs is None:
+        ran_on = ", ".join(sorted({f"{w} in {d}" for w, d in zip(
+            trials[Column.workload], trials[Column.dtype], strict=True)}))  # fmt: skip
+        costs = replace(overheads(table), source=f"{ran_on}, on the campaign's machine")
+    cost = costs
+    if weighed(trials) and trials.loc[trials[Column.fired] == True, Column.weight].isna().any():  # noqa: E712
+        raise PlanError(
+            "some runs weigh their faults by a mix and some do not: plan from the weighed runs "
+            "alone, or from the unweighed ones"
+        )
     found = options(trials, cost)
     if not found:
         raise PlanError("no fired trials with measured overheads: nothing to plan from")
@@ -320,7 +374,7 @@ def plan(
         ((o, loss(o, job)) for o in found),
         key=lambda ol: (ol[1].expected, ol[0].overhead_pct, len(ol[0].checks), ol[0].name),
     )
-    return Plan(job, ranked, cost)
+    return Plan(job, ranked, cost, weighed(trials))
 
 
 def load(dirs: list[Path], need_overhead: bool = True) -> tuple[pd.DataFrame, pd.DataFrame | None]:

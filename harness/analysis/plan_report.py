@@ -15,11 +15,13 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from dataclasses import fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import matplotlib.pyplot as plt
 import pandas as pd
+
+from harness.analysis.estimates import GPUS, MFU, REPLICAS, EstimateError, JobShape
 
 # harness.analysis.plan imports harness.analysis.report, whose figures module picks the Agg backend
 # on its first import (a batch job has no display) and leaves a notebook's backend alone after that.
@@ -34,12 +36,14 @@ from harness.analysis.plan import (
     Overheads,
     Plan,
     PlanError,
+    estimated_overheads,
     job_overheads,
     load,
     plan,
 )
 from harness.analysis.tables import markdown_table, rate_text
 from harness.results.costs import JobCosts
+from harness.results.trial_row import Column
 
 MODEL = (
     "Expected GPU-hours lost per day of the job, for each set of checks at each audit interval "
@@ -74,18 +78,28 @@ FLAGS = {
 TOP = 12  # rows in the printed table and the report's section; plan.md has them all
 
 
-def header(job: Job, costs: Overheads) -> str:
-    """The model and the job's figures, each with its source; the hook's cost and the overhead
-    fits."""
+def header(job: Job, costs: Overheads, derived: tuple[str, ...] = ()) -> str:
+    """The model and the job's figures, each with its source (`derived`: the fields of Job taken
+    from the cost estimate); the hook's cost and the overhead fits."""
     default = Job()
     lines = ["Job figures (flag: value):", ""]
     for f in fields(Job):
         flag, what, source = FLAGS[f.name]
         value = getattr(job, f.name)
         note = f"default, {source}" if value == getattr(default, f.name) else "given"
+        if f.name in derived:
+            note = "estimated: 6 N T FLOPs at the estimate's efficiency on --gpus GPUs"
         lines.append(f"- `{flag} {value:g}`: {what} ({note})")
     lines.append(f"- so {job.events_per_day:.3g} SDC events a day")
-    if costs.job is not None:
+    if costs.estimate is not None:
+        shape = costs.estimate
+        each = ", ".join(f"{name} {pct:.3g}%" for name, pct in sorted(costs.per_run.items()))
+        lines.append(
+            f"- overheads **estimated**, not measured: from each check's bytes and FLOPs "
+            f"(its docstring; harness/analysis/estimates.py) on {shape.describe()}; at an "
+            f"interval of 1: {each}; the harness's hook as nothing"
+        )
+    elif costs.job is not None:
         measured = costs.job
         lines.append(
             f"- overheads measured in the job itself ({costs.source}, by the guard: "
@@ -105,9 +119,15 @@ def header(job: Job, costs: Overheads) -> str:
             f"- overheads against plain DDP: the harness's hook costs {costs.hook:.3g}% of a "
             "step, once for any set of checks, plus each check's cost against the hook"
         )
+    if costs.job is None and costs.estimate is None:
+        lines.append(
+            f"- overheads as the campaign measured them on its own workload ({costs.source}): "
+            "they hold for a job like it; for another, give `--gpu --params "
+            "--tokens-per-step` (estimated) or `--costs FILE` (measured in the job)"
+        )
     fits = [f"{name} {c:.3g}%/k" for name, c in sorted(costs.per_run.items())]
-    if costs.job is not None:
-        fits = []  # listed in the job's line above, one run's cost each
+    if costs.job is not None or costs.estimate is not None:
+        fits = []  # listed in the line above, one run's cost each
     if fits:
         lines.append(f"- overhead fits (k: the interval): {', '.join(fits)}")
     return MODEL + "\n\n" + "\n".join(lines)
@@ -223,10 +243,24 @@ def figure(result: Plan, path: Path) -> Path:
     return path
 
 
-def markdown(result: Plan, image: str, limit: int | None = None) -> str:
+def mix_line(result: Plan) -> str:
+    """How the run's faults count: each once, or by the campaign's fault mix."""
+    if result.weighed:
+        return (
+            "Faults weighed by the campaign's fault mix (harness/analysis/mix.py): each fired "
+            "trial stands for its class's weight over the class's fired trials; shares at the "
+            "Kish effective number of trials. `--equal-weights` counts each once."
+        )
+    return "Each fired fault counts once."
+
+
+def markdown(
+    result: Plan, image: str, limit: int | None = None, derived: tuple[str, ...] = ()
+) -> str:
     return "\n\n".join(
         [
-            header(result.job, result.overheads),
+            header(result.job, result.overheads, derived),
+            mix_line(result),
             recommendation(result),
             markdown_table(rows(result, limit)),
             f"![Expected loss against the audit interval]({image})",
@@ -250,7 +284,21 @@ class _Parser(argparse.ArgumentParser):
         raise PlanError(message)
 
 
-def parse(argv: list[str] | None) -> tuple[list[Path], Path | None, Path | None, Job]:
+@dataclass(frozen=True)
+class Arguments:
+    dirs: list[Path]
+    out: Path | None
+    costs: Path | None  # the job's measured costs, first choice
+    shape: JobShape | None  # the job's shape to estimate costs for, second choice
+    job: Job
+    derived: tuple[str, ...]  # Job fields taken from the estimate
+    equal_weights: bool  # the campaign's fault mix ignored
+
+
+ESTIMATE_FLAGS = ("--gpu", "--params", "--tokens-per-step")
+
+
+def parse(argv: list[str] | None) -> Arguments:
     default = Job()
     parser = _Parser(prog="sdc-plan", description=MODEL.split(":")[0] + ".")
     parser.add_argument("dirs", nargs="+", type=Path, help="run or sweep folders")
@@ -260,14 +308,43 @@ def parse(argv: list[str] | None) -> tuple[list[Path], Path | None, Path | None,
         type=Path,
         help="the job's own costs (guard.write_costs) in place of the run's overhead.csv",
     )
+    parser.add_argument("--gpu", help=f"estimate costs on this GPU: {', '.join(GPUS)}")
+    parser.add_argument("--params", type=float, help="the model's parameters (with --gpu)")
+    parser.add_argument("--tokens-per-step", type=float, help="tokens per step (with --gpu)")
+    replicas = f"data-parallel replicas (default {REPLICAS}, with --gpu)"
+    parser.add_argument("--replicas", type=int, default=REPLICAS, help=replicas)
+    mfu = f"the step's share of the GPU's peak (default {MFU:g}, with --gpu)"
+    parser.add_argument("--mfu", type=float, default=MFU, help=mfu)
     for f in fields(Job):
         flag, what, _ = FLAGS[f.name]
         kind = int if f.type in ("int", int) else float
         value = getattr(default, f.name)
-        parser.add_argument(flag, type=kind, default=value, help=f"{what} (default {value:g})")
+        parser.add_argument(flag, type=kind, help=f"{what} (default {value:g})")
+    once = "count every fired fault once, whatever the campaign's fault mix"
+    parser.add_argument("--equal-weights", action="store_true", help=once)
     args = parser.parse_args(argv)
-    job = Job(**{f.name: getattr(args, f.name) for f in fields(Job)})
-    return args.dirs, args.out, args.costs, job
+    given = {f.name: getattr(args, f.name) for f in fields(Job)}
+    job = Job(**{k: getattr(default, k) if v is None else v for k, v in given.items()})
+    shape, derived = None, ()
+    estimate = [args.gpu, args.params, args.tokens_per_step]
+    if any(v is not None for v in estimate):
+        if any(v is None for v in estimate):
+            missing = ESTIMATE_FLAGS[estimate.index(None)]
+            raise PlanError(f"{missing}: an estimate needs {', '.join(ESTIMATE_FLAGS)} together")
+        if args.costs is not None:
+            raise PlanError("--gpu: the job's measured costs (--costs) take precedence over an "
+                            "estimate; give one or the other")  # fmt: skip
+        try:
+            shape = JobShape(args.gpu, args.params, args.tokens_per_step, args.replicas, args.mfu)
+        except EstimateError as exc:
+            raise PlanError(str(exc)) from None
+        if job.gpus < shape.replicas:
+            raise PlanError(f"--replicas: {shape.replicas} replicas need as many --gpus, "
+                            f"got {job.gpus}")  # fmt: skip
+        if given["step_seconds"] is None:
+            step = shape.step_seconds / (job.gpus / shape.replicas)
+            job, derived = replace(job, step_seconds=step), ("step_seconds",)
+    return Arguments(args.dirs, args.out, args.costs, shape, job, derived, args.equal_weights)
 
 
 def _read_costs(path: Path) -> JobCosts:
@@ -279,21 +356,27 @@ def _read_costs(path: Path) -> JobCosts:
 
 def main(argv: list[str] | None = None) -> None:
     try:
-        dirs, out, costs_file, job = parse(argv)
-        trials, table = load(dirs, need_overhead=costs_file is None)
+        args = parse(argv)
+        trials, table = load(args.dirs, need_overhead=args.costs is None and args.shape is None)
+        if args.equal_weights:
+            trials = trials.assign(**{Column.weight: math.nan})
         costs = None
-        if costs_file is not None:
-            costs = job_overheads(_read_costs(costs_file), str(costs_file), trials)
-        result = plan(trials, table, job, costs)
+        if args.costs is not None:
+            costs = job_overheads(_read_costs(args.costs), str(args.costs), trials)
+        elif args.shape is not None:
+            costs = estimated_overheads(args.shape, trials)
+        result = plan(trials, table, args.job, costs)
     except PlanError as exc:
         print(f"sdc-plan: {exc}", file=sys.stderr)
         sys.exit(2)
-    out = out or dirs[0]
+    out = args.out or args.dirs[0]
     out.mkdir(parents=True, exist_ok=True)
     path = figure(result, out / FIGURE_FILE)
     written = out / PLAN_FILE
-    written.write_text("# How often to audit\n\n" + markdown(result, path.name) + "\n")
-    print(header(job, result.overheads) + "\n")
+    text = markdown(result, path.name, derived=args.derived)
+    written.write_text("# How often to audit\n\n" + text + "\n")
+    print(header(args.job, result.overheads, args.derived) + "\n")
+    print(mix_line(result) + "\n")
     print(markdown_table(rows(result, TOP)))
     print(recommendation(result) + "\n")
     print(f"plan: {written}\nfigure: {path}")

@@ -16,7 +16,7 @@ from pathlib import Path
 import pandas as pd
 from markdown_it import MarkdownIt
 
-from harness.analysis import figures
+from harness.analysis import figures, mix
 from harness.analysis.intervals import audit_intervals
 from harness.analysis.overheads import load_overhead
 from harness.analysis.tables import (
@@ -113,8 +113,26 @@ def effects_line(df: pd.DataFrame) -> str:
 def summary(df: pd.DataFrame) -> str:
     """The short table printed at the end of a campaign."""
     head = f"{len(df)} trials: " + effects_line(df)
-    return (
+    text = (
         head + "\n\n" + markdown_table(catch_rates(df)) + "\n" + markdown_table(false_positives(df))
+    )
+    if mix.weighed(df):
+        text += "\nUnder the campaign's fault mix:\n\n" + markdown_table(mix.shares(df))
+    return text
+
+
+def mix_section(df: pd.DataFrame) -> str:
+    """What a weighed campaign's checks catch of the SDC a fleet sees (harness/analysis/mix.py)."""
+    return (
+        "## Under the field mix\n\nEach fired trial stands for its fault class's weight, spread "
+        "evenly over the class's fired trials (a class counts by its weight, not by its trials). "
+        "Shares with a 95% Wilson interval at the Kish effective number of trials; the "
+        "sensitivity range is the least and most share with any one class's weight halved or "
+        "doubled. Damaging: harmful or latent, or replicas left apart (docs/design.md, section "
+        "5). A check set counts the trials in which all its members ran.\n\n"
+        + markdown_table(mix.classes(df))
+        + "\n"
+        + markdown_table(mix.shares(df))
     )
 
 
@@ -243,6 +261,7 @@ def write_report(df: pd.DataFrame, out: Path, dirs: list[Path] | None = None) ->
         DEFINITIONS,
         "## Catch rate by detector\n\nEach detector's n counts the trials in which it ran.\n\n"
         + markdown_table(catch_rates(df)),
+        *([mix_section(df)] if mix.weighed(df) else []),
         "## Catch rate by scenario cell\n\nA blind spot is a cell with harmful or latent trials "
         "whose catch rate among them has a 95% upper bound below 50%.\n\n"
         + coverage_line(df)

@@ -33,15 +33,17 @@ Z95 = 1.959963984540054
 TRIAL_SETS = ("all fired", "non-masked", "harmful")
 ANY = "any detector"
 
-Counts = tuple[int, int]  # (k, n): k successes in n trials
+# (k, n): k successes in n trials; under a weighed fault mix (harness/analysis/mix.py) the
+# weighed share times the effective number of trials, so neither need be whole.
+Counts = tuple[float, float]
 
 
 class ReportError(ValueError):
     pass
 
 
-def wilson(k: int, n: int) -> tuple[float, float]:
-    """95% Wilson score interval for k successes in n trials."""
+def wilson(k: float, n: float) -> tuple[float, float]:
+    """95% Wilson score interval for k successes in n trials (weighed: Counts)."""
     if n == 0:
         return (math.nan, math.nan)
     p = k / n
@@ -112,11 +114,19 @@ def trials_frame(rows: list[TrialRow]) -> pd.DataFrame:
     return pd.DataFrame.from_records(records, columns=list(COLUMNS))
 
 
-def rate_text(k: int, n: int) -> str:
+def damaged(df: pd.DataFrame) -> pd.Series:
+    """Whether each trial's fault did damage (docs/design.md, section 5): harmful, latent (the
+    loss hides it), or replicas left apart."""
+    return df[Column.effect].isin(DAMAGING) | (df[Column.replicas_agree] == False)  # noqa: E712
+
+
+def rate_text(k: float, n: float) -> str:
     if n == 0:
         return "n=0"
     lo, hi = wilson(k, n)
-    return f"{k}/{n} = {k / n:.0%} [{lo:.0%}, {hi:.0%}]"
+    if float(k).is_integer() and float(n).is_integer():
+        return f"{k:.0f}/{n:.0f} = {k / n:.0%} [{lo:.0%}, {hi:.0%}]"
+    return f"{k / n:.0%} [{lo:.0%}, {hi:.0%}] weighed, n = {n:.1f}"
 
 
 def markdown_table(rows: list[dict[str, object]]) -> str:

@@ -50,21 +50,27 @@ NOT_IDENTITY = ("golden_cache",)
 
 
 def _identity(run: RunConfig) -> str:
-    content = _no_empty_settings(dataclasses.asdict(run))
+    content = _without_empty_additions(dataclasses.asdict(run))
     for name in NOT_IDENTITY:
         content.pop(name)
     return json.dumps(content, sort_keys=True, indent=1)
 
 
-def _no_empty_settings(content: Any) -> Any:
-    """`content` without the `settings` of faults whose model has none, on both sides of the
-    comparison: such a fault is the one a campaign.json written before models could have
-    settings holds, and resumes as it."""
+# Fields added to a campaign's record after campaigns were recorded, with the value that means
+# what a record without them meant: the `settings` of a fault whose model has none, the `mix` of
+# a trial in an unweighed campaign.
+ADDED_EMPTY = {"settings": {}, "mix": None}
+
+
+def _without_empty_additions(content: Any) -> Any:
+    """`content` without the fields of ADDED_EMPTY where they hold their empty value, on both
+    sides of the comparison: a campaign.json written before those fields existed holds such a
+    campaign, and resumes as it."""
     if isinstance(content, dict):
-        return {k: _no_empty_settings(v) for k, v in content.items()
-                if not (k == "settings" and v == {})}  # fmt: skip
+        return {k: _without_empty_additions(v) for k, v in content.items()
+                if not (k in ADDED_EMPTY and v == ADDED_EMPTY[k])}  # fmt: skip
     if isinstance(content, list | tuple):  # asdict keeps a tuple field a tuple
-        return [_no_empty_settings(v) for v in content]
+        return [_without_empty_additions(v) for v in content]
     return content
 
 
@@ -74,7 +80,7 @@ def _bound_to(out: Path) -> tuple[str, dict | None] | None:
     held = RunFolder(out).campaign_record()
     if held is None:
         return None
-    held = _no_empty_settings(held)
+    held = _without_empty_additions(held)
     env = held.pop("environment", None)
     held.pop("product_coverage", None)  # measured from the config: not part of the identity
     for name in NOT_IDENTITY:

@@ -16,6 +16,7 @@ from typing import Any
 import detectors
 from harness.config.fault_targets import check_target
 from harness.config.faults import expand_scenarios, fault_config, unused_fault
+from harness.config.mix import check_mix, scenario_class
 from harness.config.schema import (
     BACKENDS,
     LAUNCHERS,
@@ -302,20 +303,23 @@ def run_config(raw: dict[str, Any]) -> RunConfig:
         model = Workload(workload, device="meta").build_model()
     module_sites = {str(s.get("site")) for _, s in scenario_raw} & set(MODULE_SITES)
     forward = forward_modules(workload) if module_sites else None
-    scenarios, trials = [], []
+    scenarios, trials, classes = [], [], []
     for n, (i, scenario) in enumerate(scenario_raw):
         key = "fault" if campaign.get("name") == "single" else f"campaign.scenarios[{i}]"
         scenario = dict(scenario)
         trial_checks = scenario_checks(
             f"{key}.checks", scenario.pop("checks", None), checks, topology
         )
+        mix = scenario_class(key, scenario)
         fault = fault_config(key, scenario, workload, topology)
         check_target(key, fault, model, forward, topology.shard_group)
         scenarios.append(fault)
+        classes.append((key, not fault.clean, mix))
         for s in range(seeds):
             seed = workload.seed + s
             trial_id = f"{n:03d}-{fault.label()}-s{seed}"
-            trials.append(TrialSpec(trial_id, seed, fault, checks=trial_checks))
+            trials.append(TrialSpec(trial_id, seed, fault, checks=trial_checks, mix=mix))
+    check_mix(classes)
     topology = exact_replay(topology, checks, trials)
     return RunConfig(
         campaign=str(campaign.get("name")),

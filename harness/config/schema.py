@@ -266,6 +266,15 @@ def golden_id(seed: int) -> str:
 
 
 @dataclass(frozen=True)
+class FaultClass:
+    """A scenario's place in a weighed mix of faults (`campaign=field_mix`): the class it
+    samples, and the class's weight, its share of the SDC a fleet sees (harness/config/mix.py)."""
+
+    name: str
+    weight: float
+
+
+@dataclass(frozen=True)
 class TrialSpec:
     trial_id: str
     seed: int
@@ -278,6 +287,8 @@ class TrialSpec:
     checks: dict[str, CheckConfig] | None = None
     # False: plain DDP without the harness's comm hook (overhead's outermost reference).
     hook: bool = True
+    # The fault class the trial samples, in a campaign that weighs its faults (None: unweighed).
+    mix: FaultClass | None = None
 
 
 @dataclass(frozen=True)

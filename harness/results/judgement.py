@@ -190,6 +190,8 @@ def trial_row(
                 if isinstance(e, CheckWarning)
             }
         ),
+        fault_class=spec.mix.name if spec.mix else None,
+        weight=spec.mix.weight if spec.mix else None,
         **(recovery.fields() if recovery else {}),
     )
     if crash:

@@ -101,6 +101,9 @@ class TrialRow:
     # A table written before sharding existed was replicated.
     parallel: Parallel = _extra(Parallel.DDP)
     shard_size: int | None = _extra()
+    # A weighed campaign's fault class of the trial and the class's weight (blank: unweighed).
+    fault_class: str | None = _extra()
+    weight: float | None = _extra()
 
     def cells(self) -> dict[str, str]:
         """The row as trials.csv's cells, by column."""
