@@ -259,6 +259,8 @@ NEW_MODELS = {
     "ranks:[1],steps:[3]",
     "riders": "site:allreduce,scope:reduction,tensor:riders,model:value,value:1e6,"
     "ranks:[0],steps:[3]",
+    "unit": "site:matmul,model:defective_unit,persistence:permanent,rate:0.5,lanes:4,lane:1,"
+    "bit:exponent_msb,ranks:[1],steps:[3]",
 }
 NEW_DETECTORS = "[nan_inf,allreduce_sketch,grad_stats,weight_consensus]"
 
@@ -329,6 +331,22 @@ def test_matmul_faults_strike_the_chosen_module_in_the_chosen_pass(new_models):
     # fc2's weight gradient (256 x 256) is what the backward matmul computed.
     assert 0 <= backward["index"] < 256 * 256
     assert table["matmul_backward"]["golden_match"] == "False"
+
+
+def test_a_defective_unit_strikes_products_of_its_rank_from_its_step_as_recorded(new_models):
+    """Through the real world: one event per struck product, on rank 1 from step 3 on, each
+    with the lane and the output's norms; the row takes its first step and the unit's bit."""
+    table, injected, _ = new_models
+    struck = injected["unit"]
+    assert struck and {e["rank"] for e in struck} == {1} and min(e["step"] for e in struck) == 3
+    assert {(e["lane"], e["lanes"], e["bit"], e["phase"]) for e in struck} == {
+        (1, 4, 30, "forward")
+    }
+    # The top exponent bit makes the lane huge or infinite; later products may start non-finite.
+    assert all(e["elements"] > 0 for e in struck) and struck[0]["new_norm"] != struck[0]["old_norm"]
+    row = table["unit"]
+    assert (row["fired"], row["inject_step"], row["injected_ranks"], row["bit"]) == (
+        "True", "3", "1", "30")  # fmt: skip
 
 
 def test_the_rider_region_is_a_target_of_the_reduction(new_models):

@@ -1,13 +1,16 @@
 """The plan (harness/analysis/plan.py) as text and figure: `sdc-plan`'s output, plan.md, plan.png,
 and the section that the report of a run with overhead.csv and several audit intervals includes.
 
-`--costs FILE` prices the checks with what the guard measured in the job itself
-(`guard.write_costs`, harness/results/costs.py) in place of the run's overhead.csv, and the
-header says so.
+Where the checks' costs come from, first choice first: `--costs FILE`, what the guard measured
+in the job itself (`guard.write_costs`, harness/results/costs.py); `--gpu --params
+--tokens-per-step`, estimated for that job from each check's docstring formula
+(harness/analysis/estimates.py); else the run's overhead.csv, measured on the campaign's own
+workload. The header says which. A run whose campaign weighs its faults is planned under its mix
+(harness/analysis/mix.py) unless `--equal-weights`.
 
-Bad input (a missing folder, no trials.csv, no overhead.csv without `--costs`, a costs file that
-lacks a check the run's trials ran, a negative rate) exits 2 with one line, before anything is
-written.
+Bad input (a missing folder, no trials.csv, no overhead.csv without `--costs` or `--gpu`, a
+costs file or formula table that lacks a check the run's trials ran, an estimate's flag without
+the others, a negative rate) exits 2 with one line, before anything is written.
 """
 
 from __future__ import annotations
@@ -51,7 +54,8 @@ MODEL = (
     "    loss = overhead x 24 h x GPUs\n"
     "         + events/day x P(caught) x GPUs x (time to detection + rollback + restart)\n"
     "         + events/day x P(damaged, not caught) x GPUs x escape cost\n\n"
-    "events/day = SDC rate x GPUs x 24 h; a fired trial of the run stands for one event. "
+    "events/day = SDC rate x GPUs x 24 h; a fired trial of the run stands for one event (under "
+    "a weighed fault mix, for its class's share of one). "
     "P(caught) and P(damaged, not caught) are shares of the run's fired faults, each fault "
     "once per set and interval (damaged: harmful or latent, or replicas that no longer agree). "
     "Time to detection: the mean ttd in steps x step time. Rollback: half a checkpoint "

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.analysis import mix, plan_report
+from harness.analysis import mix, plan_report, report
 from harness.analysis.plan import Job, PlanError, load, plan
 from harness.analysis.tables import wilson
 from harness.campaign import overhead
@@ -24,6 +24,7 @@ def fired(n: int, fault_class: str, weight: float, caught: bool, harmful: bool) 
     return dict(trial_id=f"{fault_class}-{n}", seed=n, fired=True, inject_step=3,
                 effect="harmful" if harmful else "benign", detected=caught, detectors=ON,
                 detected_by="replay" if caught else "", detect_steps="replay=3" if caught else "",
+                first_detector="replay" if caught else "", ttd_steps=0 if caught else "",
                 check_intervals="replay=5", fault_class=fault_class, weight=weight,
                 persistence="transient", fault_steps=3, factor=n)  # fmt: skip
 
@@ -119,3 +120,15 @@ def test_the_field_mix_weighs_every_fault_and_its_trials_carry_their_class():
     assert all(t.mix is not None for t in run.trials if not t.fault.clean)
     units = [t for t in run.trials if t.fault.model == "defective_unit"]
     assert units and {t.mix.name for t in units} == {"defective_unit"}
+
+
+def test_the_report_and_sdc_report_print_the_mix(tmp_path, capsys):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    write(folder / "trials.csv", ROWS)
+    report.main([str(folder)])
+    printed = capsys.readouterr().out
+    assert "Under the campaign's fault mix:" in printed and "| replay | 55.0% [" in printed
+    text = (folder / "report.md").read_text()
+    section = text.split("## Under the field mix")[1].split("\n## ")[0]
+    assert "| b | 0.1 (10.0%) | 3 | 2 | 0 |" in section and "| replay | 55.0% [" in section
