@@ -393,6 +393,7 @@ def load(dirs: list[Path], need_overhead: bool = True) -> tuple[pd.DataFrame, pd
     if table is None and need_overhead:
         raise PlanError(
             f"{', '.join(map(str, dirs))}: no overhead.csv in it or below it (run a campaign "
-            "that measures overhead, such as campaign=audit_frequency)"
+            "that measures overhead, such as campaign=audit_frequency; or price the checks for "
+            "your job with --costs FILE, or --gpu --params --tokens-per-step)"
         )
     return trials, table
