@@ -22,8 +22,8 @@ order-aware), over the parameters' elements only: the padding of the last rank's
 and not compared. The gather costs a few hundred bytes per rank per group, in a collective of
 its own; the fingerprints, about one read pass of the unsharded weights per forward.
 
-Cost per step (sdc-plan): bytes = B*N, flops = 0: one fingerprint read of the gathered parameters
-every step (the symbols: harness/analysis/estimates.py).
+Cost per step (sdc-plan): bytes = B*N/k, flops = 0: one fingerprint read of the gathered
+parameters on every k-th step's forward (the symbols: harness/analysis/estimates.py).
 """
 
 from __future__ import annotations

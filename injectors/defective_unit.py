@@ -2,16 +2,20 @@
 "mercurial core": one unit corrupts some of its operations, persistently, depending on the data).
 
 From `fault.steps[0]` on, every matrix multiply the rank's forward makes (in the modules
-`fault.tensor` names; every module by default) is struck with probability `rate`, drawn per
-product from the trial's seed, the step and the product's place in the step. A struck product's
-outputs in the unit's lane, the columns j with j % `lanes` == `lane` (a broken tensor-core lane
-computes one column class of every output tile), have one bit flipped: the unit's broken bit,
-`fault.bit` (an index, or a class drawn once from the seed, as bitflip reads it) in the output's
-own dtype. The backward computes from the corrupted output as it would from a genuine one.
+`fault.tensor` names; every module by default) is struck with probability `rate`, drawn from the
+trial's seed, the rank's machine, the step and the product's place in the step. A struck
+product's outputs in the unit's lane, the columns j with j % `lanes` == `lane` of its last
+dimension (a convolution's: its output channels), have one bit flipped: the unit's broken bit, a
+bit of the class `fault.bit` names (`sign`, `exponent_msb`, `exponent`, `mantissa`; any bit when
+null), drawn once per output dtype from the seed. A class, not an index: under autocast a
+product's dtype is known only when it runs. The backward computes from the corrupted output as
+it would from a genuine one.
 
 Keys: `lane` (0..lanes-1), `lanes` (the engine's width in columns), `rate` (0 < rate <= 1). The
-fault is permanent (the unit stays broken) at site matmul, forward; keys that pick elements
-(`index`, `elements`, `select`, `schedule`, `ber`, `product`) would be ignored and are refused.
+fault is permanent (the unit stays broken) at site matmul, forward, on one rank. Keys that would
+be ignored are refused: those that pick elements or a product (`index`, `elements`, `select`,
+`schedule`, `ber`, `product`, `nbits`, `adjacent`), another corruption (`factor`, `value`,
+`stuck_at`), `probability` (`rate` draws the products) and `follows` (the unit is hardware).
 """
 
 from __future__ import annotations
@@ -28,9 +32,10 @@ from injectors import bits
 from injectors.bitflip import choose_bit
 from injectors.model import FaultModel
 
-# Keys of every fault that pick elements or a product: the unit picks its own.
+# Keys of every fault that a unit would ignore, at their unset values.
 IGNORED = {"index": None, "elements": 1, "select": "random", "schedule": (), "ber": None,
-           "product": 1, "nbits": 1, "factor": None, "value": None, "stuck_at": None}  # fmt: skip
+           "product": 1, "nbits": 1, "adjacent": True, "factor": None, "value": None,
+           "stuck_at": None, "probability": 0.5, "follows": "hardware"}  # fmt: skip
 
 
 class DefectiveUnit(FaultModel):
@@ -76,19 +81,30 @@ class DefectiveUnit(FaultModel):
             if getattr(fault, name) != unset:
                 raise ConfigError(f"{key}.{name}", "a defective unit picks its own products and "
                                   "elements (lane, lanes, rate); leave it unset")  # fmt: skip
+        if isinstance(fault.bit, int):
+            raise ConfigError(f"{key}.bit", f"{fault.bit}: a unit's bit is a class, since a "
+                              "product's dtype is known only when it runs; allowed: sign, "
+                              "exponent_msb, exponent, mantissa, or null (any)")  # fmt: skip
+        if len(fault.ranks) != 1:
+            raise ConfigError(f"{key}.ranks", "a defective unit is on one rank's machine; "
+                              "allowed: one rank")  # fmt: skip
 
     def __init__(self, fault, rng: random.Random):
         super().__init__(fault, rng)
         self.bits: dict[torch.dtype, int] = {}  # the broken bit, drawn once per output dtype
 
-    def corrupt_lane(self, output: torch.Tensor) -> int:
-        """Flip the unit's bit in the lane's outputs of one product in place; its bit index."""
+    def corrupt_lane(self, output: torch.Tensor, dim: int = -1) -> tuple[int, int]:
+        """Flip the unit's bit in the lane's outputs (along `dim`) of one product in place; the
+        bit's index and the elements flipped."""
         if output.dtype not in self.bits:
             self.bits[output.dtype] = choose_bit(self.fault, output.dtype, self.rng)
         bit = self.bits[output.dtype]
         settings = self.fault.settings
-        bits.flip_all(output[..., settings.lane :: settings.lanes], bit)
-        return bit
+        index = [slice(None)] * output.dim()
+        index[dim] = slice(settings.lane, None, settings.lanes)
+        lane = output[tuple(index)]
+        bits.flip_all(lane, bit)
+        return bit, lane.numel()
 
 
 MODEL = DefectiveUnit

@@ -52,8 +52,9 @@ class FaultModel:
         """A grouped model's positions in a tensor of `size` elements, around `first`."""
         raise NotImplementedError
 
-    def corrupt_lane(self, output: torch.Tensor) -> int:
-        """A per-product model: corrupt one struck product's output in place; the bit flipped."""
+    def corrupt_lane(self, output: torch.Tensor, dim: int = -1) -> tuple[int, int]:
+        """A per-product model: corrupt one struck product's output in place (its columns along
+        `dim`); the bit flipped and the elements changed."""
         raise NotImplementedError
 
     def contribute(

@@ -20,7 +20,7 @@ from torch import nn
 
 from harness.core.dtensors import local
 from harness.core.events import ContributionInject, LaneInject
-from harness.core.matmuls import MatmulCall
+from harness.core.matmuls import CONVOLUTIONS, MatmulCall
 from harness.core.plugins import Bucket, Plugin, matches
 from injectors import sites
 
@@ -114,18 +114,22 @@ class Matmul(Site):
 class Unit(Site):
     """matmul with a per-product model (defective_unit): from the fault's first step, every
     product the rank's forward makes in the targeted modules is struck with probability
-    `rate`, drawn from the trial's seed, the step and the product's place in the step (so a run
-    and its repeat strike the same products). While due, attention runs as its two products,
-    which the unit computes too (harness/core/attention.py). One event per struck product."""
+    `rate`, drawn from the trial's seed, the rank's machine, the step and the product's place in
+    the step (so a run and its repeat strike the same products). A forward that a check runs
+    again on this rank (replay, titan_replay) makes products too, on the same broken unit: they
+    count on and are struck as any other. While due, attention runs as its two products, which
+    the unit computes too (harness/core/attention.py). One event per struck product."""
 
     phase = "forward"
 
     def __init__(self, injector: FaultInjector, model: nn.Module):
         super().__init__(injector, model)
         self.rate = self.fault.settings.rate
+        self.machine = injector.hardware[injector.info.rank]
         self.step, self.made = -1, 0  # products made in the step so far
-        # Calls struck, by id(), with the module that made each and its place in the step.
-        self.struck: dict[int, tuple[str, int]] = {}
+        # The call being struck (by id()), the module that made it and its place in the step:
+        # products run one at a time, operands hook, product, output hook.
+        self.hit: tuple[int, str, int] | None = None
 
     def watches_matmuls(self) -> bool:
         return self.injector.active
@@ -134,6 +138,7 @@ class Unit(Site):
         return self.injector.due(step)
 
     def on_matmul_operands(self, step: int, call: MatmulCall) -> None:
+        self.hit = None
         if not self.injector.due(step):
             return
         tensor = self.fault.tensor
@@ -142,24 +147,24 @@ class Unit(Site):
         if step != self.step:
             self.step, self.made = step, 0
         self.made += 1
-        draw = random.Random(f"defective-unit:{self.injector.seed}:{step}:{self.made}").random()
-        if draw < self.rate:
-            self.struck[id(call)] = (call.stack[-1] if call.stack else "", self.made)
+        seed = f"defective-unit:{self.injector.seed}:{self.machine}:{step}:{self.made}"
+        if random.Random(seed).random() < self.rate:
+            self.hit = (id(call), call.stack[-1] if call.stack else "", self.made)
 
     def on_matmul_output(
         self, step: int, call: MatmulCall, output: torch.Tensor
     ) -> torch.Tensor | None:
-        hit = self.struck.pop(id(call), None)
-        if hit is None:
+        if self.hit is None or self.hit[0] != id(call):
             return None
+        (_, module, place), self.hit = self.hit, None
         corrupted = output.detach().clone()
-        bit = self.injector.model.corrupt_lane(corrupted)
+        # A convolution's columns are its output channels; a product's, its last dimension.
+        dim = 1 if call.func in CONVOLUTIONS else -1
+        bit, elements = self.injector.model.corrupt_lane(corrupted, dim)
         settings = self.fault.settings
-        # A flipped bit always changes the element: every element of the lane changed.
-        elements = corrupted[..., settings.lane :: settings.lanes].numel()
         self.injector.log.emit(LaneInject(
-            step=step, site=self.fault.site, model=self.fault.model, tensor=hit[0],
-            product=hit[1], bit=bit, lane=settings.lane, lanes=settings.lanes, elements=elements,
+            step=step, site=self.fault.site, model=self.fault.model, tensor=module,
+            product=place, bit=bit, lane=settings.lane, lanes=settings.lanes, elements=elements,
             old_norm=sites.number(float(output.detach().double().norm())),
             new_norm=sites.number(float(corrupted.double().norm())), fired=elements > 0,
         ))  # fmt: skip

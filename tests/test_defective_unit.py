@@ -33,7 +33,8 @@ def test_a_struck_product_has_one_bit_flipped_in_every_output_of_its_lane(dtype)
     output = torch.randn(3, 5, 12, generator=torch.Generator().manual_seed(0)).to(dtype)
     before = output.clone()
     unit = _unit(lane=2, lanes=4)
-    bit = unit.corrupt_lane(output)
+    bit, elements = unit.corrupt_lane(output)
+    assert elements == 3 * 5 * 3
     assert bit in bits.class_bits(dtype, "exponent")
     int_type = {torch.float32: torch.int32, torch.bfloat16: torch.int16}[dtype]
     changed = (output.view(int_type) ^ before.view(int_type)) != 0
@@ -43,7 +44,16 @@ def test_a_struck_product_has_one_bit_flipped_in_every_output_of_its_lane(dtype)
     flipped = output.view(int_type)[..., 2::4] ^ before.view(int_type)[..., 2::4]
     assert (flipped == torch.tensor(1 << bit).to(int_type)).all()
     # The broken bit is the unit's: the next product of the same dtype has the same one.
-    assert unit.corrupt_lane(torch.ones(2, 8, dtype=dtype)) == bit
+    assert unit.corrupt_lane(torch.ones(2, 8, dtype=dtype))[0] == bit
+
+
+def test_a_convolutions_lane_is_its_output_channels():
+    output = torch.randn(2, 8, 5, 5)
+    before = output.clone()
+    _unit(lane=1, lanes=4).corrupt_lane(output, dim=1)
+    changed = (output != before).any(dim=(0, 2, 3))
+    assert changed.tolist() == [c % 4 == 1 for c in range(8)]
+    assert (output != before)[:, 1].all() and (output != before)[:, 5].all()
 
 
 def _run(workload: list[str], rate: float, seed: int, steps: int, first: int) -> Rank:
@@ -113,11 +123,15 @@ def test_every_struck_product_is_caught_in_its_step_naming_the_rank(workload):
         ({"lane": 8}, "lane", "allowed: 0..7"),
         ({"rate": 0}, "rate", "(0, 1]"),
         ({"phase": "backward"}, "phase", "allowed: forward"),
+        ({"bit": 20}, "bit", "a unit's bit is a class"),
+        ({"ranks": "[0,1]"}, "ranks", "allowed: one rank"),
+        ({"probability": 0.1}, "probability", "leave it unset"),
+        ({"follows": "data"}, "follows", "leave it unset"),
     ],
 )  # fmt: skip
 def test_a_unit_that_could_not_strike_as_asked_is_refused(keys, key, allowed):
     fault = {"site": "matmul", "model": "defective_unit", "persistence": "permanent",
-             "ranks": [1], "steps": [3], "lanes": 8, **keys}  # fmt: skip
+             "ranks": "[1]", "steps": "[3]", "lanes": 8, **keys}  # fmt: skip
     listed = "{" + ",".join(f"{k}:{v}" for k, v in fault.items()) + "}"
     with pytest.raises(ConfigError) as error:
         compose_run(f"campaign.scenarios=[{listed}]")

@@ -332,6 +332,7 @@ def test_the_report_of_a_run_with_several_intervals_has_the_plan(tmp_path):
             ],
             "--replicas: 128 replicas need as many --gpus",
         ),
+        (["{fixture}", "--replicas", "64"], "--replicas: only an estimate reads it"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(tmp_path, capsys, args, says):

@@ -15,6 +15,10 @@ the model between them, by tensor, pipeline or expert parallelism):
     B  4: bytes of a float32 gradient, weight or master element
     A  2: bytes of a bfloat16 product's operand or output
 
+matmul_checksum's products: per token a transformer layer's linear maps read and write
+sum(d_in + d_out) = 18 d elements (q, k, v, o: 2 d each; a 4 d MLP: 5 d each way), against
+N = 12 L d^2 parameters, so 1.5 N / d per token (a SwiGLU MLP of 8/3 d gives 19 d: 1.58).
+
 The terms' rates: `bytes` at the GPU's memory bandwidth, `flops` at its dense BF16 peak, `host`
 bytes at HOST_RATE (a CPU core hashing), `train` (a forward and backward run again) at the
 step's own efficiency, --mfu of the peak. The step is 6 N t FLOPs at that efficiency. The
@@ -52,10 +56,11 @@ FORMULAS: dict[str, dict[str, str]] = {
     "grad_stats": {"bytes": "B*N", "flops": "2*N"},
     "allreduce_sketch": {"bytes": "2*B*N", "flops": "4*N"},
     "weight_consensus": {"bytes": "B*N/k", "flops": "0"},
-    "gather_consensus": {"bytes": "B*N", "flops": "0"},
+    "gather_consensus": {"bytes": "B*N/k", "flops": "0"},
     "megatron_hash": {"bytes": "B*N/k", "flops": "0", "host": "B*N/k"},
     "spiky_loss": {"bytes": "0", "flops": "0"},
     "replay": {"bytes": "B*N/k", "flops": "0", "train": "6*N*t/k"},
+    # Every step (num_steps -1): an upper bound for its default, the first step only.
     "titan_replay": {"bytes": "B*N", "flops": "0", "train": "6*N*t"},
     "matmul_checksum": {"bytes": "3*A*(N + 1.5*N*t/d)/k", "flops": "6*(N + 1.5*N*t/d)/k"},
 }

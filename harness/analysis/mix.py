@@ -64,7 +64,8 @@ def trial_weights(fired: pd.DataFrame, scale: dict[str, float] | None = None) ->
 
 
 def share(fired: pd.DataFrame, caught: pd.Series, among: pd.Series) -> Share | None:
-    """The weighed share of the trials `among` that `caught` holds; None without any."""
+    """The weighed share of the trials `among` that `caught` holds, each class's weight spread
+    over its trials in `fired` (the fired trials a check set ran in); None without any."""
     if not among.any():
         return None
 
@@ -77,8 +78,25 @@ def share(fired: pd.DataFrame, caught: pd.Series, among: pd.Series) -> Share | N
     point = value(None)
     low, high = wilson(point * n, n)
     classes = sorted(fired.loc[among, Column.fault_class].unique())
-    varied = [value({c: f}) for c in classes for f in SENSITIVITY] or [point]
+    varied = [value({c: f}) for c in classes for f in SENSITIVITY]
     return Share(point, low, high, n, min(varied), max(varied))
+
+
+def conflicts(df: pd.DataFrame) -> list[str]:
+    """Classes that the trials give more than one weight (runs of different mixes), named."""
+    planned = df[df[Column.weight].notna()]
+    weights = planned.groupby(Column.fault_class)[Column.weight].unique()
+    return [f"{c} ({', '.join(f'{w:g}' for w in sorted(ws))})"
+            for c, ws in weights.items() if len(ws) > 1]  # fmt: skip
+
+
+def mix_weights(df: pd.DataFrame) -> dict[str, float]:
+    """Each class's weight as the campaign gives it (one per class: `conflicts` is empty)."""
+    planned = df[df[Column.weight].notna()]
+    return {
+        str(c): float(w)
+        for c, w in planned.groupby(Column.fault_class)[Column.weight].first().items()
+    }
 
 
 def check_sets(df: pd.DataFrame) -> list[tuple[str, tuple[str, ...]]]:
@@ -108,21 +126,27 @@ def ran(fired: pd.DataFrame, checks: tuple[str, ...]) -> pd.Series:
 
 
 def shares(df: pd.DataFrame) -> list[dict[str, object]]:
-    """Per check set: the share of the mix's SDC caught and of its damaging SDC, with intervals
-    and the weights' sensitivity range; among the trials in which every member ran."""
+    """Per check set, among the fired trials in which every member ran: the share of the mix's
+    SDC caught and of its damaging SDC, with intervals and the weights' sensitivity range, and
+    the share of the mix's weight those trials cover (a class none of them sampled counts for
+    nothing, and says so here)."""
     fired = fired_weighed(df)
+    weights = mix_weights(df)
+    total = sum(weights.values())
     rows = []
     for label, checks in check_sets(df):
-        caught = caught_by(fired, checks)
-        present = ran(fired, checks)
-        every = share(fired, caught, present)
-        harmful = share(fired, caught, present & fired["damaged"])
+        sub = fired[ran(fired, checks)]
+        caught = caught_by(sub, checks)
+        every = share(sub, caught, pd.Series(True, index=sub.index))
+        harmful = share(sub, caught, sub["damaged"])
+        covered = sum(weights[c] for c in sub[Column.fault_class].unique()) / total
         rows.append({
             "checks": label,
             "expected share caught under the field mix": every.text() if every else "n=0",
             "sensitivity (one weight x0.5, x2)": every.range_text() if every else "-",
             "expected share of damaging faults caught": harmful.text() if harmful else "n=0",
             "sensitivity (damaging)": harmful.range_text() if harmful else "-",
+            "mix covered": f"{covered:.1%}",
         })  # fmt: skip
     return rows
 
@@ -131,11 +155,12 @@ def classes(df: pd.DataFrame) -> list[dict[str, object]]:
     """The mix as the run sampled it: each class's weight and its fired and damaging trials."""
     fired = fired_weighed(df)
     planned = df[df[Column.weight].notna()]
-    total = planned.groupby(Column.fault_class)[Column.weight].first().sum()
+    weights = mix_weights(df)
+    total = sum(weights.values())
     rows = []
     for name, group in planned.groupby(Column.fault_class, sort=True):
         mine = fired[fired[Column.fault_class] == name]
-        weight = float(group[Column.weight].iloc[0])
+        weight = weights[str(name)]
         rows.append({
             "fault class": name,
             "weight (share)": f"{weight:g} ({weight / total:.1%})",

@@ -12,11 +12,12 @@ into expected GPU-hours lost per day of the job, for each set of checks and inte
 with G GPUs, events = rate x G x 24 h SDC events a day, time to detection = mean ttd steps x
 step time, rollback = half a checkpoint interval of steps (the fault lands anywhere between two
 checkpoints), escape cost = the hours a damaging fault that no check caught costs the job before
-other means find it. A fired trial of the run stands for one event. Damaged: its effect is
-harmful or latent (docs/design.md, section 5), or its replicas no longer agree at the end (a
-fault the loss does not show yet). The range (low, high) puts each probability at its 95% Wilson
-bounds and the time to detection at the least and most seen, each term at its own extreme: the
-loss at any mix of those bounds lies inside it.
+other means find it. A fired trial of the run stands for one event; under a weighed fault mix
+(harness/analysis/mix.py), for its class's weight spread over the class's fired trials. Damaged:
+its effect is harmful or latent (docs/design.md, section 5), or its replicas no longer agree at
+the end (a fault the loss does not show yet). The range (low, high) puts each probability at its
+95% Wilson bounds and the time to detection at the least and most seen, each term at its own
+extreme: the loss at any mix of those bounds lies inside it.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import pandas as pd
 
 from harness.analysis.estimates import FORMULAS, JobShape
 from harness.analysis.intervals import pairs
-from harness.analysis.mix import trial_weights, weighed
+from harness.analysis.mix import conflicts, mix_weights, trial_weights, weighed
 from harness.analysis.overheads import load_overhead
 from harness.analysis.tables import (
     Counts,
@@ -347,6 +348,8 @@ class Plan:
     ranked: list[tuple[Option, Loss]]  # best first
     overheads: Overheads
     weighed: bool = False  # the faults weighed by the campaign's fault mix
+    # Under a mix: the share of its weight whose classes have no fired trial (count for nothing).
+    uncovered: float = 0.0
 
     @property
     def best(self) -> tuple[Option, Loss]:
@@ -367,6 +370,10 @@ def plan(
             "some runs weigh their faults by a mix and some do not: plan from the weighed runs "
             "alone, or from the unweighed ones"
         )
+    clash = conflicts(trials) if weighed(trials) else []
+    if clash:
+        raise PlanError(f"the runs give a fault class more than one weight: {'; '.join(clash)}; "
+                        "plan from one mix's runs")  # fmt: skip
     found = options(trials, cost)
     if not found:
         raise PlanError("no fired trials with measured overheads: nothing to plan from")
@@ -374,7 +381,12 @@ def plan(
         ((o, loss(o, job)) for o in found),
         key=lambda ol: (ol[1].expected, ol[0].overhead_pct, len(ol[0].checks), ol[0].name),
     )
-    return Plan(job, ranked, cost, weighed(trials))
+    uncovered = 0.0
+    if weighed(trials):
+        weights = mix_weights(trials)
+        sampled = set(trials.loc[trials[Column.fired] == True, Column.fault_class])  # noqa: E712
+        uncovered = sum(w for c, w in weights.items() if c not in sampled) / sum(weights.values())
+    return Plan(job, ranked, cost, weighed(trials), uncovered)
 
 
 def load(dirs: list[Path], need_overhead: bool = True) -> tuple[pd.DataFrame, pd.DataFrame | None]:

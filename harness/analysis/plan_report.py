@@ -102,6 +102,12 @@ def header(job: Job, costs: Overheads, derived: tuple[str, ...] = ()) -> str:
             f"- overheads **estimated**, not measured: from each check's bytes and FLOPs "
             f"(its docstring; harness/analysis/estimates.py) on {shape.describe()}; at an "
             f"interval of 1: {each}; the harness's hook as nothing"
+            + (
+                "; titan_replay as if it checked every step (num_steps -1), an upper bound for "
+                "its default of the first step only"
+                if "titan_replay" in costs.per_run
+                else ""
+            )
         )
     elif costs.job is not None:
         measured = costs.job
@@ -250,10 +256,16 @@ def figure(result: Plan, path: Path) -> Path:
 def mix_line(result: Plan) -> str:
     """How the run's faults count: each once, or by the campaign's fault mix."""
     if result.weighed:
+        missing = (
+            f" Classes with no fired trial, {result.uncovered:.1%} of the mix's weight, count "
+            "for nothing."
+            if result.uncovered
+            else ""
+        )
         return (
             "Faults weighed by the campaign's fault mix (harness/analysis/mix.py): each fired "
             "trial stands for its class's weight over the class's fired trials; shares at the "
-            "Kish effective number of trials. `--equal-weights` counts each once."
+            "Kish effective number of trials. `--equal-weights` counts each once." + missing
         )
     return "Each fired fault counts once."
 
@@ -302,6 +314,30 @@ class Arguments:
 ESTIMATE_FLAGS = ("--gpu", "--params", "--tokens-per-step")
 
 
+def _shape(args: argparse.Namespace) -> JobShape | None:
+    """The job an estimate is for (--gpu, --params, --tokens-per-step together; --replicas and
+    --mfu only with them), or None without an estimate."""
+    estimate = [args.gpu, args.params, args.tokens_per_step]
+    if all(v is None for v in estimate):
+        for flag, value in (("--replicas", args.replicas), ("--mfu", args.mfu)):
+            if value is not None:
+                raise PlanError(f"{flag}: only an estimate reads it; give it with "
+                                f"{', '.join(ESTIMATE_FLAGS)}")  # fmt: skip
+        return None
+    if any(v is None for v in estimate):
+        missing = ESTIMATE_FLAGS[estimate.index(None)]
+        raise PlanError(f"{missing}: an estimate needs {', '.join(ESTIMATE_FLAGS)} together")
+    if args.costs is not None:
+        raise PlanError("--gpu: the job's measured costs (--costs) take precedence over an "
+                        "estimate; give one or the other")  # fmt: skip
+    replicas = REPLICAS if args.replicas is None else args.replicas
+    mfu = MFU if args.mfu is None else args.mfu
+    try:
+        return JobShape(args.gpu, args.params, args.tokens_per_step, replicas, mfu)
+    except EstimateError as exc:
+        raise PlanError(str(exc)) from None
+
+
 def parse(argv: list[str] | None) -> Arguments:
     default = Job()
     parser = _Parser(prog="sdc-plan", description=MODEL.split(":")[0] + ".")
@@ -316,9 +352,9 @@ def parse(argv: list[str] | None) -> Arguments:
     parser.add_argument("--params", type=float, help="the model's parameters (with --gpu)")
     parser.add_argument("--tokens-per-step", type=float, help="tokens per step (with --gpu)")
     replicas = f"data-parallel replicas (default {REPLICAS}, with --gpu)"
-    parser.add_argument("--replicas", type=int, default=REPLICAS, help=replicas)
+    parser.add_argument("--replicas", type=int, help=replicas)
     mfu = f"the step's share of the GPU's peak (default {MFU:g}, with --gpu)"
-    parser.add_argument("--mfu", type=float, default=MFU, help=mfu)
+    parser.add_argument("--mfu", type=float, help=mfu)
     for f in fields(Job):
         flag, what, _ = FLAGS[f.name]
         kind = int if f.type in ("int", int) else float
@@ -329,19 +365,9 @@ def parse(argv: list[str] | None) -> Arguments:
     args = parser.parse_args(argv)
     given = {f.name: getattr(args, f.name) for f in fields(Job)}
     job = Job(**{k: getattr(default, k) if v is None else v for k, v in given.items()})
-    shape, derived = None, ()
-    estimate = [args.gpu, args.params, args.tokens_per_step]
-    if any(v is not None for v in estimate):
-        if any(v is None for v in estimate):
-            missing = ESTIMATE_FLAGS[estimate.index(None)]
-            raise PlanError(f"{missing}: an estimate needs {', '.join(ESTIMATE_FLAGS)} together")
-        if args.costs is not None:
-            raise PlanError("--gpu: the job's measured costs (--costs) take precedence over an "
-                            "estimate; give one or the other")  # fmt: skip
-        try:
-            shape = JobShape(args.gpu, args.params, args.tokens_per_step, args.replicas, args.mfu)
-        except EstimateError as exc:
-            raise PlanError(str(exc)) from None
+    shape = _shape(args)
+    derived: tuple[str, ...] = ()
+    if shape is not None:
         if job.gpus < shape.replicas:
             raise PlanError(f"--replicas: {shape.replicas} replicas need as many --gpus, "
                             f"got {job.gpus}")  # fmt: skip

@@ -116,20 +116,39 @@ def summary(df: pd.DataFrame) -> str:
     text = (
         head + "\n\n" + markdown_table(catch_rates(df)) + "\n" + markdown_table(false_positives(df))
     )
-    if mix.weighed(df):
+    if mix.weighed(df) and not mix.conflicts(df):
         text += "\nUnder the campaign's fault mix:\n\n" + markdown_table(mix.shares(df))
     return text
 
 
 def mix_section(df: pd.DataFrame) -> str:
     """What a weighed campaign's checks catch of the SDC a fleet sees (harness/analysis/mix.py)."""
+    clash = mix.conflicts(df)
+    if clash:
+        return (
+            "## Under the field mix\n\nThese runs give a fault class more than one weight: "
+            f"{'; '.join(clash)}. They sample different mixes, which cannot be weighed "
+            "together: report each mix's runs apart."
+        )
+    fired = df[Column.fired] == True  # noqa: E712
+    left_out = int((fired & df[Column.weight].isna()).sum())
+    apart = (
+        f"{left_out} fired trials without a weight (runs that do not weigh their faults) are "
+        "left out of this section. "
+        if left_out
+        else ""
+    )
     return (
-        "## Under the field mix\n\nEach fired trial stands for its fault class's weight, spread "
+        "## Under the field mix\n\n"
+        + apart
+        + "Each fired trial stands for its fault class's weight, spread "
         "evenly over the class's fired trials (a class counts by its weight, not by its trials). "
         "Shares with a 95% Wilson interval at the Kish effective number of trials; the "
         "sensitivity range is the least and most share with any one class's weight halved or "
         "doubled. Damaging: harmful or latent, or replicas left apart (docs/design.md, section "
-        "5). A check set counts the trials in which all its members ran.\n\n"
+        "5). A check set counts the fired trials in which all its members ran, each class's "
+        "weight spread over those; `mix covered` is the share of the mix's weight whose classes "
+        "they sample (a class without one counts for nothing).\n\n"
         + markdown_table(mix.classes(df))
         + "\n"
         + markdown_table(mix.shares(df))

@@ -56,21 +56,22 @@ def _identity(run: RunConfig) -> str:
     return json.dumps(content, sort_keys=True, indent=1)
 
 
-# Fields added to a campaign's record after campaigns were recorded, with the value that means
-# what a record without them meant: the `settings` of a fault whose model has none, the `mix` of
-# a trial in an unweighed campaign.
-ADDED_EMPTY = {"settings": {}, "mix": None}
+def _without(record: dict[str, Any], name: str, empty: Any) -> dict[str, Any]:
+    return {k: v for k, v in record.items() if not (k == name and v == empty)}
 
 
-def _without_empty_additions(content: Any) -> Any:
-    """`content` without the fields of ADDED_EMPTY where they hold their empty value, on both
-    sides of the comparison: a campaign.json written before those fields existed holds such a
-    campaign, and resumes as it."""
-    if isinstance(content, dict):
-        return {k: _without_empty_additions(v) for k, v in content.items()
-                if not (k in ADDED_EMPTY and v == ADDED_EMPTY[k])}  # fmt: skip
-    if isinstance(content, list | tuple):  # asdict keeps a tuple field a tuple
-        return [_without_empty_additions(v) for v in content]
+def _without_empty_additions(content: dict[str, Any]) -> dict[str, Any]:
+    """A campaign record without the fields added after campaigns were first recorded, where
+    they hold the value that means what a record without them meant: a fault's `settings` when
+    its model has none, a trial's `mix` in an unweighed campaign. Applied to both sides of the
+    comparison, so a campaign.json written before those fields existed resumes as the campaign
+    it holds; only those places, so a user's own keys (a custom model's `settings`) still count."""
+    content = dict(content)
+    content["scenarios"] = [_without(f, "settings", {}) for f in content.get("scenarios", [])]
+    content["trials"] = [
+        _without({**t, "fault": _without(t["fault"], "settings", {})}, "mix", None)
+        for t in content.get("trials", [])
+    ]
     return content
 
 

@@ -44,6 +44,8 @@ MATMULS: dict[Callable, int] = {
     # Convolutions: a product of the weight with every input patch.
     F.conv1d: 1, F.conv2d: 1, F.conv3d: 1,
 }  # fmt: skip
+# The convolutions among them: their outputs' columns (the output channels) are dimension 1.
+CONVOLUTIONS = (F.conv1d, F.conv2d, F.conv3d)
 
 
 @dataclass

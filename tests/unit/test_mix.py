@@ -132,3 +132,33 @@ def test_the_report_and_sdc_report_print_the_mix(tmp_path, capsys):
     text = (folder / "report.md").read_text()
     section = text.split("## Under the field mix")[1].split("\n## ")[0]
     assert "| b | 0.1 (10.0%) | 3 | 2 | 0 |" in section and "| replay | 55.0% [" in section
+
+
+def test_a_class_counts_its_weight_over_the_trials_a_check_set_ran_in():
+    """Two more trials of class a ran without replay: replay's share is still 55%, its weight
+    spread over the two trials of a that it ran in, not thinned by the two it did not."""
+    others = [{**fired(n, "a", 0.9, caught=False, harmful=True), "detectors": "nan_inf"}
+              for n in (4, 5)]  # fmt: skip
+    (replay,) = [r for r in mix.shares(frame(*ROWS, *others)) if r["checks"] == "replay"]
+    assert replay["expected share caught under the field mix"].startswith("55.0% [")
+    assert replay["mix covered"] == "100.0%"
+
+
+def test_a_class_that_never_fired_is_named_as_uncovered(tmp_path, capsys):
+    never = dict(trial_id="c-0", fault_class="c", weight=9.0, detectors=ON)
+    (replay,) = [r for r in mix.shares(frame(*ROWS, never)) if r["checks"] == "replay"]
+    assert replay["mix covered"] == "10.0%"
+    folder = _run(tmp_path / "run", [*ROWS, never])
+    plan_report.main([str(folder), "--out", str(tmp_path)])
+    assert (
+        "Classes with no fired trial, 90.0% of the mix's weight, count" in capsys.readouterr().out
+    )
+
+
+def test_runs_of_different_mixes_are_not_weighed_together(tmp_path):
+    other = [{**r, "weight": 0.5} if r.get("fault_class") == "a" else r for r in ROWS]
+    df = frame(*ROWS, *[{**r, "trial_id": r["trial_id"] + "-2"} for r in other])
+    section = report.mix_section(df)
+    assert "more than one weight: a (0.5, 0.9)" in section and "| replay |" not in section
+    with pytest.raises(PlanError, match="more than one weight: a"):
+        plan(*load([_run(tmp_path / "one", ROWS), _run(tmp_path / "two", other)]), Job())
