@@ -16,6 +16,10 @@ The floors:
 - matmul_checksum: one read pass over every product's operands and output, forward and
   backward (a checksum reads each once at least).
 
+The budgeted checks' twin (`twin_run`, with the overhead): nan_inf, consensus and the sketch
+again on `llama` with the LLM recipe (where transformers is installed), against the same hooked
+step, so the 3% budget is read on a real architecture as well as on the reference.
+
 The hook's own cost (`hook_run`, its own part of `python -m benchmarks`: `--only hook`): the
 harness's comm hook without checks (the fixed reduction layout, its rider slot and copies)
 against plain DDP's own allreduce, on `gpt` (the reference, whose target is 3% of a step), the
@@ -58,19 +62,27 @@ class Plan:
     workload: tuple[str, ...] = ()  # extra overrides, e.g. a smaller batch for quick runs
     nodes: int = 4
     hook_workloads: tuple[str, ...] = ("gpt", "mlp", "llama")
+    # Where the budgeted checks are timed again: the LLM recipe's llama, the reference's twin.
+    twin_workloads: tuple[str, ...] = ("llama",)
 
     @classmethod
     def quick(cls) -> Plan:
         """The smallest world replay and consensus accept (3 nodes), a tiny batch."""
         small = ("workload.micro_batch_size=2", "workload.context=16")
         return cls((1, 2), 2, cycle=2, cycles=2, rounds=1, workload=small, nodes=3,
-                   hook_workloads=("gpt", "mlp"))  # fmt: skip
+                   hook_workloads=("gpt", "mlp"), twin_workloads=("mlp",))  # fmt: skip
+
+
+def budgeted(plan: Plan) -> dict[str, dict]:
+    """The checks of the published budget, consensus at the plan's interval."""
+    return {"nan_inf": {}, "weight_consensus": {"interval": plan.consensus_interval},
+            "allreduce_sketch": {}}  # fmt: skip
 
 
 def configs(plan: Plan) -> dict[str, RunConfig]:
     """Every configuration timed, by name: none, the floor, each check, replay per interval."""
     base = base_run(steps_for(plan.cycle, plan.cycles), plan.nodes, *plan.workload)
-    consensus = {"weight_consensus": {"interval": plan.consensus_interval}}
+    consensus = {"weight_consensus": budgeted(plan)["weight_consensus"]}
     runs = {
         "none": base,
         "floor": with_detectors(base, {}, micro_batches=2 * base.workload.micro_batches),
@@ -78,7 +90,7 @@ def configs(plan: Plan) -> dict[str, RunConfig]:
         "weight_consensus": with_detectors(base, consensus),
         "allreduce_sketch": with_detectors(base, {"allreduce_sketch": {}}),
         "matmul_checksum": with_detectors(base, {"matmul_checksum": {}}),
-        "checks": with_detectors(base, {"nan_inf": {}, **consensus, "allreduce_sketch": {}}),
+        "checks": with_detectors(base, budgeted(plan)),
     }
     for k in plan.replay_intervals:
         runs[f"replay@{k}"] = with_detectors(base, {"replay": {"interval": k}})
@@ -226,17 +238,40 @@ def _figure(row: dict, measure: str, by: str, ratios: dict, plan: Plan) -> Figur
 
 
 def run(worlds: Worlds, out: Path, plan: Plan) -> list[Figure]:
-    """Figure 4; writes overhead.csv, overhead_cpu.csv and step_times.csv into `out`."""
+    """Figure 4 and its twins; writes overhead.csv, overhead_cpu.csv and step_times.csv into
+    `out`."""
     result = measure(worlds, plan)
     write(out, result)
-    return figures(result, plan)
+    return figures(result, plan) + twin_run(worlds, plan)
 
 
-def hook_workloads(plan: Plan) -> list[str]:
-    """The workloads whose hook cost is timed: `llama` only where transformers is installed."""
+def twin_run(worlds: Worlds, plan: Plan) -> list[Figure]:
+    """`checks_overhead_pct`'s twins: the budgeted checks against the same hooked step on each
+    of `plan.twin_workloads` as the workload is configured (llama: the LLM recipe), the median
+    of `plan.rounds` interleaved rounds."""
+    figures = []
+    steps = steps_for(plan.cycle, plan.cycles)
+    for name in available(plan.twin_workloads):
+        base = base_run(steps, plan.nodes, workload=name)
+        runs = {"checks": with_detectors(base, budgeted(plan))}
+        timings = time_configs(worlds, base, runs, plan.rounds, plan.cycle)
+        pct = 100.0 * (timings.ratio("checks") - 1)
+        label = (
+            f"nan_inf + weight_consensus (every {plan.consensus_interval}) + allreduce_sketch, "
+            f"{name} step overhead ({plan.nodes} ranks, gloo)"
+        )
+        step_ms = 1e3 * timings.seconds("none", plan.cycle)
+        note = f"step {step_ms:.3g} ms; {_spread(timings.wall['checks'])}"
+        target = 3.0 if name == "llama" else None
+        figures.append(Figure(f"checks_overhead_pct_{name}", label, pct, "%", target, note=note))
+    return figures
+
+
+def available(workloads: tuple[str, ...]) -> list[str]:
+    """The workloads that can run here: `llama` only where transformers is installed."""
     return [
         name
-        for name in plan.hook_workloads
+        for name in workloads
         if name != "llama" or importlib.util.find_spec("transformers") is not None
     ]
 
@@ -246,7 +281,7 @@ def hook_run(worlds: Worlds, plan: Plan) -> list[Figure]:
     percent (CPU time in the note)."""
     figures = []
     steps = steps_for(plan.cycle, plan.cycles)
-    for name in hook_workloads(plan):
+    for name in available(plan.hook_workloads):
         # `plan.workload` sizes the reference workload; the others run as configured.
         overrides = plan.workload if name == "gpt" else ()
         base = base_run(steps, plan.nodes, *overrides, workload=name)

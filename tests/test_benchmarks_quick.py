@@ -29,7 +29,7 @@ POSITIVE = [
 FINITE = [
     "checks_overhead_pct", "nan_inf_overhead_pct", "weight_consensus_overhead_pct",
     "allreduce_sketch_overhead_pct", "checks_overhead_pct_cpu", "hook_overhead_pct_gpt",
-    "hook_overhead_pct_mlp",
+    "hook_overhead_pct_mlp", "checks_overhead_pct_mlp",
     "growth_params_nan_inf", "growth_params_allreduce_sketch", "growth_params_weight_consensus",
     "growth_params_replay", "checksum_linear", "checksum_attention", "checksum_grouped",
     "checksum_step_gpt", "checksum_step_llama", "checksum_step_mixtral",
