@@ -41,11 +41,14 @@ def to_hex(flat: torch.Tensor, index: int) -> str:
     return f"0x{pattern(flat, index):0{width(flat.dtype) // 4}x}"
 
 
+def _signed(value: int, bits: int) -> int:
+    """An unsigned `bits`-bit pattern as the signed integer view holds it."""
+    return value - (1 << bits) if value >= 1 << (bits - 1) else value
+
+
 def write_pattern(flat: torch.Tensor, index: int, value: int) -> None:
     """Store an unsigned bit pattern into the element, reinterpreted as the signed view."""
-    bits = width(flat.dtype)
-    signed = value - (1 << bits) if value >= 1 << (bits - 1) else value
-    _int_view(flat)[index] = signed
+    _int_view(flat)[index] = _signed(value, width(flat.dtype))
 
 
 def flip(flat: torch.Tensor, index: int, bit: int) -> None:
@@ -54,7 +57,4 @@ def flip(flat: torch.Tensor, index: int, bit: int) -> None:
 
 def flip_all(view: torch.Tensor, bit: int) -> None:
     """Flip `bit` of every element of `view` (any strides) in place."""
-    width_ = width(view.dtype)
-    # The mask as the signed integer view holds it: the sign bit is negative there.
-    mask = (1 << bit) - (1 << width_ if bit == width_ - 1 else 0)
-    view.view(_INT_VIEW[view.dtype]).bitwise_xor_(mask)
+    _int_view(view).bitwise_xor_(_signed(1 << bit, width(view.dtype)))

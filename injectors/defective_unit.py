@@ -20,7 +20,7 @@ be ignored are refused: those that pick elements or a product (`index`, `element
 
 from __future__ import annotations
 
-import math
+import dataclasses
 import random
 from dataclasses import dataclass
 
@@ -32,10 +32,9 @@ from injectors import bits
 from injectors.bitflip import choose_bit
 from injectors.model import FaultModel
 
-# Keys of every fault that a unit would ignore, at their unset values.
-IGNORED = {"index": None, "elements": 1, "select": "random", "schedule": (), "ber": None,
-           "product": 1, "nbits": 1, "adjacent": True, "factor": None, "value": None,
-           "stuck_at": None, "probability": 0.5, "follows": "hardware"}  # fmt: skip
+# Keys of every fault that a unit would ignore: they must keep their defaults.
+IGNORED = ("index", "elements", "select", "schedule", "ber", "product", "nbits", "adjacent",
+           "factor", "value", "stuck_at", "probability", "follows")  # fmt: skip
 
 
 class DefectiveUnit(FaultModel):
@@ -59,10 +58,9 @@ class DefectiveUnit(FaultModel):
                 allowed = f"allowed: 0..{self.lanes - 1}"
                 raise ConfigError("lane", f"{self.lane} is not allowed; {allowed}")
             rate = self.rate
+            # NaN and infinity fail the range too.
             if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 < rate <= 1:
                 raise ConfigError("rate", f"'{rate}' must be a probability per product in (0, 1]")
-            if not math.isfinite(rate):
-                raise ConfigError("rate", f"'{rate}' must be finite")
 
     @classmethod
     def validate(cls, key: str, fault) -> None:
@@ -77,8 +75,9 @@ class DefectiveUnit(FaultModel):
         if fault.phase != "forward":
             raise ConfigError(f"{key}.phase", "a defective unit corrupts products' outputs; "
                               "allowed: forward")  # fmt: skip
-        for name, unset in IGNORED.items():
-            if getattr(fault, name) != unset:
+        unset = {f.name: f.default for f in dataclasses.fields(fault)}
+        for name in IGNORED:
+            if getattr(fault, name) != unset[name]:
                 raise ConfigError(f"{key}.{name}", "a defective unit picks its own products and "
                                   "elements (lane, lanes, rate); leave it unset")  # fmt: skip
         if isinstance(fault.bit, int):

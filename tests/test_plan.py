@@ -291,6 +291,10 @@ def test_the_report_of_a_run_with_several_intervals_has_the_plan(tmp_path):
     assert (tmp_path / "figures" / "plan.png").exists()
 
 
+# A job to estimate the checks' costs for: a 70B model on H100s, 4M tokens a step.
+ESTIMATE = ["--gpu", "h100", "--params", "7e10", "--tokens-per-step", "4e6"]
+
+
 @pytest.mark.parametrize(
     "args, says",
     [
@@ -301,37 +305,11 @@ def test_the_report_of_a_run_with_several_intervals_has_the_plan(tmp_path):
         (["{fixture}", "--gpus", "many"], "--gpus: invalid int value"),
         (["{fixture}", "--gpu", "h100"], "--params: an estimate needs --gpu, --params"),
         (
-            ["{fixture}", "--gpu", "a100", "--params", "7e10", "--tokens-per-step", "4e6"],
+            ["{fixture}", *ESTIMATE[:1], "a100", *ESTIMATE[2:]],
             "--gpu: 'a100' is not allowed; allowed: h100, h200, b200",
         ),
-        (
-            [
-                "{fixture}",
-                "--gpu",
-                "h100",
-                "--params",
-                "7e10",
-                "--tokens-per-step",
-                "4e6",
-                "--costs",
-                "{fixture}/costs.json",
-            ],
-            "take precedence",
-        ),
-        (
-            [
-                "{fixture}",
-                "--gpu",
-                "h100",
-                "--params",
-                "7e10",
-                "--tokens-per-step",
-                "4e6",
-                "--gpus",
-                "64",
-            ],
-            "--replicas: 128 replicas need as many --gpus",
-        ),
+        (["{fixture}", *ESTIMATE, "--costs", "{fixture}/costs.json"], "take precedence"),
+        (["{fixture}", *ESTIMATE, "--gpus", "64"], "--replicas: 128 replicas need as many --gpus"),
         (["{fixture}", "--replicas", "64"], "--replicas: only an estimate reads it"),
     ],
 )

@@ -48,7 +48,6 @@ B, A = 4, 2
 # Herd of Models, 2024, table 4): the plan's default job.
 REPLICAS = 128
 MFU = 0.4  # the step's share of the peak: 38-43% in the Llama 3 405B run (same table)
-TERMS = ("bytes", "flops", "host", "train")
 
 # Per check: its terms' expressions (the docstring line's), in the symbols above.
 FORMULAS: dict[str, dict[str, str]] = {
@@ -105,8 +104,12 @@ class JobShape:
     def hidden(self) -> float:
         return (128 * self.params / 12) ** (1 / 3)
 
+    @property
+    def tokens_per_replica(self) -> float:
+        return self.tokens_per_step / self.replicas
+
     def symbols(self, k: int = 1) -> dict[str, float]:
-        t = self.tokens_per_step / self.replicas
+        t = self.tokens_per_replica
         return {"N": self.params, "t": t, "d": self.hidden, "k": k, "B": B, "A": A}
 
     def seconds(self, terms: dict[str, str], k: int = 1) -> float:
@@ -127,7 +130,7 @@ class JobShape:
 
     def describe(self) -> str:
         name, bandwidth, peak, source = GPUS[self.gpu]
-        t = self.tokens_per_step / self.replicas
+        t = self.tokens_per_replica
         return (
             f"{name} ({bandwidth / 1e12:g} TB/s, {peak / 1e12:g} TFLOP/s dense BF16; {source}), "
             f"{self.params:.3g} parameters, {self.tokens_per_step:.3g} tokens per step over "

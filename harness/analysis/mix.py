@@ -19,10 +19,9 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from harness.analysis.tables import damaged, detector_names, wilson
+from harness.analysis.tables import PUBLISHED, damaged, detector_names, wilson
 from harness.results.trial_row import Column
 
-PUBLISHED = ("nan_inf", "replay", "weight_consensus")
 SENSITIVITY = (0.5, 2.0)
 
 
@@ -73,13 +72,24 @@ def share(fired: pd.DataFrame, caught: pd.Series, among: pd.Series) -> Share | N
         w = trial_weights(fired, scale)[among]
         return float((w * caught[among]).sum() / w.sum())
 
-    w = trial_weights(fired)[among]
-    n = float(w.sum() ** 2 / (w**2).sum())
+    n = kish(trial_weights(fired)[among])
     point = value(None)
     low, high = wilson(point * n, n)
     classes = sorted(fired.loc[among, Column.fault_class].unique())
     varied = [value({c: f}) for c in classes for f in SENSITIVITY]
     return Share(point, low, high, n, min(varied), max(varied))
+
+
+def kish(w: pd.Series) -> float:
+    """The Kish effective number of trials of weights `w`: (sum w)^2 / sum(w^2)."""
+    return float(w.sum() ** 2 / (w**2).sum())
+
+
+def covered(df: pd.DataFrame, sampled: pd.DataFrame) -> float:
+    """The share of the mix's weight whose classes the trials `sampled` hold (one or more)."""
+    weights = mix_weights(df)
+    held = set(sampled[Column.fault_class])
+    return sum(w for c, w in weights.items() if c in held) / sum(weights.values())
 
 
 def conflicts(df: pd.DataFrame) -> list[str]:
@@ -131,22 +141,19 @@ def shares(df: pd.DataFrame) -> list[dict[str, object]]:
     the share of the mix's weight those trials cover (a class none of them sampled counts for
     nothing, and says so here)."""
     fired = fired_weighed(df)
-    weights = mix_weights(df)
-    total = sum(weights.values())
     rows = []
     for label, checks in check_sets(df):
         sub = fired[ran(fired, checks)]
         caught = caught_by(sub, checks)
         every = share(sub, caught, pd.Series(True, index=sub.index))
         harmful = share(sub, caught, sub["damaged"])
-        covered = sum(weights[c] for c in sub[Column.fault_class].unique()) / total
         rows.append({
             "checks": label,
             "expected share caught under the field mix": every.text() if every else "n=0",
             "sensitivity (one weight x0.5, x2)": every.range_text() if every else "-",
             "expected share of damaging faults caught": harmful.text() if harmful else "n=0",
             "sensitivity (damaging)": harmful.range_text() if harmful else "-",
-            "mix covered": f"{covered:.1%}",
+            "mix covered": f"{covered(df, sub):.1%}",
         })  # fmt: skip
     return rows
 

@@ -31,9 +31,10 @@ import pandas as pd
 
 from harness.analysis.estimates import FORMULAS, JobShape
 from harness.analysis.intervals import pairs
-from harness.analysis.mix import conflicts, mix_weights, trial_weights, weighed
+from harness.analysis.mix import conflicts, covered, kish, trial_weights, weighed
 from harness.analysis.overheads import load_overhead
 from harness.analysis.tables import (
+    PUBLISHED,
     Counts,
     ReportError,
     damaged,
@@ -57,7 +58,6 @@ LLAMA3_SOURCE = (
     "attributed to silent data corruption (Llama Team, The Llama 3 Herd of Models, 2024, "
     "section 3.3.4, table 5)"
 )
-PUBLISHED = ("nan_inf", "replay", "weight_consensus")
 # Sets drawn against the interval (every single check is drawn too).
 NAMED_SETS = {
     frozenset(s)
@@ -229,7 +229,7 @@ def _counts(w: pd.Series, yes: pd.Series) -> Counts:
     at the Kish effective number of faults, n = (sum w)^2 / sum(w^2)."""
     if (w == 1.0).all():
         return (int(yes.sum()), len(w))
-    n = float(w.sum() ** 2 / (w**2).sum())
+    n = kish(w)
     return (float((w * yes).sum() / w.sum()) * n, n)
 
 
@@ -364,29 +364,26 @@ def plan(
         ran_on = ", ".join(sorted({f"{w} in {d}" for w, d in zip(
             trials[Column.workload], trials[Column.dtype], strict=True)}))  # fmt: skip
         costs = replace(overheads(table), source=f"{ran_on}, on the campaign's machine")
-    cost = costs
-    if weighed(trials) and trials.loc[trials[Column.fired] == True, Column.weight].isna().any():  # noqa: E712
+    mixed = weighed(trials)
+    fired = trials[trials[Column.fired] == True]  # noqa: E712
+    if mixed and fired[Column.weight].isna().any():
         raise PlanError(
             "some runs weigh their faults by a mix and some do not: plan from the weighed runs "
             "alone, or from the unweighed ones"
         )
-    clash = conflicts(trials) if weighed(trials) else []
+    clash = conflicts(trials) if mixed else []
     if clash:
         raise PlanError(f"the runs give a fault class more than one weight: {'; '.join(clash)}; "
                         "plan from one mix's runs")  # fmt: skip
-    found = options(trials, cost)
+    found = options(trials, costs)
     if not found:
         raise PlanError("no fired trials with measured overheads: nothing to plan from")
     ranked = sorted(
         ((o, loss(o, job)) for o in found),
         key=lambda ol: (ol[1].expected, ol[0].overhead_pct, len(ol[0].checks), ol[0].name),
     )
-    uncovered = 0.0
-    if weighed(trials):
-        weights = mix_weights(trials)
-        sampled = set(trials.loc[trials[Column.fired] == True, Column.fault_class])  # noqa: E712
-        uncovered = sum(w for c, w in weights.items() if c not in sampled) / sum(weights.values())
-    return Plan(job, ranked, cost, weighed(trials), uncovered)
+    uncovered = 1 - covered(trials, fired) if mixed else 0.0
+    return Plan(job, ranked, costs, mixed, uncovered)
 
 
 def load(dirs: list[Path], need_overhead: bool = True) -> tuple[pd.DataFrame, pd.DataFrame | None]:

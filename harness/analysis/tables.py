@@ -30,6 +30,9 @@ from harness.results.trial_row import (
 )
 
 Z95 = 1.959963984540054
+# The published design's three checks (docs/design.md, section 1), a set the plan and the mix
+# always weigh.
+PUBLISHED = ("nan_inf", "replay", "weight_consensus")
 TRIAL_SETS = ("all fired", "non-masked", "harmful")
 ANY = "any detector"
 
