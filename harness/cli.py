@@ -98,7 +98,11 @@ def _composition_error(message: str, overrides: list[str]) -> str:
     node = OmegaConf.select(base, parent) if parent else base
     if not isinstance(node, DictConfig):
         return f"{key}: unknown key"
-    return f"{key}: unknown key; allowed: {', '.join(str(k) for k in node)}"
+    message = f"{key}: unknown key; allowed: {', '.join(str(k) for k in node)}"
+    if parent == "fault":  # and the keys the fault models declare of their own
+        own = [f"{m}: {', '.join(keys)}" for m, keys in model_keys().items() if keys]
+        message += f"; a model's own ({'; '.join(own)})" if own else ""
+    return message
 
 
 def resolve_out(cfg: DictConfig) -> Path:
@@ -164,11 +168,16 @@ def app(cfg: DictConfig) -> None:
     print(f"trials: {trials}\nreport: {path}")
 
 
+def model_keys() -> dict[str, list[str]]:
+    """Each fault model's own keys (its `Config`), by model."""
+    return {m: injectors.model_class(m).Config.names() for m in injectors.available_models()}
+
+
 def model_keys_added(argv: list[str]) -> list[str]:
     """A fault model's own keys (its `Config`, injectors/model.py) are not in
     experiments/fault/none.yaml, which holds the keys every fault has: `fault.KEY=V` for one of
     them becomes Hydra's add-or-override `++fault.KEY=V`, and the model checks it."""
-    own = {k for m in injectors.available_models() for k in injectors.model_class(m).Config.names()}
+    own = {k for keys in model_keys().values() for k in keys}
     added = []
     for arg in argv:
         key, sep, _ = arg.partition("=")

@@ -185,6 +185,17 @@ CASES = [
     (["workload.warmup_steps=3"], "workload.warmup_steps", "needs workload.lr_schedule"),
     (["workload.betas=[0.9,1.5]"], "workload.betas", "two numbers in [0, 1)"),
     (["workload=custom", "+workload.weight_decay=0.1"], "workload.weight_decay", "on workload"),
+    # A mistyped key of a fault model's own names the keys each model declares.
+    (
+        [
+            "fault.site=matmul",
+            "fault.model=defective_unit",
+            "fault.persistence=permanent",
+            "fault.rat=0.1",
+        ],
+        "fault.rat",
+        "a model's own (defective_unit: lane, lanes, rate)",
+    ),
 ]
 
 

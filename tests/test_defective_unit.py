@@ -3,7 +3,8 @@ step on, each product of the forward is struck with probability `rate`, drawn fr
 step and the product's place; a struck product's outputs in the lane (columns j % lanes == lane)
 have the unit's bit flipped, and nothing else changes. matmul_checksum catches a struck product
 in its step on gpt (1.7 MB of gradients) in float32 and bfloat16, on the transformers Llama with
-the LLM recipe, and on a mixture of experts. One rank in this process, with the real injector,
+the LLM recipe, on a transformers GPT-2 with dropout, autocast and clipping, and on a mixture of
+experts. One rank in this process, with the real injector,
 bus and check (tests/test_matmul_checksum.py's `Rank`)."""
 
 from __future__ import annotations
@@ -96,6 +97,11 @@ WORKLOADS = {
     "gpt bfloat16": ["workload=gpt", "workload.dtype=bfloat16"],
     "llama, LLM recipe": ["workload=llama"],
     "mixtral (grouped experts) bf16-mixed": ["workload=mixtral", "workload.precision=bf16-mixed"],
+    "gpt2, dropout on, bf16-mixed, clipping": [
+        "workload=gpt2",
+        "workload.precision=bf16-mixed",
+        "workload.clip_grad_norm=1.0",
+    ],
 }
 
 
