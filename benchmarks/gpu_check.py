@@ -12,8 +12,9 @@ GPUs it is one rank per GPU (up to 4) over NCCL.
    with each check alone at its default interval (harness/campaign/overhead.py's sandwich of timed
    runs); replay next to its floor (one forward and backward of the audited micro-batches).
 2. kernel: each check's per-call work on the device (nan_inf on a bucket, the sketch's rider
-   and check, weight_consensus's fingerprints of a model) against one read pass of the same
-   bytes (`torch.sum`), the device synchronised around every timing.
+   and check, weight_consensus's fingerprints of a model, matmul_checksum's forward check of
+   one product with its arithmetic eager and compiled by Inductor, Triton on a GPU) against one
+   read pass of the same bytes (`torch.sum`), the device synchronised around every timing.
 3. host_reads: device-to-host reads per step of a clean trial with every check, in act mode
    and in observe mode (harness.core.verdicts.Verdicts counts them).
 
@@ -35,7 +36,9 @@ import torch
 
 from benchmarks.common import compose_run
 from detectors import detector_class
+from detectors.checksum_kernels import KERNELS, Kernels
 from detectors.fingerprint import fingerprint_words
+from detectors.product_bounds import Rounding, bound_of, roundoff
 from harness.campaign import overhead
 from harness.config.schema import FaultConfig, RunConfig, TrialSpec
 from harness.core.plugins import Bucket, DetectorContext, EventLog, RankInfo
@@ -68,6 +71,7 @@ class Plan:
     kernel_numel: int  # elements of the bucket the kernels read
     reps: int  # timed calls per kernel and round
     model: tuple[str, ...] = GPT_GPU  # whose parameters the fingerprints read
+    product: tuple[int, int, int] = (8192, 1024, 4096)  # [m, q] @ [q, p] matmul_checksum checks
     settings: tuple[str, ...] = ()  # more overrides for every run
 
 
@@ -75,7 +79,7 @@ FULL = Plan({"mlp": ("workload=mlp",), "gpt": GPT_GPU}, steps=10, rounds=1,
             kernel_numel=25 * 2**18, reps=20)  # fmt: skip
 # The same code paths at tiny sizes; intervals of 2 keep every check in a few steps.
 QUICK = Plan({"mlp": ("workload=mlp",)}, steps=2, rounds=1, kernel_numel=2**14, reps=3,
-             model=("workload=gpt",), settings=("workload.steps=12",
+             model=("workload=gpt",), product=(256, 64, 96), settings=("workload.steps=12",
              "detectors.replay.interval=2", "detectors.weight_consensus.interval=2"))  # fmt: skip
 
 
@@ -170,6 +174,35 @@ def kernel_rows(plan: Plan, device: torch.device) -> list[dict]:
             ratio, read_ms = _ratio(fn, read, plan.reps, device)
             rows.append(_row("kernel", "", f"{item} ({kind})", ratio, "x",
                              f"{size}; read pass {read_ms:.3f} ms"))  # fmt: skip
+        rows += checksum_rows(plan, dtype, device)
+    return rows
+
+
+def checksum_rows(plan: Plan, dtype: torch.dtype, device: torch.device) -> list[dict]:
+    """matmul_checksum's forward check of one product against one read of its operands and
+    output, eager and compiled (detectors/checksum_kernels.py); the first compiled call apart."""
+    m, q, p = plan.product
+    left, right = (torch.randn(*shape, device=device).to(dtype) for shape in ((m, q), (q, p)))
+    output = left @ right
+    rounding = Rounding(roundoff(dtype), roundoff(torch.float32), 0.0, 8.0)
+    bound, rows = bound_of(rounding, q, p), []
+    kind = str(dtype).removeprefix("torch.")
+    for name in KERNELS:
+        kernels = Kernels(compiled=name == "compiled")
+
+        def check(k: Kernels = kernels) -> object:
+            return k.output(left, right, output, None, dtype, 1.0, 1.0, False, bound,
+                            not rounding.fine)  # fmt: skip
+
+        started = time.perf_counter()
+        check()
+        devices.synchronize(device)
+        first = time.perf_counter() - started
+        ratio, read_ms = _ratio(check, lambda: [t.sum() for t in (left, right, output)],
+                                plan.reps, device)  # fmt: skip
+        rows.append(_row("kernel", "", f"matmul_checksum forward, {name} / read pass ({kind})",
+                         ratio, "x", f"[{m}x{q}] @ [{q}x{p}]; read pass {read_ms:.3f} ms; "
+                         f"first call {first:.2f} s"))  # fmt: skip
     return rows
 
 

@@ -6,8 +6,8 @@
 3. `allreduce_sketch` per bucket: its rider before the allreduce, its projection after.
 4. `matmul_checksum` on one product of the `gpt` workload (its MLP's first Linear, 1024 tokens
    of 128 features into 512): the forward check against the product itself, and against one read
-   pass over the product's operands and output (per kind of product and per workload step:
-   benchmarks/products.py).
+   pass over the product's operands and output, its arithmetic eager and compiled (per kind of
+   product and per workload step: benchmarks/products.py).
 
 The reference bucket is DDP's default (25 MiB); the reference model is the `gpt` workload
 widened to about 59M parameters, so that both, like real ones, are read from memory rather
@@ -20,6 +20,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import statistics
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -147,21 +148,28 @@ def run(rounds: int = 15, quick: bool = False) -> list[Figure]:
 
 
 def checksum_figures(dtype: torch.dtype, tag: str, rounds: int) -> list[Figure]:
-    """matmul_checksum's forward check of one Linear of `gpt`'s MLP, through its hooks."""
-    check = detector("matmul_checksum")
+    """matmul_checksum's forward check of one Linear of `gpt`'s MLP, through its hooks: its
+    arithmetic eager (the default) and compiled by Inductor (detectors/checksum_kernels.py),
+    the compiled one's first call (its compile, or a load from Inductor's cache) apart."""
+    checks = {k: detector("matmul_checksum", kernels=k) for k in ("eager", "compiled")}
     x, weight, bias = torch.randn(16, 64, 128), torch.randn(512, 128), torch.randn(512)
     x, weight, bias = x.to(dtype), weight.to(dtype), bias.to(dtype)
     output = F.linear(x, weight, bias)
 
-    def checked() -> None:
+    def checked(kernels: str) -> None:
+        check = checks[kernels]
         call = MatmulCall(F.linear, [x, weight, bias], {}, ("blocks.0.fc",))
         check.on_matmul_operands(STEP, call)
         check.on_matmul_output(STEP, call, output)
         check.found.clear()
 
+    started = time.perf_counter()
+    checked("compiled")
+    first = time.perf_counter() - started
     times = interleaved(
         {
-            "check": checked,
+            "check": lambda: checked("eager"),
+            "compiled": lambda: checked("compiled"),
             "product": lambda: F.linear(x, weight, bias),
             "read": lambda: read_pass([x, weight, output]),
         },
@@ -174,6 +182,11 @@ def checksum_figures(dtype: torch.dtype, tag: str, rounds: int) -> list[Figure]:
         Figure(f"checksum_vs_read{tag}",
                f"matmul_checksum forward / one read of operands and output ({name})",
                paired_ratio(times, "check", "read")),
+        Figure(f"checksum_compiled_vs_read{tag}",
+               f"matmul_checksum forward, compiled / one read of operands and output ({name})",
+               paired_ratio(times, "compiled", "read")),
+        Figure(f"checksum_compile_s{tag}",
+               f"matmul_checksum forward, compiled: its first call ({name})", first, unit="s"),
     ]  # fmt: skip
 
 

@@ -7,14 +7,17 @@
   (2048 routed rows over 4 experts, 128 into 256).
 - Per workload, one rank's training step (forward, backward, optimizer) with the check on
   against the same step without it, in this process on one thread, under the ranks' numerics:
-  `gpt`, `llama` (the LLM recipe) and `mixtral` (bf16-mixed). No world and no collective: the
-  world benchmark's figure for `gpt` (overhead.csv) adds the communication the step overlaps.
+  `gpt` (float32 and bf16-mixed), `llama` (the LLM recipe) and `mixtral` (bf16-mixed); `gpt`'s
+  also with the check's arithmetic compiled by Inductor (detectors/checksum_kernels.py), its
+  first step (the compiles) stated apart. No world and no collective: the world benchmark's
+  figure for `gpt` (overhead.csv) adds the communication the step overlaps.
 
 Each figure is a median of per-round ratios of interleaved calls (benchmarks/timing.py).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -33,9 +36,13 @@ STEP = 1
 # Per workload, the overrides of the step timed.
 WORKLOADS = {
     "gpt": ("workload=gpt",),
+    "gpt_bf16": ("workload=gpt", "workload.precision=bf16-mixed"),
     "llama": ("workload=llama",),
     "mixtral": ("workload=mixtral", "workload.precision=bf16-mixed"),
 }
+# The steps also timed with the check's arithmetic compiled (detectors/checksum_kernels.py);
+# not in a quick run, whose first compile of a whole step's graphs costs about a minute.
+COMPILED = ("gpt", "gpt_bf16")
 
 
 def run(rounds: int = 15, quick: bool = False) -> list[Figure]:
@@ -43,7 +50,7 @@ def run(rounds: int = 15, quick: bool = False) -> list[Figure]:
     figures = [kind_figure(name, make, rounds) for name, make in KINDS.items()]
     for name, overrides in WORKLOADS.items():
         small = ("workload.micro_batch_size=2",) if quick else ()
-        figures.append(step_figure(name, (*overrides, *small), rounds))
+        figures += step_figures(name, (*overrides, *small), rounds, name in COMPILED and not quick)
     return figures
 
 
@@ -105,27 +112,46 @@ def _product(check, func: Callable, args: list, role: str) -> torch.Tensor:
     return output
 
 
-def step_figure(name: str, overrides: tuple[str, ...], rounds: int) -> Figure:
-    """One rank's step with the check / without, minus 1."""
+def step_figures(
+    name: str, overrides: tuple[str, ...], rounds: int, compiled: bool
+) -> list[Figure]:
+    """One rank's step with the check / without, minus 1; `compiled`: also with the check's
+    arithmetic compiled, and that check's first step (its compiles) against a step."""
     run_cfg = compose_run(*overrides)
     steps = {}
-    for checked in (True, False):
+    for label in ("checked", "plain", *(("compiled",) if compiled else ())):
         workload = Workload(run_cfg.workload)
         model = workload.build_model()
         optimizer = workload.build_optimizer(model)
-        plugins = [detector("matmul_checksum", model=model, workload=workload)] if checked else []
+        kernels = "compiled" if label == "compiled" else "eager"
+        plugins = (
+            [detector("matmul_checksum", model=model, workload=workload, kernels=kernels)]
+            if label != "plain"
+            else []
+        )
         bus = PluginBus(plugins, EventLog(0, 0).verdicts)
         bus.install_forward_hooks(model, lambda: STEP)
-        steps["checked" if checked else "plain"] = _stepper(
-            workload, model, optimizer, run_cfg.topology.cpu_numerics, plugins
-        )
+        steps[label] = _stepper(workload, model, optimizer, run_cfg.topology.cpu_numerics, plugins)
+    first = 0.0
+    if compiled:
+        started = time.perf_counter()
+        steps["compiled"]()
+        first = time.perf_counter() - started
     times = interleaved(steps, rounds)
-    return Figure(
-        f"checksum_step_{name}",
-        f"matmul_checksum, one rank's {name} step (one thread, no world)",
-        100 * (paired_ratio(times, "checked", "plain") - 1),
-        unit="%",
-    )
+    what = f"one rank's {name.replace('_bf16', ' bf16-mixed')} step (one thread, no world)"
+    figures = [
+        Figure(f"checksum_step_{name}", f"matmul_checksum, {what}",
+               100 * (paired_ratio(times, "checked", "plain") - 1), unit="%"),
+    ]  # fmt: skip
+    if compiled:
+        figures += [
+            Figure(f"checksum_step_{name}_compiled", f"matmul_checksum compiled, {what}",
+                   100 * (paired_ratio(times, "compiled", "plain") - 1), unit="%"),
+            Figure(f"checksum_compile_step_s_{name}",
+                   f"matmul_checksum compiled, {what}: its first step (the compiles)",
+                   first, unit="s"),
+        ]  # fmt: skip
+    return figures
 
 
 def _stepper(workload: Workload, model, optimizer, cpu_numerics, plugins) -> Callable[[], None]:

@@ -47,7 +47,7 @@ def checkable(call: MatmulCall) -> bool:
 
 
 def forward(call: MatmulCall, output: torch.Tensor) -> dict[str, torch.Tensor | int]:
-    """The figures of detectors/product_bounds.py's `worst_ratio` for every output position, as
+    """The figures of detectors/product_bounds.py's `bounded_ratio` for every output position, as
     the kernel of dtype `output.dtype` read its operands (an autocast kernel's casts repeated)."""
     x, weight, bias, options = _parts(call)
     x = x.to(output.dtype).to(F32)

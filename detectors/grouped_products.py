@@ -12,7 +12,7 @@ expert, whose row sums are the index-add over the expert's rows of L_i (dP_i e);
 bound is the dense one with that expert's rows, its inner length (its row count) taken at the
 largest expert's, which widens it for the smaller ones.
 
-Every function returns the figures `worst_ratio` takes, shaped so that each row (forward, dL)
+Every function returns the figures `bounded_ratio` takes, shaped so that each row (forward, dL)
 or each expert (dR) is a batch of its own.
 """
 

@@ -32,20 +32,22 @@ import torch
 
 from detectors import convolutions
 from detectors import grouped_products as grouped
+from detectors.checksum_kernels import KERNELS, Kernels
 from detectors.product_bounds import (
     F32,
     OPERAND_ROUNDING,
     Product,
     Rounding,
+    bound_of,
+    bounded_ratio,
     product_of,
     rounding_ratio,
     roundoff,
-    worst_ratio,
 )
 from harness.core.checks import CheckConfig
 from harness.core.matmuls import MatmulCall, Tap
 from harness.core.plugins import Detector, DetectorContext, EventLog
-from harness.core.values import above, flag, fraction, integer
+from harness.core.values import above, choice, flag, fraction, integer
 
 
 @dataclass
@@ -69,8 +71,12 @@ class Checked:
 
 @contextmanager
 def unwatched(device: torch.device) -> Iterator[None]:
-    """The checks' own arithmetic: no autograd graph, no autocast (sums stay float32)."""
-    with torch.no_grad(), torch.autocast(device.type, enabled=False):
+    """The checks' own arithmetic: no autograd graph, no autocast (sums stay float32), and no
+    torch function mode (the products' watch, emulated numerics) between it and the kernels:
+    the checks' operations are not the model's, and a mode's Python dispatch costs
+    microseconds per operation, and makes a compiled check specialise on its every float."""
+    no_modes = torch._C.DisableTorchFunction()
+    with torch.no_grad(), torch.autocast(device.type, enabled=False), no_modes:
         yield
 
 
@@ -84,6 +90,7 @@ class MatmulChecksum(Detector):
         fraction: float = 1.0  # the seeded share of a checked step's products that is checked
         backward: bool = True  # also the gradients the products' backward computes
         sigmas: float = 8.0  # the bound's width (module docstring): P(clean alarm) < 2e^-s²/2
+        kernels: str = "eager"  # or "compiled" by Inductor (detectors/checksum_kernels.py)
 
         def __post_init__(self) -> None:
             super().__post_init__()
@@ -94,6 +101,7 @@ class MatmulChecksum(Detector):
             self._normalise("fraction", float(self.fraction))
             flag("backward", self.backward)
             above("sigmas", self.sigmas, 0.0)
+            choice("kernels", self.kernels, KERNELS)
 
         @property
         def every(self) -> int | None:
@@ -107,6 +115,7 @@ class MatmulChecksum(Detector):
         self.convolutions: dict[int, str] = {}  # by call: the key of a convolution checked
         self.calls, self.calls_step = dict[str, int](), -1  # products per module in that step
         self.found: list[tuple[int, str, str, torch.Tensor]] = []  # (step, phase, key, ratio)
+        self.kernels = Kernels(config.kernels == "compiled")
 
     def watches_matmuls(self) -> bool:
         return True
@@ -194,36 +203,15 @@ class MatmulChecksum(Detector):
             self._check_grouped_output(step, checked, output)
             return
         checked.flat = product.right.dim() == 2 and product.left.dim() > 2
-        left, right = self._operands(checked)
         if accumulator is not None:
             exact = rounding_ratio(output, accumulator, output.dtype)
             self.found.append((step, "forward", f"{checked.key} output rounding", exact))
         measured = product.as_output(output if accumulator is None else accumulator)
-        out = measured.reshape(-1, measured.shape[-1]) if checked.flat else measured
-        sums = right.sum(-1, keepdim=True, dtype=F32)
-        checked.right_fro = torch.linalg.vector_norm(right, dim=(-2, -1), dtype=F32)
-        expected = (left.to(F32) @ sums).squeeze(-1)
-        if product.alpha != 1:
-            expected = product.alpha * expected
-        if product.addend is not None:
-            addend = product.addend.to(output.dtype)
-            if addend.dim() == 1:
-                expected = expected + product.beta * addend.sum(dtype=F32)
-            else:
-                summed = addend.expand(output.shape).sum(-1, dtype=F32)
-                expected = expected + product.beta * (
-                    summed.reshape(-1) if checked.flat else summed
-                )
         rounding = self._rounding(measured.dtype)
-        left_norm = torch.linalg.vector_norm(left, dim=-1, dtype=F32)
-        checked.left_fro = torch.linalg.vector_norm(left_norm, dim=-1)
-        if product.alpha != 1:
-            left_norm = left_norm * abs(product.alpha)
-        row_norm = None if rounding.fine else torch.linalg.vector_norm(out, dim=-1, dtype=F32)
-        ratio = worst_ratio(
-            out.sum(-1, dtype=F32), expected, row_norm, left_norm, checked.right_fro,
-            torch.linalg.vector_norm(sums, dim=(-2, -1)), left.shape[-1], out.shape[-1],
-            rounding,
+        bound = bound_of(rounding, product.left.shape[-1], measured.shape[-1])
+        ratio, checked.right_fro, checked.left_fro = self.kernels.output(
+            product.left, product.right, measured, product.addend, checked.dtype,
+            product.alpha, product.beta, checked.flat, bound, not rounding.fine,
         )  # fmt: skip
         self.found.append((step, "forward", f"{checked.key} output", ratio))
 
@@ -239,10 +227,10 @@ class MatmulChecksum(Detector):
         self, figures: dict[str, torch.Tensor], inner: int, length: int, *dtypes: torch.dtype
     ) -> torch.Tensor:
         rounding = self._rounding(*dtypes)
-        return worst_ratio(
+        return bounded_ratio(
             figures["actual"], figures["expected"], None if rounding.fine else figures["row_norm"],
-            figures["left_norm"], figures["right_fro"], figures["right_sums_norm"], inner,
-            length, rounding,
+            figures["left_norm"], figures["right_fro"], figures["right_sums_norm"],
+            bound_of(rounding, inner, length),
         )  # fmt: skip
 
     def _output_grad(self, checked: Checked):
@@ -252,29 +240,19 @@ class MatmulChecksum(Detector):
 
         def seen(grad: torch.Tensor) -> None:
             with self.charged(), unwatched(grad.device):
-                _, right = self._operands(checked)
-                grad = checked.product.as_output(grad.to(checked.dtype))
-                if checked.product.offs is not None:
-                    dp = grouped.output_grad(right, checked.product.offs, grad)
+                product = checked.product
+                grad = product.as_output(grad)
+                if product.offs is not None:
+                    _, right = self._operands(checked)
+                    dp = grouped.output_grad(right, product.offs, grad.to(checked.dtype))
                     checked.projected, checked.row_sums = dp["projected"], dp["row_sums"]
                     checked.grad_norms, checked.sums_norm = dp["grad_norms"], dp["sums_norm"]
                     return
-                if checked.flat:
-                    grad = grad.reshape(-1, grad.shape[-1])
-                sums = right.sum(-2, dtype=F32)
-                wide = grad.to(F32)
-                projected = (wide @ sums.unsqueeze(-1)).squeeze(-1)
-                row_sums = grad.sum(-1, dtype=F32)
-                norms = torch.linalg.vector_norm(grad, dim=-1, dtype=F32)
-                alpha = checked.product.alpha
-                if alpha != 1:  # both operands' gradients are alpha times a product with dP
-                    projected, row_sums, norms = (
-                        alpha * projected,
-                        alpha * row_sums,
-                        abs(alpha) * norms,
-                    )
-                checked.projected, checked.row_sums, checked.grad_norms = projected, row_sums, norms
-                checked.sums_norm = torch.linalg.vector_norm(sums, dim=-1)
+                figures = self.kernels.grad(
+                    product.right, grad, checked.dtype, product.alpha, checked.flat
+                )
+                checked.projected, checked.row_sums, checked.grad_norms = figures[:3]
+                checked.sums_norm = figures[3]
 
         return seen
 
@@ -316,13 +294,11 @@ class MatmulChecksum(Detector):
             return
         if not checked.flat and not product.checks_grad(product.left, grad):
             return
-        out = grad.reshape(-1, grad.shape[-1]) if checked.flat else grad
         rounding = self._rounding(*((F32,) if accumulated else (checked.dtype, grad.dtype)))
-        row_norm = None if rounding.fine else torch.linalg.vector_norm(out, dim=-1, dtype=F32)
-        ratio = worst_ratio(
-            out.sum(-1, dtype=F32), checked.projected, row_norm,
-            checked.grad_norms, checked.right_fro, checked.sums_norm,
-            product.right.shape[-1], out.shape[-1], rounding,
+        ratio = self.kernels.left(
+            grad, checked.projected, checked.grad_norms, checked.right_fro, checked.sums_norm,
+            checked.flat, bound_of(rounding, product.right.shape[-1], grad.shape[-1]),
+            not rounding.fine,
         )  # fmt: skip
         self.found.append((checked.step, "pre_allreduce", f"{checked.key} input gradient", ratio))
 
@@ -342,22 +318,14 @@ class MatmulChecksum(Detector):
             return
         if not checked.flat and not product.checks_grad(product.right, grad):
             return
-        left, _ = self._operands(checked)
-        wide = left.to(F32)
         rounding = self._rounding(*((F32,) if accumulated else (checked.dtype, grad.dtype)))
-        expected = (checked.row_sums.unsqueeze(-2) @ wide).squeeze(-2)
-        left_norm = checked.left_fro.unsqueeze(-1)
+        left = product.left
+        rows = left.numel() // left.shape[-1] if checked.flat else left.shape[-2]
         # dR's rows are the columns of a Linear's weight gradient (dR = dW^T).
         along = -2 if product.transposed else -1
-        row_norm = None
-        if not rounding.fine:
-            grad32 = grad.to(F32)
-            row_norm = (grad32 * grad32).sum(along).sqrt()
-        ratio = worst_ratio(
-            grad.sum(along, dtype=F32), expected, row_norm, left_norm,
-            torch.linalg.vector_norm(checked.grad_norms, dim=-1),
-            torch.linalg.vector_norm(checked.row_sums, dim=-1), left.shape[-2],
-            grad.shape[along], rounding,
+        ratio = self.kernels.right(
+            grad, left, checked.dtype, checked.row_sums, checked.left_fro, checked.grad_norms,
+            along, checked.flat, bound_of(rounding, rows, grad.shape[along]), not rounding.fine,
         )  # fmt: skip
         self.found.append((checked.step, "pre_allreduce", f"{checked.key} weight gradient", ratio))
 

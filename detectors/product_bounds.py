@@ -1,7 +1,7 @@
 """What `matmul_checksum` (detectors/matmul_checksum.py) computes for one product: the call
 read as a product (`product_of`), its rows' checksum errors against their rounding bound
-(`worst_ratio`), the exact check of a rounding (`rounding_ratio`), and the product FLOPs it
-verifies (`checked_flops`, for campaign.json's product_coverage).
+(`bound_of`, `bounded_ratio`), the exact check of a rounding (`rounding_ratio`), and the product
+FLOPs it verifies (`checked_flops`, for campaign.json's product_coverage).
 
 A product P = L R (of L [..., m, q] and R [..., q, p]) must satisfy P e = L (R e), e the vector
 of ones: each row's sum against the row of L times the row sums of R, O(operands) work for an
@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -201,33 +202,48 @@ class Rounding:
         return self.out < 1e-6
 
 
-def worst_ratio(
+class Bound(NamedTuple):
+    """A product's bound (module docstring) as coefficients folded on the host (each tensor
+    operation costs microseconds on the CPU): of ||P_i|| (`row`), of ||L_i|| ||R||_F (`fro`), of
+    ||L_i|| ||R e|| (`sums`), and the floor p tiny."""
+
+    row: float
+    fro: float
+    sums: float
+    floor: float
+
+
+def bound_of(rounding: Rounding, inner: int, length: int) -> Bound:
+    s, q, p = rounding.sigmas, math.sqrt(inner), math.sqrt(length)
+    return Bound(
+        row=s * (rounding.out + p * rounding.acc),
+        fro=s * (rounding.acc * (q + p) + math.sqrt(2) * rounding.operands),
+        sums=s * q * rounding.acc,
+        floor=length * TINY,
+    )
+
+
+def bounded_ratio(
     actual: torch.Tensor,
     expected: torch.Tensor,
     row_norm: torch.Tensor | None,
     left_norm: torch.Tensor,
     right_fro: torch.Tensor,
     right_sums_norm: torch.Tensor,
-    inner: int,
-    length: int,
-    rounding: Rounding,
+    bound: Bound,
 ) -> torch.Tensor:
     """The largest ratio over the rows of |P_i e - L_i (R e)| to the row's bound (module
     docstring), a 0-d tensor: above 1, NaN or infinite when a row breaks it; rows whose operands'
     checksum is not finite count 0 (a fault upstream, not this product's). `row_norm` None: the
     Cauchy-Schwarz bound ||L_i|| ||R||_F stands for ||P_i||."""
-    s, q, p = rounding.sigmas, math.sqrt(inner), math.sqrt(length)
-    # The coefficients are folded on the host: each tensor operation costs microseconds here.
-    row = s * (rounding.out + p * rounding.acc)
-    fro = s * (rounding.acc * (q + p) + math.sqrt(2) * rounding.operands)
-    sums = s * q * rounding.acc
+    # Products and sums, not `alpha=` arguments: a compiled check would specialise on those.
     if row_norm is None:
-        per_left = torch.add(right_fro * (fro + row), right_sums_norm, alpha=sums)
-        bound = left_norm * per_left.unsqueeze(-1)
+        per_left = right_fro * (bound.fro + bound.row) + right_sums_norm * bound.sums
+        limit = left_norm * per_left.unsqueeze(-1)
     else:
-        per_left = torch.add(right_fro * fro, right_sums_norm, alpha=sums)
-        bound = torch.addcmul(row_norm * row, left_norm, per_left.unsqueeze(-1))
-    ratio = (actual - expected).abs_().div_(bound.add_(length * TINY))
+        per_left = right_fro * bound.fro + right_sums_norm * bound.sums
+        limit = row_norm * bound.row + left_norm * per_left.unsqueeze(-1)
+    ratio = (actual - expected).abs_().div_(limit.add_(bound.floor))
     return torch.where(torch.isfinite(expected), ratio, 0.0).amax()
 
 

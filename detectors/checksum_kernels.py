@@ -1,0 +1,186 @@
+"""The arithmetic of `matmul_checksum`'s checks of a plain product (one matrix, or a batch of
+them), as pure functions of tensors and host floats in one source that runs two ways:
+eagerly, the reference, or compiled by Inductor (`torch.compile`: C++/OpenMP on the CPU,
+Triton on a GPU), which fuses the reductions that read the same operand into one pass and the
+twenty-odd small operations of a check into a few kernels (docs/performance.md).
+
+Entry contract: operands as the product read them before the kernel's casts (left [..., m, q],
+right [..., q, p]), the product's output [..., m, p] as the check measures it; `dtype` the
+kernel's (the casts are repeated here, where the compiled pass fuses them into its reads);
+`flat` merges L's leading dimensions into rows. Every figure returned is float32 on the
+operands' device; the caller runs these without autograd or autocast. Compiled and eager
+figures agree within a reduction's reordering and their verdicts exactly
+(tests/unit/test_checksum_kernels.py).
+
+`Kernels(compiled=True)` compiles each function once per dtype and rank with dynamic shapes,
+so one compile serves every shape of a run. Inductor's on-disk cache (TORCHINDUCTOR_CACHE_DIR,
+by default under the system's temporary folder) serves later processes: a world's other ranks,
+later trials and runs. Where nothing compiles (no C++ compiler on the CPU, no Triton on a GPU),
+the first failure says so once in the log and every later call runs eagerly, with the same
+verdicts.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+
+from detectors.product_bounds import F32, Bound, bounded_ratio
+
+logger = logging.getLogger(__name__)
+
+KERNELS = ("eager", "compiled")
+
+# Graphs per function: dtypes x ranks x (bias, input addend, none) x (rows read or bounded).
+RECOMPILE_LIMIT = 64
+
+
+def output_figures(
+    left: torch.Tensor,
+    right: torch.Tensor,
+    measured: torch.Tensor,
+    addend: torch.Tensor | None,
+    dtype: torch.dtype,
+    alpha: float,
+    beta: float,
+    flat: bool,
+    bound: Bound,
+    rows: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The forward check: the worst row's ratio of P e against alpha L (R e) (+ beta times the
+    addend's row sums), ||R||_F and ||L||_F, which the backward checks reuse. `rows`: read
+    ||P_i|| (a 16-bit output) instead of bounding it."""
+    left, right = left.to(dtype), right.to(dtype)
+    out = measured
+    if flat:
+        left, out = left.reshape(-1, left.shape[-1]), out.reshape(-1, out.shape[-1])
+    sums = right.sum(-1, keepdim=True, dtype=F32)
+    right_fro = torch.linalg.vector_norm(right, dim=(-2, -1), dtype=F32)
+    expected = (left.to(F32) @ sums).squeeze(-1)
+    if alpha != 1:
+        expected = alpha * expected
+    if addend is not None:
+        addend = addend.to(dtype)
+        if addend.dim() == 1:
+            expected = expected + beta * addend.sum(dtype=F32)
+        else:
+            summed = addend.expand(measured.shape).sum(-1, dtype=F32)
+            expected = expected + beta * (summed.reshape(-1) if flat else summed)
+    left_norm = torch.linalg.vector_norm(left, dim=-1, dtype=F32)
+    left_fro = torch.linalg.vector_norm(left_norm, dim=-1)
+    if alpha != 1:
+        left_norm = left_norm * abs(alpha)
+    row_norm = torch.linalg.vector_norm(out, dim=-1, dtype=F32) if rows else None
+    sums_norm = torch.linalg.vector_norm(sums, dim=(-2, -1))
+    ratio = bounded_ratio(
+        out.sum(-1, dtype=F32), expected, row_norm, left_norm, right_fro, sums_norm, bound
+    )
+    return ratio, right_fro, left_fro
+
+
+def grad_figures(
+    right: torch.Tensor, grad: torch.Tensor, dtype: torch.dtype, alpha: float, flat: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From the output's gradient dP [..., m, p]: dP (R^T e), dP e, the rows' norms ||dP_i||
+    (each alpha times, as both operands' gradients are) and ||R^T e||. Two matrix-vector
+    products: one product with the two vectors side by side costs ten times more on the CPU."""
+    right, grad = right.to(dtype), grad.to(dtype)
+    if flat:
+        grad = grad.reshape(-1, grad.shape[-1])
+    sums = right.sum(-2, dtype=F32)
+    projected = (grad.to(F32) @ sums.unsqueeze(-1)).squeeze(-1)
+    row_sums = grad.sum(-1, dtype=F32)
+    norms = torch.linalg.vector_norm(grad, dim=-1, dtype=F32)
+    if alpha != 1:
+        projected, row_sums, norms = alpha * projected, alpha * row_sums, abs(alpha) * norms
+    return projected, row_sums, norms, torch.linalg.vector_norm(sums, dim=-1)
+
+
+def left_ratio(
+    grad: torch.Tensor,
+    projected: torch.Tensor,
+    grad_norms: torch.Tensor,
+    right_fro: torch.Tensor,
+    sums_norm: torch.Tensor,
+    flat: bool,
+    bound: Bound,
+    rows: bool,
+) -> torch.Tensor:
+    """dL = alpha dP R^T: dL e against alpha dP (R^T e)."""
+    out = grad.reshape(-1, grad.shape[-1]) if flat else grad
+    row_norm = torch.linalg.vector_norm(out, dim=-1, dtype=F32) if rows else None
+    return bounded_ratio(
+        out.sum(-1, dtype=F32), projected, row_norm, grad_norms, right_fro, sums_norm, bound
+    )
+
+
+def right_ratio(
+    grad: torch.Tensor,
+    left: torch.Tensor,
+    dtype: torch.dtype,
+    row_sums: torch.Tensor,
+    left_fro: torch.Tensor,
+    grad_norms: torch.Tensor,
+    along: int,
+    flat: bool,
+    bound: Bound,
+    rows: bool,
+) -> torch.Tensor:
+    """dR = alpha L^T dP: dR e, along `along` (a Linear's weight gradient is dR^T), against
+    alpha L^T (dP e), with ||L||_F for the norms of L's columns (detectors/product_bounds.py)."""
+    left = left.to(dtype)
+    if flat:
+        left = left.reshape(-1, left.shape[-1])
+    expected = (row_sums.unsqueeze(-2) @ left.to(F32)).squeeze(-2)
+    row_norm = None
+    if rows:
+        grad32 = grad.to(F32)
+        row_norm = (grad32 * grad32).sum(along).sqrt()
+    return bounded_ratio(
+        grad.sum(along, dtype=F32), expected, row_norm, left_fro.unsqueeze(-1),
+        torch.linalg.vector_norm(grad_norms, dim=-1),
+        torch.linalg.vector_norm(row_sums, dim=-1), bound,
+    )  # fmt: skip
+
+
+F = TypeVar("F", bound=Callable)
+
+
+class Kernels:
+    """The four checks, eager or compiled; a compiled path that fails to compile falls back."""
+
+    def __init__(self, compiled: bool):
+        self.compiled = compiled
+        self.output = self._wrap(output_figures)
+        self.grad = self._wrap(grad_figures)
+        self.left = self._wrap(left_ratio)
+        self.right = self._wrap(right_ratio)
+
+    def _wrap(self, fn: F) -> F:
+        if not self.compiled:
+            return fn
+        torch._dynamo.config.recompile_limit = max(
+            torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT
+        )
+        fast = torch.compile(fn, dynamic=True)
+
+        def run(*args):
+            if self.compiled:
+                # Parameters (a Linear's bias) as plain tensors: Dynamo holds a parameter's
+                # shape static, and would compile once per layer width.
+                plain = [a.detach() if isinstance(a, torch.nn.Parameter) else a for a in args]
+                try:
+                    return fast(*plain)
+                except Exception as error:  # a missing compiler shows in many exception types
+                    self.compiled = False
+                    logger.warning(
+                        "matmul_checksum: compiled kernels unavailable (%s: %s); the eager "
+                        "checks run instead, with the same verdicts",
+                        type(error).__name__, str(error).splitlines()[0] if str(error) else "",
+                    )  # fmt: skip
+            return fn(*args)
+
+        return run  # type: ignore[return-value]
