@@ -72,6 +72,7 @@ class Plan:
     reps: int  # timed calls per kernel and round
     model: tuple[str, ...] = GPT_GPU  # whose parameters the fingerprints read
     product: tuple[int, int, int] = (8192, 1024, 4096)  # [m, q] @ [q, p] matmul_checksum checks
+    compile: bool = True  # time matmul_checksum's compiled arithmetic too
     settings: tuple[str, ...] = ()  # more overrides for every run
 
 
@@ -79,8 +80,9 @@ FULL = Plan({"mlp": ("workload=mlp",), "gpt": GPT_GPU}, steps=10, rounds=1,
             kernel_numel=25 * 2**18, reps=20)  # fmt: skip
 # The same code paths at tiny sizes; intervals of 2 keep every check in a few steps.
 QUICK = Plan({"mlp": ("workload=mlp",)}, steps=2, rounds=1, kernel_numel=2**14, reps=3,
-             model=("workload=gpt",), product=(256, 64, 96), settings=("workload.steps=12",
-             "detectors.replay.interval=2", "detectors.weight_consensus.interval=2"))  # fmt: skip
+             model=("workload=gpt",), product=(256, 64, 96), compile=False,
+             settings=("workload.steps=12", "detectors.replay.interval=2",
+                       "detectors.weight_consensus.interval=2"))  # fmt: skip
 
 
 def topology(device: str) -> tuple[str, ...]:
@@ -187,7 +189,8 @@ def checksum_rows(plan: Plan, dtype: torch.dtype, device: torch.device) -> list[
     rounding = Rounding(roundoff(dtype), roundoff(torch.float32), 0.0, 8.0)
     bound, rows = bound_of(rounding, q, p), []
     kind = str(dtype).removeprefix("torch.")
-    for name in KERNELS:
+    # A quick run's compile would be a CPU's, which tests/unit/test_checksum_kernels.py makes.
+    for name in KERNELS if plan.compile else ("eager",):
         kernels = Kernels(compiled=name == "compiled")
 
         def check(k: Kernels = kernels) -> object:

@@ -143,15 +143,18 @@ def run(rounds: int = 15, quick: bool = False) -> list[Figure]:
     label = "allreduce_sketch rider + check / torch.sum"
     figures += bucket_figures("allreduce_sketch", "sketch_vs_read", label, 2.0)
     for dtype, tag in ((torch.float32, ""), (torch.bfloat16, "_bf16")):
-        figures += checksum_figures(dtype, tag, rounds)
+        # Not compiled in a quick run: tests/unit/test_checksum_kernels.py compiles the same.
+        figures += checksum_figures(dtype, tag, rounds, compiled=not quick)
     return figures
 
 
-def checksum_figures(dtype: torch.dtype, tag: str, rounds: int) -> list[Figure]:
+def checksum_figures(dtype: torch.dtype, tag: str, rounds: int, compiled: bool) -> list[Figure]:
     """matmul_checksum's forward check of one Linear of `gpt`'s MLP, through its hooks: its
-    arithmetic eager (the default) and compiled by Inductor (detectors/checksum_kernels.py),
-    the compiled one's first call (its compile, or a load from Inductor's cache) apart."""
-    checks = {k: detector("matmul_checksum", kernels=k) for k in ("eager", "compiled")}
+    arithmetic eager (the default) and, with `compiled`, compiled by Inductor
+    (detectors/checksum_kernels.py), the compiled one's first call (its compile, or a load from
+    Inductor's cache) apart."""
+    kinds = ("eager", "compiled") if compiled else ("eager",)
+    checks = {k: detector("matmul_checksum", kernels=k) for k in kinds}
     x, weight, bias = torch.randn(16, 64, 128), torch.randn(512, 128), torch.randn(512)
     x, weight, bias = x.to(dtype), weight.to(dtype), bias.to(dtype)
     output = F.linear(x, weight, bias)
@@ -163,31 +166,34 @@ def checksum_figures(dtype: torch.dtype, tag: str, rounds: int) -> list[Figure]:
         check.on_matmul_output(STEP, call, output)
         check.found.clear()
 
-    started = time.perf_counter()
-    checked("compiled")
-    first = time.perf_counter() - started
-    times = interleaved(
-        {
-            "check": lambda: checked("eager"),
-            "compiled": lambda: checked("compiled"),
-            "product": lambda: F.linear(x, weight, bias),
-            "read": lambda: read_pass([x, weight, output]),
-        },
-        rounds,
-    )
+    calls = {
+        "check": lambda: checked("eager"),
+        "product": lambda: F.linear(x, weight, bias),
+        "read": lambda: read_pass([x, weight, output]),
+    }
+    if compiled:
+        started = time.perf_counter()
+        checked("compiled")
+        first = time.perf_counter() - started
+        calls["compiled"] = lambda: checked("compiled")
+    times = interleaved(calls, rounds)
     name = "bfloat16" if tag else "float32"
-    return [
+    figures = [
         Figure(f"checksum_vs_product{tag}", f"matmul_checksum forward / the product ({name})",
                paired_ratio(times, "check", "product")),
         Figure(f"checksum_vs_read{tag}",
                f"matmul_checksum forward / one read of operands and output ({name})",
                paired_ratio(times, "check", "read")),
-        Figure(f"checksum_compiled_vs_read{tag}",
-               f"matmul_checksum forward, compiled / one read of operands and output ({name})",
-               paired_ratio(times, "compiled", "read")),
-        Figure(f"checksum_compile_s{tag}",
-               f"matmul_checksum forward, compiled: its first call ({name})", first, unit="s"),
     ]  # fmt: skip
+    if compiled:
+        figures += [
+            Figure(f"checksum_compiled_vs_read{tag}",
+                   f"matmul_checksum forward, compiled / one read of operands and output ({name})",
+                   paired_ratio(times, "compiled", "read")),
+            Figure(f"checksum_compile_s{tag}",
+                   f"matmul_checksum forward, compiled: its first call ({name})", first, unit="s"),
+        ]  # fmt: skip
+    return figures
 
 
 def profile(out: Path, quick: bool = False) -> None:
