@@ -165,7 +165,9 @@ class Kernels:
         torch._dynamo.config.recompile_limit = max(
             torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT
         )
-        fast = torch.compile(fn, dynamic=True)
+        # Inductor would otherwise drop a cast down and back up (it computes 16-bit values in
+        # float32), and the checks repeat an autocast kernel's casts of its operands exactly.
+        fast = torch.compile(fn, dynamic=True, options={"emulate_precision_casts": True})
 
         def run(*args):
             if self.compiled:

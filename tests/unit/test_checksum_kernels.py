@@ -17,7 +17,6 @@ from detectors.checksum_kernels import Kernels
 from detectors.product_bounds import Rounding, bound_of, roundoff
 
 EAGER, COMPILED = Kernels(compiled=False), Kernels(compiled=True)
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SPECIALS = (math.nan, math.inf, -math.inf)
 
 
@@ -62,7 +61,10 @@ def _agree(eager: torch.Tensor, compiled: torch.Tensor, what: str, ratio: bool) 
         )
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+# Each dtype compiles four graphs, 2-3 s each in a fresh Inductor cache: float16 in the slow set.
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, pytest.param(torch.float16, marks=pytest.mark.slow)]
+)
 def test_compiled_checks_agree_with_eager(dtype: torch.dtype) -> None:
     """Forward, the output gradient's figures, and both operand checks of a batched product
     [4, 96, 64] @ [4, 64, 80] with a bias-like addend, subnormals among the operands, on clean,
@@ -111,6 +113,54 @@ def test_compiled_checks_agree_with_eager(dtype: torch.dtype) -> None:
         for ratio in (figures[0][0], lefts[0], rights[0]):
             if case != "special" or ratio is not figures[0][0]:
                 assert bool(not ratio <= 1.0) == broken, (dtype, case)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "backward"),
+    [(torch.bfloat16, False), pytest.param(torch.bfloat16, True, marks=pytest.mark.slow),
+     pytest.param(torch.float16, True, marks=pytest.mark.slow)],
+)  # fmt: skip
+def test_compiled_checks_repeat_an_autocast_kernels_casts(
+    dtype: torch.dtype, backward: bool
+) -> None:
+    """Under autocast the operands are float32 and the kernel reads them cast to 16 bits; with
+    the float32 product before its rounding at hand (emulated numerics) the check holds it to
+    the 32-bit bound, so the casts must be repeated exactly: a compiled check that skipped
+    them (Inductor computes 16-bit values in float32 unless told not to) alarms on a clean
+    product. `backward`: the weight gradient's check too, which casts L again."""
+    gen = torch.Generator().manual_seed(1)
+    left, right = torch.randn(4, 96, 64, generator=gen), torch.randn(4, 64, 80, generator=gen)
+    accumulator = left.to(dtype).float() @ right.to(dtype).float()
+    rounding = _rounding(torch.float32)
+    bound = bound_of(rounding, 64, 80)
+    ratios = [
+        k.output(left, right, accumulator, None, dtype, 1.0, 1.0, False, bound, False)[0]
+        for k in (EAGER, COMPILED)
+    ]
+    assert float(ratios[0]) <= 0.5 and float(ratios[1]) <= 0.5, ratios
+    _agree(*ratios, f"{dtype} cast operands", True)
+    if not backward:
+        return
+    grad = torch.randn(4, 96, 80, generator=gen)
+    d_right = left.to(dtype).float().mT @ grad
+    row_sums, norms = grad.sum(-1), torch.linalg.vector_norm(grad, dim=-1)
+    left_fro = torch.linalg.vector_norm(left.to(dtype).float(), dim=(-2, -1))
+    rights = [
+        k.right(
+            d_right,
+            left,
+            dtype,
+            row_sums,
+            left_fro,
+            norms,
+            -1,
+            False,
+            bound_of(rounding, 96, 80),
+            False,
+        )  # fmt: skip
+        for k in (EAGER, COMPILED)
+    ]
+    assert float(rights[0]) <= 0.5 and float(rights[1]) <= 0.5, rights
 
 
 def test_a_failed_compile_says_so_once_and_runs_eagerly(
