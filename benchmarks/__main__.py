@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import (
+    audit,
     growth,
     integrations,
     kernels,
@@ -93,6 +94,7 @@ def run_all(out: Path, quick: bool, only: list[str], rounds: int | None = None) 
 def _kernels(out: Path, quick: bool) -> list[Figure]:
     figures = kernels.run(rounds=2 if quick else 31, quick=quick)
     figures += products.run(rounds=2 if quick else 15, quick=quick)
+    figures += audit.run(rounds=1 if quick else 15, quick=quick)
     kernels.profile(out, quick=quick)
     kernels.size_sweep(out, quick=quick)
     return figures

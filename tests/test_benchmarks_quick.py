@@ -22,7 +22,7 @@ OVERHEAD_COLUMNS = ["detector", "interval", "overhead_pct", "floor_pct"]
 POSITIVE = [
     "nan_inf_vs_sum", "fingerprint_vs_read", "fingerprint_vs_sha1", "sketch_vs_read", "step_ms",
     "throughput_speedup", "throughput_served", "throughput_naive", "bf16_step_vs_fp32_32",
-    "grad_diff_emulated_vs_native_32",
+    "grad_diff_emulated_vs_native_32", "replay_audit_vs_floor_1",
 ]  # fmt: skip
 # Overheads are differences of noisy step times: finite, of either sign at tiny sizes (and
 # replay's ratio to its floor is undefined when noise makes the floor negative).
@@ -32,7 +32,7 @@ FINITE = [
     "hook_overhead_pct_mlp", "checks_overhead_pct_mlp",
     "growth_params_nan_inf", "growth_params_allreduce_sketch", "growth_params_weight_consensus",
     "growth_params_replay", "checksum_linear", "checksum_attention", "checksum_grouped",
-    "checksum_step_gpt", "checksum_step_gpt_bf16", "checksum_step_llama", "checksum_step_mixtral",
+    "checksum_step_gpt", "checksum_step_llama", "checksum_step_mixtral",
 ]  # fmt: skip
 
 
