@@ -12,12 +12,12 @@ operands' device; the caller runs these without autograd or autocast. Compiled a
 figures agree within a reduction's reordering and their verdicts exactly
 (tests/unit/test_checksum_kernels.py).
 
-`Kernels(compiled=True)` compiles each function once per dtype and rank with dynamic shapes,
-so one compile serves every shape of a run. Inductor's on-disk cache (TORCHINDUCTOR_CACHE_DIR,
-by default under the system's temporary folder) serves later processes: a world's other ranks,
-later trials and runs. Where nothing compiles (no C++ compiler on the CPU, no Triton on a GPU),
-the first failure says so once in the log and every later call runs eagerly, with the same
-verdicts.
+`Kernels(compiled=True)` compiles each function once per process, dtype and rank, with dynamic
+shapes, so one compile serves every shape of a run and every check made in the process.
+Inductor's on-disk cache (TORCHINDUCTOR_CACHE_DIR, by default under the system's temporary
+folder) serves later processes: a world's other ranks, later trials and runs. Where nothing
+compiles (no C++ compiler on the CPU, no Triton on a GPU), the first failure says so once in
+the process's log and every later call runs eagerly, with the same verdicts.
 """
 
 from __future__ import annotations
@@ -148,41 +148,64 @@ def right_ratio(
 
 F = TypeVar("F", bound=Callable)
 
+# Per process, shared by every check made in it (a trial's, the next trial's): each function's
+# compiled form, made on first use, so later checks reuse its graphs instead of tracing again;
+# and the compile error that turned compiling off, said once.
+_COMPILED: dict[str, Callable] = {}
+_FAILED: list[str] = []
 
-class Kernels:
-    """The four checks, eager or compiled; a compiled path that fails to compile falls back."""
 
-    def __init__(self, compiled: bool):
-        self.compiled = compiled
-        self.output = self._wrap(output_figures)
-        self.grad = self._wrap(grad_figures)
-        self.left = self._wrap(left_ratio)
-        self.right = self._wrap(right_ratio)
-
-    def _wrap(self, fn: F) -> F:
-        if not self.compiled:
-            return fn
+def _compiled(fn: Callable) -> Callable:
+    fast = _COMPILED.get(fn.__name__)
+    if fast is None:
         torch._dynamo.config.recompile_limit = max(
             torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT
         )
         # Inductor would otherwise drop a cast down and back up (it computes 16-bit values in
         # float32), and the checks repeat an autocast kernel's casts of its operands exactly.
-        fast = torch.compile(fn, dynamic=True, options={"emulate_precision_casts": True})
+        options = {"emulate_precision_casts": True}
+        fast = _COMPILED[fn.__name__] = torch.compile(fn, dynamic=True, options=options)
+    return fast
+
+
+class Kernels:
+    """The four checks, eager or compiled; compiled, they fall back to eager in this process
+    from the first failure to compile on."""
+
+    def __init__(self, compiled: bool):
+        self.requested = compiled
+        self.output = self._wrap(output_figures)
+        self.grad = self._wrap(grad_figures)
+        self.left = self._wrap(left_ratio)
+        self.right = self._wrap(right_ratio)
+
+    @property
+    def compiled(self) -> bool:
+        """Compiled as requested, and no compile has failed in this process."""
+        return self.requested and not _FAILED
+
+    def _wrap(self, fn: F) -> F:
+        if not self.requested:
+            return fn
 
         def run(*args):
-            if self.compiled:
+            if not _FAILED:
                 # Parameters (a Linear's bias) as plain tensors: Dynamo holds a parameter's
                 # shape static, and would compile once per layer width.
                 plain = [a.detach() if isinstance(a, torch.nn.Parameter) else a for a in args]
                 try:
-                    return fast(*plain)
+                    return _compiled(fn)(*plain)
                 except Exception as error:  # a missing compiler shows in many exception types
-                    self.compiled = False
+                    _FAILED.append(f"{type(error).__name__}: {_first_line(error)}")
                     logger.warning(
-                        "matmul_checksum: compiled kernels unavailable (%s: %s); the eager "
-                        "checks run instead, with the same verdicts",
-                        type(error).__name__, str(error).splitlines()[0] if str(error) else "",
+                        "matmul_checksum: compiled kernels unavailable (%s); the eager checks "
+                        "run instead, with the same verdicts", _FAILED[0],
                     )  # fmt: skip
             return fn(*args)
 
         return run  # type: ignore[return-value]
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error)
+    return text.splitlines()[0] if text else ""
