@@ -235,8 +235,7 @@ class MatmulChecksum(Detector):
 
     def _output_grad(self, checked: Checked):
         """When dP arrives (before the product's backward): dP (R^T e) and dP e, which the
-        operand checks need, and the rows' norms. Two matrix-vector products: one product with
-        the two vectors side by side costs ten times more on the CPU."""
+        operand checks need, and the rows' norms (detectors/checksum_kernels.py)."""
 
         def seen(grad: torch.Tensor) -> None:
             with self.charged(), unwatched(grad.device):
