@@ -38,6 +38,13 @@ KERNELS = ("eager", "compiled")
 RECOMPILE_LIMIT = 64
 
 
+def _as_read(left: torch.Tensor, dtype: torch.dtype, flat: bool) -> torch.Tensor:
+    """L as the kernel read it (an autocast kernel's cast, repeated), its leading dimensions
+    merged into rows where `flat`."""
+    left = left.to(dtype)
+    return left.reshape(-1, left.shape[-1]) if flat else left
+
+
 def output_figures(
     left: torch.Tensor,
     right: torch.Tensor,
@@ -53,10 +60,8 @@ def output_figures(
     """The forward check: the worst row's ratio of P e against alpha L (R e) (+ beta times the
     addend's row sums), ||R||_F and ||L||_F, which the backward checks reuse. `rows`: read
     ||P_i|| (a 16-bit output) instead of bounding it."""
-    left, right = left.to(dtype), right.to(dtype)
-    out = measured
-    if flat:
-        left, out = left.reshape(-1, left.shape[-1]), out.reshape(-1, out.shape[-1])
+    left, right = _as_read(left, dtype, flat), right.to(dtype)
+    out = measured.reshape(-1, measured.shape[-1]) if flat else measured
     sums = right.sum(-1, keepdim=True, dtype=F32)
     right_fro = torch.linalg.vector_norm(right, dim=(-2, -1), dtype=F32)
     expected = (left.to(F32) @ sums).squeeze(-1)
@@ -131,10 +136,7 @@ def right_ratio(
 ) -> torch.Tensor:
     """dR = alpha L^T dP: dR e, along `along` (a Linear's weight gradient is dR^T), against
     alpha L^T (dP e), with ||L||_F for the norms of L's columns (detectors/product_bounds.py)."""
-    left = left.to(dtype)
-    if flat:
-        left = left.reshape(-1, left.shape[-1])
-    expected = (row_sums.unsqueeze(-2) @ left.to(F32)).squeeze(-2)
+    expected = (row_sums.unsqueeze(-2) @ _as_read(left, dtype, flat).to(F32)).squeeze(-2)
     row_norm = None
     if rows:
         grad32 = grad.to(F32)

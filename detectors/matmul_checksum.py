@@ -179,13 +179,10 @@ class MatmulChecksum(Detector):
         return None
 
     def _operands(self, checked: Checked) -> tuple[torch.Tensor, torch.Tensor]:
-        """L (rows merged where R is a matrix) and R as the kernel read them: an autocast
-        kernel's casts, repeated."""
+        """A grouped product's L and R as the kernel read them: an autocast kernel's casts,
+        repeated (a plain product's: detectors/checksum_kernels.py)."""
         product, dtype = checked.product, checked.dtype
-        left, right = product.left.to(dtype), product.right.to(dtype)
-        if checked.flat:
-            left = left.reshape(-1, left.shape[-1])
-        return left, right
+        return product.left.to(dtype), product.right.to(dtype)
 
     def _check_output(
         self,
