@@ -45,8 +45,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 # The test files that take longest, longest first (seconds in one run on 2 cores, 2026-12-04:
-# 134, 87, 62, 58, 45, 42, 37, 33, 32, 31, 29, 27, 25, 25, 24, 23, 21, then 19 to 12; the
-# compiled checks' 24 in a fresh Inductor cache, 2026-12-05).
+# 134, 87, 62, 58, 45, 42, 37, 33, 32, 31, 29, 27, 25, 25, 23, 21, then 19 to 12).
 # scripts/test.sh hands out files in this order (--dist=loadfile --no-loadscope-reorder) and a
 # worker takes the next file when it runs low, so the long files start first and the many short
 # ones even out the end, instead of a long file starting last while the other worker idles.
@@ -65,7 +64,6 @@ LONGEST_FIRST = (
     "test_recipes.py",
     "test_matmul_checksum.py",
     "test_campaigns.py",
-    "test_checksum_kernels.py",
     "test_benchmarks_quick.py",
     "test_plugin_packages.py",
     "test_injectors.py",
