@@ -45,6 +45,15 @@ def _as_read(left: torch.Tensor, dtype: torch.dtype, flat: bool) -> torch.Tensor
     return left.reshape(-1, left.shape[-1]) if flat else left
 
 
+def _times_column(matrix: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
+    """M c for M [..., m, q] and c [..., q, 1], as [..., m]. A batch of them as a dot product
+    per row: a batched product with one column costs 3-4x that on the CPU (gpt's attention,
+    [16, 4, 64, 64] by [16, 4, 64, 1], one thread: 231 us against 58)."""
+    if matrix.dim() == 2 and column.dim() == 2:
+        return (matrix @ column).squeeze(-1)
+    return torch.linalg.vecdot(matrix, column.transpose(-1, -2))
+
+
 def output_figures(
     left: torch.Tensor,
     right: torch.Tensor,
@@ -64,7 +73,7 @@ def output_figures(
     out = measured.reshape(-1, measured.shape[-1]) if flat else measured
     sums = right.sum(-1, keepdim=True, dtype=F32)
     right_fro = torch.linalg.vector_norm(right, dim=(-2, -1), dtype=F32)
-    expected = (left.to(F32) @ sums).squeeze(-1)
+    expected = _times_column(left.to(F32), sums)
     if alpha != 1:
         expected = alpha * expected
     if addend is not None:
@@ -96,7 +105,7 @@ def grad_figures(
     if flat:
         grad = grad.reshape(-1, grad.shape[-1])
     sums = right.sum(-2, dtype=F32)
-    projected = (grad.to(F32) @ sums.unsqueeze(-1)).squeeze(-1)
+    projected = _times_column(grad.to(F32), sums.unsqueeze(-1))
     row_sums = grad.sum(-1, dtype=F32)
     norms = torch.linalg.vector_norm(grad, dim=-1, dtype=F32)
     if alpha != 1:
