@@ -23,6 +23,7 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -64,9 +65,10 @@ def sketch_work(sketch, b: Bucket) -> None:
     sketch.on_reduced_grad(STEP, b)
 
 
-def bucket_ratio(kind: str, numel: int, dtype: torch.dtype, rounds: int) -> float:
-    """Time of one check (`nan_inf` or `allreduce_sketch`) over a bucket / `torch.sum` of it."""
-    check = detector(kind, dtype)
+def bucket_ratio(kind: str, numel: int, dtype: torch.dtype, rounds: int, **params: Any) -> float:
+    """Time of one check (`nan_inf` or `allreduce_sketch`, with `params` set) over a bucket /
+    `torch.sum` of it."""
+    check = detector(kind, dtype, **params)
     nbytes = numel * torch.empty(0, dtype=dtype).element_size()
     buckets = Rotation(lambda: bucket(numel, dtype), nbytes)
     work: Callable[[Bucket], None] = (
@@ -142,6 +144,12 @@ def run(rounds: int = 15, quick: bool = False) -> list[Figure]:
     del model
     label = "allreduce_sketch rider + check / torch.sum"
     figures += bucket_figures("allreduce_sketch", "sketch_vs_read", label, 2.0)
+    # The same check by torch's operations alone (its fallback where no C compiler is found).
+    figures += [
+        Figure(f"sketch_vs_read_eager{tag}", f"{label}, eager, {size} {str(dtype)[6:]} bucket",
+               bucket_ratio("allreduce_sketch", numel, dtype, rounds, kernels="eager"))
+        for numel, dtype, tag in ((big, torch.float32, ""), (bf16, torch.bfloat16, "_bf16"))
+    ]  # fmt: skip
     for dtype, tag in ((torch.float32, ""), (torch.bfloat16, "_bf16")):
         # Not compiled in a quick run: tests/unit/test_checksum_kernels.py compiles the same.
         figures += checksum_figures(dtype, tag, rounds, compiled=not quick)

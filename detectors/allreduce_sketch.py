@@ -21,14 +21,18 @@ Why a faulty reduction cannot forge this in step with the data:
   projected with last step's weights, and a change that sums to zero inside a row moves the
   projection by d * u[b] * (v[c] - v[c']), nonzero for almost every draw (the old fixed
   +1/-1 per row was blind to it, forever).
-- The projection is one matrix-vector product of the bucket's rows with v, or of u with the rows
-  (one read pass either way), and a dot product; the weights cost rows + numel / rows random
-  numbers. A 16-bit bucket is converted to float32 a piece at a time into one workspace, in
-  cache, its norm taken from there. On this CPU (benchmarks/README.md, the profiles) the rider
-  costs about 1.9 read passes of the bucket, the check 1.2-1.7 (MKL's matrix-vector product
-  streams slower than `torch.sum`), plus 0.5-0.7 ms of small operations per bucket: not the
-  floor of 2, and a fused kernel through `torch.compile` measured slower in float32, needed a
-  C++ compiler and a compile per rank process and shape (docs/design.md section 9).
+- `kernels: native` (the default): the rider's projection and sum of squares in one read, and
+  the check's projection in another, by a C kernel that widens a bfloat16 bucket in registers
+  (detectors/native_projection.py; float32 and bfloat16 buckets on the CPU): 1.07 read passes
+  each on this CPU, against `torch.sum`'s one. `eager`, and the fallback where the kernel does
+  not apply or no C compiler builds it (said once): one matrix-vector product of the bucket's
+  rows with v, or of u with the rows, and a dot product; a 16-bit bucket is converted to
+  float32 a piece at a time into one workspace, in cache, its norm taken from there (the
+  rider about 1.9 read passes, the check 1.2-1.7: MKL's matrix-vector product streams slower
+  than `torch.sum`). The two paths' projections differ within the float32 projection's
+  rounding, their verdicts not at all (tests/unit/test_native_projection.py). Either way the
+  weights cost rows + numel / rows random numbers, one draw each, and the slot a few small
+  operations per bucket (docs/performance.md).
 
 The comparison allows for the rounding of the projections and of the sum:
 
@@ -83,10 +87,11 @@ from dataclasses import dataclass
 
 import torch
 
+from detectors import native_projection
 from harness.core.checks import CheckConfig
 from harness.core.events import Sensitivity
 from harness.core.plugins import Bucket, Detector, DetectorContext, EventLog
-from harness.core.values import fraction
+from harness.core.values import choice, fraction
 
 BLOCKS = 4096
 # Rows of a bucket whose BLOCKS rows would be at least STREAM_WIDTH wide: a vector-matrix product
@@ -104,6 +109,7 @@ STREAM_WIDTH = 640
 # deviation of one weight u[b] * v[c] (each factor a sign times uniform [1, 2]: E = 7/3).
 Z = 6.0
 WEIGHT_RMS = 7 / 3
+KERNELS = ("native", "eager")
 
 
 def step_weights(step: int, index: int | str, numel: int) -> tuple[torch.Tensor, ...]:
@@ -117,21 +123,40 @@ def step_weights(step: int, index: int | str, numel: int) -> tuple[torch.Tensor,
     width = numel // rows
     rest = numel - rows * width
 
-    def draw(n: int) -> torch.Tensor:
-        sign = torch.randint(0, 2, (n,), generator=gen).float().mul_(2).sub_(1)
-        return sign * (1 + torch.rand(n, generator=gen))
+    # All three from one uniform draw t in [-1, 1): magnitude 1 + |t|, uniform in [1, 2], and
+    # the sign of t, independent of it; six tensor operations per chunk and step, where a sign
+    # and a magnitude drawn apart for each vector took eighteen (about 0.1 of a read pass of
+    # a 25 MiB bucket, and more than the read itself on gpt's gradient).
+    t = torch.rand(rows + width + rest, generator=gen).mul_(2).sub_(1)
+    weights = torch.copysign(t.abs().add_(1), t)
+    return weights[:rows], weights[rows : rows + width], weights[rows + width :]
 
-    return draw(rows), draw(width), draw(rest)
 
-
-def project(buffer: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """`buffer` projected onto the weights, in float32 (module docstring)."""
+def project(
+    buffer: torch.Tensor, weights: tuple[torch.Tensor, ...], native: bool = False
+) -> torch.Tensor:
+    """`buffer` projected onto the weights, in float32 (module docstring); `native`: by the
+    fused kernel where it applies (detectors/native_projection.py)."""
+    figures = _native(buffer, weights) if native else None
+    if figures is not None:
+        return figures[0].float()
     return _pass(buffer, weights, norm=False)[0]
 
 
-def rider_of(buffer: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> torch.Tensor:
+def rider_of(
+    buffer: torch.Tensor, weights: tuple[torch.Tensor, ...], native: bool = False
+) -> torch.Tensor:
     """The bucket's projection and its L2 norm, in float32 (what one rank contributes)."""
+    figures = _native(buffer, weights) if native else None
+    if figures is not None:
+        figures[1].sqrt_()
+        return figures.float()
     return torch.stack(_pass(buffer, weights, norm=True))
+
+
+def _native(buffer: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
+    """(projection, sum of squares) in float64 by the fused kernel, or None: eager instead."""
+    return native_projection.project(buffer.reshape(-1), weights)
 
 
 def _pass(
@@ -209,31 +234,36 @@ class AllreduceSketch(Detector):
     @dataclass(frozen=True)
     class Config(CheckConfig):
         rtol: float | None = None  # of the projections' rounding; None: 1e-6 (float32)
+        # native: the projection and norm in one read by a C kernel, where a C compiler and a
+        # float32 or bfloat16 CPU bucket allow (else eager, said once); eager: torch only.
+        kernels: str = "native"
 
         def __post_init__(self) -> None:
             super().__post_init__()
             if self.rtol is not None:
                 fraction("rtol", self.rtol, ", or null for the dtype's default")
+            choice("kernels", self.kernels, KERNELS)
 
     def __init__(self, config: Config, ctx: DetectorContext, log: EventLog):
         super().__init__(config, ctx, log)
         # The float32 projections' rounding (module docstring); the sum's is derived.
         self.rtol = config.rtol or 1e-6
+        self.native = config.kernels == "native"
         self.sent: dict[int, tuple[tuple[torch.Tensor, ...], torch.Tensor]] = {}
 
     def rider(self, step: int, bucket: Bucket) -> torch.Tensor:
         world, rank = self.info.world_size, self.info.rank
         rows = bucket.buffer.view(bucket.shards, -1)
         slot = torch.zeros(bucket.shards, 2 * world + 1, device=bucket.buffer.device)
+        slot[:, 1 + rank] = step + 1
         for row in range(bucket.shards):
             weights = step_weights(step, _chunk(bucket, row), rows.shape[1])
             # Projection and norm are linear in the buffer: scaling them scales what is summed.
-            projection, norm = rider_of(rows[row], weights) * bucket.contribution
-            slot[row, 0] = norm
-            slot[row, 1 + rank] = step + 1
-            slot[row, 1 + world + rank] = projection
+            figures = rider_of(rows[row], weights, self.native) * bucket.contribution
+            slot[row, 0] = figures[1]
+            slot[row, 1 + world + rank] = figures[0]
             if row == bucket.shard:
-                self.sent[bucket.index] = (weights, slot[row, 1 + world + rank].clone())
+                self.sent[bucket.index] = (weights, figures[0])  # the value sent, bit for bit
         return slot.view(-1)
 
     def on_reduced_grad(self, step: int, bucket: Bucket) -> None:
@@ -243,10 +273,10 @@ class AllreduceSketch(Detector):
         norms, tags, projections = slot[0], slot[1 : 1 + world], slot[1 + world :]
         wrong = tags != step + 1
         changed = projections[rank].view(torch.int32) != own.view(torch.int32)
-        got = project(bucket.buffer, weights).double()
+        got = project(bucket.buffer, weights, self.native).double()
         # In float64, in rank order: the world's few float32 projections add with an error far
         # below the bound (the exactly rounded sum differs in the 16th digit at most).
-        expected = projections.double().sum()
+        expected = projections.sum(dtype=torch.float64)
         n = bucket.buffer.numel()
         # A wrapped hook divides (contribution 1 / W) and may cast (wire) after the riders.
         per_rank = (bucket.contribution != 1) + (bucket.wire is not None)

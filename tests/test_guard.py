@@ -206,8 +206,9 @@ def test_the_replica_of_a_sharded_module_is_the_module_without_fsdp(one_shard):
 @pytest.mark.parametrize("wire", [torch.float16, torch.bfloat16])
 def test_the_sketch_bounds_a_compressed_reduction_from_the_wire_dtypes_rounding(wire):
     """What torch's compress hooks do to 4 ranks' buckets (cast, divide, sum with rounding at
-    every addition) stays within the derived bound; in a small bucket the float32 bound alone is
-    exceeded, so the wire term is needed, not a loosening."""
+    every addition) stays within the derived bound at every step's weights; in a small bucket
+    the float32 bound alone is exceeded at some of them (float16: about 4 draws in 10), so the
+    wire term is needed, not a loosening."""
     world, n = 4, 8192  # a small bucket: float32 rounding alone is bounded tightly there
     gen = torch.Generator().manual_seed(0)
     buckets = [torch.randn(n, generator=gen) * 10.0 ** torch.randint(-6, 0, (n,), generator=gen)
@@ -215,10 +216,13 @@ def test_the_sketch_bounds_a_compressed_reduction_from_the_wire_dtypes_rounding(
     total = torch.zeros(n, dtype=wire)
     for g in buckets:
         total += g.to(wire).div_(world)  # every partial sum rounds to the wire dtype
-    weights = sketch.step_weights(0, 0, n)
-    riders = sum(sketch.rider_of(g, weights) / world for g in buckets)
-    expected, norms = float(riders[0]), float(riders[1])
-    error = abs(float(sketch.project(total.float(), weights)) - expected)
     rho, alpha = sketch.sum_rounding(wire, world, per_rank=2)  # the cast and the division
-    assert error <= sketch.tolerance(norms, n, 1e-6, rho, alpha)
-    assert error > 4 * 1e-6 * n**0.5 * norms
+    beyond_float32 = 0
+    for step in range(10):
+        weights = sketch.step_weights(step, 0, n)
+        riders = sum(sketch.rider_of(g, weights) / world for g in buckets)
+        expected, norms = float(riders[0]), float(riders[1])
+        error = abs(float(sketch.project(total.float(), weights)) - expected)
+        assert error <= sketch.tolerance(norms, n, 1e-6, rho, alpha), step
+        beyond_float32 += error > 4 * 1e-6 * n**0.5 * norms
+    assert beyond_float32 > 0

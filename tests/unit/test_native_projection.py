@@ -1,0 +1,147 @@
+"""The sketch's fused C kernel (detectors/native_projection.py) against its eager reference:
+values within the float32 projection's rounding, verdicts equal, and where the kernel cannot
+run (no compiler, a dtype it does not read), the eager path, said once."""
+
+from __future__ import annotations
+
+import logging
+import math
+import multiprocessing
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from detectors import allreduce_sketch as sketch
+from detectors import native_projection
+
+COMPILER = shutil.which(os.environ.get("CC", "cc"))
+# Narrow rows read one at a time (4,096 rows of 17-625), wide ones eight at a time (512 rows of
+# more than 4,096: over 1 MiB of gradient), with a remainder and a row tail off the vectors.
+SIZES = [17, 1000, 437_760, 2_700_001]
+
+
+def _values(n: int, dtype: torch.dtype, special: str, seed: int = 0) -> torch.Tensor:
+    """Gradient-like values over eight decades, subnormals of the dtype among them, and NaN or
+    infinity at a few places where asked."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=gen) * 10.0 ** torch.randint(-8, 1, (n,), generator=gen)
+    x = x.to(dtype)
+    tiny = torch.finfo(dtype).smallest_normal
+    x[:: max(1, n // 7)] = tiny / 4  # subnormal in the dtype
+    if special == "nan":
+        x[n // 3] = math.nan
+    elif special == "inf":
+        x[n // 2] = -math.inf
+    return x
+
+
+def _eager_and_native(x: torch.Tensor, step: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    weights = sketch.step_weights(step, 0, x.numel())
+    return sketch.rider_of(x, weights, native=False), sketch.rider_of(x, weights, native=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", SIZES)
+def test_the_kernel_agrees_with_eager_within_the_projections_rounding(dtype, n):
+    x = _values(n, dtype, "")
+    weights = sketch.step_weights(3, 0, n)
+    if COMPILER is None:
+        # No compiler here: the native setting is the eager path, exactly.
+        assert native_projection.load() is None
+        assert torch.equal(*_eager_and_native(x))
+        return
+    fused = native_projection.project(x, weights)
+    assert fused is not None
+    eager = sketch.rider_of(x, weights, native=False).double()
+    u, v, z = (w.double() for w in weights)
+    body = u.numel() * v.numel()
+    wide = x.double()
+    exact = float(u @ wide[:body].view(u.numel(), v.numel()) @ v + wide[body:] @ z)
+    norm = float(wide.norm())
+    bound = 4 * 1e-6 * math.sqrt(n) * norm  # the float32 projection's rounding, as calibrated
+    assert abs(float(fused[0]) - exact) <= bound
+    assert abs(float(eager[0]) - exact) <= bound
+    assert math.isclose(math.sqrt(float(fused[1])), norm, rel_tol=1e-5)
+    assert math.isclose(float(eager[1]), norm, rel_tol=1e-4)  # float32 sums of squares
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("special", ["nan", "inf"])
+def test_nan_and_infinity_reach_both_paths_alike(dtype, special):
+    eager, native = _eager_and_native(_values(437_760, dtype, special))
+    assert not torch.isfinite(eager[0]) and not torch.isfinite(native[0])
+    assert torch.isnan(eager[1]) == torch.isnan(native[1])
+    assert torch.isinf(eager[1]) == torch.isinf(native[1])
+
+
+def test_a_float16_bucket_is_projected_eagerly():
+    """The kernel reads float32 and bfloat16; a float16 bucket takes the eager path, bit for bit."""
+    x = _values(437_760, torch.float16, "")
+    weights = sketch.step_weights(3, 0, x.numel())
+    assert native_projection.project(x, weights) is None
+    assert torch.equal(*_eager_and_native(x))
+
+
+def test_weights_that_do_not_cover_the_bucket_are_refused_before_the_kernel_reads():
+    x = _values(1000, torch.float32, "")
+    weights = sketch.step_weights(3, 0, 999)
+    if COMPILER is None:
+        assert native_projection.project(x, weights) is None
+        return
+    with pytest.raises(ValueError, match="not the bucket's 1000"):
+        native_projection.project(x, weights)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_verdicts_of_a_reduction_are_the_same_on_both_paths(dtype):
+    """Four ranks' contributions summed in the bucket's dtype: clean, within the bound on both
+    paths; one element of the sum moved by twice the bound, beyond it on both."""
+    world, n = 4, 437_760
+    contributions = [_values(n, dtype, "", seed=r) for r in range(world)]
+    received = torch.stack([c.float() for c in contributions]).sum(0).to(dtype)
+    faulty = received.clone()
+    weights = sketch.step_weights(5, 0, n)
+    rho, alpha = sketch.sum_rounding(dtype, world, per_rank=0)
+    for native in (False, True):
+        riders = [sketch.rider_of(c, weights, native) for c in contributions]
+        expected = sum(float(r[0]) for r in riders)
+        bound = float(sketch.tolerance(sum(float(r[1]) for r in riders), n, 1e-6, rho, alpha))
+        faulty[1234] = float(received[1234]) + 2 * bound
+        for buffer, alarm in ((received, False), (faulty, True)):
+            got = float(sketch.project(buffer, weights, native))
+            assert (not abs(got - expected) <= bound) is alarm, (native, alarm)
+
+
+def test_without_a_compiler_the_sketch_says_so_once_and_runs_eagerly(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("SDC_BENCH_CACHE", str(tmp_path / "cache"))
+    native_projection.load.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger=native_projection.__name__):
+            x = _values(1000, torch.float32, "")
+            for _ in range(3):
+                eager, native = _eager_and_native(x)
+                assert torch.equal(eager, native)
+        said = [r.getMessage() for r in caplog.records if "native projection" in r.getMessage()]
+        assert len(said) == 1 and "no C compiler" in said[0], said
+    finally:
+        native_projection.load.cache_clear()
+
+
+def _build(cache: Path) -> bool:
+    return native_projection.load_from(COMPILER or "cc", cache) is not None
+
+
+def test_ranks_building_at_once_each_load_a_whole_kernel(tmp_path):
+    """Four processes build into one empty cache together (a world's first step): each renames
+    its own build into place, so every one loads a complete library, and one file remains
+    (without a compiler: none loads, and nothing is left half-written)."""
+    cache = tmp_path / "cache"
+    with multiprocessing.get_context("spawn").Pool(4) as pool:
+        built = pool.map(_build, [cache] * 4)
+    assert built == [COMPILER is not None] * 4
+    left = [p.name for p in cache.iterdir()] if cache.exists() else []
+    assert len(left) == (COMPILER is not None) and all(n.startswith("projection-") for n in left)
