@@ -10,11 +10,13 @@ reference: the two agree within the float32 projection's rounding
 (tests/unit/test_native_projection.py).
 
 The kernel is built once per source, compiler and CPU with the C compiler (`CC`, else `cc`;
-`-O3 -march=native`, about 0.2 s) into a cache folder (`SDC_BENCH_CACHE`, else
-`$XDG_CACHE_HOME/sdc-bench`, else `~/.cache/sdc-bench`) that a world's ranks, later trials and
-runs share: each rank writes its build under a name of its own and renames it into place, so
-ranks building at once never load a half-written file. Where the build fails (no compiler),
-the first failure says so once in the process's log and every later call runs eagerly.
+`-O3 -march=native -ffp-contract=off`, about 0.2 s) into a cache folder that a world's ranks,
+later trials and runs share (`$SDC_BENCH_CACHE/kernels`, beside the golden store, else
+`$XDG_CACHE_HOME/sdc-bench/kernels`, else `~/.cache/sdc-bench/kernels`: a build is the
+machine's, not a campaign's): each rank writes its build under a name of its own and renames
+it into place, so ranks building at once never load a half-written file. Where the build fails
+(no compiler), the first failure says so once in the process's log and every later call runs
+eagerly.
 """
 
 from __future__ import annotations
@@ -35,7 +37,10 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("projection.c")
-FLAGS = ("-O3", "-march=native", "-shared", "-fPIC")
+# -march=native: the host's widest vectors. -ffp-contract=off: no multiply and add fused into
+# one rounding, so the kernel's sums are the same bits on every CPU, whatever its vector width
+# (an AVX-512 build and an SSE one agree bit for bit), as the harness's pinned CPU kernels need.
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC")
 DTYPES = {torch.float32: "project_float32", torch.bfloat16: "project_bfloat16"}
 
 
@@ -89,9 +94,9 @@ def load_from(compiler: str, cache: Path) -> dict[torch.dtype, Callable[..., Non
 def _cache() -> Path:
     root = os.environ.get("SDC_BENCH_CACHE")
     if root:
-        return Path(root)
+        return Path(root) / "kernels"
     xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "sdc-bench"
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "sdc-bench" / "kernels"
 
 
 def _build(compiler: str, cache: Path) -> Path:
