@@ -146,9 +146,10 @@ def run(rounds: int = 15, quick: bool = False) -> list[Figure]:
     figures += bucket_figures("allreduce_sketch", "sketch_vs_read", label, 2.0)
     # The same check by torch's operations alone (its fallback where no C compiler is found).
     figures += [
-        Figure(f"sketch_vs_read_eager{tag}", f"{label}, eager, {size} {str(dtype)[6:]} bucket",
+        Figure(f"sketch_vs_read_eager{tag}", f"{label}, eager, {size} {name} bucket",
                bucket_ratio("allreduce_sketch", numel, dtype, rounds, kernels="eager"))
-        for numel, dtype, tag in ((big, torch.float32, ""), (bf16, torch.bfloat16, "_bf16"))
+        for numel, dtype, name, tag in ((big, torch.float32, "float32", ""),
+                                        (bf16, torch.bfloat16, "bfloat16", "_bf16"))
     ]  # fmt: skip
     for dtype, tag in ((torch.float32, ""), (torch.bfloat16, "_bf16")):
         # Not compiled in a quick run: tests/unit/test_checksum_kernels.py compiles the same.
