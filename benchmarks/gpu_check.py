@@ -36,7 +36,7 @@ import torch
 
 from benchmarks.common import compose_run
 from detectors import detector_class
-from detectors.checksum_kernels import KERNELS, Kernels
+from detectors.checksum_kernels import Kernels
 from detectors.fingerprint import fingerprint_words
 from detectors.product_bounds import Rounding, bound_of, roundoff
 from harness.campaign import overhead
@@ -182,16 +182,19 @@ def kernel_rows(plan: Plan, device: torch.device) -> list[dict]:
 
 def checksum_rows(plan: Plan, dtype: torch.dtype, device: torch.device) -> list[dict]:
     """matmul_checksum's forward check of one product against one read of its operands and
-    output, eager and compiled (detectors/checksum_kernels.py); the first compiled call apart."""
+    output, eager and compiled (detectors/checksum_kernels.py), and natively on a CPU; the first
+    call apart."""
     m, q, p = plan.product
     left, right = (torch.randn(*shape, device=device).to(dtype) for shape in ((m, q), (q, p)))
     output = left @ right
     rounding = Rounding(roundoff(dtype), roundoff(torch.float32), 0.0, 8.0)
     bound, rows = bound_of(rounding, q, p), []
     kind = str(dtype).removeprefix("torch.")
-    # A quick run's compile would be a CPU's, which tests/unit/test_checksum_kernels.py makes.
-    for name in KERNELS if plan.compile else ("eager",):
-        kernels = Kernels(compiled=name == "compiled")
+    # A quick run's compile would be a CPU's, which tests/unit/test_checksum_kernels.py makes;
+    # the C kernels are the CPU's (a GPU runs the eager path in their place).
+    names = ["eager", *(["compiled"] if plan.compile else [])]
+    for name in names + (["native"] if device.type == "cpu" else []):
+        kernels = Kernels(name)
 
         def check(k: Kernels = kernels) -> object:
             return k.output(left, right, output, None, dtype, 1.0, 1.0, False, bound,

@@ -2,7 +2,9 @@
 them), as pure functions of tensors and host floats in one source that runs two ways:
 eagerly, the reference, or compiled by Inductor (`torch.compile`: C++/OpenMP on the CPU,
 Triton on a GPU), which fuses the reductions that read the same operand into one pass and the
-twenty-odd small operations of a check into a few kernels (docs/performance.md).
+twenty-odd small operations of a check into a few kernels (docs/performance.md). A third way,
+the CPU's default: the same checks hand-written in C, each matrix read once
+(detectors/native_checksum.py), the eager functions where it does not apply.
 
 Entry contract: operands as the product read them before the kernel's casts (left [..., m, q],
 right [..., q, p]), the product's output [..., m, p] as the check measures it; `dtype` the
@@ -12,7 +14,7 @@ operands' device; the caller runs these without autograd or autocast. Compiled a
 figures agree within a reduction's reordering and their verdicts exactly
 (tests/unit/test_checksum_kernels.py).
 
-`Kernels(compiled=True)` compiles each function once per process, dtype and rank, with dynamic
+`Kernels("compiled")` compiles each function once per process, dtype and rank, with dynamic
 shapes, so one compile serves every shape of a run and every check made in the process.
 Inductor's on-disk cache (TORCHINDUCTOR_CACHE_DIR, by default under the system's temporary
 folder) serves later processes: a world's other ranks, later trials and runs. Where nothing
@@ -28,11 +30,12 @@ from typing import TypeVar
 
 import torch
 
-from detectors.product_bounds import F32, Bound, bounded_ratio
+from detectors import native_checksum
+from detectors.product_bounds import F32, Bound, bounded_ratio, rounding_ratio
 
 logger = logging.getLogger(__name__)
 
-KERNELS = ("eager", "compiled")
+KERNELS = ("native", "eager", "compiled")
 
 # Graphs per function: dtypes x ranks x (bias, input addend, none) x (rows read or bounded).
 RECOMPILE_LIMIT = 64
@@ -180,24 +183,35 @@ def _compiled(fn: Callable) -> Callable:
 
 
 class Kernels:
-    """The four checks, eager or compiled; compiled, they fall back to eager in this process
-    from the first failure to compile on."""
+    """The four checks, by `kind` (KERNELS): natively where the C kernel applies, else eagerly;
+    compiled, falling back to eager in this process from the first failure to compile on."""
 
-    def __init__(self, compiled: bool):
-        self.requested = compiled
-        self.output = self._wrap(output_figures)
-        self.grad = self._wrap(grad_figures)
-        self.left = self._wrap(left_ratio)
-        self.right = self._wrap(right_ratio)
+    def __init__(self, kind: str):
+        self.kind = kind
+        self.output = self._wrap(output_figures, native_checksum.output_figures)
+        self.grad = self._wrap(grad_figures, native_checksum.grad_figures)
+        self.left = self._wrap(left_ratio, native_checksum.left_ratio)
+        self.right = self._wrap(right_ratio, native_checksum.right_ratio)
+        # The exact check of a rounding (emulated numerics) is one comparison: nothing to fuse.
+        self.rounding = rounding_ratio
+        if kind == "native":
+            self.rounding = self._wrap(rounding_ratio, native_checksum.rounding_ratio)
 
     @property
     def compiled(self) -> bool:
         """Compiled as requested, and no compile has failed in this process."""
-        return self.requested and not _FAILED
+        return self.kind == "compiled" and not _FAILED
 
-    def _wrap(self, fn: F) -> F:
-        if not self.requested:
+    def _wrap(self, fn: F, native: Callable) -> F:
+        if self.kind == "eager":
             return fn
+        if self.kind == "native":
+
+            def fused(*args):
+                figures = native(*args)
+                return fn(*args) if figures is None else figures
+
+            return fused  # type: ignore[return-value]
 
         def run(*args):
             if not _FAILED:

@@ -10,9 +10,11 @@ never forms its products and is not checked. Convolutions: detectors/convolution
 Each product P = L R: its rows' sums against L (R e) within a rounding bound, and its rounding
 exactly where its float32 value is at hand (detectors/product_bounds.py). Cost (per product: a
 sum and a norm of each operand and row, one product of L with a vector; docs/performance.md)
-against coverage: `interval`, `fraction`. No collective: each rank judges its own products, the
-verdicts kept on the device until the step's read. Backward checks hold the operands until
-backward; not checked there: an operand broadcast over the product's batch.
+against coverage: `interval`, `fraction`. The arithmetic (`kernels`): a C kernel per check,
+each matrix read once (detectors/native_checksum.py, the default), or torch's operations
+(detectors/checksum_kernels.py), eager or compiled. No collective: each rank judges its own
+products, the verdicts kept on the device until the step's read. Backward checks hold the
+operands until backward; not checked there: an operand broadcast over the product's batch.
 
 Cost per step (sdc-plan): bytes = 3*A*(N + 1.5*N*t/d)/k, flops = 6*(N + 1.5*N*t/d)/k:
 on a checked step (every k-th, every product: `fraction` 1), every product's operands and output
@@ -41,7 +43,6 @@ from detectors.product_bounds import (
     bound_of,
     bounded_ratio,
     product_of,
-    rounding_ratio,
     roundoff,
 )
 from harness.core.checks import CheckConfig
@@ -94,7 +95,7 @@ class MatmulChecksum(Detector):
         fraction: float = 1.0  # the seeded share of a checked step's products that is checked
         backward: bool = True  # also the gradients the products' backward computes
         sigmas: float = 8.0  # the bound's width (module docstring): P(clean alarm) < 2e^-s²/2
-        kernels: str = "eager"  # or "compiled" by Inductor (detectors/checksum_kernels.py)
+        kernels: str = "native"  # C; "eager" torch; "compiled" Inductor (checksum_kernels.py)
 
         def __post_init__(self) -> None:
             super().__post_init__()
@@ -119,7 +120,7 @@ class MatmulChecksum(Detector):
         self.convolutions: dict[int, str] = {}  # by call: the key of a convolution checked
         self.calls, self.calls_step = dict[str, int](), -1  # products per module in that step
         self.found: list[tuple[int, str, str, torch.Tensor]] = []  # (step, phase, key, ratio)
-        self.kernels = Kernels(config.kernels == "compiled")
+        self.kernels = Kernels(config.kernels)
 
     def watches_matmuls(self) -> bool:
         return True
@@ -205,7 +206,7 @@ class MatmulChecksum(Detector):
             return
         checked.flat = product.right.dim() == 2 and product.left.dim() > 2
         if accumulator is not None:
-            exact = rounding_ratio(output, accumulator, output.dtype)
+            exact = self.kernels.rounding(output, accumulator, output.dtype)
             self.found.append((step, "forward", f"{checked.key} output rounding", exact))
         measured = product.as_output(output if accumulator is None else accumulator)
         rounding = self._rounding(measured.dtype)
@@ -269,7 +270,7 @@ class MatmulChecksum(Detector):
                 return
             with self.charged(), unwatched(grad.device):
                 if wide is not None:
-                    ratio = rounding_ratio(grad, wide, checked.dtype)
+                    ratio = self.kernels.rounding(grad, wide, checked.dtype)
                     name = "input" if which == "left" else "weight"
                     entry = f"{checked.key} {name} gradient rounding"
                     self.found.append((checked.step, "pre_allreduce", entry, ratio))

@@ -1,26 +1,34 @@
-"""matmul_checksum's arithmetic compiled by Inductor against the same source run eagerly (the
-reference), on random products with NaN, Inf and subnormal values and with faults, in float32,
-bfloat16 and float16: the verdicts (a ratio above 1, NaN or infinite) agree exactly; the
-ratios within 0.05 of the bound and 1e-5 relative (a compiled reduction sums in another order,
-and a clean row's checksum error is itself rounding noise, which the bound covers eight sigmas
-wide); the other figures (norms, sums, projections) within 1e-5 of the largest of their kind."""
+"""matmul_checksum's arithmetic compiled by Inductor, and hand-written in C (the native kernels),
+against the same checks run eagerly (the reference), on random products with NaN, Inf and
+subnormal values and with faults, in float32, bfloat16 and float16: the verdicts (a ratio above
+1, NaN or infinite) agree exactly; the ratios within 0.05 of the bound and 1e-5 relative (a
+fused reduction sums in another order, and a clean row's checksum error is itself rounding
+noise, which the bound covers eight sigmas wide); the other figures (norms, sums, projections)
+within 1e-5 of the largest of their kind."""
 
 from __future__ import annotations
 
 import logging
 import math
+import os
+import shutil
 from collections.abc import Iterator
 
 import pytest
 import torch
 import torch._inductor.config
 
-from detectors import checksum_kernels
+from detectors import checksum_kernels, native_checksum
 from detectors.checksum_kernels import Kernels
-from detectors.product_bounds import Rounding, bound_of, roundoff
+from detectors.product_bounds import Rounding, bound_of, rounding_ratio, roundoff
 
-EAGER, COMPILED = Kernels(compiled=False), Kernels(compiled=True)
+EAGER = Kernels("eager")
 SPECIALS = (math.nan, math.inf, -math.inf)
+COMPILER = shutil.which(os.environ.get("CC", "cc"))
+# Each graph compiles in 2-3 s in a fresh Inductor cache, and a process's first compile with its
+# imports takes 16-20 s beside a CI machine's two loaded test workers, which the default run's
+# 8 minutes cannot hold: every compiling case is in the slow set (`pytest -m slow`).
+FUSED = [pytest.param("compiled", marks=pytest.mark.slow), "native"]
 
 
 @pytest.fixture(autouse=True)
@@ -72,15 +80,14 @@ def _agree(eager: torch.Tensor, compiled: torch.Tensor, what: str, ratio: bool) 
         )
 
 
-# Each graph compiles in 2-3 s in a fresh Inductor cache, and a process's first compile with its
-# imports takes 16-20 s beside a CI machine's two loaded test workers, which the default run's
-# 8 minutes cannot hold: every compiling case is in the slow set (`pytest -m slow`).
-@pytest.mark.slow
+@pytest.mark.parametrize("kind", FUSED)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_compiled_checks_agree_with_eager(dtype: torch.dtype) -> None:
+def test_fused_checks_agree_with_eager(kind: str, dtype: torch.dtype) -> None:
     """Forward, the output gradient's figures, and both operand checks of a batched product
     [4, 96, 64] @ [4, 64, 80] with a bias-like addend, subnormals among the operands, on clean,
-    faulty and special (NaN, Inf) outputs and gradients, and a special operand."""
+    faulty and special (NaN, Inf) outputs and gradients, and a special operand. (The native
+    kernels read float32 and bfloat16: float16 takes the eager path there.)"""
+    fused = Kernels(kind)
     gen = torch.Generator().manual_seed(0)
     rounding = _rounding(dtype)
     rows = not rounding.fine
@@ -93,7 +100,7 @@ def test_compiled_checks_agree_with_eager(dtype: torch.dtype) -> None:
         bound = bound_of(rounding, 64, 80)
         figures = [
             k.output(left_in, right, measured, addend, dtype, 1.0, 1.0, False, bound, rows)
-            for k in (EAGER, COMPILED)
+            for k in (EAGER, fused)
         ]
         for name, e, c in zip(("ratio", "right_fro", "left_fro"), *figures, strict=True):
             _agree(e, c, f"{dtype} {case} forward {name}", name == "ratio")
@@ -102,7 +109,7 @@ def test_compiled_checks_agree_with_eager(dtype: torch.dtype) -> None:
             assert figures[0][0].isfinite()
 
         grad = _operand((4, 96, 80), dtype, gen)
-        dp = [k.grad(right, grad, dtype, 1.0, False) for k in (EAGER, COMPILED)]
+        dp = [k.grad(right, grad, dtype, 1.0, False) for k in (EAGER, fused)]
         for name, e, c in zip(("projected", "row_sums", "norms", "sums"), *dp, strict=True):
             _agree(e, c, f"{dtype} {case} output gradient {name}", False)
         projected, row_sums, norms, sums_norm = dp[0]
@@ -113,12 +120,12 @@ def test_compiled_checks_agree_with_eager(dtype: torch.dtype) -> None:
         left_bound, right_bound = bound_of(rounding, 80, 64), bound_of(rounding, 96, 80)
         lefts = [
             k.left(d_left, projected, norms, right_fro, sums_norm, False, left_bound, rows)
-            for k in (EAGER, COMPILED)
+            for k in (EAGER, fused)
         ]
         _agree(*lefts, f"{dtype} {case} input gradient", True)
         rights = [
             k.right(d_right, left, dtype, row_sums, left_fro, norms, -1, False, right_bound, rows)
-            for k in (EAGER, COMPILED)
+            for k in (EAGER, fused)
         ]
         _agree(*rights, f"{dtype} {case} weight gradient", True)
         broken = {"clean": False, "fault": True, "special": True}[case]
@@ -127,12 +134,12 @@ def test_compiled_checks_agree_with_eager(dtype: torch.dtype) -> None:
                 assert bool(not ratio <= 1.0) == broken, (dtype, case)
 
 
-@pytest.mark.slow
+@pytest.mark.parametrize("kind", FUSED)
 @pytest.mark.parametrize(
     ("dtype", "backward"), [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float16, True)]
 )
-def test_compiled_checks_repeat_an_autocast_kernels_casts(
-    dtype: torch.dtype, backward: bool
+def test_fused_checks_repeat_an_autocast_kernels_casts(
+    kind: str, dtype: torch.dtype, backward: bool
 ) -> None:
     """Under autocast the operands are float32 and the kernel reads them cast to 16 bits; with
     the float32 product before its rounding at hand (emulated numerics) the check holds it to
@@ -140,6 +147,7 @@ def test_compiled_checks_repeat_an_autocast_kernels_casts(
     them (Inductor computes 16-bit values in float32 unless told not to) alarms on a clean
     product. Clean, faulty and special (NaN, Inf) outputs, subnormal operands: the verdicts
     agree. `backward`: the weight gradient's check too, which casts L again."""
+    fused = Kernels(kind)
     gen = torch.Generator().manual_seed(1)
     left = _operand((4, 96, 64), torch.float32, gen)
     right = _operand((4, 64, 80), torch.float32, gen)
@@ -150,7 +158,7 @@ def test_compiled_checks_repeat_an_autocast_kernels_casts(
         measured = _spoil(accumulator, case)
         ratios = [
             k.output(left, right, measured, None, dtype, 1.0, 1.0, False, bound, False)[0]
-            for k in (EAGER, COMPILED)
+            for k in (EAGER, fused)
         ]
         _agree(*ratios, f"{dtype} cast operands, {case}", True)
         assert (float(ratios[1]) <= 0.5) == (case == "clean"), (case, ratios)
@@ -161,7 +169,7 @@ def test_compiled_checks_repeat_an_autocast_kernels_casts(
     row_sums, norms = grad.sum(-1), torch.linalg.vector_norm(grad, dim=-1)
     left_fro = torch.linalg.vector_norm(left.to(dtype).float(), dim=(-2, -1))
     figures = (row_sums, left_fro, norms, -1, False, bound_of(rounding, 96, 80), False)
-    rights = [k.right(d_right, left, dtype, *figures) for k in (EAGER, COMPILED)]
+    rights = [k.right(d_right, left, dtype, *figures) for k in (EAGER, fused)]
     assert float(rights[0]) <= 0.5 and float(rights[1]) <= 0.5, rights
 
 
@@ -180,7 +188,7 @@ def test_a_failed_compile_says_so_once_and_runs_eagerly(
     monkeypatch.setattr(torch, "compile", no_compiler)
     monkeypatch.setattr(checksum_kernels, "_COMPILED", {})
     monkeypatch.setattr(checksum_kernels, "_FAILED", [])
-    first_trial, next_trial = Kernels(compiled=True), Kernels(compiled=True)
+    first_trial, next_trial = Kernels("compiled"), Kernels("compiled")
     right, grad = torch.randn(64, 80), torch.randn(96, 80)
     with caplog.at_level(logging.WARNING, logger="detectors.checksum_kernels"):
         first = first_trial.grad(right, grad, torch.float32, 1.0, False)
@@ -195,3 +203,137 @@ def test_a_failed_compile_says_so_once_and_runs_eagerly(
         assert torch.equal(got, want)
     assert torch.equal(second[0], 2 * first[0])
     assert all(torch.equal(a, b) for a, b in zip(later, first, strict=True))
+
+
+def _products(dtype: torch.dtype, gen: torch.Generator):
+    """(name, L, R, addend, alpha, beta, flat) in the layouts the products' watch hands over: a
+    Linear (R a transposed weight, a bias), over 1 MiB of float32 operands and output; tokens
+    [B, T, q] against one weight (rows merged); attention's score product on strided per-head
+    views of a packed projection (two batch dimensions that do not merge, R a transposed view);
+    baddbmm with a 2-D addend broadcast over the batch, alpha and beta; one L broadcast over R's
+    batch."""
+    qkv = _operand((4, 48, 3, 2, 32), dtype, gen)
+    q, k = qkv[:, :, 0].transpose(1, 2), qkv[:, :, 1].transpose(1, 2)
+    weight = _operand((384, 256), dtype, gen)
+    return [
+        ("linear", _operand((1024, 256), dtype, gen), weight.mT, _operand((384,), dtype, gen),
+         1.0, 1.0, False),
+        ("tokens", _operand((4, 64, 96), dtype, gen), _operand((80, 96), dtype, gen).mT, None,
+         1.0, 1.0, True),
+        ("attention", q, k.mT, None, 0.125, 1.0, False),
+        ("baddbmm", _operand((3, 40, 24), dtype, gen), _operand((3, 24, 56), dtype, gen),
+         _operand((40, 56), dtype, gen), 0.5, 2.0, False),
+        ("broadcast", _operand((40, 24), dtype, gen), _operand((3, 24, 56), dtype, gen), None,
+         1.0, 1.0, False),
+    ]  # fmt: skip
+
+
+def _output(left, right, addend, alpha, beta, dtype):
+    product = alpha * (left.float() @ right.float())
+    if addend is not None:
+        product = product + beta * addend.float()
+    return product.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_checks_agree_with_eager_in_every_layout(dtype: torch.dtype) -> None:
+    """Every check of every layout (`_products`), clean and with one element of the output and
+    of each gradient a thousand times larger: the native figures agree with eager's, and so do
+    the verdicts, which are clean and broken as made. Where a compiler exists, the kernel
+    applies to each (no eager fallback)."""
+    native = Kernels("native")
+    gen = torch.Generator().manual_seed(2)
+    rounding = _rounding(dtype)
+    rows = not rounding.fine
+    for name, left, right, addend, alpha, beta, flat in _products(dtype, gen):
+        output = _output(left, right, addend, alpha, beta, dtype)
+        q, p = right.shape[-2], right.shape[-1]
+        grad = _operand(output.shape, dtype, gen)
+        left_grad = (alpha * grad.float() @ right.float().mT).to(dtype)
+        grad2, left2 = grad.float().reshape(-1, p), left.float().reshape(-1, q)
+        if flat:
+            right_grad = (alpha * left2.mT @ grad2).to(dtype)
+        else:
+            right_grad = (alpha * left.float().mT @ grad.float()).to(dtype)
+        m = left2.shape[0] if flat else left.shape[-2]
+        for case in ("clean", "fault"):
+            what = f"{dtype} {name} {case}"
+            measured = _spoil(output, case)
+            bound = bound_of(rounding, q, p)
+            args = (left, right, measured, addend, dtype, alpha, beta, flat, bound, rows)
+            forward = [k.output(*args) for k in (EAGER, native)]
+            assert (native_checksum.output_figures(*args) is None) == (COMPILER is None)
+            for figure, e, n in zip(("ratio", "right_fro", "left_fro"), *forward, strict=True):
+                # The native figures are per batch matrix of P; eager's per operand's.
+                _agree(*torch.broadcast_tensors(e, n), f"{what} {figure}", figure == "ratio")
+            assert bool(not forward[1][0] <= 1.0) == (case == "fault"), what
+            dp = [k.grad(right, grad, dtype, alpha, flat) for k in (EAGER, native)]
+            assert (native_checksum.grad_figures(right, grad, dtype, alpha, flat) is None) == (
+                COMPILER is None
+            )
+            for figure, e, n in zip(("projected", "row_sums", "norms", "sums"), *dp, strict=True):
+                _agree(*torch.broadcast_tensors(e, n), f"{what} output gradient {figure}", False)
+            projected, row_sums, norms, sums_norm = dp[0]
+            _, right_fro, left_fro = forward[0]
+            if name == "broadcast":
+                continue  # L is not one product's operand: its gradient is not checked
+            args = (_spoil(left_grad, case), projected, norms, right_fro, sums_norm, flat,
+                    bound_of(rounding, p, q), rows)  # fmt: skip
+            lefts = [k.left(*args) for k in (EAGER, native)]
+            assert (native_checksum.left_ratio(*args) is None) == (COMPILER is None)
+            _agree(*lefts, f"{what} input gradient", True)
+            assert bool(not lefts[1] <= 1.0) == (case == "fault"), what
+            along, stored = (-2, right_grad.mT) if name == "linear" else (-1, right_grad)
+            args = (_spoil(stored.contiguous(), case), left, dtype, row_sums, left_fro, norms,
+                    along, flat, bound_of(rounding, m, p), rows)  # fmt: skip
+            rights = [k.right(*args) for k in (EAGER, native)]
+            assert (native_checksum.right_ratio(*args) is None) == (COMPILER is None)
+            _agree(*rights, f"{what} weight gradient", True)
+            assert bool(not rights[1] <= 1.0) == (case == "fault"), what
+
+
+@pytest.mark.parametrize("stored", [torch.bfloat16, torch.float32])
+def test_native_rounding_check_agrees_with_eager(stored: torch.dtype) -> None:
+    """The exact check of a bfloat16 rounding (emulated numerics), with subnormals, halfway
+    cases and NaN, Inf in the float32 value: clean, 0 on both paths; one element off by one
+    unit in the last place, or a NaN where a number was, infinite on both."""
+    gen = torch.Generator().manual_seed(3)
+    wide = torch.randn(300_000, generator=gen)
+    wide[:4] = torch.tensor([math.nan, math.inf, -math.inf, torch.finfo(torch.float32).tiny / 3])
+    wide[4:8] = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 2**-130])  # ties, subnormal
+    rounded = wide.to(torch.bfloat16).to(stored)
+    off = rounded.clone()
+    off.view(torch.int16 if stored == torch.bfloat16 else torch.int32)[1234] += (
+        1 if stored == torch.bfloat16 else 1 << 16
+    )
+    nan = rounded.clone()
+    nan[99] = math.nan
+    for case, values, broken in (("clean", rounded, False), ("off", off, True), ("nan", nan, True)):
+        native = native_checksum.rounding_ratio(values, wide, torch.bfloat16)
+        eager = rounding_ratio(values, wide, torch.bfloat16)
+        if COMPILER is None:
+            assert native is None
+            continue
+        assert native is not None
+        assert torch.equal(native, eager), case
+        assert bool(torch.isinf(native)) == broken, case
+
+
+def test_native_checks_without_a_compiler_say_so_once_and_run_eagerly(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("SDC_BENCH_CACHE", str(tmp_path / "cache"))
+    native_checksum.load.cache_clear()
+    try:
+        right, grad = torch.randn(64, 80), torch.randn(96, 80)
+        with caplog.at_level(logging.WARNING):
+            figures = [Kernels("native").grad(right, grad, torch.float32, 1.0, False)
+                       for _ in range(3)]  # fmt: skip
+        said = [r.getMessage() for r in caplog.records if "native checks" in r.getMessage()]
+        assert len(said) == 1 and "no C compiler" in said[0], said
+        want = EAGER.grad(right, grad, torch.float32, 1.0, False)
+        for got in figures:
+            assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    finally:
+        native_checksum.load.cache_clear()

@@ -1,0 +1,351 @@
+/* matmul_checksum's four checks of a plain product, each in one read of every matrix it needs
+ * (detectors/native_checksum.py describes the tensors and calls these; detectors/
+ * checksum_kernels.py holds the same arithmetic in torch, the reference; detectors/
+ * product_bounds.py the bound).
+ *
+ * A matrix is read a row at a time as float32: in place where its row is contiguous float32,
+ * else widened (bfloat16: a shift) or cast as an autocast kernel casts it (float32 rounded to
+ * bfloat16, nearest even) into a row of scratch that stays in the first-level cache. Each row's
+ * sums run in float32 lanes, as the eager path's float32 reductions; a figure over many rows
+ * (a Frobenius norm) gathers them in float64. Up to two batch dimensions with their own
+ * strides (attention's [batch, heads] views), a broadcast operand's stride 0. Plain C with the
+ * compiler's vector extensions: no torch headers, built in a fraction of a second. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define LANES 16
+typedef float floats __attribute__((vector_size(LANES * 4)));
+
+enum { FLOAT32 = 0, BFLOAT16 = 1, FLOAT32_AS_BFLOAT16 = 2 };
+
+typedef struct {
+    const void *data;
+    int64_t type;                /* the enum above */
+    int64_t batch[2], bstride[2]; /* batch sizes and strides, in elements */
+    int64_t rows, cols, rstride, cstride;
+} matrix;
+
+/* The bound's coefficients (product_bounds.Bound) and whether rows' norms are read (nonzero). */
+typedef struct {
+    double row, fro, sums, floor, rows;
+} bound;
+
+static int64_t batches(const matrix *m) { return m->batch[0] * m->batch[1]; }
+
+static float widen(uint16_t h) {
+    uint32_t w = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &w, sizeof f);
+    return f;
+}
+
+/* float32 to bfloat16, nearest even, as torch rounds it (a NaN stays a NaN). */
+static float as_bfloat16(float f) {
+    uint32_t w;
+    memcpy(&w, &f, sizeof w);
+    if ((w & 0x7fffffffu) > 0x7f800000u)
+        return f;
+    w = (w + 0x7fffu + ((w >> 16) & 1u)) & 0xffff0000u;
+    memcpy(&f, &w, sizeof f);
+    return f;
+}
+
+/* Batch matrix b of m: its rows' description, with its first element's offset worked out once
+ * (a division per row costs as much as reading a short one). */
+typedef struct {
+    const matrix *m;
+    int64_t at;
+} batch_matrix;
+
+static batch_matrix batch_of(const matrix *m, int64_t b) {
+    batch_matrix bm = {m, (b / m->batch[1]) * m->bstride[0] + (b % m->batch[1]) * m->bstride[1]};
+    return bm;
+}
+
+/* Row r of a batch matrix as float32 values: in place, or through `scratch`. */
+static inline const float *row_of(batch_matrix bm, int64_t r, float *scratch) {
+    const matrix *m = bm.m;
+    int64_t at = bm.at + r * m->rstride, n = m->cols, s = m->cstride;
+    if (m->type == BFLOAT16) {
+        const uint16_t *p = (const uint16_t *)m->data + at;
+        if (s == 1)
+            for (int64_t c = 0; c < n; c++)
+                scratch[c] = widen(p[c]);
+        else
+            for (int64_t c = 0; c < n; c++)
+                scratch[c] = widen(p[c * s]);
+        return scratch;
+    }
+    const float *p = (const float *)m->data + at;
+    if (m->type == FLOAT32) {
+        if (s == 1)
+            return p;
+        for (int64_t c = 0; c < n; c++)
+            scratch[c] = p[c * s];
+        return scratch;
+    }
+    if (s == 1)
+        for (int64_t c = 0; c < n; c++)
+            scratch[c] = as_bfloat16(p[c]);
+    else
+        for (int64_t c = 0; c < n; c++)
+            scratch[c] = as_bfloat16(p[c * s]);
+    return scratch;
+}
+
+static floats load(const float *p) {
+    floats x;
+    memcpy(&x, p, sizeof x);
+    return x;
+}
+
+typedef float eight __attribute__((vector_size(32)));
+typedef float four __attribute__((vector_size(16)));
+
+/* The lanes' sum, halves added pairwise (register extracts, no trip through memory), in the
+ * same order on every CPU. */
+static inline float total(floats x) {
+    eight low, high;
+    memcpy(&low, &x, sizeof low);
+    memcpy(&high, (const char *)&x + sizeof low, sizeof high);
+    eight e = low + high;
+    four a, b;
+    memcpy(&a, &e, sizeof a);
+    memcpy(&b, (const char *)&e + sizeof a, sizeof b);
+    four f = a + b;
+    return (f[0] + f[2]) + (f[1] + f[3]);
+}
+
+/* A row's dot product with v (when v is given), its sum and its sum of squares. */
+typedef struct {
+    float dot, sum, squares;
+} figures;
+
+static inline figures row_figures(const float *x, const float *v, int64_t n) {
+    /* Two sets of accumulators, so that consecutive additions do not wait on each other. */
+    floats dot[2] = {{0}}, sum[2] = {{0}}, sq[2] = {{0}};
+    int64_t body = n - n % (2 * LANES), c = 0;
+    for (; c < body; c += 2 * LANES)
+        for (int k = 0; k < 2; k++) {
+            floats a = load(x + c + k * LANES);
+            if (v)
+                dot[k] += a * load(v + c + k * LANES);
+            sum[k] += a;
+            sq[k] += a * a;
+        }
+    figures f = {total(dot[0] + dot[1]), total(sum[0] + sum[1]), total(sq[0] + sq[1])};
+    for (; c < n; c++) {
+        if (v)
+            f.dot += x[c] * v[c];
+        f.sum += x[c];
+        f.squares += x[c] * x[c];
+    }
+    return f;
+}
+
+/* acc += w x, and squares += x * x where squares is given. */
+static inline void accumulate(float *acc, float *squares, const float *x, float w, int64_t n) {
+    for (int64_t c = 0; c < n; c++) {
+        acc[c] += w * x[c];
+        if (squares)
+            squares[c] += x[c] * x[c];
+    }
+}
+
+/* Batch matrix b's sums along its rows (into `along`, one per row) or across them (into
+ * `across`, one per column), and its sum of squares. */
+static double sums_of(const matrix *m, int64_t b, float *along, float *across, float *scratch) {
+    double squares = 0.0;
+    batch_matrix bm = batch_of(m, b);
+    if (across)
+        memset(across, 0, m->cols * sizeof *across);
+    for (int64_t r = 0; r < m->rows; r++) {
+        const float *x = row_of(bm, r, scratch);
+        figures f = row_figures(x, NULL, m->cols);
+        if (along)
+            along[r] = f.sum;
+        if (across)
+            accumulate(across, NULL, x, 1.0f, m->cols);
+        squares += f.squares;
+    }
+    return squares;
+}
+
+static float norm(const float *x, int64_t n) {
+    double t = 0.0;
+    for (int64_t i = 0; i < n; i++)
+        t += (double)x[i] * x[i];
+    return (float)sqrt(t);
+}
+
+/* The worst ratio so far (bounded_ratio's amax: a NaN anywhere makes it NaN). */
+typedef struct {
+    float worst;
+    int nan;
+} verdict;
+
+static inline void judge(verdict *v, float actual, float expected, float limit,
+                         const bound *bd) {
+    if (!isfinite(expected))
+        return; /* an operand not finite: upstream's fault, this row counts 0 */
+    float error = fabsf(actual - expected), scale = limit + (float)bd->floor;
+    /* Divided only where the row may be the worst so far (or NaN): a division's latency per
+     * row is most of a short row's cost. */
+    if (error <= v->worst * scale)
+        return;
+    float ratio = error / scale;
+    if (isnan(ratio))
+        v->nan = 1;
+    else if (ratio > v->worst)
+        v->worst = ratio;
+}
+
+static float verdict_of(const verdict *v) { return v->nan ? NAN : v->worst; }
+
+/* The limit of a row (product_bounds.bounded_ratio): its norm, read or bounded by its left
+ * operand's times the right's Frobenius norm, and the check's own sums. */
+static float limit_of(const bound *bd, float row_norm, float left_norm, float right_fro,
+                      float sums_norm) {
+    if (!bd->rows)
+        return left_norm * (right_fro * (float)(bd->fro + bd->row) + sums_norm * (float)bd->sums);
+    return row_norm * (float)bd->row +
+           left_norm * (right_fro * (float)bd->fro + sums_norm * (float)bd->sums);
+}
+
+static float *scratch_for(int64_t floats_needed) {
+    return malloc((size_t)(floats_needed + LANES) * sizeof(float));
+}
+
+/* output_figures: P e against alpha L (R e) + the addend's row sums (beta times; row i of batch
+ * matrix b at addend[(b m + i) stride]: stride 0 for one sum, a bias's), per batch matrix of
+ * P = L R. R is given as itself (right_t 0) or as its transpose R^T with contiguous rows (a
+ * Linear's weight). ||R||_F and ||L||_F per batch matrix, and the worst ratio (out). */
+void forward_check(const matrix *operands, int64_t right_t, const float *addend, int64_t stride,
+                   double alpha, const bound *bd, float *right_fros, float *left_fros,
+                   float *out) {
+    const matrix *L = operands, *R = operands + 1, *P = operands + 2;
+    int64_t q = L->cols, p = P->cols, n = batches(P);
+    float *scratch = scratch_for(3 * (q + p));
+    float *sums = scratch + q + p, *row = sums + q;
+    verdict v = {0.0f, 0};
+    for (int64_t b = 0; b < n; b++) {
+        double right_sq = right_t ? sums_of(R, b, NULL, sums, row) : sums_of(R, b, sums, NULL, row);
+        float right_fro = (float)sqrt(right_sq), sums_norm = norm(sums, q);
+        double left_sq = 0.0;
+        batch_matrix left = batch_of(L, b), output = batch_of(P, b);
+        for (int64_t i = 0; i < P->rows; i++) {
+            figures l = row_figures(row_of(left, i, scratch), sums, q);
+            figures o = row_figures(row_of(output, i, row), NULL, p);
+            float expected = (float)alpha * l.dot + addend[(b * P->rows + i) * stride];
+            float left_norm = sqrtf(l.squares);
+            judge(&v, o.sum, expected,
+                  limit_of(bd, sqrtf(o.squares), left_norm * (float)fabs(alpha), right_fro,
+                           sums_norm),
+                  bd);
+            left_sq += l.squares;
+        }
+        right_fros[b] = right_fro;
+        left_fros[b] = (float)sqrt(left_sq);
+    }
+    out[0] = verdict_of(&v);
+    free(scratch);
+}
+
+/* grad_figures: from dP, per row dP_i (R^T e), dP_i e and ||dP_i|| (each alpha times), and
+ * ||R^T e|| per batch matrix. */
+void grad_figures(const matrix *operands, int64_t right_t, double alpha, float *projected,
+                  float *row_sums, float *norms, float *sums_norm) {
+    const matrix *R = operands, *G = operands + 1;
+    int64_t p = G->cols, n = batches(G);
+    float *scratch = scratch_for(3 * p + R->cols), *sums = scratch + p + R->cols;
+    for (int64_t b = 0; b < n; b++) {
+        if (right_t)
+            sums_of(R, b, sums, NULL, scratch);
+        else
+            sums_of(R, b, NULL, sums, scratch);
+        sums_norm[b] = norm(sums, p);
+        batch_matrix grad = batch_of(G, b);
+        for (int64_t i = 0; i < G->rows; i++) {
+            figures f = row_figures(row_of(grad, i, scratch), sums, p);
+            int64_t at = b * G->rows + i;
+            projected[at] = (float)alpha * f.dot;
+            row_sums[at] = (float)alpha * f.sum;
+            norms[at] = (float)fabs(alpha) * sqrtf(f.squares);
+        }
+    }
+    free(scratch);
+}
+
+/* left_ratio: dL e against alpha dP (R^T e), per row of dL. */
+void left_check(const matrix *G, const float *projected, const float *grad_norms,
+                const float *right_fro, const float *sums_norm, const bound *bd, float *out) {
+    int64_t n = batches(G);
+    float *scratch = scratch_for(G->cols);
+    verdict v = {0.0f, 0};
+    for (int64_t b = 0; b < n; b++) {
+        batch_matrix grad = batch_of(G, b);
+        for (int64_t i = 0; i < G->rows; i++) {
+            figures f = row_figures(row_of(grad, i, scratch), NULL, G->cols);
+            int64_t at = b * G->rows + i;
+            judge(&v, f.sum, projected[at],
+                  limit_of(bd, sqrtf(f.squares), grad_norms[at], right_fro[b], sums_norm[b]), bd);
+        }
+    }
+    out[0] = verdict_of(&v);
+    free(scratch);
+}
+
+/* right_ratio: dR e against alpha L^T (dP e), per row of dR; dR given as itself (grad_t 0) or
+ * as its transpose with contiguous rows (a Linear's weight gradient). ||L||_F bounds the norms
+ * of L's columns. */
+void right_check(const matrix *operands, int64_t grad_t, const float *row_sums,
+                 const float *left_fro, const float *grad_norms, const bound *bd, float *out) {
+    const matrix *G = operands, *L = operands + 1;
+    int64_t q = L->cols, m = L->rows, n = batches(G);
+    float *scratch = scratch_for(4 * q + G->cols);
+    float *expected = scratch + q + G->cols, *actual = expected + q, *squares = actual + q;
+    verdict v = {0.0f, 0};
+    for (int64_t b = 0; b < n; b++) {
+        batch_matrix left = batch_of(L, b), grad = batch_of(G, b);
+        memset(expected, 0, q * sizeof *expected);
+        for (int64_t i = 0; i < m; i++)
+            accumulate(expected, NULL, row_of(left, i, scratch), row_sums[b * m + i], q);
+        if (grad_t) {
+            memset(actual, 0, q * sizeof *actual);
+            memset(squares, 0, q * sizeof *squares);
+            for (int64_t r = 0; r < G->rows; r++)
+                accumulate(actual, squares, row_of(grad, r, scratch), 1.0f, q);
+        } else
+            for (int64_t r = 0; r < G->rows; r++) {
+                figures f = row_figures(row_of(grad, r, scratch), NULL, G->cols);
+                actual[r] = f.sum;
+                squares[r] = f.squares;
+            }
+        float right_fro = norm(grad_norms + b * m, m), sums_norm = norm(row_sums + b * m, m);
+        for (int64_t l = 0; l < q; l++)
+            judge(&v, actual[l], expected[l],
+                  limit_of(bd, sqrtf(squares[l]), left_fro[b], right_fro, sums_norm), bd);
+    }
+    out[0] = verdict_of(&v);
+    free(scratch);
+}
+
+/* rounding_ratio: whether any element of `rounded` (bfloat16, or float32 holding a bfloat16
+ * value) is not `wide` rounded once to bfloat16, nearest even. Bit for bit, but a NaN against
+ * a NaN of any payload: torch's own casts write a NaN's bits differently on their vector and
+ * scalar paths. */
+int64_t rounding_check(const float *wide, const void *rounded, int64_t rounded_float32, int64_t n) {
+    int64_t wrong = 0;
+    for (int64_t i = 0; i < n; i++) {
+        float want = as_bfloat16(wide[i]);
+        float got = rounded_float32 ? ((const float *)rounded)[i]
+                                    : widen(((const uint16_t *)rounded)[i]);
+        uint32_t a, b;
+        memcpy(&a, &want, sizeof a);
+        memcpy(&b, &got, sizeof b);
+        wrong |= (a != b) & !(isnan(want) && isnan(got));
+    }
+    return wrong;
+}

@@ -1,0 +1,261 @@
+"""`matmul_checksum`'s four checks of a plain product by a small C kernel (detectors/checksum.c):
+each matrix a check needs read once, its sums, norms and products with the check's vector
+together, the bound and the worst row's ratio in the same pass, where the eager path runs about
+twenty tensor operations and several reads per product (docs/performance.md, "Fused checks").
+
+Entry contract: the arguments of the eager functions of the same names in
+detectors/checksum_kernels.py, the reference, and their figures back (float32, shaped to the
+product's batch), or None where the kernel does not apply (a tensor off the CPU, a float16 or
+float64 operand or dtype) or cannot be built, and the caller runs the eager function. The two
+agree within a reduction's reordering, their verdicts exactly
+(tests/unit/test_checksum_kernels.py). Built once per source, compiler and CPU, and loaded once
+per process (detectors/native_build.py); where it cannot be built, the first failure says so
+once in the process's log.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+from pathlib import Path
+
+import torch
+
+from detectors import native_build
+from detectors.product_bounds import F32, Bound
+
+SOURCE = Path(__file__).with_name("checksum.c")
+WHO = "matmul_checksum: native checks"
+BF16 = torch.bfloat16
+# (the tensor's dtype, the dtype it is read as): how the kernel reads it (checksum.c's enum).
+READS = {(F32, F32): 0, (BF16, BF16): 1, (BF16, F32): 1, (F32, BF16): 2}
+NO_ADDEND = torch.zeros(1)
+# Each function's arguments: matrices are checksum.c's `matrix` structs side by side, passed as
+# one array of int64 (a pointer and nine sizes and strides each), and the bound as five doubles:
+# building ctypes structures costs more than the kernel on a small product.
+POINTER, INT, REAL = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
+SIGNATURES = {
+    "forward_check": [POINTER, INT, POINTER, INT, REAL, POINTER, POINTER, POINTER, POINTER],
+    "grad_figures": [POINTER, INT, REAL, POINTER, POINTER, POINTER, POINTER],
+    "left_check": [POINTER, POINTER, POINTER, POINTER, POINTER, POINTER, POINTER],
+    "right_check": [POINTER, INT, POINTER, POINTER, POINTER, POINTER, POINTER],
+    "rounding_check": [POINTER, POINTER, INT, INT],
+}
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The kernels of this process, built on first use; None if they cannot be built."""
+    library = native_build.library(SOURCE, WHO)
+    if library is not None:
+        for name, argtypes in SIGNATURES.items():
+            kernel = getattr(library, name)
+            kernel.argtypes = argtypes
+            kernel.restype = INT if name == "rounding_check" else None
+    return library
+
+
+class _Call:
+    """One call's matrices, described for the kernel, and the tensors they point into (kept
+    alive until the kernel has read them: a cast or a merged batch is a temporary)."""
+
+    def __init__(self) -> None:
+        self.held: list[torch.Tensor] = []
+        self.fields: list[int] = []
+        self.applies = True
+
+    def matrix(self, t: torch.Tensor, batch: torch.Size, read_as: torch.dtype) -> None:
+        """Describe `t` [..., rows, cols], broadcast to `batch`, read as `read_as`."""
+        kind = READS.get((t.dtype, read_as))
+        if kind is None or t.device.type != "cpu":
+            self.applies = False
+            return
+        if t.shape[:-2] != batch:
+            t = t.expand(*batch, *t.shape[-2:])
+        dims = _batch_dims(t)
+        if dims is None:  # more than two batch dimensions that do not merge
+            t = t.contiguous()
+            dims = _batch_dims(t)
+        self.held.append(t)
+        *_, rows, cols = t.shape
+        *_, rstride, cstride = t.stride()
+        self.fields += [t.data_ptr(), kind, *dims, rows, cols, rstride, cstride]
+
+    def rows_first(self, t: torch.Tensor, batch: torch.Size, read_as: torch.dtype) -> int:
+        """Describe `t` as itself (0) or as its transpose (1), whichever has contiguous rows."""
+        flip = t.stride(-1) != 1 and t.stride(-2) == 1 and t.shape[-1] > 1
+        self.matrix(t.mT if flip else t, batch, read_as)
+        return int(flip)
+
+    def matrices(self) -> ctypes.Array:
+        return (INT * len(self.fields))(*self.fields)
+
+    def floats(self, t: torch.Tensor, shape: torch.Size) -> int:
+        """A float32 figure (made by either path) laid out as the kernel indexes it."""
+        if t.shape != shape or not t.is_contiguous():
+            t = t.expand(shape).contiguous()
+            self.held.append(t)
+        return t.data_ptr()
+
+
+def _batch_dims(t: torch.Tensor) -> tuple[int, int, int, int] | None:
+    """`t`'s batch dimensions as at most two: sizes, then strides; adjacent ones merged where
+    their strides allow."""
+    if t.dim() == 2:
+        return 1, 1, 0, 0
+    if t.dim() == 3:
+        return 1, t.shape[0], 0, t.stride(0)
+    dims: list[tuple[int, int]] = []
+    for size, stride in zip(t.shape[:-2], t.stride()[:-2], strict=True):
+        if size == 1:
+            continue
+        if dims and dims[-1][1] == size * stride:
+            dims[-1] = (dims[-1][0] * size, stride)
+        else:
+            dims.append((size, stride))
+    if len(dims) > 2:
+        return None
+    (b0, s0), (b1, s1) = [(1, 0)] * (2 - len(dims)) + dims
+    return b0, b1, s0, s1
+
+
+def _bound(bound: Bound, rows: bool) -> ctypes.Array:
+    return (REAL * 5)(bound.row, bound.fro, bound.sums, bound.floor, float(rows))
+
+
+def _flat(t: torch.Tensor, flat: bool) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1]) if flat else t
+
+
+def output_figures(
+    left: torch.Tensor,
+    right: torch.Tensor,
+    measured: torch.Tensor,
+    addend: torch.Tensor | None,
+    dtype: torch.dtype,
+    alpha: float,
+    beta: float,
+    flat: bool,
+    bound: Bound,
+    rows: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    library = load()
+    if library is None:
+        return None
+    call, out = _Call(), _flat(measured, flat)
+    batch = out.shape[:-2]
+    call.matrix(_flat(left, flat), batch, dtype)
+    right_t = call.rows_first(right, batch, dtype)
+    call.matrix(out, batch, out.dtype)
+    if not call.applies or (addend is not None and addend.device.type != "cpu"):
+        return None
+    if addend is None:
+        add, stride = NO_ADDEND, 0
+    elif addend.dim() == 1:
+        add, stride = beta * addend.to(dtype).sum(dtype=F32), 0
+    else:
+        add, stride = beta * addend.to(dtype).expand(measured.shape).sum(-1, dtype=F32), 1
+    ratio, right_fro, left_fro = torch.empty(()), torch.empty(batch), torch.empty(batch)
+    library.forward_check(
+        call.matrices(), right_t, call.floats(add, add.shape), stride, alpha,
+        _bound(bound, rows), right_fro.data_ptr(), left_fro.data_ptr(), ratio.data_ptr(),
+    )  # fmt: skip
+    return ratio, right_fro, left_fro
+
+
+def grad_figures(
+    right: torch.Tensor, grad: torch.Tensor, dtype: torch.dtype, alpha: float, flat: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    library = load()
+    if library is None:
+        return None
+    call, grad = _Call(), _flat(grad, flat)
+    batch = grad.shape[:-2]
+    right_t = call.rows_first(right, batch, dtype)
+    call.matrix(grad, batch, dtype)
+    if not call.applies:
+        return None
+    projected, row_sums, norms = (torch.empty(grad.shape[:-1]) for _ in range(3))
+    sums_norm = torch.empty(batch)
+    library.grad_figures(
+        call.matrices(), right_t, alpha,
+        projected.data_ptr(), row_sums.data_ptr(), norms.data_ptr(), sums_norm.data_ptr(),
+    )  # fmt: skip
+    return projected, row_sums, norms, sums_norm
+
+
+def left_ratio(
+    grad: torch.Tensor,
+    projected: torch.Tensor,
+    grad_norms: torch.Tensor,
+    right_fro: torch.Tensor,
+    sums_norm: torch.Tensor,
+    flat: bool,
+    bound: Bound,
+    rows: bool,
+) -> torch.Tensor | None:
+    library = load()
+    if library is None:
+        return None
+    call, grad = _Call(), _flat(grad, flat)
+    batch, per_row = grad.shape[:-2], grad.shape[:-1]
+    call.matrix(grad, batch, grad.dtype)
+    if not call.applies:
+        return None
+    ratio = torch.empty(())
+    library.left_check(
+        call.matrices(), call.floats(projected, per_row), call.floats(grad_norms, per_row),
+        call.floats(right_fro, batch), call.floats(sums_norm, batch), _bound(bound, rows),
+        ratio.data_ptr(),
+    )  # fmt: skip
+    return ratio
+
+
+def right_ratio(
+    grad: torch.Tensor,
+    left: torch.Tensor,
+    dtype: torch.dtype,
+    row_sums: torch.Tensor,
+    left_fro: torch.Tensor,
+    grad_norms: torch.Tensor,
+    along: int,
+    flat: bool,
+    bound: Bound,
+    rows: bool,
+) -> torch.Tensor | None:
+    library = load()
+    if library is None:
+        return None
+    call, left = _Call(), _flat(left, flat)
+    batch = grad.shape[:-2]
+    # dR [..., q, p] as the check reads it: a Linear's weight gradient is dR^T.
+    grad_t = call.rows_first(grad if along == -1 else grad.mT, batch, grad.dtype)
+    call.matrix(left, batch, dtype)
+    if not call.applies:
+        return None
+    ratio, per_row = torch.empty(()), (*batch, left.shape[-2])
+    library.right_check(
+        call.matrices(), grad_t, call.floats(row_sums, per_row), call.floats(left_fro, batch),
+        call.floats(grad_norms, per_row), _bound(bound, rows), ratio.data_ptr(),
+    )  # fmt: skip
+    return ratio
+
+
+def rounding_ratio(
+    rounded: torch.Tensor, wide: torch.Tensor, low: torch.dtype
+) -> torch.Tensor | None:
+    """product_bounds.rounding_ratio of a bfloat16 rounding, in one read of both: 0, or infinite
+    where an element is not `wide` rounded once (a NaN against a NaN of any payload)."""
+    library = load()
+    applies = (
+        library is not None and low == BF16 and wide.dtype == F32 and rounded.dtype in (F32, BF16)
+        and rounded.shape == wide.shape and rounded.device.type == wide.device.type == "cpu"
+        and rounded.is_contiguous() and wide.is_contiguous()
+    )  # fmt: skip
+    if not applies:
+        return None
+    wrong = library.rounding_check(
+        wide.data_ptr(), rounded.data_ptr(), int(rounded.dtype == F32), wide.numel()
+    )
+    return torch.full((), math.inf if wrong else 0.0)
