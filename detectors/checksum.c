@@ -118,26 +118,38 @@ static inline float total(floats x) {
     return (f[0] + f[2]) + (f[1] + f[3]);
 }
 
-/* A row's dot product with v (when v is given), its sum and its sum of squares. */
+/* A row's dot product with v, its sum and its sum of squares: those `want` asks for (a constant
+ * at each call, so that the others are never computed). */
+enum { DOT = 1, SUM = 2, SQUARES = 4 };
+
 typedef struct {
     float dot, sum, squares;
 } figures;
 
-static inline figures row_figures(const float *x, const float *v, int64_t n) {
+static inline __attribute__((always_inline)) figures row_figures(const float *x, const float *v,
+                                                                 int64_t n, int want) {
     /* Two sets of accumulators, so that consecutive additions do not wait on each other. */
     floats dot[2] = {{0}}, sum[2] = {{0}}, sq[2] = {{0}};
     int64_t body = n - n % (2 * LANES), c = 0;
     for (; c < body; c += 2 * LANES)
         for (int k = 0; k < 2; k++) {
             floats a = load(x + c + k * LANES);
-            if (v)
+            if (want & DOT)
                 dot[k] += a * load(v + c + k * LANES);
-            sum[k] += a;
-            sq[k] += a * a;
+            if (want & SUM)
+                sum[k] += a;
+            if (want & SQUARES)
+                sq[k] += a * a;
         }
-    figures f = {total(dot[0] + dot[1]), total(sum[0] + sum[1]), total(sq[0] + sq[1])};
+    figures f = {0.0f, 0.0f, 0.0f};
+    if (want & DOT)
+        f.dot = total(dot[0] + dot[1]);
+    if (want & SUM)
+        f.sum = total(sum[0] + sum[1]);
+    if (want & SQUARES)
+        f.squares = total(sq[0] + sq[1]);
     for (; c < n; c++) {
-        if (v)
+        if (want & DOT)
             f.dot += x[c] * v[c];
         f.sum += x[c];
         f.squares += x[c] * x[c];
@@ -145,31 +157,67 @@ static inline figures row_figures(const float *x, const float *v, int64_t n) {
     return f;
 }
 
-/* acc += w x, and squares += x * x where squares is given. */
-static inline void accumulate(float *acc, float *squares, const float *x, float w, int64_t n) {
-    for (int64_t c = 0; c < n; c++) {
-        acc[c] += w * x[c];
+/* acc += w x over `count` rows (at most BLOCK) at once: one load and store of acc for them all
+ * (a row at a time, the accumulator's traffic is three times the row's). */
+#define BLOCK 4
+static void accumulate(float *acc, const float *const *x, const float *w, int count, int64_t n) {
+    if (count == BLOCK)
+        for (int64_t c = 0; c < n; c++)
+            acc[c] += (w[0] * x[0][c] + w[1] * x[1][c]) + (w[2] * x[2][c] + w[3] * x[3][c]);
+    else
+        for (int r = 0; r < count; r++)
+            for (int64_t c = 0; c < n; c++)
+                acc[c] += w[r] * x[r][c];
+}
+
+/* squares += x * x, elementwise, over `count` rows at once. */
+static void accumulate_squares(float *squares, const float *const *x, int count, int64_t n) {
+    if (count == BLOCK)
+        for (int64_t c = 0; c < n; c++)
+            squares[c] += (x[0][c] * x[0][c] + x[1][c] * x[1][c]) +
+                          (x[2][c] * x[2][c] + x[3][c] * x[3][c]);
+    else
+        for (int r = 0; r < count; r++)
+            for (int64_t c = 0; c < n; c++)
+                squares[c] += x[r][c] * x[r][c];
+}
+
+/* Batch matrix b's rows weighed by w (or by one each, w NULL) and summed into `across`, and
+ * into `squares` their squares where given; scratch holds BLOCK rows. */
+static void across_rows(const matrix *m, int64_t b, const float *w, float *across,
+                        float *squares, float *scratch) {
+    static const float ones[BLOCK] = {1.0f, 1.0f, 1.0f, 1.0f};
+    batch_matrix bm = batch_of(m, b);
+    memset(across, 0, m->cols * sizeof *across);
+    if (squares)
+        memset(squares, 0, m->cols * sizeof *squares);
+    for (int64_t r = 0; r < m->rows; r += BLOCK) {
+        int count = m->rows - r < BLOCK ? (int)(m->rows - r) : BLOCK;
+        const float *x[BLOCK];
+        for (int k = 0; k < count; k++)
+            x[k] = row_of(bm, r + k, scratch + k * m->cols);
+        accumulate(across, x, w ? w + r : ones, count, m->cols);
         if (squares)
-            squares[c] += x[c] * x[c];
+            accumulate_squares(squares, x, count, m->cols);
     }
 }
 
 /* Batch matrix b's sums along its rows (into `along`, one per row) or across them (into
- * `across`, one per column), and its sum of squares. */
+ * `across`, one per column), and its sum of squares; scratch holds BLOCK rows. */
 static double sums_of(const matrix *m, int64_t b, float *along, float *across, float *scratch) {
     double squares = 0.0;
     batch_matrix bm = batch_of(m, b);
-    if (across)
-        memset(across, 0, m->cols * sizeof *across);
     for (int64_t r = 0; r < m->rows; r++) {
         const float *x = row_of(bm, r, scratch);
-        figures f = row_figures(x, NULL, m->cols);
-        if (along)
+        if (along) {
+            figures f = row_figures(x, NULL, m->cols, SUM | SQUARES);
             along[r] = f.sum;
-        if (across)
-            accumulate(across, NULL, x, 1.0f, m->cols);
-        squares += f.squares;
+            squares += f.squares;
+        } else
+            squares += row_figures(x, NULL, m->cols, SQUARES).squares;
     }
+    if (across)
+        across_rows(m, b, NULL, across, NULL, scratch);
     return squares;
 }
 
@@ -214,8 +262,11 @@ static float limit_of(const bound *bd, float row_norm, float left_norm, float ri
            left_norm * (right_fro * (float)bd->fro + sums_norm * (float)bd->sums);
 }
 
-static float *scratch_for(int64_t floats_needed) {
-    return malloc((size_t)(floats_needed + LANES) * sizeof(float));
+/* Room for BLOCK rows of each of the widths given (each read into scratch of its own) and for
+ * `vectors` vectors of the widest. */
+static float *scratch_for(int64_t a, int64_t b, int64_t vectors) {
+    int64_t widest = a > b ? a : b;
+    return malloc((size_t)(BLOCK * (a + b) + vectors * widest + LANES) * sizeof(float));
 }
 
 /* output_figures: P e against alpha L (R e) + the addend's row sums (beta times; row i of batch
@@ -227,23 +278,24 @@ void forward_check(const matrix *operands, int64_t right_t, const float *addend,
                    float *out) {
     const matrix *L = operands, *R = operands + 1, *P = operands + 2;
     int64_t q = L->cols, p = P->cols, n = batches(P);
-    float *scratch = scratch_for(3 * (q + p));
-    float *sums = scratch + q + p, *row = sums + q;
+    float *scratch = scratch_for(q, p, 1), *row = scratch + BLOCK * q;
+    float *sums = row + BLOCK * p;
     verdict v = {0.0f, 0};
     for (int64_t b = 0; b < n; b++) {
-        double right_sq = right_t ? sums_of(R, b, NULL, sums, row) : sums_of(R, b, sums, NULL, row);
+        double right_sq = right_t ? sums_of(R, b, NULL, sums, scratch)
+                                  : sums_of(R, b, sums, NULL, scratch);
         float right_fro = (float)sqrt(right_sq), sums_norm = norm(sums, q);
         double left_sq = 0.0;
         batch_matrix left = batch_of(L, b), output = batch_of(P, b);
         for (int64_t i = 0; i < P->rows; i++) {
-            figures l = row_figures(row_of(left, i, scratch), sums, q);
-            figures o = row_figures(row_of(output, i, row), NULL, p);
+            figures l = row_figures(row_of(left, i, scratch), sums, q, DOT | SQUARES);
+            const float *o = row_of(output, i, row);
+            figures f = bd->rows ? row_figures(o, NULL, p, SUM | SQUARES)
+                                 : row_figures(o, NULL, p, SUM);
             float expected = (float)alpha * l.dot + addend[(b * P->rows + i) * stride];
-            float left_norm = sqrtf(l.squares);
-            judge(&v, o.sum, expected,
-                  limit_of(bd, sqrtf(o.squares), left_norm * (float)fabs(alpha), right_fro,
-                           sums_norm),
-                  bd);
+            float left_norm = sqrtf(l.squares) * (float)fabs(alpha);
+            judge(&v, f.sum, expected, limit_of(bd, sqrtf(f.squares), left_norm, right_fro,
+                                                sums_norm), bd);
             left_sq += l.squares;
         }
         right_fros[b] = right_fro;
@@ -259,7 +311,7 @@ void grad_figures(const matrix *operands, int64_t right_t, double alpha, float *
                   float *row_sums, float *norms, float *sums_norm) {
     const matrix *R = operands, *G = operands + 1;
     int64_t p = G->cols, n = batches(G);
-    float *scratch = scratch_for(3 * p + R->cols), *sums = scratch + p + R->cols;
+    float *scratch = scratch_for(R->cols, p, 1), *sums = scratch + BLOCK * (R->cols + p);
     for (int64_t b = 0; b < n; b++) {
         if (right_t)
             sums_of(R, b, sums, NULL, scratch);
@@ -268,7 +320,7 @@ void grad_figures(const matrix *operands, int64_t right_t, double alpha, float *
         sums_norm[b] = norm(sums, p);
         batch_matrix grad = batch_of(G, b);
         for (int64_t i = 0; i < G->rows; i++) {
-            figures f = row_figures(row_of(grad, i, scratch), sums, p);
+            figures f = row_figures(row_of(grad, i, scratch), sums, p, DOT | SUM | SQUARES);
             int64_t at = b * G->rows + i;
             projected[at] = (float)alpha * f.dot;
             row_sums[at] = (float)alpha * f.sum;
@@ -282,12 +334,14 @@ void grad_figures(const matrix *operands, int64_t right_t, double alpha, float *
 void left_check(const matrix *G, const float *projected, const float *grad_norms,
                 const float *right_fro, const float *sums_norm, const bound *bd, float *out) {
     int64_t n = batches(G);
-    float *scratch = scratch_for(G->cols);
+    float *scratch = scratch_for(G->cols, 0, 0);
     verdict v = {0.0f, 0};
     for (int64_t b = 0; b < n; b++) {
         batch_matrix grad = batch_of(G, b);
         for (int64_t i = 0; i < G->rows; i++) {
-            figures f = row_figures(row_of(grad, i, scratch), NULL, G->cols);
+            const float *x = row_of(grad, i, scratch);
+            figures f = bd->rows ? row_figures(x, NULL, G->cols, SUM | SQUARES)
+                                 : row_figures(x, NULL, G->cols, SUM);
             int64_t at = b * G->rows + i;
             judge(&v, f.sum, projected[at],
                   limit_of(bd, sqrtf(f.squares), grad_norms[at], right_fro[b], sums_norm[b]), bd);
@@ -304,25 +358,24 @@ void right_check(const matrix *operands, int64_t grad_t, const float *row_sums,
                  const float *left_fro, const float *grad_norms, const bound *bd, float *out) {
     const matrix *G = operands, *L = operands + 1;
     int64_t q = L->cols, m = L->rows, n = batches(G);
-    float *scratch = scratch_for(4 * q + G->cols);
-    float *expected = scratch + q + G->cols, *actual = expected + q, *squares = actual + q;
+    float *scratch = scratch_for(q, G->cols, 3);
+    float *expected = scratch + BLOCK * (q + G->cols), *actual = expected + q;
+    float *squares = actual + q;
     verdict v = {0.0f, 0};
     for (int64_t b = 0; b < n; b++) {
-        batch_matrix left = batch_of(L, b), grad = batch_of(G, b);
-        memset(expected, 0, q * sizeof *expected);
-        for (int64_t i = 0; i < m; i++)
-            accumulate(expected, NULL, row_of(left, i, scratch), row_sums[b * m + i], q);
-        if (grad_t) {
-            memset(actual, 0, q * sizeof *actual);
-            memset(squares, 0, q * sizeof *squares);
-            for (int64_t r = 0; r < G->rows; r++)
-                accumulate(actual, squares, row_of(grad, r, scratch), 1.0f, q);
-        } else
+        across_rows(L, b, row_sums + b * m, expected, NULL, scratch);
+        if (grad_t)
+            across_rows(G, b, NULL, actual, bd->rows ? squares : NULL, scratch);
+        else {
+            batch_matrix grad = batch_of(G, b);
             for (int64_t r = 0; r < G->rows; r++) {
-                figures f = row_figures(row_of(grad, r, scratch), NULL, G->cols);
+                const float *x = row_of(grad, r, scratch);
+                figures f = bd->rows ? row_figures(x, NULL, G->cols, SUM | SQUARES)
+                                     : row_figures(x, NULL, G->cols, SUM);
                 actual[r] = f.sum;
                 squares[r] = f.squares;
             }
+        }
         float right_fro = norm(grad_norms + b * m, m), sums_norm = norm(row_sums + b * m, m);
         for (int64_t l = 0; l < q; l++)
             judge(&v, actual[l], expected[l],

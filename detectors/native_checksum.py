@@ -15,6 +15,7 @@ once in the process's log.
 
 from __future__ import annotations
 
+import array
 import ctypes
 import functools
 import math
@@ -32,8 +33,9 @@ BF16 = torch.bfloat16
 READS = {(F32, F32): 0, (BF16, BF16): 1, (BF16, F32): 1, (F32, BF16): 2}
 NO_ADDEND = torch.zeros(1)
 # Each function's arguments: matrices are checksum.c's `matrix` structs side by side, passed as
-# one array of int64 (a pointer and nine sizes and strides each), and the bound as five doubles:
-# building ctypes structures costs more than the kernel on a small product.
+# one array of int64 (a pointer and nine sizes and strides each), and the bound as five doubles,
+# both plain arrays: building ctypes structures costs more than the kernel on a small product,
+# and, objects the garbage collector tracks, they would set it off every few steps.
 POINTER, INT, REAL = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
 SIGNATURES = {
     "forward_check": [POINTER, INT, POINTER, INT, REAL, POINTER, POINTER, POINTER, POINTER],
@@ -61,7 +63,7 @@ class _Call:
     alive until the kernel has read them: a cast or a merged batch is a temporary)."""
 
     def __init__(self) -> None:
-        self.held: list[torch.Tensor] = []
+        self.held: list[torch.Tensor | array.array] = []
         self.fields: list[int] = []
         self.applies = True
 
@@ -88,8 +90,10 @@ class _Call:
         self.matrix(t.mT if flip else t, batch, read_as)
         return int(flip)
 
-    def matrices(self) -> ctypes.Array:
-        return (INT * len(self.fields))(*self.fields)
+    def matrices(self) -> int:
+        described = array.array("q", self.fields)
+        self.held.append(described)
+        return described.buffer_info()[0]
 
     def floats(self, t: torch.Tensor, shape: torch.Size) -> int:
         """A float32 figure (made by either path) laid out as the kernel indexes it."""
@@ -120,8 +124,10 @@ def _batch_dims(t: torch.Tensor) -> tuple[int, int, int, int] | None:
     return b0, b1, s0, s1
 
 
-def _bound(bound: Bound, rows: bool) -> ctypes.Array:
-    return (REAL * 5)(bound.row, bound.fro, bound.sums, bound.floor, float(rows))
+def _bound(call: _Call, bound: Bound, rows: bool) -> int:
+    coefficients = array.array("d", (bound.row, bound.fro, bound.sums, bound.floor, float(rows)))
+    call.held.append(coefficients)
+    return coefficients.buffer_info()[0]
 
 
 def _flat(t: torch.Tensor, flat: bool) -> torch.Tensor:
@@ -159,7 +165,7 @@ def output_figures(
     ratio, right_fro, left_fro = torch.empty(()), torch.empty(batch), torch.empty(batch)
     library.forward_check(
         call.matrices(), right_t, call.floats(add, add.shape), stride, alpha,
-        _bound(bound, rows), right_fro.data_ptr(), left_fro.data_ptr(), ratio.data_ptr(),
+        _bound(call, bound, rows), right_fro.data_ptr(), left_fro.data_ptr(), ratio.data_ptr(),
     )  # fmt: skip
     return ratio, right_fro, left_fro
 
@@ -206,7 +212,7 @@ def left_ratio(
     ratio = torch.empty(())
     library.left_check(
         call.matrices(), call.floats(projected, per_row), call.floats(grad_norms, per_row),
-        call.floats(right_fro, batch), call.floats(sums_norm, batch), _bound(bound, rows),
+        call.floats(right_fro, batch), call.floats(sums_norm, batch), _bound(call, bound, rows),
         ratio.data_ptr(),
     )  # fmt: skip
     return ratio
@@ -237,7 +243,7 @@ def right_ratio(
     ratio, per_row = torch.empty(()), (*batch, left.shape[-2])
     library.right_check(
         call.matrices(), grad_t, call.floats(row_sums, per_row), call.floats(left_fro, batch),
-        call.floats(grad_norms, per_row), _bound(bound, rows), ratio.data_ptr(),
+        call.floats(grad_norms, per_row), _bound(call, bound, rows), ratio.data_ptr(),
     )  # fmt: skip
     return ratio
 
