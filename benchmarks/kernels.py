@@ -6,8 +6,8 @@
 3. `allreduce_sketch` per bucket: its rider before the allreduce, its projection after.
 4. `matmul_checksum` on one product of the `gpt` workload (its MLP's first Linear, 1024 tokens
    of 128 features into 512): the forward check against the product itself, and against one read
-   pass over the product's operands and output, its arithmetic eager and compiled (per kind of
-   product and per workload step: benchmarks/products.py).
+   pass over the product's operands and output, its arithmetic in C (the default), eager and
+   compiled (per kind of product and per workload step: benchmarks/products.py).
 
 The reference bucket is DDP's default (25 MiB); the reference model is the `gpt` workload
 widened to about 59M parameters, so that both, like real ones, are read from memory rather
@@ -159,10 +159,10 @@ def run(rounds: int = 15, quick: bool = False) -> list[Figure]:
 
 def checksum_figures(dtype: torch.dtype, tag: str, rounds: int, compiled: bool) -> list[Figure]:
     """matmul_checksum's forward check of one Linear of `gpt`'s MLP, through its hooks: its
-    arithmetic eager (the default) and, with `compiled`, compiled by Inductor
-    (detectors/checksum_kernels.py), the compiled one's first call (its compile, or a load from
-    Inductor's cache) apart."""
-    kinds = ("eager", "compiled") if compiled else ("eager",)
+    arithmetic in C (the default, detectors/native_checksum.py), eager (the reference) and, with
+    `compiled`, compiled by Inductor (detectors/checksum_kernels.py), the compiled one's first
+    call (its compile, or a load from Inductor's cache) apart."""
+    kinds = ("native", "eager", "compiled") if compiled else ("native", "eager")
     checks = {k: detector("matmul_checksum", kernels=k) for k in kinds}
     x, weight, bias = torch.randn(16, 64, 128), torch.randn(512, 128), torch.randn(512)
     x, weight, bias = x.to(dtype), weight.to(dtype), bias.to(dtype)
@@ -176,7 +176,8 @@ def checksum_figures(dtype: torch.dtype, tag: str, rounds: int, compiled: bool) 
         check.found.clear()
 
     calls = {
-        "check": lambda: checked("eager"),
+        "check": lambda: checked("native"),
+        "eager": lambda: checked("eager"),
         "product": lambda: F.linear(x, weight, bias),
         "read": lambda: read_pass([x, weight, output]),
     }
@@ -193,6 +194,9 @@ def checksum_figures(dtype: torch.dtype, tag: str, rounds: int, compiled: bool) 
         Figure(f"checksum_vs_read{tag}",
                f"matmul_checksum forward / one read of operands and output ({name})",
                paired_ratio(times, "check", "read")),
+        Figure(f"checksum_eager_vs_read{tag}",
+               f"matmul_checksum forward, eager / one read of operands and output ({name})",
+               paired_ratio(times, "eager", "read")),
     ]  # fmt: skip
     if compiled:
         figures += [

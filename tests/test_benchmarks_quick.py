@@ -33,6 +33,7 @@ FINITE = [
     "growth_params_nan_inf", "growth_params_allreduce_sketch", "growth_params_weight_consensus",
     "growth_params_replay", "checksum_linear", "checksum_attention", "checksum_grouped",
     "checksum_step_gpt", "checksum_step_llama", "checksum_step_mixtral",
+    "checksum_step_gpt_eager", "checksum_step_llama_eager", "checksum_step_mixtral_eager",
 ]  # fmt: skip
 
 
