@@ -318,34 +318,42 @@ def test_the_largest_element_of_a_product_fires_in_every_seed_and_is_caught_in_i
         assert caught and all(a.step == 1 and a.suspect_ranks == [0] for a in caught), seed
 
 
-# Compiling a whole step's checks takes about a minute per workload in a fresh Inductor cache.
-@pytest.mark.slow
+# Compiling a whole step's checks takes about a minute per workload in a fresh Inductor cache:
+# the compiled cases are in the slow set; the native ones build in a fraction of a second.
+SLOW = pytest.mark.slow
+
+
 @pytest.mark.parametrize(
-    "overrides",
-    [["workload=gpt"], ["workload=gpt", "workload.dtype=bfloat16"],
-     ["workload=gpt", "workload.precision=bf16-mixed", "topology.cpu_numerics=native"],
-     ["workload=llama"]],
-    ids=["gpt", "gpt bfloat16", "gpt bf16-mixed native", "llama, LLM recipe"],
+    ("kind", "overrides", "phase"),
+    [pytest.param(kind, overrides, phase, marks=() if kind == "native" else SLOW)
+     for kind in ("native", "compiled")
+     for overrides in (["workload=gpt"], ["workload=gpt", "workload.dtype=bfloat16"],
+                       ["workload=gpt", "workload.precision=bf16-mixed"],
+                       ["workload=gpt", "workload.precision=bf16-mixed",
+                        "topology.cpu_numerics=native"],
+                       ["workload=llama"])
+     for phase in ("forward", "backward")],
+    ids=lambda v: v if isinstance(v, str) else " ".join(o.split("=")[1] for o in v),
 )  # fmt: skip
-@pytest.mark.parametrize("phase", ["forward", "backward"])
-def test_compiled_kernels_raise_the_alerts_eager_raises(overrides, phase):
-    """`kernels: compiled` on whole training steps: clean steps stay inside the bound, and a
-    wrong product (x8 on one element of a Linear, in its forward or its weight gradient) raises
-    the same alerts, step, rank and module, as the eager arithmetic."""
+def test_fused_kernels_raise_the_alerts_eager_raises(kind, overrides, phase):
+    """`kernels: native` (the C kernels) and `compiled` on whole training steps: clean steps stay
+    inside the bound, and a wrong product (x8 on one element of a Linear, in its forward or its
+    weight gradient) raises the same alerts, step, rank and module, as the eager arithmetic;
+    bf16-mixed under emulated numerics through the exact rounding checks too."""
     run = compose_run(
         "campaign=single", "topology.nodes=1", *overrides, "fault.site=matmul",
         f"fault.phase={phase}", "fault.tensor=*", "fault.model=scale", "fault.factor=8",
         "fault.ranks=[0]", "fault.steps=[1]",
     )  # fmt: skip
     seen = {}
-    for kernels in ("eager", "compiled"):
+    for kernels in ("eager", kind):
         rank = Rank(run, run.scenarios[0], 0, MatmulChecksum.Config(kernels=kernels))
         for step in range(3):
             rank.train(step)
         seen[kernels] = [(a.step, a.suspect_ranks, a.evidence["module"]) for a in rank.alerts()]
         assert rank.check.kernels.compiled == (kernels == "compiled")  # it never fell back
     assert seen["eager"] and {step for step, _, _ in seen["eager"]} == {1}
-    assert seen["compiled"] == seen["eager"]
+    assert seen[kind] == seen["eager"]
 
 
 # A Mixtral's products, each as (target, product, fault, what the checksum names): x8 on the
