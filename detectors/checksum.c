@@ -263,10 +263,11 @@ static float limit_of(const bound *bd, float row_norm, float left_norm, float ri
 }
 
 /* Room for BLOCK rows of each of the widths given (each read into scratch of its own) and for
- * `vectors` vectors of the widest. */
+ * `vectors` vectors of the widest, zeroed: a figure a check does not compute (the squares of
+ * a 32-bit product's rows) reads as 0, never as what the memory held. */
 static float *scratch_for(int64_t a, int64_t b, int64_t vectors) {
     int64_t widest = a > b ? a : b;
-    return malloc((size_t)(BLOCK * (a + b) + vectors * widest + LANES) * sizeof(float));
+    return calloc((size_t)(BLOCK * (a + b) + vectors * widest + LANES), sizeof(float));
 }
 
 /* output_figures: P e against alpha L (R e) + the addend's row sums (beta times; row i of batch
