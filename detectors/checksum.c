@@ -10,6 +10,7 @@
  * (a Frobenius norm) gathers them in float64. Up to two batch dimensions with their own
  * strides (attention's [batch, heads] views), a broadcast operand's stride 0. Plain C with the
  * compiler's vector extensions: no torch headers, built in a fraction of a second. */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -123,7 +124,8 @@ static inline float total(floats x) {
 enum { DOT = 1, SUM = 2, SQUARES = 4 };
 
 typedef struct {
-    float dot, sum, squares;
+    float dot, sum, squares, norm; /* norm: sqrt(squares), or |x| for a row of one, as torch's
+                                      vector_norm (whose square may overflow where |x| does not) */
 } figures;
 
 static inline __attribute__((always_inline)) figures row_figures(const float *x, const float *v,
@@ -141,7 +143,7 @@ static inline __attribute__((always_inline)) figures row_figures(const float *x,
             if (want & SQUARES)
                 sq[k] += a * a;
         }
-    figures f = {0.0f, 0.0f, 0.0f};
+    figures f = {0.0f, 0.0f, 0.0f, 0.0f};
     if (want & DOT)
         f.dot = total(dot[0] + dot[1]);
     if (want & SUM)
@@ -154,7 +156,23 @@ static inline __attribute__((always_inline)) figures row_figures(const float *x,
         f.sum += x[c];
         f.squares += x[c] * x[c];
     }
+    if (want & SQUARES)
+        f.norm = n == 1 ? fabsf(x[0]) : sqrtf(f.squares);
     return f;
+}
+
+/* A product's own row's norm, as the bound reads it (detectors/norms.py): where its float32 sum
+ * of squares overflowed (a 16-bit fault of 2^64 and more), summed again in float64, so that an
+ * infinite norm does not widen the row's bound to infinity and hide the fault; at most
+ * float32's largest. */
+static float own_norm(const float *x, int64_t n, figures f) {
+    if (n == 1 || isfinite(f.squares))
+        return f.norm;
+    double squares = 0.0;
+    for (int64_t c = 0; c < n; c++)
+        squares += (double)x[c] * x[c];
+    double norm = sqrt(squares);
+    return norm > FLT_MAX ? FLT_MAX : (float)norm;
 }
 
 /* acc += w x over `count` rows (at most BLOCK) at once: one load and store of acc for them all
@@ -239,9 +257,9 @@ static inline void judge(verdict *v, float actual, float expected, float limit,
     if (!isfinite(expected))
         return; /* an operand not finite: upstream's fault, this row counts 0 */
     float error = fabsf(actual - expected), scale = limit + (float)bd->floor;
-    /* Divided only where the row may be the worst so far (or NaN): a division's latency per
-     * row is most of a short row's cost. */
-    if (error <= v->worst * scale)
+    /* Divided only where the row may be the worst so far (or NaN, or infinite over infinite):
+     * a division's latency per row is most of a short row's cost. */
+    if (isfinite(error) && error <= v->worst * scale)
         return;
     float ratio = error / scale;
     if (isnan(ratio))
@@ -252,12 +270,14 @@ static inline void judge(verdict *v, float actual, float expected, float limit,
 
 static float verdict_of(const verdict *v) { return v->nan ? NAN : v->worst; }
 
-/* The limit of a row (product_bounds.bounded_ratio): its norm, read or bounded by its left
- * operand's times the right's Frobenius norm, and the check's own sums. */
+/* The limit of a row (product_bounds.bounded_ratio): its norm, read (`own_norm`) or bounded by
+ * its left operand's times the right's Frobenius norm and its addend's norm, and the check's
+ * own sums. */
 static float limit_of(const bound *bd, float row_norm, float left_norm, float right_fro,
-                      float sums_norm) {
+                      float sums_norm, float addend_norm) {
     if (!bd->rows)
-        return left_norm * (right_fro * (float)(bd->fro + bd->row) + sums_norm * (float)bd->sums);
+        return left_norm * (right_fro * (float)(bd->fro + bd->row) + sums_norm * (float)bd->sums) +
+               addend_norm * (float)bd->row;
     return row_norm * (float)bd->row +
            left_norm * (right_fro * (float)bd->fro + sums_norm * (float)bd->sums);
 }
@@ -270,10 +290,11 @@ static float *scratch_for(int64_t a, int64_t b, int64_t vectors) {
     return calloc((size_t)(BLOCK * (a + b) + vectors * widest + LANES), sizeof(float));
 }
 
-/* output_figures: P e against alpha L (R e) + the addend's row sums (beta times; row i of batch
- * matrix b at addend[(b m + i) stride]: stride 0 for one sum, a bias's), per batch matrix of
- * P = L R. R is given as itself (right_t 0) or as its transpose R^T with contiguous rows (a
- * Linear's weight). ||R||_F and ||L||_F per batch matrix, and the worst ratio (out). */
+/* output_figures: P e against alpha L (R e) + the addend's row sums, per batch matrix of P = L R.
+ * The addend's sum and norm (beta times) of row i of batch matrix b at addend[2 (b m + i) stride]
+ * and the next float: stride 0 for one pair, a bias's. R is given as itself (right_t 0) or as its
+ * transpose R^T with contiguous rows (a Linear's weight). ||R||_F and ||L||_F per batch matrix,
+ * and the worst ratio (out). */
 void forward_check(const matrix *operands, int64_t right_t, const float *addend, int64_t stride,
                    double alpha, const bound *bd, float *right_fros, float *left_fros,
                    float *out) {
@@ -293,10 +314,12 @@ void forward_check(const matrix *operands, int64_t right_t, const float *addend,
             const float *o = row_of(output, i, row);
             figures f = bd->rows ? row_figures(o, NULL, p, SUM | SQUARES)
                                  : row_figures(o, NULL, p, SUM);
-            float expected = (float)alpha * l.dot + addend[(b * P->rows + i) * stride];
-            float left_norm = sqrtf(l.squares) * (float)fabs(alpha);
-            judge(&v, f.sum, expected, limit_of(bd, sqrtf(f.squares), left_norm, right_fro,
-                                                sums_norm), bd);
+            float row_norm = bd->rows ? own_norm(o, p, f) : 0.0f;
+            const float *added = addend + 2 * (b * P->rows + i) * stride;
+            float expected = (float)alpha * l.dot + added[0];
+            float left_norm = l.norm * (float)fabs(alpha);
+            judge(&v, f.sum, expected,
+                  limit_of(bd, row_norm, left_norm, right_fro, sums_norm, added[1]), bd);
             left_sq += l.squares;
         }
         right_fros[b] = right_fro;
@@ -325,7 +348,7 @@ void grad_figures(const matrix *operands, int64_t right_t, double alpha, float *
             int64_t at = b * G->rows + i;
             projected[at] = (float)alpha * f.dot;
             row_sums[at] = (float)alpha * f.sum;
-            norms[at] = (float)fabs(alpha) * sqrtf(f.squares);
+            norms[at] = (float)fabs(alpha) * f.norm;
         }
     }
     free(scratch);
@@ -344,12 +367,30 @@ void left_check(const matrix *G, const float *projected, const float *grad_norms
             figures f = bd->rows ? row_figures(x, NULL, G->cols, SUM | SQUARES)
                                  : row_figures(x, NULL, G->cols, SUM);
             int64_t at = b * G->rows + i;
+            float row_norm = bd->rows ? own_norm(x, G->cols, f) : 0.0f;
             judge(&v, f.sum, projected[at],
-                  limit_of(bd, sqrtf(f.squares), grad_norms[at], right_fro[b], sums_norm[b]), bd);
+                  limit_of(bd, row_norm, grad_norms[at], right_fro[b], sums_norm[b], 0.0f), bd);
         }
     }
     out[0] = verdict_of(&v);
     free(scratch);
+}
+
+/* The norms of a batch matrix's columns summed in float64 (`own_norm`'s slow path, taken only
+ * where a float32 sum overflowed), into `norms`; a row of it at a time through scratch. */
+static void column_norms(batch_matrix bm, int64_t rows, int64_t cols, float *norms,
+                         float *scratch) {
+    double *squares = calloc((size_t)cols, sizeof *squares);
+    for (int64_t r = 0; r < rows; r++) {
+        const float *x = row_of(bm, r, scratch);
+        for (int64_t c = 0; c < cols; c++)
+            squares[c] += (double)x[c] * x[c];
+    }
+    for (int64_t c = 0; c < cols; c++) {
+        double norm = sqrt(squares[c]);
+        norms[c] = norm > FLT_MAX ? FLT_MAX : (float)norm;
+    }
+    free(squares);
 }
 
 /* right_ratio: dR e against alpha L^T (dP e), per row of dR; dR given as itself (grad_t 0) or
@@ -361,26 +402,32 @@ void right_check(const matrix *operands, int64_t grad_t, const float *row_sums,
     int64_t q = L->cols, m = L->rows, n = batches(G);
     float *scratch = scratch_for(q, G->cols, 3);
     float *expected = scratch + BLOCK * (q + G->cols), *actual = expected + q;
-    float *squares = actual + q;
+    float *norms = actual + q; /* of dR's rows: squares first where summed across G's rows */
     verdict v = {0.0f, 0};
     for (int64_t b = 0; b < n; b++) {
         across_rows(L, b, row_sums + b * m, expected, NULL, scratch);
-        if (grad_t)
-            across_rows(G, b, NULL, actual, bd->rows ? squares : NULL, scratch);
-        else {
-            batch_matrix grad = batch_of(G, b);
+        batch_matrix grad = batch_of(G, b);
+        if (grad_t) {
+            across_rows(G, b, NULL, actual, bd->rows ? norms : NULL, scratch);
+            int overflowed = 0;
+            for (int64_t l = 0; l < q; l++) {
+                overflowed |= !isfinite(norms[l]);
+                norms[l] = sqrtf(norms[l]);
+            }
+            if (overflowed) /* own_norm's float64 sums, for the columns of G at once */
+                column_norms(grad, G->rows, q, norms, scratch);
+        } else
             for (int64_t r = 0; r < G->rows; r++) {
                 const float *x = row_of(grad, r, scratch);
                 figures f = bd->rows ? row_figures(x, NULL, G->cols, SUM | SQUARES)
                                      : row_figures(x, NULL, G->cols, SUM);
                 actual[r] = f.sum;
-                squares[r] = f.squares;
+                norms[r] = bd->rows ? own_norm(x, G->cols, f) : 0.0f;
             }
-        }
         float right_fro = norm(grad_norms + b * m, m), sums_norm = norm(row_sums + b * m, m);
         for (int64_t l = 0; l < q; l++)
             judge(&v, actual[l], expected[l],
-                  limit_of(bd, sqrtf(squares[l]), left_fro[b], right_fro, sums_norm), bd);
+                  limit_of(bd, norms[l], left_fro[b], right_fro, sums_norm, 0.0f), bd);
     }
     out[0] = verdict_of(&v);
     free(scratch);

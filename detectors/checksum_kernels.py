@@ -31,7 +31,8 @@ from typing import TypeVar
 import torch
 
 from detectors import native_checksum
-from detectors.product_bounds import F32, Bound, bounded_ratio, rounding_ratio
+from detectors.norms import row_norms
+from detectors.product_bounds import F32, Bound, addend_figures, bounded_ratio, rounding_ratio
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +72,8 @@ def output_figures(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The forward check: the worst row's ratio of P e against alpha L (R e) (+ beta times the
     addend's row sums), ||R||_F and ||L||_F, which the backward checks reuse. `rows`: read
-    ||P_i|| (a 16-bit output) instead of bounding it."""
+    ||P_i|| (a 16-bit output) instead of bounding it (by ||L_i|| ||R||_F and the addend's
+    norm: a float32 output's rounding grows with the bias it holds too)."""
     left, right = _as_read(left, dtype, flat), right.to(dtype)
     out = measured.reshape(-1, measured.shape[-1]) if flat else measured
     sums = right.sum(-1, keepdim=True, dtype=F32)
@@ -79,22 +81,20 @@ def output_figures(
     expected = _times_column(left.to(F32), sums)
     if alpha != 1:
         expected = alpha * expected
+    addend_norm = None
     if addend is not None:
-        addend = addend.to(dtype)
-        if addend.dim() == 1:
-            expected = expected + beta * addend.sum(dtype=F32)
-        else:
-            summed = addend.expand(measured.shape).sum(-1, dtype=F32)
-            expected = expected + beta * (summed.reshape(-1) if flat else summed)
+        summed, addend_norm = addend_figures(addend, dtype, beta, measured.shape, flat, not rows)
+        expected = expected + summed
     left_norm = torch.linalg.vector_norm(left, dim=-1, dtype=F32)
     left_fro = torch.linalg.vector_norm(left_norm, dim=-1)
     if alpha != 1:
         left_norm = left_norm * abs(alpha)
-    row_norm = torch.linalg.vector_norm(out, dim=-1, dtype=F32) if rows else None
+    row_norm = row_norms(out) if rows else None
     sums_norm = torch.linalg.vector_norm(sums, dim=(-2, -1))
     ratio = bounded_ratio(
-        out.sum(-1, dtype=F32), expected, row_norm, left_norm, right_fro, sums_norm, bound
-    )
+        out.sum(-1, dtype=F32), expected, row_norm, left_norm, right_fro, sums_norm, bound,
+        addend_norm,
+    )  # fmt: skip
     return ratio, right_fro, left_fro
 
 
@@ -128,7 +128,7 @@ def left_ratio(
 ) -> torch.Tensor:
     """dL = alpha dP R^T: dL e against alpha dP (R^T e)."""
     out = grad.reshape(-1, grad.shape[-1]) if flat else grad
-    row_norm = torch.linalg.vector_norm(out, dim=-1, dtype=F32) if rows else None
+    row_norm = row_norms(out) if rows else None
     return bounded_ratio(
         out.sum(-1, dtype=F32), projected, row_norm, grad_norms, right_fro, sums_norm, bound
     )
@@ -149,10 +149,7 @@ def right_ratio(
     """dR = alpha L^T dP: dR e, along `along` (a Linear's weight gradient is dR^T), against
     alpha L^T (dP e), with ||L||_F for the norms of L's columns (detectors/product_bounds.py)."""
     expected = (row_sums.unsqueeze(-2) @ _as_read(left, dtype, flat).to(F32)).squeeze(-2)
-    row_norm = None
-    if rows:
-        grad32 = grad.to(F32)
-        row_norm = (grad32 * grad32).sum(along).sqrt()
+    row_norm = row_norms(grad, along) if rows else None
     return bounded_ratio(
         grad.sum(along, dtype=F32), expected, row_norm, left_fro.unsqueeze(-1),
         torch.linalg.vector_norm(grad_norms, dim=-1),

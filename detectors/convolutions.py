@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from detectors.norms import row_norms
 from harness.core.matmuls import MatmulCall
 
 F32 = torch.float32
@@ -54,13 +55,16 @@ def forward(call: MatmulCall, output: torch.Tensor) -> dict[str, torch.Tensor | 
     weight = weight.to(output.dtype).to(F32)
     summed = weight.sum(0, keepdim=True)
     expected = call.func(x, summed, None, **options).squeeze(1)
+    figures: dict[str, torch.Tensor | int] = {}
     if bias is not None:
-        expected = expected + bias.to(output.dtype).sum(dtype=F32)
+        bias = bias.to(output.dtype)
+        expected = expected + bias.sum(dtype=F32)
+        figures["addend_norm"] = torch.linalg.vector_norm(bias, dtype=F32)
     patches = call.func(x.square(), torch.ones_like(summed), None, **options).squeeze(1)
-    return {
+    return figures | {
         "actual": output.sum(1, dtype=F32),
         "expected": expected,
-        "row_norm": torch.linalg.vector_norm(output, dim=1, dtype=F32),
+        "row_norm": row_norms(output, 1),
         "left_norm": patches.clamp_min_(0).sqrt_(),
         "right_fro": torch.linalg.vector_norm(weight),
         "right_sums_norm": torch.linalg.vector_norm(summed),

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from detectors.norms import row_norms
+
 F32 = torch.float32
 
 
@@ -52,7 +54,7 @@ def forward(
         "left_norm": torch.linalg.vector_norm(left, dim=-1, dtype=F32).unsqueeze(-1),
         "right_fro": torch.linalg.vector_norm(right, dim=(-2, -1), dtype=F32)[expert],
         "right_sums_norm": torch.linalg.vector_norm(sums, dim=-1)[expert],
-        "row_norm": torch.linalg.vector_norm(out, dim=-1, dtype=F32).unsqueeze(-1),
+        "row_norm": row_norms(out).unsqueeze(-1),
     }
 
 
@@ -83,7 +85,7 @@ def left_grad(
         "left_norm": dp["grad_norms"].unsqueeze(-1),
         "right_fro": right_fro,
         "right_sums_norm": dp["sums_norm"],
-        "row_norm": torch.linalg.vector_norm(grad, dim=-1, dtype=F32).unsqueeze(-1),
+        "row_norm": row_norms(grad).unsqueeze(-1),
     }
 
 
@@ -110,6 +112,6 @@ def right_grad(
         "left_norm": per_expert(left_rows * left_rows).unsqueeze(-1),
         "right_fro": per_expert(dp["grad_norms"] * dp["grad_norms"]),
         "right_sums_norm": per_expert(dp["row_sums"] * dp["row_sums"]),
-        "row_norm": torch.linalg.vector_norm(grad, dim=-1, dtype=F32),
+        "row_norm": row_norms(grad),
     }
     return figures, int(counts(offs).max())

@@ -251,7 +251,7 @@ class MatmulChecksum(Detector):
         return bounded_ratio(
             figures["actual"], figures["expected"], None if rounding.fine else figures["row_norm"],
             figures["left_norm"], figures["right_fro"], figures["right_sums_norm"],
-            bound_of(rounding, inner, length),
+            bound_of(rounding, inner, length), figures.get("addend_norm"),
         )  # fmt: skip
 
     def _output_grad(self, checked: Checked):

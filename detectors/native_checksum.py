@@ -24,14 +24,14 @@ from pathlib import Path
 import torch
 
 from detectors import native_build
-from detectors.product_bounds import F32, Bound
+from detectors.product_bounds import F32, Bound, addend_figures
 
 SOURCE = Path(__file__).with_name("checksum.c")
 WHO = "matmul_checksum: native checks"
 BF16 = torch.bfloat16
 # (the tensor's dtype, the dtype it is read as): how the kernel reads it (checksum.c's enum).
 READS = {(F32, F32): 0, (BF16, BF16): 1, (BF16, F32): 1, (F32, BF16): 2}
-NO_ADDEND = torch.zeros(1)
+NO_ADDEND = torch.zeros(2, dtype=F32)  # an addend's (sum, norm): none
 # Each function's arguments: matrices are checksum.c's `matrix` structs side by side, passed as
 # one array of int64 (a pointer and nine sizes and strides each), and the bound as five doubles,
 # both plain arrays: building ctypes structures costs more than the kernel on a small product,
@@ -97,8 +97,8 @@ class _Call:
 
     def floats(self, t: torch.Tensor, shape: torch.Size) -> int:
         """A float32 figure (made by either path) laid out as the kernel indexes it."""
-        if t.shape != shape or not t.is_contiguous():
-            t = t.expand(shape).contiguous()
+        if t.shape != shape or not t.is_contiguous() or t.dtype != F32:
+            t = t.expand(shape).to(F32).contiguous()
             self.held.append(t)
         return t.data_ptr()
 
@@ -157,14 +157,14 @@ def output_figures(
     if not call.applies or (addend is not None and addend.device.type != "cpu"):
         return None
     if addend is None:
-        add, stride = NO_ADDEND, 0
-    elif addend.dim() == 1:
-        add, stride = beta * addend.to(dtype).sum(dtype=F32), 0
+        added, stride = NO_ADDEND, 0
     else:
-        add, stride = beta * addend.to(dtype).expand(measured.shape).sum(-1, dtype=F32), 1
-    ratio, right_fro, left_fro = torch.empty(()), torch.empty(batch), torch.empty(batch)
+        summed, norm = addend_figures(addend, dtype, beta, measured.shape, flat, not rows)
+        added = torch.stack([summed, torch.zeros_like(summed) if norm is None else norm], -1)
+        stride = int(added.dim() > 1)
+    ratio, right_fro, left_fro = (torch.empty(shape, dtype=F32) for shape in ((), batch, batch))
     library.forward_check(
-        call.matrices(), right_t, call.floats(add, add.shape), stride, alpha,
+        call.matrices(), right_t, call.floats(added, added.shape), stride, alpha,
         _bound(call, bound, rows), right_fro.data_ptr(), left_fro.data_ptr(), ratio.data_ptr(),
     )  # fmt: skip
     return ratio, right_fro, left_fro
@@ -182,8 +182,8 @@ def grad_figures(
     call.matrix(grad, batch, dtype)
     if not call.applies:
         return None
-    projected, row_sums, norms = (torch.empty(grad.shape[:-1]) for _ in range(3))
-    sums_norm = torch.empty(batch)
+    projected, row_sums, norms = (torch.empty(grad.shape[:-1], dtype=F32) for _ in range(3))
+    sums_norm = torch.empty(batch, dtype=F32)
     library.grad_figures(
         call.matrices(), right_t, alpha,
         projected.data_ptr(), row_sums.data_ptr(), norms.data_ptr(), sums_norm.data_ptr(),
@@ -209,7 +209,7 @@ def left_ratio(
     call.matrix(grad, batch, grad.dtype)
     if not call.applies:
         return None
-    ratio = torch.empty(())
+    ratio = torch.empty((), dtype=F32)
     library.left_check(
         call.matrices(), call.floats(projected, per_row), call.floats(grad_norms, per_row),
         call.floats(right_fro, batch), call.floats(sums_norm, batch), _bound(call, bound, rows),
@@ -240,7 +240,7 @@ def right_ratio(
     call.matrix(left, batch, dtype)
     if not call.applies:
         return None
-    ratio, per_row = torch.empty(()), (*batch, left.shape[-2])
+    ratio, per_row = torch.empty((), dtype=F32), (*batch, left.shape[-2])
     library.right_check(
         call.matrices(), grad_t, call.floats(row_sums, per_row), call.floats(left_fro, batch),
         call.floats(grad_norms, per_row), _bound(call, bound, rows), ratio.data_ptr(),
@@ -264,4 +264,4 @@ def rounding_ratio(
     wrong = library.rounding_check(
         wide.data_ptr(), rounded.data_ptr(), int(rounded.dtype == F32), wide.numel()
     )
-    return torch.full((), math.inf if wrong else 0.0)
+    return torch.full((), math.inf if wrong else 0.0, dtype=F32)

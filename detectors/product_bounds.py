@@ -23,9 +23,13 @@ autocast kernel's operand casts are repeated here exactly). Row i of P passes wh
                                        + sqrt(q) u_a ||L_i|| ||R e|| ] + p tiny
 
 with s = `sigmas` and tiny float32's smallest normal. Two terms read a cheaper upper bound: a
-32- or 64-bit product reads ||L_i|| ||R||_F for ||P_i|| (Cauchy-Schwarz; its own rounding is
-negligible there), and a weight gradient dR = L^T dP reads ||L||_F for its rows' ||L_i||, the
-norms of L's columns (a reduction along columns costs twenty times one along rows on the CPU).
+32- or 64-bit product reads ||L_i|| ||R||_F + ||a_i|| for ||P_i|| (Cauchy-Schwarz and the
+triangle inequality, a_i the row's addend, beta times: a bias large beside a small input row
+is most of what the output rounds), and a weight gradient dR = L^T dP reads ||L||_F for its
+rows' ||L_i||, the norms of L's columns (a reduction along columns costs twenty times one along
+rows on the CPU). ||P_i|| itself, where read, is summed in float64 (detectors/norms.py): a
+16-bit fault of 2^64 or more overflows a float32 sum of squares, and an infinite norm would
+hide the fault in an infinite bound.
 An addend (a Linear's bias, addmm's input) is added in the accumulation and the sum rounded
 once, as BLAS's gemm with beta does (and as the CPU's F.linear was measured to: 0.002% of
 bfloat16 outputs differ from one rounding of the float32 result, 27% from two): a model that
@@ -231,20 +235,47 @@ def bounded_ratio(
     right_fro: torch.Tensor,
     right_sums_norm: torch.Tensor,
     bound: Bound,
+    addend_norm: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The largest ratio over the rows of |P_i e - L_i (R e)| to the row's bound (module
     docstring), a 0-d tensor: above 1, NaN or infinite when a row breaks it; rows whose operands'
     checksum is not finite count 0 (a fault upstream, not this product's). `row_norm` None: the
-    Cauchy-Schwarz bound ||L_i|| ||R||_F stands for ||P_i||."""
+    Cauchy-Schwarz bound ||L_i|| ||R||_F stands for ||P_i||, plus `addend_norm` (the norm of the
+    row's addend, beta times) where the product adds one; read, it is detectors/norms.py's."""
     # Products and sums, not `alpha=` arguments: a compiled check would specialise on those.
     if row_norm is None:
         per_left = right_fro * (bound.fro + bound.row) + right_sums_norm * bound.sums
         limit = left_norm * per_left.unsqueeze(-1)
+        if addend_norm is not None:
+            limit = limit + addend_norm * bound.row
     else:
         per_left = right_fro * bound.fro + right_sums_norm * bound.sums
         limit = row_norm * bound.row + left_norm * per_left.unsqueeze(-1)
     ratio = (actual - expected).abs_().div_(limit.add_(bound.floor))
     return torch.where(torch.isfinite(expected), ratio, 0.0).amax()
+
+
+def addend_figures(
+    addend: torch.Tensor,
+    dtype: torch.dtype,
+    beta: float,
+    shape: torch.Size,
+    flat: bool,
+    norms: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The addend's part of each row of an output of `shape`, as the kernel adds it (cast to
+    `dtype`, beta times): its sum and, with `norms`, its norm; one figure for all rows (a bias,
+    1-D) or one per row, merged into one dimension of rows where `flat`."""
+    addend = addend.to(dtype)
+    if addend.dim() == 1:
+        norm = abs(beta) * torch.linalg.vector_norm(addend, dtype=F32) if norms else None
+        return beta * addend.sum(dtype=F32), norm
+    wide = addend.expand(shape)
+    total = beta * wide.sum(-1, dtype=F32)
+    norm = abs(beta) * torch.linalg.vector_norm(wide, dim=-1, dtype=F32) if norms else None
+    if flat:
+        return total.reshape(-1), None if norm is None else norm.reshape(-1)
+    return total, norm
 
 
 def rounding_ratio(rounded: torch.Tensor, wide: torch.Tensor, low: torch.dtype) -> torch.Tensor:

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch._inductor.config
+import torch.nn.functional as F
 
 from detectors import checksum_kernels, native_checksum
 from detectors.checksum_kernels import Kernels
@@ -337,3 +338,86 @@ def test_native_checks_without_a_compiler_say_so_once_and_run_eagerly(
             assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
     finally:
         native_checksum.load.cache_clear()
+
+
+@pytest.mark.parametrize("kind", ["eager", "native"])
+def test_an_infinite_or_huge_16_bit_element_breaks_every_check_it_reaches(kind: str) -> None:
+    """A bfloat16 output or gradient element turned infinite, or huge (the exponent's top bit
+    flipped: 2^64 and more, whose square overflows float32), in a row after clean ones, and in
+    rows of one element (p = 1) and of many: every check it reaches alarms, on both paths. (An
+    infinite row norm used to widen the row's bound to infinity and hide the fault; the native
+    path also used to skip the row once an earlier one had a ratio.)"""
+    check = Kernels(kind)
+    gen = torch.Generator().manual_seed(4)
+    rounding = _rounding(torch.bfloat16)
+    for p in (1, 2, 64):
+        m, q = 8, 16
+        left, right = _operand((m, q), torch.bfloat16, gen), _operand((q, p), torch.bfloat16, gen)
+        output = (left.float() @ right.float()).to(torch.bfloat16)
+        grad = _operand((m, p), torch.bfloat16, gen)
+        projected, row_sums, norms, sums_norm = EAGER.grad(right, grad, torch.bfloat16, 1.0, False)
+        right_fro = torch.linalg.vector_norm(right.float())
+        left_fro = torch.linalg.vector_norm(left.float())
+        d_left = (grad.float() @ right.float().mT).to(torch.bfloat16)
+        d_right = (left.float().mT @ grad.float()).to(torch.bfloat16)
+        for value in (math.inf, 1e30, 2.0**70):
+            what = f"{kind} p={p} {value:g}"
+            spoiled = output.clone()
+            spoiled[5, p - 1] = value
+            bound = bound_of(rounding, q, p)
+            args = (left, right, spoiled, None, torch.bfloat16, 1.0, 1.0, False, bound, True)
+            assert not check.output(*args)[0] <= 1.0, f"{what} forward"
+            spoiled = d_left.clone()
+            spoiled[6, 2] = value
+            ratio = check.left(spoiled, projected, norms, right_fro, sums_norm, False,
+                               bound_of(rounding, p, q), True)  # fmt: skip
+            assert not ratio <= 1.0, f"{what} input gradient"
+            for along, stored in ((-1, d_right), (-2, d_right.mT.contiguous())):
+                spoiled = stored.clone()
+                spoiled.view(-1)[9] = value
+                ratio = check.right(spoiled, left, torch.bfloat16, row_sums, left_fro, norms,
+                                    along, False, bound_of(rounding, m, p), True)  # fmt: skip
+                assert not ratio <= 1.0, f"{what} weight gradient along {along}"
+
+
+@pytest.mark.parametrize("kind", ["eager", "native"])
+def test_a_clean_float32_linear_with_a_bias_passes_whatever_its_input_rows(kind: str) -> None:
+    """A float32 Linear with a bias large beside its input rows (a zero row, rows scaled down
+    to 1e-9): its output rounds the bias too, which the bound bounds by the bias's norm; clean,
+    it passes on both paths (without that term the native path, summing the row in another
+    order than torch sums the bias, alarmed at 1e29 on a zero row)."""
+    check = Kernels(kind)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(8, 256, generator=gen)
+    for i, scale in enumerate((0.0, 1e-9, 1e-7, 1e-6, 1e-5, 1e-4)):
+        x[i] *= scale
+    weight, bias = 0.05 * torch.randn(384, 256, generator=gen), torch.randn(384, generator=gen)
+    output = F.linear(x, weight, bias)
+    bound = bound_of(_rounding(torch.float32), 256, 384)
+    args = (x, weight.mT, output, bias, torch.float32, 1.0, 1.0, False, bound, False)
+    assert float(check.output(*args)[0]) <= 0.5
+    spoiled = output.clone()
+    spoiled[0, 7] += 1e-3 * float(bias.norm())  # a fault the bias does not hide
+    assert not check.output(x, weight.mT, spoiled, *args[3:])[0] <= 1.0
+
+
+def test_native_figures_are_float32_whatever_torch_s_default_dtype() -> None:
+    """The kernels write float32: their figures are float32 tensors even where torch's default
+    dtype is float64 (they used to be float64 buffers holding float32 bits)."""
+    gen = torch.Generator().manual_seed(6)
+    left, right = torch.randn(32, 48, generator=gen), torch.randn(48, 40, generator=gen)
+    bias = torch.randn(40, generator=gen)
+    output = torch.addmm(bias, left, right)
+    bound = bound_of(_rounding(torch.float32), 48, 40)
+    args = (left, right, output, bias, torch.float32, 1.0, 1.0, False, bound, False)
+    eager = EAGER.output(*args)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        native = Kernels("native").output(*args)
+    finally:
+        torch.set_default_dtype(default)
+    assert all(n.dtype == torch.float32 for n in native)
+    for e, n in zip(eager[1:], native[1:], strict=True):
+        torch.testing.assert_close(n, e, rtol=1e-5, atol=0)
+    assert float(native[0]) <= 0.5
