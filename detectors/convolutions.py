@@ -47,9 +47,10 @@ def checkable(call: MatmulCall) -> bool:
     return batched and options.get("groups", 1) == 1 and "out" not in call.kwargs
 
 
-def forward(call: MatmulCall, output: torch.Tensor) -> dict[str, torch.Tensor | int]:
+def forward(call: MatmulCall, output: torch.Tensor, rows: bool) -> dict[str, torch.Tensor | int]:
     """The figures of detectors/product_bounds.py's `bounded_ratio` for every output position, as
-    the kernel of dtype `output.dtype` read its operands (an autocast kernel's casts repeated)."""
+    the kernel of dtype `output.dtype` read its operands (an autocast kernel's casts repeated);
+    the positions' norms with `rows` (a 16-bit output, whose bound reads them)."""
     x, weight, bias, options = _parts(call)
     x = x.to(output.dtype).to(F32)
     weight = weight.to(output.dtype).to(F32)
@@ -60,11 +61,12 @@ def forward(call: MatmulCall, output: torch.Tensor) -> dict[str, torch.Tensor | 
         bias = bias.to(output.dtype)
         expected = expected + bias.sum(dtype=F32)
         figures["addend_norm"] = torch.linalg.vector_norm(bias, dtype=F32)
+    if rows:
+        figures["row_norm"] = row_norms(output, 1)
     patches = call.func(x.square(), torch.ones_like(summed), None, **options).squeeze(1)
     return figures | {
         "actual": output.sum(1, dtype=F32),
         "expected": expected,
-        "row_norm": row_norms(output, 1),
         "left_norm": patches.clamp_min_(0).sqrt_(),
         "right_fro": torch.linalg.vector_norm(weight),
         "right_sums_norm": torch.linalg.vector_norm(summed),

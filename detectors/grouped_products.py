@@ -40,22 +40,25 @@ def counts(offs: torch.Tensor) -> torch.Tensor:
 
 
 def forward(
-    left: torch.Tensor, right: torch.Tensor, offs: torch.Tensor, out: torch.Tensor
+    left: torch.Tensor, right: torch.Tensor, offs: torch.Tensor, out: torch.Tensor, rows: bool
 ) -> dict[str, torch.Tensor]:
     """P e against L_i (R_g e), per row: actual, expected (NaN on rows of no expert), ||L_i||,
-    ||R_g||_F and ||R_g e|| per row, shaped (S, 1) or (S,)."""
+    ||R_g||_F and ||R_g e|| per row, shaped (S, 1) or (S,); with `rows` (a 16-bit product,
+    whose bound reads them), ||P_i||."""
     expert, valid = experts(offs, left.shape[0])
     sums = right.sum(-1, dtype=F32)  # [E, q]
     expected = (left.to(F32) * sums[expert]).sum(-1)
     expected = torch.where(valid, expected, torch.nan)
-    return {
+    figures = {
         "actual": out.sum(-1, dtype=F32).unsqueeze(-1),
         "expected": expected.unsqueeze(-1),
         "left_norm": torch.linalg.vector_norm(left, dim=-1, dtype=F32).unsqueeze(-1),
         "right_fro": torch.linalg.vector_norm(right, dim=(-2, -1), dtype=F32)[expert],
         "right_sums_norm": torch.linalg.vector_norm(sums, dim=-1)[expert],
-        "row_norm": row_norms(out).unsqueeze(-1),
     }
+    if rows:
+        figures["row_norm"] = row_norms(out).unsqueeze(-1)
+    return figures
 
 
 def output_grad(
@@ -76,25 +79,31 @@ def output_grad(
 
 
 def left_grad(
-    grad: torch.Tensor, dp: dict[str, torch.Tensor], right_fro: torch.Tensor
+    grad: torch.Tensor, dp: dict[str, torch.Tensor], right_fro: torch.Tensor, rows: bool
 ) -> dict[str, torch.Tensor]:
-    """dL = dP R_g^T, per row: dL e against dP_i (R_g^T e)."""
-    return {
+    """dL = dP R_g^T, per row: dL e against dP_i (R_g^T e); with `rows`, ||dL_i||."""
+    figures = {
         "actual": grad.sum(-1, dtype=F32).unsqueeze(-1),
         "expected": dp["projected"].unsqueeze(-1),
         "left_norm": dp["grad_norms"].unsqueeze(-1),
         "right_fro": right_fro,
         "right_sums_norm": dp["sums_norm"],
-        "row_norm": row_norms(grad).unsqueeze(-1),
     }
+    if rows:
+        figures["row_norm"] = row_norms(grad).unsqueeze(-1)
+    return figures
 
 
 def right_grad(
-    left: torch.Tensor, offs: torch.Tensor, grad: torch.Tensor, dp: dict[str, torch.Tensor]
+    left: torch.Tensor,
+    offs: torch.Tensor,
+    grad: torch.Tensor,
+    dp: dict[str, torch.Tensor],
+    rows: bool,
 ) -> tuple[dict[str, torch.Tensor], int]:
     """dR_e = L_e^T dP_e, per expert: dR_e e against the sum over its rows of L_i (dP_i e);
-    ||L_e||_F, ||dP_e||_F and ||dP_e e|| per expert; and the largest expert's row count (the
-    product's inner length)."""
+    ||L_e||_F, ||dP_e||_F and ||dP_e e|| per expert (with `rows`, ||dR_e's rows||); and the
+    largest expert's row count (the product's inner length)."""
     expert, valid = experts(offs, left.shape[0])
     experts_n = grad.shape[0]
     weight = torch.where(valid, dp["row_sums"], 0.0).unsqueeze(-1)
@@ -112,6 +121,7 @@ def right_grad(
         "left_norm": per_expert(left_rows * left_rows).unsqueeze(-1),
         "right_fro": per_expert(dp["grad_norms"] * dp["grad_norms"]),
         "right_sums_norm": per_expert(dp["row_sums"] * dp["row_sums"]),
-        "row_norm": row_norms(grad),
     }
+    if rows:
+        figures["row_norm"] = row_norms(grad)
     return figures, int(counts(offs).max())

@@ -161,6 +161,10 @@ class MatmulChecksum(Detector):
             self.roundings[dtypes] = rounding
         return rounding
 
+    def _reads_rows(self, *dtypes: torch.dtype) -> bool:
+        """Whether the bound of a product of these dtypes reads its rows' norms (16 bits)."""
+        return not self._rounding(*dtypes).fine
+
     def on_matmul_operands(self, step: int, call: MatmulCall) -> None:
         if step % self.config.interval:
             return
@@ -189,7 +193,7 @@ class MatmulChecksum(Detector):
         key = self.convolutions.pop(id(call), None)
         if key is not None:
             with unwatched(output.device):
-                figures = convolutions.forward(call, output)
+                figures = convolutions.forward(call, output, self._reads_rows(output.dtype))
                 ratio = self._ratio(figures, figures["inner"], figures["length"], output.dtype)
             self.found.append((step, "forward", f"{key} output", ratio))
         checked = self.open.pop(id(call), None)
@@ -238,7 +242,8 @@ class MatmulChecksum(Detector):
 
     def _check_grouped_output(self, step: int, checked: Checked, output: torch.Tensor) -> None:
         left, right = self._operands(checked)
-        figures = grouped.forward(left, right, checked.product.offs, output)
+        rows = self._reads_rows(output.dtype)
+        figures = grouped.forward(left, right, checked.product.offs, output, rows)
         checked.right_fro = figures["right_fro"]
         checked.left_fro = figures["left_norm"]
         ratio = self._ratio(figures, right.shape[-2], right.shape[-1], output.dtype)
@@ -305,7 +310,8 @@ class MatmulChecksum(Detector):
         """dL = alpha dP R^T: dL e against alpha dP (R^T e) (alpha is in the dP figures)."""
         product = checked.product
         if product.offs is not None:
-            figures = grouped.left_grad(grad, self._dp(checked), checked.right_fro)
+            rows = self._reads_rows(checked.dtype, grad.dtype)
+            figures = grouped.left_grad(grad, self._dp(checked), checked.right_fro, rows)
             inner = product.right.shape[-1]
             ratio = self._ratio(figures, inner, grad.shape[-1], checked.dtype, grad.dtype)
             self.found.append(
@@ -330,7 +336,8 @@ class MatmulChecksum(Detector):
         product = checked.product
         if product.offs is not None:
             left, _ = self._operands(checked)
-            figures, inner = grouped.right_grad(left, product.offs, grad, self._dp(checked))
+            rows = self._reads_rows(checked.dtype, grad.dtype)
+            figures, inner = grouped.right_grad(left, product.offs, grad, self._dp(checked), rows)
             ratio = self._ratio(figures, inner, grad.shape[-1], checked.dtype, grad.dtype)
             self.found.append(
                 (checked.step, "pre_allreduce", f"{checked.key} weight gradient", ratio)
