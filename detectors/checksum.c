@@ -200,10 +200,11 @@ static void accumulate_squares(float *squares, const float *const *x, int count,
                 squares[c] += x[r][c] * x[r][c];
 }
 
-/* Batch matrix b's rows weighed by w (or by one each, w NULL) and summed into `across`, and
- * into `squares` their squares where given; scratch holds BLOCK rows. */
+/* Batch matrix b's rows weighed by w (or by one each, w NULL) and summed into `across`, into
+ * `squares` their squares where given, and into `total` their sum of squares where given;
+ * scratch holds BLOCK rows. */
 static void across_rows(const matrix *m, int64_t b, const float *w, float *across,
-                        float *squares, float *scratch) {
+                        float *squares, double *total, float *scratch) {
     static const float ones[BLOCK] = {1.0f, 1.0f, 1.0f, 1.0f};
     batch_matrix bm = batch_of(m, b);
     memset(across, 0, m->cols * sizeof *across);
@@ -212,30 +213,31 @@ static void across_rows(const matrix *m, int64_t b, const float *w, float *acros
     for (int64_t r = 0; r < m->rows; r += BLOCK) {
         int count = m->rows - r < BLOCK ? (int)(m->rows - r) : BLOCK;
         const float *x[BLOCK];
-        for (int k = 0; k < count; k++)
+        for (int k = 0; k < count; k++) {
             x[k] = row_of(bm, r + k, scratch + k * m->cols);
+            if (total)
+                *total += row_figures(x[k], NULL, m->cols, SQUARES).squares;
+        }
         accumulate(across, x, w ? w + r : ones, count, m->cols);
         if (squares)
             accumulate_squares(squares, x, count, m->cols);
     }
 }
 
-/* Batch matrix b's sums along its rows (into `along`, one per row) or across them (into
- * `across`, one per column), and its sum of squares; scratch holds BLOCK rows. */
+/* Batch matrix b's sums along its rows (into `along`, one per row) or else across them (into
+ * `across`, one per column), and its sum of squares, in one read; scratch holds BLOCK rows. */
 static double sums_of(const matrix *m, int64_t b, float *along, float *across, float *scratch) {
     double squares = 0.0;
+    if (!along) {
+        across_rows(m, b, NULL, across, NULL, &squares, scratch);
+        return squares;
+    }
     batch_matrix bm = batch_of(m, b);
     for (int64_t r = 0; r < m->rows; r++) {
-        const float *x = row_of(bm, r, scratch);
-        if (along) {
-            figures f = row_figures(x, NULL, m->cols, SUM | SQUARES);
-            along[r] = f.sum;
-            squares += f.squares;
-        } else
-            squares += row_figures(x, NULL, m->cols, SQUARES).squares;
+        figures f = row_figures(row_of(bm, r, scratch), NULL, m->cols, SUM | SQUARES);
+        along[r] = f.sum;
+        squares += f.squares;
     }
-    if (across)
-        across_rows(m, b, NULL, across, NULL, scratch);
     return squares;
 }
 
@@ -405,10 +407,10 @@ void right_check(const matrix *operands, int64_t grad_t, const float *row_sums,
     float *norms = actual + q; /* of dR's rows: squares first where summed across G's rows */
     verdict v = {0.0f, 0};
     for (int64_t b = 0; b < n; b++) {
-        across_rows(L, b, row_sums + b * m, expected, NULL, scratch);
+        across_rows(L, b, row_sums + b * m, expected, NULL, NULL, scratch);
         batch_matrix grad = batch_of(G, b);
         if (grad_t) {
-            across_rows(G, b, NULL, actual, bd->rows ? norms : NULL, scratch);
+            across_rows(G, b, NULL, actual, bd->rows ? norms : NULL, NULL, scratch);
             int overflowed = 0;
             for (int64_t l = 0; l < q; l++) {
                 overflowed |= !isfinite(norms[l]);
