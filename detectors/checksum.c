@@ -293,17 +293,20 @@ static float *scratch_for(int64_t a, int64_t b, int64_t vectors) {
 }
 
 /* output_figures: P e against alpha L (R e) + the addend's row sums, per batch matrix of P = L R.
- * The addend's sum and norm (beta times) of row i of batch matrix b at addend[2 (b m + i) stride]
- * and the next float: stride 0 for one pair, a bias's. R is given as itself (right_t 0) or as its
- * transpose R^T with contiguous rows (a Linear's weight). ||R||_F and ||L||_F per batch matrix,
- * and the worst ratio (out). */
-void forward_check(const matrix *operands, int64_t right_t, const float *addend, int64_t stride,
-                   double alpha, const bound *bd, float *right_fros, float *left_fros,
-                   float *out) {
-    const matrix *L = operands, *R = operands + 1, *P = operands + 2;
+ * The addend (`added` nonzero) is the fourth matrix, broadcast to P's shape: each row's sum and
+ * norm, beta times, read once where every row is the same (a bias: strides 0). R is given as
+ * itself (right_t 0) or as its transpose R^T with contiguous rows (a Linear's weight).
+ * ||R||_F and ||L||_F per batch matrix, and the worst ratio (out). */
+void forward_check(const matrix *operands, int64_t right_t, int64_t added, double alpha,
+                   double beta, const bound *bd, float *right_fros, float *left_fros, float *out) {
+    const matrix *L = operands, *R = operands + 1, *P = operands + 2, *A = operands + 3;
     int64_t q = L->cols, p = P->cols, n = batches(P);
     float *scratch = scratch_for(q, p, 1), *row = scratch + BLOCK * q;
-    float *sums = row + BLOCK * p;
+    float *sums = row + BLOCK * p, *addend_row = row + p;
+    int one_addend = added && A->rstride == 0 && A->bstride[0] == 0 && A->bstride[1] == 0;
+    figures addend = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (one_addend)
+        addend = row_figures(row_of(batch_of(A, 0), 0, addend_row), NULL, p, SUM | SQUARES);
     verdict v = {0.0f, 0};
     for (int64_t b = 0; b < n; b++) {
         double right_sq = right_t ? sums_of(R, b, NULL, sums, scratch)
@@ -311,17 +314,21 @@ void forward_check(const matrix *operands, int64_t right_t, const float *addend,
         float right_fro = (float)sqrt(right_sq), sums_norm = norm(sums, q);
         double left_sq = 0.0;
         batch_matrix left = batch_of(L, b), output = batch_of(P, b);
+        batch_matrix addends = added ? batch_of(A, b) : output;
         for (int64_t i = 0; i < P->rows; i++) {
             figures l = row_figures(row_of(left, i, scratch), sums, q, DOT | SQUARES);
             const float *o = row_of(output, i, row);
             figures f = bd->rows ? row_figures(o, NULL, p, SUM | SQUARES)
                                  : row_figures(o, NULL, p, SUM);
             float row_norm = bd->rows ? own_norm(o, p, f) : 0.0f;
-            const float *added = addend + 2 * (b * P->rows + i) * stride;
-            float expected = (float)alpha * l.dot + added[0];
+            if (added && !one_addend)
+                addend = row_figures(row_of(addends, i, addend_row), NULL, p, SUM | SQUARES);
+            float expected = (float)alpha * l.dot + (float)beta * addend.sum;
             float left_norm = l.norm * (float)fabs(alpha);
             judge(&v, f.sum, expected,
-                  limit_of(bd, row_norm, left_norm, right_fro, sums_norm, added[1]), bd);
+                  limit_of(bd, row_norm, left_norm, right_fro, sums_norm,
+                           (float)fabs(beta) * addend.norm),
+                  bd);
             left_sq += l.squares;
         }
         right_fros[b] = right_fro;
@@ -333,8 +340,8 @@ void forward_check(const matrix *operands, int64_t right_t, const float *addend,
 
 /* grad_figures: from dP, per row dP_i (R^T e), dP_i e and ||dP_i|| (each alpha times), and
  * ||R^T e|| per batch matrix. */
-void grad_figures(const matrix *operands, int64_t right_t, double alpha, float *projected,
-                  float *row_sums, float *norms, float *sums_norm) {
+static void grad_figures(const matrix *operands, int64_t right_t, double alpha,
+                         float *projected, float *row_sums, float *norms, float *sums_norm) {
     const matrix *R = operands, *G = operands + 1;
     int64_t p = G->cols, n = batches(G);
     float *scratch = scratch_for(R->cols, p, 1), *sums = scratch + BLOCK * (R->cols + p);
@@ -357,8 +364,9 @@ void grad_figures(const matrix *operands, int64_t right_t, double alpha, float *
 }
 
 /* left_ratio: dL e against alpha dP (R^T e), per row of dL. */
-void left_check(const matrix *G, const float *projected, const float *grad_norms,
-                const float *right_fro, const float *sums_norm, const bound *bd, float *out) {
+static void left_check(const matrix *G, const float *projected, const float *grad_norms,
+                       const float *right_fro, const float *sums_norm, const bound *bd,
+                       float *out) {
     int64_t n = batches(G);
     float *scratch = scratch_for(G->cols, 0, 0);
     verdict v = {0.0f, 0};
@@ -398,8 +406,9 @@ static void column_norms(batch_matrix bm, int64_t rows, int64_t cols, float *nor
 /* right_ratio: dR e against alpha L^T (dP e), per row of dR; dR given as itself (grad_t 0) or
  * as its transpose with contiguous rows (a Linear's weight gradient). ||L||_F bounds the norms
  * of L's columns. */
-void right_check(const matrix *operands, int64_t grad_t, const float *row_sums,
-                 const float *left_fro, const float *grad_norms, const bound *bd, float *out) {
+static void right_check(const matrix *operands, int64_t grad_t, const float *row_sums,
+                        const float *left_fro, const float *grad_norms, const bound *bd,
+                        float *out) {
     const matrix *G = operands, *L = operands + 1;
     int64_t q = L->cols, m = L->rows, n = batches(G);
     float *scratch = scratch_for(q, G->cols, 3);
@@ -433,6 +442,28 @@ void right_check(const matrix *operands, int64_t grad_t, const float *row_sums,
     }
     out[0] = verdict_of(&v);
     free(scratch);
+}
+
+/* backward_check: a product's backward checked in one call, as the calls above in turn: the
+ * output gradient's figures (grad_figures, into memory of this call's own), then the input
+ * gradient's check (left_check, `which` bit 1) and the weight gradient's (right_check, bit 2),
+ * their ratios into out[0] and out[1]. Matrices: R, dP, then dL where checked, then dR and L
+ * where checked. */
+void backward_check(const matrix *operands, int64_t right_t, double alpha, int64_t which,
+                    const float *right_fro, const float *left_fro, const bound *left_bd,
+                    const bound *right_bd, int64_t grad_t, float *out) {
+    const matrix *G = operands + 1;
+    int64_t rows = batches(G) * G->rows;
+    float *figures = malloc((size_t)(3 * rows + batches(G)) * sizeof *figures);
+    float *projected = figures, *row_sums = projected + rows, *norms = row_sums + rows;
+    float *sums_norm = norms + rows;
+    grad_figures(operands, right_t, alpha, projected, row_sums, norms, sums_norm);
+    const matrix *next = operands + 2;
+    if (which & 1)
+        left_check(next++, projected, norms, right_fro, sums_norm, left_bd, out);
+    if (which & 2)
+        right_check(next, grad_t, row_sums, left_fro, norms, right_bd, out + 1);
+    free(figures);
 }
 
 /* rounding_ratio: whether any element of `rounded` (bfloat16, or float32 holding a bfloat16

@@ -32,7 +32,14 @@ import torch
 
 from detectors import native_checksum
 from detectors.norms import row_norms
-from detectors.product_bounds import F32, Bound, addend_figures, bounded_ratio, rounding_ratio
+from detectors.product_bounds import (
+    F32,
+    Bound,
+    OperandCheck,
+    addend_figures,
+    bounded_ratio,
+    rounding_ratio,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -186,21 +193,59 @@ class Kernels:
     def __init__(self, kind: str):
         self.kind = kind
         self.output = self._wrap(output_figures, native_checksum.output_figures)
-        self.grad = self._wrap(grad_figures, native_checksum.grad_figures)
-        self.left = self._wrap(left_ratio, native_checksum.left_ratio)
-        self.right = self._wrap(right_ratio, native_checksum.right_ratio)
+        # The backward's three checks, one by one; natively all three in one call (`backward`).
+        self.grad = self._wrap(grad_figures)
+        self.left = self._wrap(left_ratio)
+        self.right = self._wrap(right_ratio)
         # The exact check of a rounding (emulated numerics) is one comparison: nothing to fuse.
         self.rounding = rounding_ratio
         if kind == "native":
             self.rounding = self._wrap(rounding_ratio, native_checksum.rounding_ratio)
+
+    def backward(
+        self,
+        right: torch.Tensor,
+        output_grad: torch.Tensor,
+        left: torch.Tensor,
+        dtype: torch.dtype,
+        alpha: float,
+        flat: bool,
+        along: int,
+        right_fro: torch.Tensor,
+        left_fro: torch.Tensor,
+        input_check: OperandCheck | None,
+        weight_check: OperandCheck | None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """A product's backward checked once both operands' gradients are made: the output
+        gradient's figures (`grad`), then the input gradient's ratio (`left`) and the weight
+        gradient's (`right`), each where its check is given. Natively in one call where the C
+        kernel applies (one description and one entry for the three), else as the three."""
+        if self.kind == "native":
+            ratios = native_checksum.backward_ratios(
+                right, output_grad, left, dtype, alpha, flat, along, right_fro, left_fro,
+                input_check, weight_check,
+            )  # fmt: skip
+            if ratios is not None:
+                return ratios
+        projected, row_sums, norms, sums_norm = self.grad(right, output_grad, dtype, alpha, flat)
+        input_ratio = weight_ratio = None
+        if input_check is not None:
+            grad, bound, rows = input_check
+            input_ratio = self.left(grad, projected, norms, right_fro, sums_norm, flat, bound, rows)
+        if weight_check is not None:
+            grad, bound, rows = weight_check
+            weight_ratio = self.right(
+                grad, left, dtype, row_sums, left_fro, norms, along, flat, bound, rows
+            )
+        return input_ratio, weight_ratio
 
     @property
     def compiled(self) -> bool:
         """Compiled as requested, and no compile has failed in this process."""
         return self.kind == "compiled" and not _FAILED
 
-    def _wrap(self, fn: F, native: Callable) -> F:
-        if self.kind == "eager":
+    def _wrap(self, fn: F, native: Callable | None = None) -> F:
+        if self.kind == "eager" or (self.kind == "native" and native is None):
             return fn
         if self.kind == "native":
 

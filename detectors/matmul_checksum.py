@@ -24,6 +24,7 @@ symbols: harness/analysis/estimates.py).
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from dataclasses import dataclass
@@ -36,6 +37,8 @@ from detectors.checksum_kernels import KERNELS, Kernels
 from detectors.product_bounds import (
     F32,
     OPERAND_ROUNDING,
+    Bound,
+    OperandCheck,
     Product,
     Rounding,
     bound_of,
@@ -60,11 +63,7 @@ class Checked:
     flat: bool = False  # L's leading dimensions merged into rows
     right_fro: torch.Tensor | None = None  # ||R||_F per batch matrix
     left_fro: torch.Tensor | None = None  # ||L||_F per batch matrix
-    # From the product's output gradient dP, when it arrives: dP (R^T e), dP e and ||dP_i||.
-    projected: torch.Tensor | None = None
-    row_sums: torch.Tensor | None = None
-    grad_norms: torch.Tensor | None = None
-    sums_norm: torch.Tensor | None = None  # ||R^T e|| per batch matrix
+    output_grad: torch.Tensor | None = None  # dP, from its arrival to the operands' gradients
     wide_grads: dict[int, torch.Tensor] | None = None  # emulated numerics' (MatmulCall)
 
 
@@ -136,6 +135,7 @@ class MatmulChecksum(Detector):
         self.found: list[tuple[int, str, str, torch.Tensor]] = []  # (step, phase, key, ratio)
         self.kernels = Kernels(config.kernels)
         self.roundings: dict[tuple[torch.dtype, ...], Rounding] = {}
+        self.bounds: dict[tuple[Rounding, int, int], Bound] = {}
 
     def watches_matmuls(self) -> bool:
         return True
@@ -182,10 +182,11 @@ class MatmulChecksum(Detector):
         call.wide = True
         self.open[id(call)] = checked
         if self.config.backward and torch.is_grad_enabled():
-            for at, which in ((product.left_at, "left"), (product.right_at, "right")):
-                operand = call.args[at]
-                if operand.requires_grad:
-                    call.args[at] = Tap.apply(operand, self._operand_grad(checked, which))
+            at = tuple(i for i in (product.left_at, product.right_at) if call.args[i].requires_grad)
+            if at:
+                tapped = Tap.apply(self._backward(checked, at), *(call.args[i] for i in at))
+                for i, operand in zip(at, tapped, strict=True):
+                    call.args[i] = operand
 
     def on_matmul_output(
         self, step: int, call: MatmulCall, output: torch.Tensor
@@ -202,8 +203,9 @@ class MatmulChecksum(Detector):
         with unwatched(output.device):
             self._check_output(step, checked, output, call.accumulator)
         if self.config.backward and output.requires_grad and torch.is_grad_enabled():
-            # A hook, not a Function: a model may change the product in place.
-            output.register_hook(self._output_grad(checked))
+            # A hook, not a Function: a model may change the product in place. It only keeps
+            # dP: the checks run once the operands' gradients are made (`_backward`).
+            output.register_hook(functools.partial(setattr, checked, "output_grad"))
         return None
 
     def _operands(self, checked: Checked) -> tuple[torch.Tensor, torch.Tensor]:
@@ -233,7 +235,7 @@ class MatmulChecksum(Detector):
             self.found.append((step, "forward", f"{checked.key} output rounding", exact))
         measured = product.as_output(output if accumulator is None else accumulator)
         rounding = self._rounding(measured.dtype)
-        bound = bound_of(rounding, product.left.shape[-1], measured.shape[-1])
+        bound = self._bound(rounding, product.left.shape[-1], measured.shape[-1])
         ratio, checked.right_fro, checked.left_fro = self.kernels.output(
             product.left, product.right, measured, product.addend, checked.dtype,
             product.alpha, product.beta, checked.flat, bound, not rounding.fine,
@@ -256,113 +258,135 @@ class MatmulChecksum(Detector):
         return bounded_ratio(
             figures["actual"], figures["expected"], None if rounding.fine else figures["row_norm"],
             figures["left_norm"], figures["right_fro"], figures["right_sums_norm"],
-            bound_of(rounding, inner, length), figures.get("addend_norm"),
+            self._bound(rounding, inner, length), figures.get("addend_norm"),
         )  # fmt: skip
 
-    def _output_grad(self, checked: Checked):
-        """When dP arrives (before the product's backward): dP (R^T e) and dP e, which the
-        operand checks need, and the rows' norms (detectors/checksum_kernels.py)."""
+    def _backward(self, checked: Checked, at: tuple[int, ...]):
+        """When the product's backward has made its operands' gradients (positions `at` in the
+        call's arguments, those that need one): with dP, kept since it arrived, each checked.
+        With an operand's float32 gradient before its rounding at hand (emulated numerics),
+        that value is checked against the float32 bound and the gradient against its rounding,
+        exactly."""
 
-        def seen(grad: torch.Tensor) -> None:
-            with self.charged(), unwatched(grad.device):
-                product = checked.product
-                grad = product.as_output(grad)
-                if product.offs is not None:
-                    _, right = self._operands(checked)
-                    dp = grouped.output_grad(right, product.offs, grad.to(checked.dtype))
-                    checked.projected, checked.row_sums = dp["projected"], dp["row_sums"]
-                    checked.grad_norms, checked.sums_norm = dp["grad_norms"], dp["sums_norm"]
-                    return
-                figures = self.kernels.grad(
-                    product.right, grad, checked.dtype, product.alpha, checked.flat
-                )
-                checked.projected, checked.row_sums, checked.grad_norms = figures[:3]
-                checked.sums_norm = figures[3]
-
-        return seen
-
-    def _operand_grad(self, checked: Checked, which: str):
-        """The operand's gradient, as the product's backward made it. With its float32 value
-        before the rounding at hand (emulated numerics), that value is checked against the
-        float32 bound and the gradient against its rounding, exactly."""
-        product = checked.product
-        at = product.left_at if which == "left" else product.right_at
-
-        def seen(grad: torch.Tensor) -> None:
-            wide = (checked.wide_grads or {}).pop(at, None)
-            if checked.projected is None:
+        def seen(grads: tuple[torch.Tensor | None, ...]) -> None:
+            wide = checked.wide_grads or {}
+            arrived = {i: (g, wide.pop(i, None)) for i, g in zip(at, grads, strict=True)}
+            output_grad, checked.output_grad = checked.output_grad, None
+            if output_grad is None:
                 return
-            with self.charged(), unwatched(grad.device):
-                if wide is not None:
-                    ratio = self.kernels.rounding(grad, wide, checked.dtype)
-                    name = "input" if which == "left" else "weight"
-                    entry = f"{checked.key} {name} gradient rounding"
-                    self.found.append((checked.step, "pre_allreduce", entry, ratio))
-                measured = grad if wide is None else wide
-                if which == "left":
-                    self._check_left(checked, product.as_left(measured), wide is not None)
-                else:
-                    self._check_right(checked, product.as_right(measured), wide is not None)
+            with self.charged(), unwatched(output_grad.device):
+                made = {i: pair for i, pair in arrived.items() if pair[0] is not None}
+                self._check_backward(checked, checked.product.as_output(output_grad), made)
 
         return seen
 
-    def _check_left(self, checked: Checked, grad: torch.Tensor, accumulated: bool = False) -> None:
-        """dL = alpha dP R^T: dL e against alpha dP (R^T e) (alpha is in the dP figures)."""
+    def _check_backward(
+        self,
+        checked: Checked,
+        output_grad: torch.Tensor,
+        made: dict[int, tuple[torch.Tensor, torch.Tensor | None]],
+    ) -> None:
+        """dL = alpha dP R^T: dL e against alpha dP (R^T e); dR = alpha L^T dP: dR e against
+        alpha L^T (dP e) (alpha is in the dP figures), the weight's entries first. The rows of
+        L^T are L's columns, whose norms ||L||_F bounds: reducing a matrix along its columns
+        costs twenty times a reduction along its rows on the CPU, and the bound's L term is
+        small beside the product's own rounding (about half of it in bfloat16, a hundredth in
+        float32)."""
         product = checked.product
+        roundings: dict[str, torch.Tensor] = {}
+        measured: dict[str, tuple[torch.Tensor, bool]] = {}
+        for name, at in (("weight", product.right_at), ("input", product.left_at)):
+            if at in made:
+                grad, wide = made[at]
+                if wide is not None:
+                    roundings[name] = self.kernels.rounding(grad, wide, checked.dtype)
+                measured[name] = (grad if wide is None else wide), wide is not None
         if product.offs is not None:
+            ratios = self._check_grouped_backward(checked, output_grad, measured)
+        else:
+            ratios = self._check_plain_backward(checked, output_grad, measured)
+        for name in ("weight", "input"):
+            for entry, ratio in ((f"{name} gradient rounding", roundings.get(name)),
+                                 (f"{name} gradient", ratios.get(name))):  # fmt: skip
+                if ratio is not None:
+                    self.found.append((checked.step, "pre_allreduce", f"{checked.key} {entry}",
+                                       ratio))  # fmt: skip
+
+    def _check_plain_backward(
+        self,
+        checked: Checked,
+        output_grad: torch.Tensor,
+        measured: dict[str, tuple[torch.Tensor, bool]],
+    ) -> dict[str, torch.Tensor]:
+        """Each operand's check, by name, where its gradient is one product."""
+        product = checked.product
+        checks: dict[str, OperandCheck] = {}
+        if "input" in measured:
+            grad, accumulated = measured["input"]
+            grad = product.as_left(grad)
+            if checked.flat or product.checks_grad(product.left, grad):
+                rounding = self._operand_rounding(checked, grad, accumulated)
+                bound = self._bound(rounding, product.right.shape[-1], grad.shape[-1])
+                checks["input"] = OperandCheck(grad, bound, not rounding.fine)
+        along = -2 if product.transposed else -1  # dR's rows: a Linear's dW^T's columns
+        if "weight" in measured:
+            grad, accumulated = measured["weight"]
+            grad = product.as_right(grad)
+            if checked.flat or product.checks_grad(product.right, grad):
+                rounding = self._operand_rounding(checked, grad, accumulated)
+                left = product.left
+                inner = left.numel() // left.shape[-1] if checked.flat else left.shape[-2]
+                bound = self._bound(rounding, inner, grad.shape[along])
+                checks["weight"] = OperandCheck(grad, bound, not rounding.fine)
+        if not checks:
+            return {}
+        ratios = self.kernels.backward(
+            product.right, output_grad, product.left, checked.dtype, product.alpha, checked.flat,
+            along, checked.right_fro, checked.left_fro, checks.get("input"), checks.get("weight"),
+        )  # fmt: skip
+        return {
+            name: r for name, r in zip(("input", "weight"), ratios, strict=True) if r is not None
+        }
+
+    def _operand_rounding(
+        self, checked: Checked, grad: torch.Tensor, accumulated: bool
+    ) -> Rounding:
+        return self._rounding(*((F32,) if accumulated else (checked.dtype, grad.dtype)))
+
+    def _bound(self, rounding: Rounding, inner: int, length: int) -> Bound:
+        """bound_of, once per rounding and shape: its square roots cost microseconds."""
+        key = (rounding, inner, length)
+        bound = self.bounds.get(key)
+        if bound is None:
+            bound = self.bounds[key] = bound_of(rounding, inner, length)
+        return bound
+
+    def _check_grouped_backward(
+        self,
+        checked: Checked,
+        output_grad: torch.Tensor,
+        measured: dict[str, tuple[torch.Tensor, bool]],
+    ) -> dict[str, torch.Tensor]:
+        """A grouped product's: its output gradient's figures, then each operand's check
+        (detectors/grouped_products.py)."""
+        product = checked.product
+        left, right = self._operands(checked)
+        dp = grouped.output_grad(right, product.offs, output_grad.to(checked.dtype))
+        ratios = {}
+        if "input" in measured:
+            grad = product.as_left(measured["input"][0])
             rows = self._reads_rows(checked.dtype, grad.dtype)
-            figures = grouped.left_grad(grad, self._dp(checked), checked.right_fro, rows)
+            figures = grouped.left_grad(grad, dp, checked.right_fro, rows)
             inner = product.right.shape[-1]
             ratio = self._ratio(figures, inner, grad.shape[-1], checked.dtype, grad.dtype)
-            self.found.append(
-                (checked.step, "pre_allreduce", f"{checked.key} input gradient", ratio)
-            )
-            return
-        if not checked.flat and not product.checks_grad(product.left, grad):
-            return
-        rounding = self._rounding(*((F32,) if accumulated else (checked.dtype, grad.dtype)))
-        ratio = self.kernels.left(
-            grad, checked.projected, checked.grad_norms, checked.right_fro, checked.sums_norm,
-            checked.flat, bound_of(rounding, product.right.shape[-1], grad.shape[-1]),
-            not rounding.fine,
-        )  # fmt: skip
-        self.found.append((checked.step, "pre_allreduce", f"{checked.key} input gradient", ratio))
-
-    def _check_right(self, checked: Checked, grad: torch.Tensor, accumulated: bool = False) -> None:
-        """dR = alpha L^T dP: dR e against alpha L^T (dP e). The rows of L^T are L's columns,
-        whose norms ||L||_F bounds: reducing a matrix along its columns costs twenty times a
-        reduction along its rows on the CPU, and the bound's L term is small beside the
-        product's own rounding (about half of it in bfloat16, a hundredth in float32)."""
-        product = checked.product
-        if product.offs is not None:
-            left, _ = self._operands(checked)
+            ratios["input"] = ratio
+        if "weight" in measured:
+            grad = product.as_right(measured["weight"][0])
             rows = self._reads_rows(checked.dtype, grad.dtype)
-            figures, inner = grouped.right_grad(left, product.offs, grad, self._dp(checked), rows)
+            figures, inner = grouped.right_grad(left, product.offs, grad, dp, rows)
             ratio = self._ratio(figures, inner, grad.shape[-1], checked.dtype, grad.dtype)
-            self.found.append(
-                (checked.step, "pre_allreduce", f"{checked.key} weight gradient", ratio)
-            )
-            return
-        if not checked.flat and not product.checks_grad(product.right, grad):
-            return
-        rounding = self._rounding(*((F32,) if accumulated else (checked.dtype, grad.dtype)))
-        left = product.left
-        rows = left.numel() // left.shape[-1] if checked.flat else left.shape[-2]
-        # dR's rows are the columns of a Linear's weight gradient (dR = dW^T).
-        along = -2 if product.transposed else -1
-        ratio = self.kernels.right(
-            grad, left, checked.dtype, checked.row_sums, checked.left_fro, checked.grad_norms,
-            along, checked.flat, bound_of(rounding, rows, grad.shape[along]), not rounding.fine,
-        )  # fmt: skip
-        self.found.append((checked.step, "pre_allreduce", f"{checked.key} weight gradient", ratio))
-
-    @staticmethod
-    def _dp(checked: Checked) -> dict[str, torch.Tensor]:
-        """The output gradient's figures, as detectors/grouped_products.py names them."""
-        return {
-            "projected": checked.projected, "row_sums": checked.row_sums,
-            "grad_norms": checked.grad_norms, "sums_norm": checked.sums_norm,
-        }  # fmt: skip
+            ratios["weight"] = ratio
+        return ratios
 
     def on_audit(self, step: int) -> None:
         self._defer()

@@ -1,17 +1,19 @@
-"""`matmul_checksum`'s four checks of a plain product by a small C kernel (detectors/checksum.c):
+"""`matmul_checksum`'s checks of a plain product by a small C kernel (detectors/checksum.c):
 each matrix a check needs read once, its sums, norms and products with the check's vector
 together, the bound and the worst row's ratio in the same pass, where the eager path runs about
 twenty tensor operations and several reads per product (docs/performance.md, "Fused checks").
+Two calls per product: its forward check, and its backward's three (the output gradient's
+figures, kept in the kernel's memory, then both operands' checks) once both operands'
+gradients are made.
 
 Entry contract: the arguments of the eager functions of the same names in
-detectors/checksum_kernels.py, the reference, and their figures back (float32, shaped to the
-product's batch), or None where the kernel does not apply (a tensor off the CPU, a float16 or
-float64 operand or dtype) or cannot be built, and the caller runs the eager function. The two
-agree within a reduction's reordering, their verdicts exactly
-(tests/unit/test_checksum_kernels.py). Built once per source, compiler and CPU, and loaded once
-per process (detectors/native_build.py); where it cannot be built, the first failure says so
-once in the process's log.
-"""
+detectors/checksum_kernels.py (`backward_ratios`: of `Kernels.backward`), the reference, and
+their figures back (float32, shaped to the product's batch), or None where the kernel does not
+apply (a tensor off the CPU, a float16 or float64 operand or dtype) or cannot be built, and the
+caller runs the eager functions. The two agree within a reduction's reordering, their verdicts
+exactly (tests/unit/test_checksum_kernels.py). Built once per source, compiler and CPU, and
+loaded once per process (detectors/native_build.py); where it cannot be built, the first
+failure says so once in the process's log."""
 
 from __future__ import annotations
 
@@ -24,24 +26,21 @@ from pathlib import Path
 import torch
 
 from detectors import native_build
-from detectors.product_bounds import F32, Bound, addend_figures
+from detectors.product_bounds import F32, Bound, OperandCheck
 
 SOURCE = Path(__file__).with_name("checksum.c")
 WHO = "matmul_checksum: native checks"
 BF16 = torch.bfloat16
 # (the tensor's dtype, the dtype it is read as): how the kernel reads it (checksum.c's enum).
 READS = {(F32, F32): 0, (BF16, BF16): 1, (BF16, F32): 1, (F32, BF16): 2}
-NO_ADDEND = torch.zeros(2, dtype=F32)  # an addend's (sum, norm): none
 # Each function's arguments: matrices are checksum.c's `matrix` structs side by side, passed as
 # one array of int64 (a pointer and nine sizes and strides each), and the bound as five doubles,
 # both plain arrays: building ctypes structures costs more than the kernel on a small product,
 # and, objects the garbage collector tracks, they would set it off every few steps.
 POINTER, INT, REAL = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
 SIGNATURES = {
-    "forward_check": [POINTER, INT, POINTER, INT, REAL, POINTER, POINTER, POINTER, POINTER],
-    "grad_figures": [POINTER, INT, REAL, POINTER, POINTER, POINTER, POINTER],
-    "left_check": [POINTER, POINTER, POINTER, POINTER, POINTER, POINTER, POINTER],
-    "right_check": [POINTER, INT, POINTER, POINTER, POINTER, POINTER, POINTER],
+    "forward_check": [POINTER, INT, INT, REAL, REAL, POINTER, POINTER, POINTER, POINTER],
+    "backward_check": [POINTER, INT, REAL, INT, POINTER, POINTER, POINTER, POINTER, INT, POINTER],
     "rounding_check": [POINTER, POINTER, INT, INT],
 }
 
@@ -154,98 +153,65 @@ def output_figures(
     call.matrix(_flat(left, flat), batch, dtype)
     right_t = call.rows_first(right, batch, dtype)
     call.matrix(out, batch, out.dtype)
-    if not call.applies or (addend is not None and addend.device.type != "cpu"):
+    if addend is not None:  # as the product adds it: cast to the kernel's dtype
+        call.matrix(_flat(addend.expand(measured.shape), flat), batch, dtype)
+    if not call.applies:
         return None
-    if addend is None:
-        added, stride = NO_ADDEND, 0
-    else:
-        summed, norm = addend_figures(addend, dtype, beta, measured.shape, flat, not rows)
-        added = torch.stack([summed, torch.zeros_like(summed) if norm is None else norm], -1)
-        stride = int(added.dim() > 1)
     ratio, right_fro, left_fro = (torch.empty(shape, dtype=F32) for shape in ((), batch, batch))
     library.forward_check(
-        call.matrices(), right_t, call.floats(added, added.shape), stride, alpha,
-        _bound(call, bound, rows), right_fro.data_ptr(), left_fro.data_ptr(), ratio.data_ptr(),
+        call.matrices(), right_t, addend is not None, alpha, beta, _bound(call, bound, rows),
+        right_fro.data_ptr(), left_fro.data_ptr(), ratio.data_ptr(),
     )  # fmt: skip
     return ratio, right_fro, left_fro
 
 
-def grad_figures(
-    right: torch.Tensor, grad: torch.Tensor, dtype: torch.dtype, alpha: float, flat: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    library = load()
-    if library is None:
-        return None
-    call, grad = _Call(), _flat(grad, flat)
-    batch = grad.shape[:-2]
-    right_t = call.rows_first(right, batch, dtype)
-    call.matrix(grad, batch, dtype)
-    if not call.applies:
-        return None
-    projected, row_sums, norms = (torch.empty(grad.shape[:-1], dtype=F32) for _ in range(3))
-    sums_norm = torch.empty(batch, dtype=F32)
-    library.grad_figures(
-        call.matrices(), right_t, alpha,
-        projected.data_ptr(), row_sums.data_ptr(), norms.data_ptr(), sums_norm.data_ptr(),
-    )  # fmt: skip
-    return projected, row_sums, norms, sums_norm
-
-
-def left_ratio(
-    grad: torch.Tensor,
-    projected: torch.Tensor,
-    grad_norms: torch.Tensor,
-    right_fro: torch.Tensor,
-    sums_norm: torch.Tensor,
-    flat: bool,
-    bound: Bound,
-    rows: bool,
-) -> torch.Tensor | None:
-    library = load()
-    if library is None:
-        return None
-    call, grad = _Call(), _flat(grad, flat)
-    batch, per_row = grad.shape[:-2], grad.shape[:-1]
-    call.matrix(grad, batch, grad.dtype)
-    if not call.applies:
-        return None
-    ratio = torch.empty((), dtype=F32)
-    library.left_check(
-        call.matrices(), call.floats(projected, per_row), call.floats(grad_norms, per_row),
-        call.floats(right_fro, batch), call.floats(sums_norm, batch), _bound(call, bound, rows),
-        ratio.data_ptr(),
-    )  # fmt: skip
-    return ratio
-
-
-def right_ratio(
-    grad: torch.Tensor,
+def backward_ratios(
+    right: torch.Tensor,
+    output_grad: torch.Tensor,
     left: torch.Tensor,
     dtype: torch.dtype,
-    row_sums: torch.Tensor,
-    left_fro: torch.Tensor,
-    grad_norms: torch.Tensor,
-    along: int,
+    alpha: float,
     flat: bool,
-    bound: Bound,
-    rows: bool,
-) -> torch.Tensor | None:
+    along: int,
+    right_fro: torch.Tensor,
+    left_fro: torch.Tensor,
+    input_check: OperandCheck | None,
+    weight_check: OperandCheck | None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
+    """grad_figures, then left_ratio and right_ratio where their checks are given, in one call:
+    the output gradient's figures stay in the kernel's memory."""
     library = load()
     if library is None:
         return None
-    call, left = _Call(), _flat(left, flat)
-    batch = grad.shape[:-2]
-    # dR [..., q, p] as the check reads it: a Linear's weight gradient is dR^T.
-    grad_t = call.rows_first(grad if along == -1 else grad.mT, batch, grad.dtype)
-    call.matrix(left, batch, dtype)
+    call, output_grad = _Call(), _flat(output_grad, flat)
+    batch = output_grad.shape[:-2]
+    right_t = call.rows_first(right, batch, dtype)
+    call.matrix(output_grad, batch, dtype)
+    left_bound = weight_bound = None
+    if input_check is not None:
+        grad = _flat(input_check.grad, flat)
+        call.matrix(grad, grad.shape[:-2], grad.dtype)
+        left_bound = _bound(call, input_check.bound, input_check.rows)
+    grad_t, weight_batch = 0, batch
+    if weight_check is not None:
+        grad = weight_check.grad
+        weight_batch = grad.shape[:-2]
+        grad_t = call.rows_first(grad if along == -1 else grad.mT, weight_batch, grad.dtype)
+        call.matrix(_flat(left, flat), weight_batch, dtype)
+        weight_bound = _bound(call, weight_check.bound, weight_check.rows)
     if not call.applies:
         return None
-    ratio, per_row = torch.empty((), dtype=F32), (*batch, left.shape[-2])
-    library.right_check(
-        call.matrices(), grad_t, call.floats(row_sums, per_row), call.floats(left_fro, batch),
-        call.floats(grad_norms, per_row), _bound(call, bound, rows), ratio.data_ptr(),
+    ratios = torch.empty(2, dtype=F32)
+    which = (input_check is not None) | (weight_check is not None) << 1
+    library.backward_check(
+        call.matrices(), right_t, alpha, which, call.floats(right_fro, batch),
+        call.floats(left_fro, weight_batch), left_bound, weight_bound, grad_t, ratios.data_ptr(),
     )  # fmt: skip
-    return ratio
+    input_ratio, weight_ratio = ratios.unbind()
+    return (
+        input_ratio if input_check is not None else None,
+        weight_ratio if weight_check is not None else None,
+    )
 
 
 def rounding_ratio(

@@ -217,6 +217,15 @@ class Bound(NamedTuple):
     floor: float
 
 
+class OperandCheck(NamedTuple):
+    """One operand's gradient under check in its product's backward: as measured, its bound,
+    and whether the bound reads the gradient's rows' norms (16 bits)."""
+
+    grad: torch.Tensor
+    bound: Bound
+    rows: bool
+
+
 def bound_of(rounding: Rounding, inner: int, length: int) -> Bound:
     s, q, p = rounding.sigmas, math.sqrt(inner), math.sqrt(length)
     return Bound(

@@ -101,17 +101,20 @@ def _keep(grads: dict[int, torch.Tensor], at: int, grad: torch.Tensor) -> None:
 
 
 class Tap(torch.autograd.Function):
-    """Forward passes its input on; backward hands the gradient to `seen`, then passes it on."""
+    """Forward passes its inputs on; backward hands their gradients (None where none flowed)
+    to `seen`, together, then passes them on: one node for a product's operands, whose
+    gradients its backward makes together."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, seen) -> torch.Tensor:
+    def forward(ctx, seen, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.seen = seen
-        return x.view_as(x)
+        ctx.set_materialize_grads(False)
+        return tuple(x.view_as(x) for x in inputs)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        ctx.seen(grad)
-        return grad, None
+    def backward(ctx, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        ctx.seen(grads)
+        return None, *grads
 
 
 @dataclass(frozen=True)

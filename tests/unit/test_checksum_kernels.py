@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from detectors import checksum_kernels, native_checksum
 from detectors.checksum_kernels import Kernels
-from detectors.product_bounds import Rounding, bound_of, rounding_ratio, roundoff
+from detectors.product_bounds import OperandCheck, Rounding, bound_of, rounding_ratio, roundoff
 
 EAGER = Kernels("eager")
 SPECIALS = (math.nan, math.inf, -math.inf)
@@ -110,24 +110,14 @@ def test_fused_checks_agree_with_eager(kind: str, dtype: torch.dtype) -> None:
             assert figures[0][0].isfinite()
 
         grad = _operand((4, 96, 80), dtype, gen)
-        dp = [k.grad(right, grad, dtype, 1.0, False) for k in (EAGER, fused)]
-        for name, e, c in zip(("projected", "row_sums", "norms", "sums"), *dp, strict=True):
-            _agree(e, c, f"{dtype} {case} output gradient {name}", False)
-        projected, row_sums, norms, sums_norm = dp[0]
         right_fro, left_fro = figures[0][1], figures[0][2]
-
         d_left = _spoil((grad.float() @ right.float().mT).to(dtype), case)
         d_right = _spoil((left.float().mT @ grad.float()).to(dtype), case)
-        left_bound, right_bound = bound_of(rounding, 80, 64), bound_of(rounding, 96, 80)
-        lefts = [
-            k.left(d_left, projected, norms, right_fro, sums_norm, False, left_bound, rows)
-            for k in (EAGER, fused)
-        ]
+        checks = (OperandCheck(d_left, bound_of(rounding, 80, 64), rows),
+                  OperandCheck(d_right, bound_of(rounding, 96, 80), rows))  # fmt: skip
+        args = (right, grad, left, dtype, 1.0, False, -1, right_fro, left_fro, *checks)
+        (lefts, rights) = zip(*(k.backward(*args) for k in (EAGER, fused)), strict=True)
         _agree(*lefts, f"{dtype} {case} input gradient", True)
-        rights = [
-            k.right(d_right, left, dtype, row_sums, left_fro, norms, -1, False, right_bound, rows)
-            for k in (EAGER, fused)
-        ]
         _agree(*rights, f"{dtype} {case} weight gradient", True)
         broken = {"clean": False, "fault": True, "special": True}[case]
         for ratio in (figures[0][0], lefts[0], rights[0]):
@@ -165,12 +155,12 @@ def test_fused_checks_repeat_an_autocast_kernels_casts(
         assert (float(ratios[1]) <= 0.5) == (case == "clean"), (case, ratios)
     if not backward:
         return
-    grad = torch.randn(4, 96, 80, generator=gen)
+    grad = torch.randn(4, 96, 80, generator=gen).to(dtype).float()  # as a 16-bit dP
     d_right = left.to(dtype).float().mT @ grad
-    row_sums, norms = grad.sum(-1), torch.linalg.vector_norm(grad, dim=-1)
-    left_fro = torch.linalg.vector_norm(left.to(dtype).float(), dim=(-2, -1))
-    figures = (row_sums, left_fro, norms, -1, False, bound_of(rounding, 96, 80), False)
-    rights = [k.right(d_right, left, dtype, *figures) for k in (EAGER, fused)]
+    fros = [torch.linalg.vector_norm(t.to(dtype).float(), dim=(-2, -1)) for t in (right, left)]
+    check = OperandCheck(d_right, bound_of(rounding, 96, 80), False)
+    args = (right, grad, left, dtype, 1.0, False, -1, *fros, None, check)
+    rights = [k.backward(*args)[1] for k in (EAGER, fused)]
     assert float(rights[0]) <= 0.5 and float(rights[1]) <= 0.5, rights
 
 
@@ -268,29 +258,25 @@ def test_native_checks_agree_with_eager_in_every_layout(dtype: torch.dtype) -> N
                 # The native figures are per batch matrix of P; eager's per operand's.
                 _agree(*torch.broadcast_tensors(e, n), f"{what} {figure}", figure == "ratio")
             assert bool(not forward[1][0] <= 1.0) == (case == "fault"), what
-            dp = [k.grad(right, grad, dtype, alpha, flat) for k in (EAGER, native)]
-            assert (native_checksum.grad_figures(right, grad, dtype, alpha, flat) is None) == (
-                COMPILER is None
-            )
-            for figure, e, n in zip(("projected", "row_sums", "norms", "sums"), *dp, strict=True):
-                _agree(*torch.broadcast_tensors(e, n), f"{what} output gradient {figure}", False)
-            projected, row_sums, norms, sums_norm = dp[0]
             _, right_fro, left_fro = forward[0]
             if name == "broadcast":
                 continue  # L is not one product's operand: its gradient is not checked
-            args = (_spoil(left_grad, case), projected, norms, right_fro, sums_norm, flat,
-                    bound_of(rounding, p, q), rows)  # fmt: skip
-            lefts = [k.left(*args) for k in (EAGER, native)]
-            assert (native_checksum.left_ratio(*args) is None) == (COMPILER is None)
-            _agree(*lefts, f"{what} input gradient", True)
-            assert bool(not lefts[1] <= 1.0) == (case == "fault"), what
             along, stored = (-2, right_grad.mT) if name == "linear" else (-1, right_grad)
-            args = (_spoil(stored.contiguous(), case), left, dtype, row_sums, left_fro, norms,
-                    along, flat, bound_of(rounding, m, p), rows)  # fmt: skip
-            rights = [k.right(*args) for k in (EAGER, native)]
-            assert (native_checksum.right_ratio(*args) is None) == (COMPILER is None)
+            checks = (
+                OperandCheck(_spoil(left_grad, case), bound_of(rounding, p, q), rows),
+                OperandCheck(_spoil(stored.contiguous(), case), bound_of(rounding, m, p), rows),
+            )
+            args = (right, grad, left, dtype, alpha, flat, along, right_fro, left_fro, *checks)
+            (lefts, rights) = zip(*(k.backward(*args) for k in (EAGER, native)), strict=True)
+            assert (native_checksum.backward_ratios(*args) is None) == (COMPILER is None)
+            _agree(*lefts, f"{what} input gradient", True)
             _agree(*rights, f"{what} weight gradient", True)
+            assert bool(not lefts[1] <= 1.0) == (case == "fault"), what
             assert bool(not rights[1] <= 1.0) == (case == "fault"), what
+            for at, alone in ((0, (checks[0], None)), (1, (None, checks[1]))):
+                ratios = native.backward(*args[:-2], *alone)  # one operand's gradient made
+                assert ratios[1 - at] is None, what
+                _agree(ratios[at], (lefts, rights)[at][1], f"{what} alone", True)
 
 
 @pytest.mark.parametrize("stored", [torch.bfloat16, torch.float32])
@@ -327,13 +313,14 @@ def test_native_checks_without_a_compiler_say_so_once_and_run_eagerly(
     monkeypatch.setenv("SDC_BENCH_CACHE", str(tmp_path / "cache"))
     native_checksum.load.cache_clear()
     try:
-        right, grad = torch.randn(64, 80), torch.randn(96, 80)
+        left, right = torch.randn(96, 64), torch.randn(64, 80)
+        bound = bound_of(_rounding(torch.float32), 64, 80)
+        args = (left, right, left @ right, None, torch.float32, 1.0, 1.0, False, bound, False)
         with caplog.at_level(logging.WARNING):
-            figures = [Kernels("native").grad(right, grad, torch.float32, 1.0, False)
-                       for _ in range(3)]  # fmt: skip
+            figures = [Kernels("native").output(*args) for _ in range(3)]
         said = [r.getMessage() for r in caplog.records if "native checks" in r.getMessage()]
         assert len(said) == 1 and "no C compiler" in said[0], said
-        want = EAGER.grad(right, grad, torch.float32, 1.0, False)
+        want = EAGER.output(*args)
         for got in figures:
             assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
     finally:
@@ -355,9 +342,8 @@ def test_an_infinite_or_huge_16_bit_element_breaks_every_check_it_reaches(kind: 
         left, right = _operand((m, q), torch.bfloat16, gen), _operand((q, p), torch.bfloat16, gen)
         output = (left.float() @ right.float()).to(torch.bfloat16)
         grad = _operand((m, p), torch.bfloat16, gen)
-        projected, row_sums, norms, sums_norm = EAGER.grad(right, grad, torch.bfloat16, 1.0, False)
-        right_fro = torch.linalg.vector_norm(right.float())
-        left_fro = torch.linalg.vector_norm(left.float())
+        fros = [torch.linalg.vector_norm(t.float()) for t in (right, left)]
+        backward = (right, grad, left, torch.bfloat16, 1.0, False)
         d_left = (grad.float() @ right.float().mT).to(torch.bfloat16)
         d_right = (left.float().mT @ grad.float()).to(torch.bfloat16)
         for value in (math.inf, 1e30, 2.0**70):
@@ -369,14 +355,14 @@ def test_an_infinite_or_huge_16_bit_element_breaks_every_check_it_reaches(kind: 
             assert not check.output(*args)[0] <= 1.0, f"{what} forward"
             spoiled = d_left.clone()
             spoiled[6, 2] = value
-            ratio = check.left(spoiled, projected, norms, right_fro, sums_norm, False,
-                               bound_of(rounding, p, q), True)  # fmt: skip
+            input_check = OperandCheck(spoiled, bound_of(rounding, p, q), True)
+            ratio, _ = check.backward(*backward, -1, *fros, input_check, None)
             assert not ratio <= 1.0, f"{what} input gradient"
             for along, stored in ((-1, d_right), (-2, d_right.mT.contiguous())):
                 spoiled = stored.clone()
                 spoiled.view(-1)[9] = value
-                ratio = check.right(spoiled, left, torch.bfloat16, row_sums, left_fro, norms,
-                                    along, False, bound_of(rounding, m, p), True)  # fmt: skip
+                weight_check = OperandCheck(spoiled, bound_of(rounding, m, p), True)
+                _, ratio = check.backward(*backward, along, *fros, None, weight_check)
                 assert not ratio <= 1.0, f"{what} weight gradient along {along}"
 
 
