@@ -14,7 +14,9 @@ from tests.conftest import events, rows
 from tests.test_parallel import campaign
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+# float32 in the slow set (20 s): the default run keeps bfloat16, whose rounding is the harder
+# case for the rollback's bit-identical end, on the same sharded consensus and recovery path.
+@pytest.mark.parametrize("dtype", [pytest.param("float32", marks=pytest.mark.slow), "bfloat16"])
 def test_a_wrong_weight_shard_on_one_hsdp_replica_is_caught_and_recovered_from(
     run_ok, tmp_path, dtype
 ):
