@@ -99,13 +99,13 @@ def test_other_checks_reuse_the_results_but_not_the_snapshots_their_state_is_in(
     assert without_timing(rows(tmp_path / "off")) == without_timing(rows(tmp_path / "b"))
 
 
-def test_a_sweep_of_four_fault_settings_runs_each_golden_once(tmp_path):
+def test_a_sweep_of_three_fault_settings_runs_each_golden_once(tmp_path):
     store = tmp_path / "store"
     proc = sdc_bench(
         "-m",
         "fault=grad_scale",
         "fault.steps=[2]",
-        "fault.factor=2,4,8,16",
+        "fault.factor=2,4,16",
         "workload.steps=4",
         "campaign.seeds=1",
         "campaign.noise_seeds=2",
@@ -115,12 +115,12 @@ def test_a_sweep_of_four_fault_settings_runs_each_golden_once(tmp_path):
         cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    jobs = [goldens(tmp_path / "sweep" / str(n)) for n in range(4)]
+    jobs = [goldens(tmp_path / "sweep" / str(n)) for n in range(3)]
     assert all(g["reused_from"] is None for g in jobs[0].values())
     assert all(g["reused_from"] for job in jobs[1:] for g in job.values())
     assert len(list(store.glob("*/s*/golden.json"))) == 2
-    factors = [rows(tmp_path / "sweep" / str(n))[0]["factor"] for n in range(4)]
-    assert factors == ["2.0", "4.0", "8.0", "16.0"]
+    factors = [rows(tmp_path / "sweep" / str(n))[0]["factor"] for n in range(3)]
+    assert factors == ["2.0", "4.0", "16.0"]
 
 
 def test_a_result_that_differs_from_the_stores_for_the_same_inputs_is_refused(tmp_path):
