@@ -40,27 +40,56 @@ def _sdc_bench(env: dict[str, str], cwd: Path, *args: str) -> subprocess.Complet
     )  # fmt: skip
 
 
-def test_an_installed_detector_runs_in_the_smoke_campaign_beside_the_built_in_ones(
-    installed, tmp_path
-):
-    out = tmp_path / "run"
-    proc = _sdc_bench(installed, tmp_path, "campaign=smoke",
-                      "detectors=[nan_inf,replay,weight_consensus,allreduce_sketch,grad_norm_limit]",
+# One campaign for both: the installed fault model's fault among built-in ones, every check
+# (the installed one among them) looking at every trial.
+SCENARIOS = [
+    "{site:none}",
+    # NaN in rank 3's local gradient at step 5: its norm is not a number, in that step.
+    "{site:grad,model:value,value:nan,ranks:[3],steps:[5]}",
+    # The reduction wrong on every receiver: only allreduce_sketch sees it.
+    "{site:allreduce,model:scale,factor:1000.0,scope:reduction,ranks:[0],steps:[5]}",
+    # The installed fault model, with its own key.
+    "{site:grad,model:offset,delta:1e6,ranks:[1],steps:[2]}",
+]
+
+
+@pytest.fixture(scope="module")
+def campaign(installed, tmp_path_factory) -> Path:
+    cwd = tmp_path_factory.mktemp("campaign")
+    out = cwd / "run"
+    proc = _sdc_bench(installed, cwd, "campaign=smoke", "workload.steps=6",
+                      f"campaign.scenarios=[{','.join(SCENARIOS)}]",
+                      "detectors=[nan_inf,allreduce_sketch,grad_stats,grad_norm_limit]",
                       f"out={out}")  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    table = {(r["site"], r["model"]): r for r in rows(out)}
-    assert len(table) == 6
+    return out
+
+
+def test_an_installed_detector_runs_in_a_campaign_beside_the_built_in_ones(campaign):
+    table = {(r["site"], r["model"]): r for r in rows(campaign)}
+    assert len(table) == 4
     assert all("grad_norm_limit" in r["detectors"].split(";") for r in table.values())
     clean = table["none", "none"]
     assert clean["alerts"] == "0", clean
-    # The NaN in rank 3's local gradient at step 5: its norm is not a number, in that step.
     nan = table["grad", "value"]
     assert "grad_norm_limit=5" in nan["detect_steps"].split(";"), nan
     assert "nan_inf=5" in nan["detect_steps"].split(";"), nan
     assert nan["suspect_ranks"] == "3", nan
     # The built-in checks are as they are without it.
     assert "allreduce_sketch=5" in table["allreduce", "scale"]["detect_steps"], table
-    assert "grad_norm_limit" in (out / "report.md").read_text()
+    assert "grad_norm_limit" in (campaign / "report.md").read_text()
+
+
+def test_an_installed_fault_model_strikes_with_its_own_key(campaign):
+    (trial,) = [r for r in rows(campaign) if r["model"] == "offset"]
+    assert trial["trial_id"] == "003-grad-offset-delta1e+06-s0", trial
+    assert (trial["fired"], trial["injected_ranks"]) == ("True", "1")
+    (inject,) = [
+        e for e in events(campaign)
+        if e["kind"] == "inject" and e["fired"] and e["trial_id"] == trial["trial_id"]
+    ]  # fmt: skip
+    assert inject["new"] - inject["old"] == pytest.approx(1e6, rel=1e-6)
+    assert "grad_stats=2" in trial["detect_steps"].split(";"), trial
 
 
 def test_an_installed_detectors_settings_are_validated_by_its_own_config(installed, tmp_path):
@@ -76,22 +105,6 @@ def test_without_the_package_the_name_is_refused_with_the_choices(tmp_path):
     proc = _sdc_bench(dict(os.environ), tmp_path, "detectors=[nan_inf,grad_norm_limit]")
     assert proc.returncode == 2
     assert "detectors: 'grad_norm_limit' is not allowed; allowed: allreduce_sketch" in proc.stderr
-
-
-def test_an_installed_fault_model_strikes_with_its_own_key(installed, tmp_path):
-    out = tmp_path / "run"
-    fault = ["fault.site=grad", "fault.model=offset", "fault.delta=1e6", "fault.ranks=[1]",
-             "fault.steps=[2]"]  # fmt: skip
-    proc = _sdc_bench(installed, tmp_path, *fault, "workload.steps=4", "campaign.seeds=1",
-                      "campaign.noise_seeds=2",
-                      "detectors=[nan_inf,grad_stats]", f"out={out}")  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (trial,) = rows(out)
-    assert trial["trial_id"] == "000-grad-offset-delta1e+06-s0", trial
-    assert (trial["model"], trial["fired"], trial["injected_ranks"]) == ("offset", "True", "1")
-    (inject,) = [e for e in events(out) if e["kind"] == "inject" and e["fired"]]
-    assert inject["new"] - inject["old"] == pytest.approx(1e6, rel=1e-6)
-    assert trial["detected_by"] == "grad_stats" and trial["detect_step"] == "2", trial
 
 
 @pytest.mark.parametrize(
