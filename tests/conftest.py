@@ -44,37 +44,41 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ["SDC_BENCH_CACHE"] = config.golden_store
 
 
-# The test files that take longest, longest first (seconds in one run on 2 cores, 2026-12-04:
-# 134, 87, 62, 58, 45, 42, 37, 33, 32, 31, 29, 27, 25, 25, 23, 21, then 19 to 12).
-# scripts/test.sh hands out files in this order (--dist=loadfile --no-loadscope-reorder) and a
-# worker takes the next file when it runs low, so the long files start first and the many short
-# ones even out the end, instead of a long file starting last while the other worker idles.
+# The test files that take longest, longest first (seconds in one run on 2 cores, 2026-12-05:
+# 96, 76, 71, 49, 47, 37, 36, 35, 32, 30, 29, 29, 29, 28, 27, 26, 26, 25, 24, 22, 22, 21, 20,
+# then 19 to 10). scripts/test.sh hands out files in this order (--dist=loadfile
+# --no-loadscope-reorder) and a worker takes the next file when it runs low, so the long files
+# start first and the many short ones even out the end, instead of a long file starting last
+# while the other worker idles.
 LONGEST_FIRST = (
-    "test_parallel.py",
     "test_robustness.py",
     "test_multihost.py",
-    "test_guarded_example.py",
-    "test_guard_loops.py",
+    "test_parallel.py",
     "test_recovery.py",
-    "test_replica_groups.py",
     "test_detectors.py",
-    "test_lightning.py",
-    "test_hf_trainer.py",
     "test_golden_store.py",
-    "test_recipes.py",
     "test_matmul_checksum.py",
     "test_campaigns.py",
-    "test_benchmarks_quick.py",
-    "test_plugin_packages.py",
-    "test_injectors.py",
-    "test_verdicts.py",
+    "test_recipes.py",
     "test_sharding.py",
+    "test_verdicts.py",
+    "test_guarded_example.py",
+    "test_hf_trainer.py",
     "test_sweep.py",
-    "test_config_errors.py",
+    "test_injectors.py",
     "test_user_models.py",
+    "test_benchmarks_quick.py",
+    "test_config_errors.py",
+    "test_replica_groups.py",
+    "test_lightning.py",
+    "test_plugin_packages.py",
+    "test_guard_loops.py",
     "test_environment.py",
-    "test_campaign.py",
     "test_custom.py",
+    "test_campaign.py",
+    "test_trainer.py",
+    "test_config.py",
+    "test_rank_server.py",
 )
 
 
