@@ -469,17 +469,35 @@ void backward_check(const matrix *operands, int64_t right_t, double alpha, int64
 /* rounding_ratio: whether any element of `rounded` (bfloat16, or float32 holding a bfloat16
  * value) is not `wide` rounded once to bfloat16, nearest even. Bit for bit, but a NaN against
  * a NaN of any payload: torch's own casts write a NaN's bits differently on their vector and
- * scalar paths. */
-int64_t rounding_check(const float *wide, const void *rounded, int64_t rounded_float32, int64_t n) {
-    int64_t wrong = 0;
-    for (int64_t i = 0; i < n; i++) {
-        float want = as_bfloat16(wide[i]);
-        float got = rounded_float32 ? ((const float *)rounded)[i]
-                                    : widen(((const uint16_t *)rounded)[i]);
+ * scalar paths. as_bfloat16 on the bits without a branch (a NaN kept whole, any other value
+ * rounded: a finite one never becomes a NaN), so that the comparison runs in vector lanes, a
+ * chunk of a bfloat16 `rounded` widened at a time. */
+static int rounded_wrong(const float *wide, const float *rounded, int64_t n) {
+    uint32_t wrong = 0;
+    for (int64_t c = 0; c < n; c++) {
         uint32_t a, b;
-        memcpy(&a, &want, sizeof a);
-        memcpy(&b, &got, sizeof b);
-        wrong |= (a != b) & !(isnan(want) && isnan(got));
+        memcpy(&a, wide + c, sizeof a);
+        memcpy(&b, rounded + c, sizeof b);
+        uint32_t a_nan = (a & 0x7fffffffu) > 0x7f800000u, b_nan = (b & 0x7fffffffu) > 0x7f800000u;
+        uint32_t want = a_nan ? a : (a + 0x7fffu + ((a >> 16) & 1u)) & 0xffff0000u;
+        wrong |= (want != b) & !(a_nan & b_nan);
+    }
+    return wrong != 0;
+}
+
+int64_t rounding_check(const float *wide, const void *rounded, int64_t rounded_float32, int64_t n) {
+    enum { CHUNK = 256 };
+    float widened[CHUNK];
+    int wrong = 0;
+    for (int64_t i = 0; i < n; i += CHUNK) {
+        int64_t m = n - i < CHUNK ? n - i : CHUNK;
+        const float *got = (const float *)rounded + i;
+        if (!rounded_float32) {
+            for (int64_t c = 0; c < m; c++)
+                widened[c] = widen(((const uint16_t *)rounded)[i + c]);
+            got = widened;
+        }
+        wrong |= rounded_wrong(wide + i, got, m);
     }
     return wrong;
 }
