@@ -168,6 +168,12 @@ class MatmulChecksum(Detector):
     def on_matmul_operands(self, step: int, call: MatmulCall) -> None:
         if step % self.config.interval:
             return
+        # The check's own views and its Tap node are not the model's operations: no torch
+        # function mode (emulated numerics) between them and torch.
+        with torch._C.DisableTorchFunction():
+            self._take_operands(step, call)
+
+    def _take_operands(self, step: int, call: MatmulCall) -> None:
         key = self._key(step, call.module)
         if call.func in convolutions.FUNCS:
             if self._sampled(step, key) and convolutions.checkable(call):
@@ -200,12 +206,13 @@ class MatmulChecksum(Detector):
         checked = self.open.pop(id(call), None)
         if checked is None:
             return None
+        hooked = self.config.backward and torch.is_grad_enabled()
         with unwatched(output.device):
             self._check_output(step, checked, output, call.accumulator)
-        if self.config.backward and output.requires_grad and torch.is_grad_enabled():
-            # A hook, not a Function: a model may change the product in place. It only keeps
-            # dP: the checks run once the operands' gradients are made (`_backward`).
-            output.register_hook(functools.partial(setattr, checked, "output_grad"))
+            if hooked and output.requires_grad:
+                # A hook, not a Function: a model may change the product in place. It only
+                # keeps dP: the checks run once the operands' gradients are made (`_backward`).
+                output.register_hook(functools.partial(setattr, checked, "output_grad"))
         return None
 
     def _operands(self, checked: Checked) -> tuple[torch.Tensor, torch.Tensor]:
