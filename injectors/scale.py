@@ -15,6 +15,8 @@ class Scale(FaultModel):
     def validate(cls, key: str, fault) -> None:
         if fault.factor is None:
             raise ConfigError(f"{key}.factor", "the scale model needs a finite factor")
+        if fault.factor == 1:
+            raise ConfigError(f"{key}.factor", "1 changes nothing: the fault could never strike")
 
     def corrupt(self, flat: torch.Tensor, index: int, bit: int | None = None) -> None:
         flat[index] = flat[index] * self.fault.factor

@@ -98,6 +98,7 @@ CASES = [
     (["campaign=single", "fault=grad_bitflip", "fault.steps=[30]"], "fault.steps", "0..29"),
     (["campaign=single", "fault=grad_bitflip", "fault.steps=[]"], "fault.steps", "non-empty"),
     (["campaign=single", "fault=grad_scale", "fault.factor=inf"], "fault.factor", "finite"),
+    (["campaign=single", "fault=grad_scale", "fault.factor=1"], "fault.factor", "never strike"),
     (["campaign=single", "fault=grad_bitflip", "fault.scope=rank"], "fault.scope", "no scope"),
     (
         ["campaign=single", "fault=grad_bitflip", "fault.tensor=nothing.*"],
