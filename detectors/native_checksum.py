@@ -21,6 +21,7 @@ import array
 import ctypes
 import functools
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -58,16 +59,27 @@ def load() -> ctypes.CDLL | None:
 
 
 class _Call:
-    """One call's matrices, described for the kernel, and the tensors they point into (kept
-    alive until the kernel has read them: a cast or a merged batch is a temporary)."""
+    """One call's matrices, described for the kernel from its tensors (`sources`, by position),
+    and the tensors the description points into (kept alive until the kernel has read them: a
+    cast or a merged batch is a temporary)."""
 
-    def __init__(self) -> None:
+    def __init__(self, sources: tuple[torch.Tensor, ...]) -> None:
+        self.sources = sources
         self.held: list[torch.Tensor | array.array] = []
         self.fields: list[int] = []
+        self.slots: list[tuple[int, int]] = []  # (the field of an address, its source)
+        self.pointers: list[tuple[int, int]] = []  # (an address argument, its source)
         self.applies = True
+        self.copied = False  # some matrix is a copy of its source, not a view
 
-    def matrix(self, t: torch.Tensor, batch: torch.Size, read_as: torch.dtype) -> None:
-        """Describe `t` [..., rows, cols], broadcast to `batch`, read as `read_as`."""
+    def _address(self, t: torch.Tensor, source: int) -> int:
+        address = t.data_ptr()
+        self.copied |= address != self.sources[source].data_ptr()
+        return address
+
+    def matrix(self, t: torch.Tensor, batch: torch.Size, read_as: torch.dtype, source: int) -> None:
+        """Describe `t` (`sources[source]` or a view of it) [..., rows, cols], broadcast to
+        `batch`, read as `read_as`."""
         kind = READS.get((t.dtype, read_as))
         if kind is None or t.device.type != "cpu":
             self.applies = False
@@ -81,25 +93,77 @@ class _Call:
         self.held.append(t)
         *_, rows, cols = t.shape
         *_, rstride, cstride = t.stride()
-        self.fields += [t.data_ptr(), kind, *dims, rows, cols, rstride, cstride]
+        self.slots.append((len(self.fields), source))
+        self.fields += [self._address(t, source), kind, *dims, rows, cols, rstride, cstride]
 
-    def rows_first(self, t: torch.Tensor, batch: torch.Size, read_as: torch.dtype) -> int:
+    def rows_first(
+        self, t: torch.Tensor, batch: torch.Size, read_as: torch.dtype, source: int
+    ) -> int:
         """Describe `t` as itself (0) or as its transpose (1), whichever has contiguous rows."""
         flip = t.stride(-1) != 1 and t.stride(-2) == 1 and t.shape[-1] > 1
-        self.matrix(t.mT if flip else t, batch, read_as)
+        self.matrix(t.mT if flip else t, batch, read_as, source)
         return int(flip)
 
-    def matrices(self) -> int:
-        described = array.array("q", self.fields)
-        self.held.append(described)
-        return described.buffer_info()[0]
-
-    def floats(self, t: torch.Tensor, shape: torch.Size) -> int:
-        """A float32 figure (made by either path) laid out as the kernel indexes it."""
+    def floats(self, t: torch.Tensor, shape: torch.Size, source: int) -> None:
+        """A float32 figure (made by either path) laid out as the kernel indexes it: the next
+        address argument."""
         if t.shape != shape or not t.is_contiguous() or t.dtype != F32:
             t = t.expand(shape).to(F32).contiguous()
             self.held.append(t)
-        return t.data_ptr()
+        self.pointers.append((self._address(t, source), source))
+
+
+class _Plan:
+    """A call's description, kept per layout of its tensors (`_layouts`: dtypes, shapes,
+    strides, device) and its flags, which alone decide it: a later call with the same layouts
+    writes its own tensors' addresses into a copy of it. Describing costs several times the
+    kernel's work on a small product. A description with a copy in it (a merged batch, a cast
+    figure) is made anew at each call."""
+
+    def __init__(self, call: _Call, extra: tuple) -> None:
+        self.fields = array.array("q", call.fields)
+        self.slots, self.pointers = tuple(call.slots), tuple(call.pointers)
+        self.extra = extra  # what the kernel's caller needs besides: flags, output shapes
+        self.held = call.held if call.copied else None  # a copy's own, for this call alone
+
+    def bind(self, sources: tuple[torch.Tensor, ...]) -> tuple[array.array, list[int]]:
+        """The matrices' description and the address arguments for these tensors."""
+        if self.held is not None:
+            return self.fields, [address for address, _ in self.pointers]
+        fields = array.array("q", self.fields)
+        for at, source in self.slots:
+            fields[at] = sources[source].data_ptr()
+        return fields, [sources[source].data_ptr() for _, source in self.pointers]
+
+
+# Kept plans by `_layouts`: None where the kernel does not apply, ANEW where the description
+# copies (not kept: the copy is the size of an operand).
+_PLANS: dict[tuple, _Plan | str | None] = {}
+ANEW = "anew"
+# A model whose shapes change from step to step (a varying sequence length) makes a plan per
+# shape: past this many, they are dropped and made again as met.
+PLANS_KEPT = 4096
+
+
+def _layouts(*tensors: torch.Tensor | None) -> tuple:
+    return tuple(None if t is None else (t.dtype, t.shape, t.stride(), t.is_cpu) for t in tensors)
+
+
+def _plan(
+    key: tuple, sources: tuple[torch.Tensor, ...], describe: Callable[[_Call], tuple]
+) -> _Plan | None:
+    """The plan of a call whose layouts and flags are `key`: kept, or made by `describe` (which
+    describes the call's matrices and returns the extra its caller needs)."""
+    plan = _PLANS.get(key, ANEW)
+    if plan is ANEW:
+        call = _Call(sources)
+        extra = describe(call)
+        made = _Plan(call, extra) if call.applies else None
+        if len(_PLANS) >= PLANS_KEPT:
+            _PLANS.clear()
+        _PLANS[key] = ANEW if made is not None and made.held is not None else made
+        return made
+    return plan
 
 
 def _batch_dims(t: torch.Tensor) -> tuple[int, int, int, int] | None:
@@ -123,9 +187,15 @@ def _batch_dims(t: torch.Tensor) -> tuple[int, int, int, int] | None:
     return b0, b1, s0, s1
 
 
-def _bound(call: _Call, bound: Bound, rows: bool) -> int:
-    coefficients = array.array("d", (bound.row, bound.fro, bound.sums, bound.floor, float(rows)))
-    call.held.append(coefficients)
+_COEFFICIENTS: dict[tuple[Bound, bool], array.array] = {}
+
+
+def _bound(bound: Bound, rows: bool) -> int:
+    """The bound's coefficients as the kernel reads them, made once per bound."""
+    coefficients = _COEFFICIENTS.get((bound, rows))
+    if coefficients is None:
+        coefficients = array.array("d", (*bound, float(rows)))
+        _COEFFICIENTS[(bound, rows)] = coefficients
     return coefficients.buffer_info()[0]
 
 
@@ -148,21 +218,33 @@ def output_figures(
     library = load()
     if library is None:
         return None
-    call, out = _Call(), _flat(measured, flat)
-    batch = out.shape[:-2]
-    call.matrix(_flat(left, flat), batch, dtype)
-    right_t = call.rows_first(right, batch, dtype)
-    call.matrix(out, batch, out.dtype)
-    if addend is not None:  # as the product adds it: cast to the kernel's dtype
-        call.matrix(_flat(addend.expand(measured.shape), flat), batch, dtype)
-    if not call.applies:
+    sources = (left, right, measured, addend)
+    plan = _plan(
+        ("output", dtype, flat, *_layouts(*sources)), sources,
+        functools.partial(_describe_output, dtype=dtype, flat=flat),
+    )  # fmt: skip
+    if plan is None:
         return None
+    right_t, batch = plan.extra
+    described, _ = plan.bind(sources)
     ratio, right_fro, left_fro = (torch.empty(shape, dtype=F32) for shape in ((), batch, batch))
     library.forward_check(
-        call.matrices(), right_t, addend is not None, alpha, beta, _bound(call, bound, rows),
+        described.buffer_info()[0], right_t, addend is not None, alpha, beta, _bound(bound, rows),
         right_fro.data_ptr(), left_fro.data_ptr(), ratio.data_ptr(),
     )  # fmt: skip
     return ratio, right_fro, left_fro
+
+
+def _describe_output(call: _Call, dtype: torch.dtype, flat: bool) -> tuple:
+    left, right, measured, addend = call.sources
+    out = _flat(measured, flat)
+    batch = out.shape[:-2]
+    call.matrix(_flat(left, flat), batch, dtype, 0)
+    right_t = call.rows_first(right, batch, dtype, 1)
+    call.matrix(out, batch, out.dtype, 2)
+    if addend is not None:  # as the product adds it: cast to the kernel's dtype
+        call.matrix(_flat(addend.expand(measured.shape), flat), batch, dtype, 3)
+    return right_t, batch
 
 
 def backward_ratios(
@@ -183,35 +265,52 @@ def backward_ratios(
     library = load()
     if library is None:
         return None
-    call, output_grad = _Call(), _flat(output_grad, flat)
-    batch = output_grad.shape[:-2]
-    right_t = call.rows_first(right, batch, dtype)
-    call.matrix(output_grad, batch, dtype)
+    input_grad = None if input_check is None else input_check.grad
+    weight_grad = None if weight_check is None else weight_check.grad
+    sources = (right, output_grad, left, right_fro, left_fro, input_grad, weight_grad)
+    plan = _plan(
+        ("backward", dtype, flat, along, *_layouts(*sources)), sources,
+        functools.partial(_describe_backward, dtype=dtype, flat=flat, along=along),
+    )  # fmt: skip
+    if plan is None:
+        return None
+    (right_t, grad_t), (described, (right_fros, left_fros)) = plan.extra, plan.bind(sources)
     left_bound = weight_bound = None
     if input_check is not None:
-        grad = _flat(input_check.grad, flat)
-        call.matrix(grad, grad.shape[:-2], grad.dtype)
-        left_bound = _bound(call, input_check.bound, input_check.rows)
-    grad_t, weight_batch = 0, batch
+        left_bound = _bound(input_check.bound, input_check.rows)
     if weight_check is not None:
-        grad = weight_check.grad
-        weight_batch = grad.shape[:-2]
-        grad_t = call.rows_first(grad if along == -1 else grad.mT, weight_batch, grad.dtype)
-        call.matrix(_flat(left, flat), weight_batch, dtype)
-        weight_bound = _bound(call, weight_check.bound, weight_check.rows)
-    if not call.applies:
-        return None
+        weight_bound = _bound(weight_check.bound, weight_check.rows)
     ratios = torch.empty(2, dtype=F32)
     which = (input_check is not None) | (weight_check is not None) << 1
     library.backward_check(
-        call.matrices(), right_t, alpha, which, call.floats(right_fro, batch),
-        call.floats(left_fro, weight_batch), left_bound, weight_bound, grad_t, ratios.data_ptr(),
+        described.buffer_info()[0], right_t, alpha, which, right_fros, left_fros, left_bound,
+        weight_bound, grad_t, ratios.data_ptr(),
     )  # fmt: skip
     input_ratio, weight_ratio = ratios.unbind()
     return (
         input_ratio if input_check is not None else None,
         weight_ratio if weight_check is not None else None,
     )
+
+
+def _describe_backward(call: _Call, dtype: torch.dtype, flat: bool, along: int) -> tuple:
+    right, output_grad, left, right_fro, left_fro, input_grad, weight_grad = call.sources
+    output_grad = _flat(output_grad, flat)
+    batch = output_grad.shape[:-2]
+    right_t = call.rows_first(right, batch, dtype, 0)
+    call.matrix(output_grad, batch, dtype, 1)
+    if input_grad is not None:
+        grad = _flat(input_grad, flat)
+        call.matrix(grad, grad.shape[:-2], grad.dtype, 5)
+    grad_t, weight_batch = 0, batch
+    if weight_grad is not None:
+        weight_batch = weight_grad.shape[:-2]
+        grad = weight_grad if along == -1 else weight_grad.mT
+        grad_t = call.rows_first(grad, weight_batch, weight_grad.dtype, 6)
+        call.matrix(_flat(left, flat), weight_batch, dtype, 2)
+    call.floats(right_fro, batch, 3)
+    call.floats(left_fro, weight_batch, 4)
+    return right_t, grad_t
 
 
 def rounding_ratio(

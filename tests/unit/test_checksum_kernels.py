@@ -279,6 +279,40 @@ def test_native_checks_agree_with_eager_in_every_layout(dtype: torch.dtype) -> N
                 _agree(ratios[at], (lefts, rights)[at][1], f"{what} alone", True)
 
 
+@pytest.mark.parametrize("merged", [True, False])
+def test_a_kept_native_description_reads_each_call_s_own_tensors(merged: bool) -> None:
+    """The native kernels describe a call once per layout of its tensors and then only write in
+    each call's addresses: three calls on new tensors of one layout (clean, one element of the
+    output and of each gradient spoiled, clean again) give eager's figures and verdicts each
+    time. Also where the description copies an operand (three batch dimensions that do not
+    merge, described anew at each call)."""
+    native = Kernels("native")
+    gen = torch.Generator().manual_seed(4)
+    rounding = _rounding(torch.float32)
+    shape = (2, 3, 4, 24, 16) if merged else (4, 3, 2, 24, 16)
+    for case in ("clean", "fault", "clean"):
+        left = _operand(shape, torch.float32, gen)
+        left = left if merged else left.permute(2, 1, 0, 3, 4)  # batch strides that do not merge
+        right = _operand((*left.shape[:-2], 16, 20), torch.float32, gen)
+        output = _spoil(left @ right, case)
+        bound = bound_of(rounding, 16, 20)
+        args = (left, right, output, None, torch.float32, 1.0, 1.0, False, bound, False)
+        forward = [k.output(*args) for k in (EAGER, native)]
+        for figure, e, n in zip(("ratio", "right_fro", "left_fro"), *forward, strict=True):
+            _agree(e, n, f"{case} {figure}", figure == "ratio")
+        assert bool(not forward[1][0] <= 1.0) == (case == "fault"), case
+        grad = _operand(output.shape, torch.float32, gen)
+        checks = (
+            OperandCheck(_spoil(grad @ right.mT, case), bound_of(rounding, 20, 16), False),
+            OperandCheck(_spoil(left.mT @ grad, case), bound_of(rounding, 24, 20), False),
+        )
+        args = (right, grad, left, torch.float32, 1.0, False, -1, *forward[0][1:], *checks)
+        (lefts, rights) = zip(*(k.backward(*args) for k in (EAGER, native)), strict=True)
+        for what, ratios in (("input", lefts), ("weight", rights)):
+            _agree(*ratios, f"{case} {what} gradient", True)
+            assert bool(not ratios[1] <= 1.0) == (case == "fault"), f"{case} {what}"
+
+
 @pytest.mark.parametrize("stored", [torch.bfloat16, torch.float32])
 def test_native_rounding_check_agrees_with_eager(stored: torch.dtype) -> None:
     """The exact check of a bfloat16 rounding (emulated numerics), with subnormals, halfway
