@@ -47,7 +47,7 @@ from detectors.product_bounds import (
     roundoff,
 )
 from harness.core.checks import CheckConfig
-from harness.core.matmuls import MatmulCall, Tap
+from harness.core.matmuls import MatmulCall, tapped
 from harness.core.plugins import Detector, DetectorContext, EventLog
 from harness.core.values import above, choice, flag, fraction, integer
 
@@ -65,6 +65,12 @@ class Checked:
     left_fro: torch.Tensor | None = None  # ||L||_F per batch matrix
     output_grad: torch.Tensor | None = None  # dP, from its arrival to the operands' gradients
     wide_grads: dict[int, torch.Tensor] | None = None  # emulated numerics' (MatmulCall)
+
+
+def _keep_output_grad(
+    checked: Checked, output_nr: int, grads: tuple[torch.Tensor | None, ...]
+) -> None:
+    checked.output_grad = grads[output_nr]
 
 
 class unwatched:
@@ -168,7 +174,7 @@ class MatmulChecksum(Detector):
     def on_matmul_operands(self, step: int, call: MatmulCall) -> None:
         if step % self.config.interval:
             return
-        # The check's own views and its Tap node are not the model's operations: no torch
+        # The check's own views and hooks are not the model's operations: no torch
         # function mode (emulated numerics) between them and torch.
         with torch._C.DisableTorchFunction():
             self._take_operands(step, call)
@@ -190,8 +196,8 @@ class MatmulChecksum(Detector):
         if self.config.backward and torch.is_grad_enabled():
             at = tuple(i for i in (product.left_at, product.right_at) if call.args[i].requires_grad)
             if at:
-                tapped = Tap.apply(self._backward(checked, at), *(call.args[i] for i in at))
-                for i, operand in zip(at, tapped, strict=True):
+                views = tapped([call.args[i] for i in at], self._backward(checked, at))
+                for i, operand in zip(at, views, strict=True):
                     call.args[i] = operand
 
     def on_matmul_output(
@@ -210,9 +216,12 @@ class MatmulChecksum(Detector):
         with unwatched(output.device):
             self._check_output(step, checked, output, call.accumulator)
             if hooked and output.requires_grad:
-                # A hook, not a Function: a model may change the product in place. It only
-                # keeps dP: the checks run once the operands' gradients are made (`_backward`).
-                output.register_hook(functools.partial(setattr, checked, "output_grad"))
+                # A hook on the product's node (cheaper than a tensor's), not a Function: a
+                # model may change the product in place. It only keeps dP: the checks run once
+                # the operands' gradients are made (`_backward`).
+                output.grad_fn.register_prehook(
+                    functools.partial(_keep_output_grad, checked, output.output_nr)
+                )
         return None
 
     def _operands(self, checked: Checked) -> tuple[torch.Tensor, torch.Tensor]:
