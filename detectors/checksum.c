@@ -254,11 +254,25 @@ typedef struct {
     int nan;
 } verdict;
 
+/* A bound's coefficients in float32, as each row's limit uses them, worked out once per call:
+ * read through the bound's pointer, they were converted again at every row (the compiler
+ * cannot keep them: the figures' stores might alias them), half a short row's cost. */
+typedef struct {
+    float row, fro, fro_row, sums, floor;
+    int rows;
+} limits;
+
+static limits limits_of(const bound *bd) {
+    limits lm = {(float)bd->row, (float)bd->fro, (float)(bd->fro + bd->row), (float)bd->sums,
+                 (float)bd->floor, bd->rows != 0.0};
+    return lm;
+}
+
 static inline void judge(verdict *v, float actual, float expected, float limit,
-                         const bound *bd) {
+                         const limits *lm) {
     if (!isfinite(expected))
         return; /* an operand not finite: upstream's fault, this row counts 0 */
-    float error = fabsf(actual - expected), scale = limit + (float)bd->floor;
+    float error = fabsf(actual - expected), scale = limit + lm->floor;
     /* Divided only where the row may be the worst so far (or NaN, or infinite over infinite):
      * a division's latency per row is most of a short row's cost. */
     if (isfinite(error) && error <= v->worst * scale)
@@ -275,13 +289,12 @@ static float verdict_of(const verdict *v) { return v->nan ? NAN : v->worst; }
 /* The limit of a row (product_bounds.bounded_ratio): its norm, read (`own_norm`) or bounded by
  * its left operand's times the right's Frobenius norm and its addend's norm, and the check's
  * own sums. */
-static float limit_of(const bound *bd, float row_norm, float left_norm, float right_fro,
-                      float sums_norm, float addend_norm) {
-    if (!bd->rows)
-        return left_norm * (right_fro * (float)(bd->fro + bd->row) + sums_norm * (float)bd->sums) +
-               addend_norm * (float)bd->row;
-    return row_norm * (float)bd->row +
-           left_norm * (right_fro * (float)bd->fro + sums_norm * (float)bd->sums);
+static inline float limit_of(const limits *lm, float row_norm, float left_norm, float right_fro,
+                             float sums_norm, float addend_norm) {
+    if (!lm->rows)
+        return left_norm * (right_fro * lm->fro_row + sums_norm * lm->sums) +
+               addend_norm * lm->row;
+    return row_norm * lm->row + left_norm * (right_fro * lm->fro + sums_norm * lm->sums);
 }
 
 /* Room for BLOCK rows of each of the widths given (each read into scratch of its own) and for
@@ -304,6 +317,9 @@ void forward_check(const matrix *operands, int64_t right_t, int64_t added, doubl
     float *scratch = scratch_for(q, p, 1), *row = scratch + BLOCK * q;
     float *sums = row + BLOCK * p, *addend_row = row + p;
     int one_addend = added && A->rstride == 0 && A->bstride[0] == 0 && A->bstride[1] == 0;
+    const limits lm = limits_of(bd);
+    const float a = (float)alpha, b_ = (float)beta, a_abs = (float)fabs(alpha),
+                b_abs = (float)fabs(beta);
     figures addend = {0.0f, 0.0f, 0.0f, 0.0f};
     if (one_addend)
         addend = row_figures(row_of(batch_of(A, 0), 0, addend_row), NULL, p, SUM | SQUARES);
@@ -318,17 +334,16 @@ void forward_check(const matrix *operands, int64_t right_t, int64_t added, doubl
         for (int64_t i = 0; i < P->rows; i++) {
             figures l = row_figures(row_of(left, i, scratch), sums, q, DOT | SQUARES);
             const float *o = row_of(output, i, row);
-            figures f = bd->rows ? row_figures(o, NULL, p, SUM | SQUARES)
-                                 : row_figures(o, NULL, p, SUM);
-            float row_norm = bd->rows ? own_norm(o, p, f) : 0.0f;
+            figures f = lm.rows ? row_figures(o, NULL, p, SUM | SQUARES)
+                                : row_figures(o, NULL, p, SUM);
+            float row_norm = lm.rows ? own_norm(o, p, f) : 0.0f;
             if (added && !one_addend)
                 addend = row_figures(row_of(addends, i, addend_row), NULL, p, SUM | SQUARES);
-            float expected = (float)alpha * l.dot + (float)beta * addend.sum;
-            float left_norm = l.norm * (float)fabs(alpha);
+            float expected = a * l.dot + b_ * addend.sum;
+            float left_norm = l.norm * a_abs;
             judge(&v, f.sum, expected,
-                  limit_of(bd, row_norm, left_norm, right_fro, sums_norm,
-                           (float)fabs(beta) * addend.norm),
-                  bd);
+                  limit_of(&lm, row_norm, left_norm, right_fro, sums_norm, b_abs * addend.norm),
+                  &lm);
             left_sq += l.squares;
         }
         right_fros[b] = right_fro;
@@ -369,17 +384,18 @@ static void left_check(const matrix *G, const float *projected, const float *gra
                        float *out) {
     int64_t n = batches(G);
     float *scratch = scratch_for(G->cols, 0, 0);
+    const limits lm = limits_of(bd);
     verdict v = {0.0f, 0};
     for (int64_t b = 0; b < n; b++) {
         batch_matrix grad = batch_of(G, b);
         for (int64_t i = 0; i < G->rows; i++) {
             const float *x = row_of(grad, i, scratch);
-            figures f = bd->rows ? row_figures(x, NULL, G->cols, SUM | SQUARES)
-                                 : row_figures(x, NULL, G->cols, SUM);
+            figures f = lm.rows ? row_figures(x, NULL, G->cols, SUM | SQUARES)
+                                : row_figures(x, NULL, G->cols, SUM);
             int64_t at = b * G->rows + i;
-            float row_norm = bd->rows ? own_norm(x, G->cols, f) : 0.0f;
+            float row_norm = lm.rows ? own_norm(x, G->cols, f) : 0.0f;
             judge(&v, f.sum, projected[at],
-                  limit_of(bd, row_norm, grad_norms[at], right_fro[b], sums_norm[b], 0.0f), bd);
+                  limit_of(&lm, row_norm, grad_norms[at], right_fro[b], sums_norm[b], 0.0f), &lm);
         }
     }
     out[0] = verdict_of(&v);
@@ -414,12 +430,13 @@ static void right_check(const matrix *operands, int64_t grad_t, const float *row
     float *scratch = scratch_for(q, G->cols, 3);
     float *expected = scratch + BLOCK * (q + G->cols), *actual = expected + q;
     float *norms = actual + q; /* of dR's rows: squares first where summed across G's rows */
+    const limits lm = limits_of(bd);
     verdict v = {0.0f, 0};
     for (int64_t b = 0; b < n; b++) {
         across_rows(L, b, row_sums + b * m, expected, NULL, NULL, scratch);
         batch_matrix grad = batch_of(G, b);
         if (grad_t) {
-            across_rows(G, b, NULL, actual, bd->rows ? norms : NULL, NULL, scratch);
+            across_rows(G, b, NULL, actual, lm.rows ? norms : NULL, NULL, scratch);
             int overflowed = 0;
             for (int64_t l = 0; l < q; l++) {
                 overflowed |= !isfinite(norms[l]);
@@ -430,15 +447,15 @@ static void right_check(const matrix *operands, int64_t grad_t, const float *row
         } else
             for (int64_t r = 0; r < G->rows; r++) {
                 const float *x = row_of(grad, r, scratch);
-                figures f = bd->rows ? row_figures(x, NULL, G->cols, SUM | SQUARES)
-                                     : row_figures(x, NULL, G->cols, SUM);
+                figures f = lm.rows ? row_figures(x, NULL, G->cols, SUM | SQUARES)
+                                    : row_figures(x, NULL, G->cols, SUM);
                 actual[r] = f.sum;
-                norms[r] = bd->rows ? own_norm(x, G->cols, f) : 0.0f;
+                norms[r] = lm.rows ? own_norm(x, G->cols, f) : 0.0f;
             }
         float right_fro = norm(grad_norms + b * m, m), sums_norm = norm(row_sums + b * m, m);
         for (int64_t l = 0; l < q; l++)
             judge(&v, actual[l], expected[l],
-                  limit_of(bd, norms[l], left_fro[b], right_fro, sums_norm, 0.0f), bd);
+                  limit_of(&lm, norms[l], left_fro[b], right_fro, sums_norm, 0.0f), &lm);
     }
     out[0] = verdict_of(&v);
     free(scratch);
