@@ -360,6 +360,7 @@ static void grad_figures(const matrix *operands, int64_t right_t, double alpha,
     const matrix *R = operands, *G = operands + 1;
     int64_t p = G->cols, n = batches(G);
     float *scratch = scratch_for(R->cols, p, 1), *sums = scratch + BLOCK * (R->cols + p);
+    const float a = (float)alpha, a_abs = (float)fabs(alpha);
     for (int64_t b = 0; b < n; b++) {
         if (right_t)
             sums_of(R, b, sums, NULL, scratch);
@@ -370,11 +371,16 @@ static void grad_figures(const matrix *operands, int64_t right_t, double alpha,
         for (int64_t i = 0; i < G->rows; i++) {
             figures f = row_figures(row_of(grad, i, scratch), sums, p, DOT | SUM | SQUARES);
             int64_t at = b * G->rows + i;
-            projected[at] = (float)alpha * f.dot;
-            row_sums[at] = (float)alpha * f.sum;
-            norms[at] = (float)fabs(alpha) * f.norm;
+            projected[at] = a * f.dot;
+            row_sums[at] = a * f.sum;
+            norms[at] = p == 1 ? a_abs * f.norm : f.squares;
         }
     }
+    /* The rows' square roots after them all, in vector lanes: taken row by row, each waited on
+     * its row's sums, most of a short row's time. */
+    if (p > 1)
+        for (int64_t at = 0; at < n * G->rows; at++)
+            norms[at] = a_abs * sqrtf(norms[at]);
     free(scratch);
 }
 
