@@ -90,7 +90,14 @@ class MatmulCall:
         grads = self.wide_grads  # not `self`: the hook outlives the call until backward
         for i, a in enumerate(args):
             if isinstance(a, torch.Tensor) and a.requires_grad and torch.is_grad_enabled():
-                a.register_hook(functools.partial(_keep, grads, i))
+                # The widened copy's own node (its cast), where it has one: a hook there costs
+                # less than a tensor's.
+                if a.grad_fn is None:
+                    a.register_hook(functools.partial(_keep, grads, i))
+                else:
+                    a.grad_fn.register_prehook(
+                        functools.partial(_keep_output, grads, i, a.output_nr)
+                    )
         with torch.autocast("cpu", enabled=False):
             self.accumulator = self.func(*args, **kwargs)
         return self.accumulator.to(low)
@@ -98,6 +105,15 @@ class MatmulCall:
 
 def _keep(grads: dict[int, torch.Tensor], at: int, grad: torch.Tensor) -> None:
     grads[at] = grad
+
+
+def _keep_output(
+    grads: dict[int, torch.Tensor],
+    at: int,
+    output_nr: int,
+    node_grads: tuple[torch.Tensor | None, ...],
+) -> None:
+    grads[at] = node_grads[output_nr]
 
 
 def tapped(
