@@ -225,20 +225,24 @@ static void across_rows(const matrix *m, int64_t b, const float *w, float *acros
 }
 
 /* Batch matrix b's sums along its rows (into `along`, one per row) or else across them (into
- * `across`, one per column), and its sum of squares, in one read; scratch holds BLOCK rows. */
-static double sums_of(const matrix *m, int64_t b, float *along, float *across, float *scratch) {
-    double squares = 0.0;
+ * `across`, one per column), and its sum of squares added to `squares` where given, in one
+ * read; scratch holds BLOCK rows. */
+static void sums_of(const matrix *m, int64_t b, float *along, float *across, double *squares,
+                    float *scratch) {
     if (!along) {
-        across_rows(m, b, NULL, across, NULL, &squares, scratch);
-        return squares;
+        across_rows(m, b, NULL, across, NULL, squares, scratch);
+        return;
     }
     batch_matrix bm = batch_of(m, b);
     for (int64_t r = 0; r < m->rows; r++) {
-        figures f = row_figures(row_of(bm, r, scratch), NULL, m->cols, SUM | SQUARES);
-        along[r] = f.sum;
-        squares += f.squares;
+        const float *x = row_of(bm, r, scratch);
+        if (squares) {
+            figures f = row_figures(x, NULL, m->cols, SUM | SQUARES);
+            along[r] = f.sum;
+            *squares += f.squares;
+        } else
+            along[r] = row_figures(x, NULL, m->cols, SUM).sum;
     }
-    return squares;
 }
 
 static float norm(const float *x, int64_t n) {
@@ -325,8 +329,11 @@ void forward_check(const matrix *operands, int64_t right_t, int64_t added, doubl
         addend = row_figures(row_of(batch_of(A, 0), 0, addend_row), NULL, p, SUM | SQUARES);
     verdict v = {0.0f, 0};
     for (int64_t b = 0; b < n; b++) {
-        double right_sq = right_t ? sums_of(R, b, NULL, sums, scratch)
-                                  : sums_of(R, b, sums, NULL, scratch);
+        double right_sq = 0.0;
+        if (right_t)
+            sums_of(R, b, NULL, sums, &right_sq, scratch);
+        else
+            sums_of(R, b, sums, NULL, &right_sq, scratch);
         float right_fro = (float)sqrt(right_sq), sums_norm = norm(sums, q);
         double left_sq = 0.0;
         batch_matrix left = batch_of(L, b), output = batch_of(P, b);
@@ -363,9 +370,9 @@ static void grad_figures(const matrix *operands, int64_t right_t, double alpha,
     const float a = (float)alpha, a_abs = (float)fabs(alpha);
     for (int64_t b = 0; b < n; b++) {
         if (right_t)
-            sums_of(R, b, sums, NULL, scratch);
+            sums_of(R, b, sums, NULL, NULL, scratch);
         else
-            sums_of(R, b, NULL, sums, scratch);
+            sums_of(R, b, NULL, sums, NULL, scratch);
         sums_norm[b] = norm(sums, p);
         batch_matrix grad = batch_of(G, b);
         for (int64_t i = 0; i < G->rows; i++) {
