@@ -4,7 +4,8 @@ together, the bound and the worst row's ratio in the same pass, where the eager 
 twenty tensor operations and several reads per product (docs/performance.md, "Fused checks").
 Two calls per product: its forward check, and its backward's three (the output gradient's
 figures, kept in the kernel's memory, then both operands' checks) once both operands'
-gradients are made.
+gradients are made. A call's description of its tensors is kept per layout (`_Plan`): a later
+call with the same layouts writes in only its tensors' addresses.
 
 Entry contract: the arguments of the eager functions of the same names in
 detectors/checksum_kernels.py (`backward_ratios`: of `Kernels.backward`), the reference, and
