@@ -69,6 +69,7 @@ class _Call:
         self.held: list[torch.Tensor | array.array] = []
         self.fields: list[int] = []
         self.slots: list[tuple[int, int]] = []  # (the field of an address, its source)
+        self.shapes: list[tuple[int, int, int]] = []  # each matrix's (batch matrices, rows, cols)
         self.pointers: list[tuple[int, int]] = []  # (an address argument, its source)
         self.applies = True
         self.copied = False  # some matrix is a copy of its source, not a view
@@ -95,6 +96,7 @@ class _Call:
         *_, rows, cols = t.shape
         *_, rstride, cstride = t.stride()
         self.slots.append((len(self.fields), source))
+        self.shapes.append((dims[0] * dims[1], rows, cols))
         self.fields += [self._address(t, source), kind, *dims, rows, cols, rstride, cstride]
 
     def rows_first(
@@ -245,6 +247,14 @@ def _describe_output(call: _Call, dtype: torch.dtype, flat: bool) -> tuple:
     call.matrix(out, batch, out.dtype, 2)
     if addend is not None:  # as the product adds it: cast to the kernel's dtype
         call.matrix(_flat(addend.expand(measured.shape), flat), batch, dtype, 3)
+    if call.applies:
+        # The kernel trusts the sizes (`_backward_agrees`).
+        (n, m, q), right, output, *added = call.shapes
+        inner, width = right[1:] if not right_t else right[:0:-1]
+        call.applies = (
+            (n, q) == (right[0], inner) and output == (n, m, width)
+            and all(a == output for a in added)
+        )  # fmt: skip
     return right_t, batch
 
 
@@ -311,7 +321,26 @@ def _describe_backward(call: _Call, dtype: torch.dtype, flat: bool, along: int) 
         call.matrix(_flat(left, flat), weight_batch, dtype, 2)
     call.floats(right_fro, batch, 3)
     call.floats(left_fro, weight_batch, 4)
+    if call.applies:
+        call.applies = _backward_agrees(call.shapes, right_t, grad_t, input_grad is not None)
     return right_t, grad_t
+
+
+def _backward_agrees(
+    shapes: list[tuple[int, int, int]], right_t: int, grad_t: int, input_checked: bool
+) -> bool:
+    """Whether the backward's matrices agree with one product's: the kernel trusts their sizes
+    (one that did not, a weight's gradient given the wrong way round, would read and write past
+    its buffers), so a call they do not fit runs eagerly, where torch says what is wrong."""
+    right, (n, m, p), *operands = shapes
+    q, width = right[1:] if not right_t else right[:0:-1]
+    agrees = right[0] == n and width == p
+    if input_checked:
+        agrees &= operands.pop(0) == (n, m, q)
+    if operands:
+        grad, left = operands
+        agrees &= grad == ((n, p, q) if grad_t else (n, q, p)) and left == (n, m, q)
+    return agrees
 
 
 def rounding_ratio(

@@ -313,6 +313,35 @@ def test_a_kept_native_description_reads_each_call_s_own_tensors(merged: bool) -
             assert bool(not ratios[1] <= 1.0) == (case == "fault"), f"{case} {what}"
 
 
+def test_a_call_whose_sizes_disagree_is_not_handed_to_the_kernel() -> None:
+    """The kernels trust the sizes they are given: a Linear's weight gradient handed over the
+    wrong way round (its transpose, 384 x 256 read as 256 x 384), or an output one column short
+    of the product, would have the kernel read and write past its buffers. Neither reaches it
+    (the native functions return None, the caller's eager path runs), and the right call after
+    them still does, with eager's verdict."""
+    gen = torch.Generator().manual_seed(5)
+    rounding = _rounding(torch.float32)
+    left = _operand((1024, 256), torch.float32, gen)
+    weight = _operand((384, 256), torch.float32, gen)
+    output = left @ weight.mT
+    bound = bound_of(rounding, 256, 384)
+    short = (left, weight.mT, output[:, :-1], None, torch.float32, 1.0, 1.0, False, bound, False)
+    assert native_checksum.output_figures(*short) is None
+    args = (left, weight.mT, output, None, torch.float32, 1.0, 1.0, False, bound, False)
+    assert (native_checksum.output_figures(*args) is None) == (COMPILER is None)
+    _, right_fro, left_fro = EAGER.output(*args)
+    grad = _operand(output.shape, torch.float32, gen)
+    weight_grad = grad.mT @ left  # [384, 256], as a Linear's weight
+    for given, right_way in ((weight_grad.mT.contiguous(), False), (weight_grad, True)):
+        check = OperandCheck(given, bound_of(rounding, 1024, 384), False)
+        args = (weight.mT, grad, left, torch.float32, 1.0, False, -2, right_fro, left_fro)
+        ratios = native_checksum.backward_ratios(*args, None, check)
+        assert (ratios is not None) == (right_way and COMPILER is not None)
+    native = Kernels("native").backward(*args, None, check)[1]
+    _agree(EAGER.backward(*args, None, check)[1], native, "weight gradient", True)
+    assert bool(native <= 1.0)
+
+
 @pytest.mark.parametrize("stored", [torch.bfloat16, torch.float32])
 def test_native_rounding_check_agrees_with_eager(stored: torch.dtype) -> None:
     """The exact check of a bfloat16 rounding (emulated numerics), with subnormals, halfway
