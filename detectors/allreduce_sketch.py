@@ -87,7 +87,7 @@ from dataclasses import dataclass
 
 import torch
 
-from detectors import native_projection
+from detectors import native_build, native_projection
 from harness.core.checks import CheckConfig
 from harness.core.events import Sensitivity
 from harness.core.plugins import Bucket, Detector, DetectorContext, EventLog
@@ -249,10 +249,14 @@ class AllreduceSketch(Detector):
         # The float32 projections' rounding (module docstring); the sum's is derived.
         self.rtol = config.rtol or 1e-6
         self.native = config.kernels == "native"
+        self.eager_instead = self.native and native_projection.load() is None
         self.sent: dict[int, tuple[tuple[torch.Tensor, ...], torch.Tensor]] = {}
 
     def rider(self, step: int, bucket: Bucket) -> torch.Tensor:
         world, rank = self.info.world_size, self.info.rank
+        if self.eager_instead:
+            self.eager_instead = False
+            self.warn(step, native_build.EAGER_INSTEAD, {"kernels": "eager"})
         rows = bucket.buffer.view(bucket.shards, -1)
         slot = torch.zeros(bucket.shards, 2 * world + 1, device=bucket.buffer.device)
         slot[:, 1 + rank] = step + 1

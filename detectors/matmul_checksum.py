@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from detectors import convolutions
+from detectors import convolutions, native_build, native_checksum
 from detectors import grouped_products as grouped
 from detectors.checksum_kernels import KERNELS, Kernels
 from detectors.product_bounds import (
@@ -140,6 +140,7 @@ class MatmulChecksum(Detector):
         self.calls, self.calls_step = dict[str, int](), -1  # products per module in that step
         self.found: list[tuple[int, str, str, torch.Tensor]] = []  # (step, phase, key, ratio)
         self.kernels = Kernels(config.kernels)
+        self.eager_instead = config.kernels == "native" and native_checksum.load() is None
         self.roundings: dict[tuple[torch.dtype, ...], Rounding] = {}
         self.bounds: dict[tuple[Rounding, int, int], Bound] = {}
 
@@ -174,6 +175,9 @@ class MatmulChecksum(Detector):
     def on_matmul_operands(self, step: int, call: MatmulCall) -> None:
         if step % self.config.interval:
             return
+        if self.eager_instead:
+            self.eager_instead = False
+            self.warn(step, native_build.EAGER_INSTEAD, {"kernels": "eager"})
         # The check's own views and hooks are not the model's operations: no torch
         # function mode (emulated numerics) between them and torch.
         with torch._C.DisableTorchFunction():

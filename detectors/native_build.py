@@ -26,6 +26,10 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
+# What a check whose kernels could not be built records in its trial (`Detector.warn`: the
+# row's `warnings`), so that the record states what ran, not only the log.
+EAGER_INSTEAD = "native kernels not built on this machine: checked eagerly, the same verdicts"
+
 # -march=native: the host's widest vectors. -ffp-contract=off: no multiply and add fused into
 # one rounding, so a kernel's sums are the same bits on every CPU, whatever its vector width
 # (an AVX-512 build and an SSE one agree bit for bit), as the harness's pinned CPU kernels need.

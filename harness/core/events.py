@@ -72,7 +72,8 @@ class Alert(RankEvent):
 
 @dataclass(frozen=True, kw_only=True)
 class CheckWarning(RankEvent):
-    """Something a check could not judge (replay: "not deterministic"); never an alert."""
+    """Something a check could not judge (replay: "not deterministic"), or how it ran otherwise
+    than set (its C kernels not built); never an alert."""
 
     kind = "warning"
     step: int

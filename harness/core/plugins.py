@@ -329,8 +329,9 @@ class Detector(Plugin):
         )
 
     def warn(self, step: int, what: str, evidence: Any) -> None:
-        """Something the check cannot judge (say, a forward that does not reproduce): recorded
-        in the trial's `warnings`, never an alert, never a stop."""
+        """Something the check cannot judge (say, a forward that does not reproduce), or how it
+        ran otherwise than set (its C kernels not built): recorded in the trial's `warnings`,
+        never an alert, never a stop."""
         self._log.emit(CheckWarning(step=step, detector=self.name, what=what, evidence=evidence))
 
 

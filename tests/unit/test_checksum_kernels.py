@@ -19,9 +19,13 @@ import torch
 import torch._inductor.config
 import torch.nn.functional as F
 
+from benchmarks.common import detector
 from detectors import checksum_kernels, native_checksum
 from detectors.checksum_kernels import Kernels
+from detectors.native_build import EAGER_INSTEAD
 from detectors.product_bounds import OperandCheck, Rounding, bound_of, rounding_ratio, roundoff
+from harness.core.bus import PluginBus
+from harness.core.events import CheckWarning
 
 EAGER = Kernels("eager")
 SPECIALS = (math.nan, math.inf, -math.inf)
@@ -388,6 +392,33 @@ def test_native_checks_without_a_compiler_say_so_once_and_run_eagerly(
             assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
     finally:
         native_checksum.load.cache_clear()
+
+
+def _warned_steps(compiler: str | None, tmp_path, monkeypatch) -> list[str]:
+    """The warnings a native matmul_checksum records over two steps of a Linear, with `CC` set
+    to `compiler` (None: the machine's)."""
+    if compiler is not None:
+        monkeypatch.setenv("CC", compiler)
+        monkeypatch.setenv("SDC_BENCH_CACHE", str(tmp_path / "cache"))
+    native_checksum.load.cache_clear()
+    try:
+        model = torch.nn.Linear(16, 8)
+        check = detector("matmul_checksum", model=model, kernels="native")
+        PluginBus([check], check._log.verdicts).install_forward_hooks(model, lambda: 1)
+        for _ in range(2):
+            model(torch.randn(4, 16)).sum().backward()
+        return [e.what for e in check._log.events if isinstance(e, CheckWarning)]
+    finally:
+        native_checksum.load.cache_clear()
+
+
+def test_a_trial_whose_native_kernels_were_not_built_records_that_it_checked_eagerly(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without a compiler the check runs eagerly with the same verdicts; its trial's record
+    (the row's `warnings`) says so once, not only the log. With the kernels built, nothing."""
+    assert _warned_steps(None, tmp_path, monkeypatch) == ([] if COMPILER else [EAGER_INSTEAD])
+    assert _warned_steps(str(tmp_path / "no-such-cc"), tmp_path, monkeypatch) == [EAGER_INSTEAD]
 
 
 @pytest.mark.parametrize("kind", ["eager", "native"])

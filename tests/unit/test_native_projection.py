@@ -14,8 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.common import bucket, detector
+from benchmarks.kernels import sketch_work
 from detectors import allreduce_sketch as sketch
 from detectors import native_projection
+from detectors.native_build import EAGER_INSTEAD
+from harness.core.events import CheckWarning
 
 COMPILER = shutil.which(os.environ.get("CC", "cc"))
 # Narrow rows read one at a time (4,096 rows of 17-625), wide ones eight at a time (512 rows of
@@ -127,6 +131,24 @@ def test_without_a_compiler_the_sketch_says_so_once_and_runs_eagerly(tmp_path, m
                 assert torch.equal(eager, native)
         said = [r.getMessage() for r in caplog.records if "native projection" in r.getMessage()]
         assert len(said) == 1 and "no C compiler" in said[0], said
+    finally:
+        native_projection.load.cache_clear()
+
+
+def test_a_trial_whose_sketch_kernel_was_not_built_records_that_it_checked_eagerly(
+    tmp_path, monkeypatch
+):
+    """Without a compiler the sketch runs eagerly with the same verdicts; its trial's record
+    (the row's `warnings`) says so once over two buckets, not only the log."""
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("SDC_BENCH_CACHE", str(tmp_path / "cache"))
+    native_projection.load.cache_clear()
+    try:
+        check = detector("allreduce_sketch", torch.float32, kernels="native")
+        for index in range(2):
+            sketch_work(check, bucket(4096, torch.float32, index=index))
+        warned = [e.what for e in check._log.events if isinstance(e, CheckWarning)]
+        assert warned == [EAGER_INSTEAD]
     finally:
         native_projection.load.cache_clear()
 
