@@ -47,7 +47,7 @@ from detectors.product_bounds import (
     roundoff,
 )
 from harness.core.checks import CheckConfig
-from harness.core.matmuls import MatmulCall, tapped
+from harness.core.matmuls import MatmulCall, on_grad, tapped
 from harness.core.plugins import Detector, DetectorContext, EventLog
 from harness.core.values import above, choice, flag, fraction, integer
 
@@ -65,12 +65,6 @@ class Checked:
     left_fro: torch.Tensor | None = None  # ||L||_F per batch matrix
     output_grad: torch.Tensor | None = None  # dP, from its arrival to the operands' gradients
     wide_grads: dict[int, torch.Tensor] | None = None  # emulated numerics' (MatmulCall)
-
-
-def _keep_output_grad(
-    checked: Checked, output_nr: int, grads: tuple[torch.Tensor | None, ...]
-) -> None:
-    checked.output_grad = grads[output_nr]
 
 
 class unwatched:
@@ -220,12 +214,9 @@ class MatmulChecksum(Detector):
         with unwatched(output.device):
             self._check_output(step, checked, output, call.accumulator)
             if hooked and output.requires_grad:
-                # A hook on the product's node (cheaper than a tensor's), not a Function: a
-                # model may change the product in place. It only keeps dP: the checks run once
-                # the operands' gradients are made (`_backward`).
-                output.grad_fn.register_prehook(
-                    functools.partial(_keep_output_grad, checked, output.output_nr)
-                )
+                # A hook, not a Function: a model may change the product in place. It only
+                # keeps dP: the checks run once the operands' gradients are made (`_backward`).
+                on_grad(output, functools.partial(setattr, checked, "output_grad"))
         return None
 
     def _operands(self, checked: Checked) -> tuple[torch.Tensor, torch.Tensor]:
