@@ -198,7 +198,7 @@ def checksum_rows(plan: Plan, dtype: torch.dtype, device: torch.device) -> list[
 
         def check(k: Kernels = kernels) -> object:
             return k.output(left, right, output, None, dtype, 1.0, 1.0, False, bound,
-                            not rounding.fine)  # fmt: skip
+                            not rounding.fine, False)  # fmt: skip
 
         started = time.perf_counter()
         check()

@@ -224,24 +224,42 @@ static void across_rows(const matrix *m, int64_t b, const float *w, float *acros
     }
 }
 
-/* Batch matrix b's sums along its rows (into `along`, one per row) or else across them (into
- * `across`, one per column), and its sum of squares added to `squares` where given, in one
+/* Batch matrix b's sums along its rows (into `along`, one per row) and across them (into
+ * `across`, one per column), and its sum of squares added to `squares`, those given, in one
  * read; scratch holds BLOCK rows. */
 static void sums_of(const matrix *m, int64_t b, float *along, float *across, double *squares,
                     float *scratch) {
+    if (!across) {
+        batch_matrix bm = batch_of(m, b);
+        for (int64_t r = 0; r < m->rows; r++) {
+            const float *x = row_of(bm, r, scratch);
+            if (squares) {
+                figures f = row_figures(x, NULL, m->cols, SUM | SQUARES);
+                along[r] = f.sum;
+                *squares += f.squares;
+            } else
+                along[r] = row_figures(x, NULL, m->cols, SUM).sum;
+        }
+        return;
+    }
     if (!along) {
         across_rows(m, b, NULL, across, NULL, squares, scratch);
         return;
     }
+    static const float ones[BLOCK] = {1.0f, 1.0f, 1.0f, 1.0f};
     batch_matrix bm = batch_of(m, b);
-    for (int64_t r = 0; r < m->rows; r++) {
-        const float *x = row_of(bm, r, scratch);
-        if (squares) {
-            figures f = row_figures(x, NULL, m->cols, SUM | SQUARES);
-            along[r] = f.sum;
-            *squares += f.squares;
-        } else
-            along[r] = row_figures(x, NULL, m->cols, SUM).sum;
+    memset(across, 0, m->cols * sizeof *across);
+    for (int64_t r = 0; r < m->rows; r += BLOCK) {
+        int count = m->rows - r < BLOCK ? (int)(m->rows - r) : BLOCK;
+        const float *x[BLOCK];
+        for (int k = 0; k < count; k++) {
+            x[k] = row_of(bm, r + k, scratch + k * m->cols);
+            figures f = row_figures(x[k], NULL, m->cols, SUM | SQUARES);
+            along[r + k] = f.sum;
+            if (squares)
+                *squares += f.squares;
+        }
+        accumulate(across, x, ones, count, m->cols);
     }
 }
 
@@ -313,11 +331,14 @@ static float *scratch_for(int64_t a, int64_t b, int64_t vectors) {
  * The addend (`added` nonzero) is the fourth matrix, broadcast to P's shape: each row's sum and
  * norm, beta times, read once where every row is the same (a bias: strides 0). R is given as
  * itself (right_t 0) or as its transpose R^T with contiguous rows (a Linear's weight).
- * ||R||_F and ||L||_F per batch matrix, and the worst ratio (out). */
+ * ||R||_F and ||L||_F per batch matrix, the worst ratio (out), and, where given, what the
+ * backward's checks read of the operands, in the same read: R^T e (`right_sums`, p per batch
+ * matrix) and L e (`left_sums`, m per batch matrix). */
 void forward_check(const matrix *operands, int64_t right_t, int64_t added, double alpha,
-                   double beta, const bound *bd, float *right_fros, float *left_fros, float *out) {
+                   double beta, const bound *bd, float *right_fros, float *left_fros,
+                   float *right_sums, float *left_sums, float *out) {
     const matrix *L = operands, *R = operands + 1, *P = operands + 2, *A = operands + 3;
-    int64_t q = L->cols, p = P->cols, n = batches(P);
+    int64_t q = L->cols, p = P->cols, m = P->rows, n = batches(P);
     float *scratch = scratch_for(q, p, 1), *row = scratch + BLOCK * q;
     float *sums = row + BLOCK * p, *addend_row = row + p;
     int one_addend = added && A->rstride == 0 && A->bstride[0] == 0 && A->bstride[1] == 0;
@@ -330,16 +351,23 @@ void forward_check(const matrix *operands, int64_t right_t, int64_t added, doubl
     verdict v = {0.0f, 0};
     for (int64_t b = 0; b < n; b++) {
         double right_sq = 0.0;
+        float *columns = right_sums ? right_sums + b * p : NULL;
         if (right_t)
-            sums_of(R, b, NULL, sums, &right_sq, scratch);
+            sums_of(R, b, columns, sums, &right_sq, scratch);
         else
-            sums_of(R, b, sums, NULL, &right_sq, scratch);
+            sums_of(R, b, sums, columns, &right_sq, scratch);
         float right_fro = (float)sqrt(right_sq), sums_norm = norm(sums, q);
         double left_sq = 0.0;
         batch_matrix left = batch_of(L, b), output = batch_of(P, b);
         batch_matrix addends = added ? batch_of(A, b) : output;
-        for (int64_t i = 0; i < P->rows; i++) {
-            figures l = row_figures(row_of(left, i, scratch), sums, q, DOT | SQUARES);
+        for (int64_t i = 0; i < m; i++) {
+            const float *x = row_of(left, i, scratch);
+            figures l;
+            if (left_sums) {
+                l = row_figures(x, sums, q, DOT | SUM | SQUARES);
+                left_sums[b * m + i] = l.sum;
+            } else
+                l = row_figures(x, sums, q, DOT | SQUARES);
             const float *o = row_of(output, i, row);
             figures f = lm.rows ? row_figures(o, NULL, p, SUM | SQUARES)
                                 : row_figures(o, NULL, p, SUM);
@@ -360,26 +388,21 @@ void forward_check(const matrix *operands, int64_t right_t, int64_t added, doubl
     free(scratch);
 }
 
-/* grad_figures: from dP, per row dP_i (R^T e), dP_i e and ||dP_i|| (each alpha times), and
- * ||R^T e|| per batch matrix. */
-static void grad_figures(const matrix *operands, int64_t right_t, double alpha,
-                         float *projected, float *row_sums, float *norms, float *sums_norm) {
-    const matrix *R = operands, *G = operands + 1;
+/* grad_figures: from dP, per row dP_i (R^T e) and ||dP_i|| (each alpha times), R^T e given
+ * (the forward's), and ||R^T e|| per batch matrix. */
+static void grad_figures(const matrix *G, const float *right_sums, double alpha,
+                         float *projected, float *norms, float *sums_norm) {
     int64_t p = G->cols, n = batches(G);
-    float *scratch = scratch_for(R->cols, p, 1), *sums = scratch + BLOCK * (R->cols + p);
+    float *scratch = scratch_for(p, 0, 0);
     const float a = (float)alpha, a_abs = (float)fabs(alpha);
     for (int64_t b = 0; b < n; b++) {
-        if (right_t)
-            sums_of(R, b, sums, NULL, NULL, scratch);
-        else
-            sums_of(R, b, NULL, sums, NULL, scratch);
+        const float *sums = right_sums + b * p;
         sums_norm[b] = norm(sums, p);
         batch_matrix grad = batch_of(G, b);
         for (int64_t i = 0; i < G->rows; i++) {
-            figures f = row_figures(row_of(grad, i, scratch), sums, p, DOT | SUM | SQUARES);
+            figures f = row_figures(row_of(grad, i, scratch), sums, p, DOT | SQUARES);
             int64_t at = b * G->rows + i;
             projected[at] = a * f.dot;
-            row_sums[at] = a * f.sum;
             norms[at] = p == 1 ? a_abs * f.norm : f.squares;
         }
     }
@@ -432,43 +455,45 @@ static void column_norms(batch_matrix bm, int64_t rows, int64_t cols, float *nor
     free(squares);
 }
 
-/* right_ratio: dR e against alpha L^T (dP e), per row of dR; dR given as itself (grad_t 0) or
- * as its transpose with contiguous rows (a Linear's weight gradient). ||L||_F bounds the norms
- * of L's columns. */
-static void right_check(const matrix *operands, int64_t grad_t, const float *row_sums,
-                        const float *left_fro, const float *grad_norms, const bound *bd,
-                        float *out) {
-    const matrix *G = operands, *L = operands + 1;
-    int64_t q = L->cols, m = L->rows, n = batches(G);
-    float *scratch = scratch_for(q, G->cols, 3);
-    float *expected = scratch + BLOCK * (q + G->cols), *actual = expected + q;
-    float *norms = actual + q; /* of dR's rows: squares first where summed across G's rows */
+/* right_ratio: dR's columns, e^T dR against alpha (L e)^T dP, L e given (the forward's): the
+ * rows of dR^T = alpha dP^T L, checked as the forward checks a product's rows, with ||dP||_F
+ * for the norms of dP's columns. dR given as itself (grad_t 0: its columns summed across its
+ * rows) or as its transpose with contiguous rows (a Linear's weight gradient: along them). */
+static void right_check(const matrix *G, const matrix *D, int64_t grad_t, double alpha,
+                        const float *left_sums, const float *left_fro, const float *grad_norms,
+                        const bound *bd, float *out) {
+    int64_t m = G->rows, p = G->cols, q = grad_t ? D->cols : D->rows, n = batches(G);
+    float *scratch = scratch_for(p, D->cols, 3);
+    float *expected = scratch + BLOCK * (p + D->cols), *actual = expected + p;
+    float *norms = actual + p; /* of dR's columns: squares first where summed across its rows */
     const limits lm = limits_of(bd);
+    const float a = (float)alpha;
     verdict v = {0.0f, 0};
     for (int64_t b = 0; b < n; b++) {
-        across_rows(L, b, row_sums + b * m, expected, NULL, NULL, scratch);
-        batch_matrix grad = batch_of(G, b);
-        if (grad_t) {
-            across_rows(G, b, NULL, actual, lm.rows ? norms : NULL, NULL, scratch);
-            int overflowed = 0;
-            for (int64_t l = 0; l < q; l++) {
-                overflowed |= !isfinite(norms[l]);
-                norms[l] = sqrtf(norms[l]);
-            }
-            if (overflowed) /* own_norm's float64 sums, for the columns of G at once */
-                column_norms(grad, G->rows, q, norms, scratch);
-        } else
-            for (int64_t r = 0; r < G->rows; r++) {
+        across_rows(G, b, left_sums + b * m, expected, NULL, NULL, scratch);
+        batch_matrix grad = batch_of(D, b);
+        if (grad_t)
+            for (int64_t r = 0; r < p; r++) {
                 const float *x = row_of(grad, r, scratch);
-                figures f = lm.rows ? row_figures(x, NULL, G->cols, SUM | SQUARES)
-                                    : row_figures(x, NULL, G->cols, SUM);
+                figures f = lm.rows ? row_figures(x, NULL, q, SUM | SQUARES)
+                                    : row_figures(x, NULL, q, SUM);
                 actual[r] = f.sum;
-                norms[r] = lm.rows ? own_norm(x, G->cols, f) : 0.0f;
+                norms[r] = lm.rows ? own_norm(x, q, f) : 0.0f;
             }
-        float right_fro = norm(grad_norms + b * m, m), sums_norm = norm(row_sums + b * m, m);
-        for (int64_t l = 0; l < q; l++)
-            judge(&v, actual[l], expected[l],
-                  limit_of(&lm, norms[l], left_fro[b], right_fro, sums_norm, 0.0f), &lm);
+        else {
+            across_rows(D, b, NULL, actual, lm.rows ? norms : NULL, NULL, scratch);
+            int overflowed = 0;
+            for (int64_t c = 0; c < p; c++) {
+                overflowed |= !isfinite(norms[c]);
+                norms[c] = sqrtf(norms[c]);
+            }
+            if (overflowed) /* own_norm's float64 sums, for the columns of dR at once */
+                column_norms(grad, q, p, norms, scratch);
+        }
+        float grad_fro = norm(grad_norms + b * m, m), sums_norm = norm(left_sums + b * m, m);
+        for (int64_t c = 0; c < p; c++)
+            judge(&v, actual[c], a * expected[c],
+                  limit_of(&lm, norms[c], grad_fro, left_fro[b], sums_norm, 0.0f), &lm);
     }
     out[0] = verdict_of(&v);
     free(scratch);
@@ -477,22 +502,22 @@ static void right_check(const matrix *operands, int64_t grad_t, const float *row
 /* backward_check: a product's backward checked in one call, as the calls above in turn: the
  * output gradient's figures (grad_figures, into memory of this call's own), then the input
  * gradient's check (left_check, `which` bit 1) and the weight gradient's (right_check, bit 2),
- * their ratios into out[0] and out[1]. Matrices: R, dP, then dL where checked, then dR and L
- * where checked. */
-void backward_check(const matrix *operands, int64_t right_t, double alpha, int64_t which,
-                    const float *right_fro, const float *left_fro, const bound *left_bd,
-                    const bound *right_bd, int64_t grad_t, float *out) {
-    const matrix *G = operands + 1;
+ * their ratios into out[0] and out[1]. Matrices: dP, then dL where checked, then dR where
+ * checked; the operands themselves are not read again: what their checks need of them, R^T e
+ * (`right_sums`), L e (`left_sums`), ||R||_F and ||L||_F, the forward check kept. */
+void backward_check(const matrix *operands, double alpha, int64_t which, const float *right_sums,
+                    const float *left_sums, const float *right_fro, const float *left_fro,
+                    const bound *left_bd, const bound *right_bd, int64_t grad_t, float *out) {
+    const matrix *G = operands;
     int64_t rows = batches(G) * G->rows;
-    float *figures = malloc((size_t)(3 * rows + batches(G)) * sizeof *figures);
-    float *projected = figures, *row_sums = projected + rows, *norms = row_sums + rows;
-    float *sums_norm = norms + rows;
-    grad_figures(operands, right_t, alpha, projected, row_sums, norms, sums_norm);
-    const matrix *next = operands + 2;
+    float *figures = malloc((size_t)(2 * rows + batches(G)) * sizeof *figures);
+    float *projected = figures, *norms = projected + rows, *sums_norm = norms + rows;
+    grad_figures(G, right_sums, alpha, projected, norms, sums_norm);
+    const matrix *next = operands + 1;
     if (which & 1)
         left_check(next++, projected, norms, right_fro, sums_norm, left_bd, out);
     if (which & 2)
-        right_check(next, grad_t, row_sums, left_fro, norms, right_bd, out + 1);
+        right_check(G, next, grad_t, alpha, left_sums, left_fro, norms, right_bd, out + 1);
     free(figures);
 }
 

@@ -35,6 +35,7 @@ from detectors.norms import row_norms
 from detectors.product_bounds import (
     F32,
     Bound,
+    Kept,
     OperandCheck,
     addend_figures,
     bounded_ratio,
@@ -76,9 +77,11 @@ def output_figures(
     flat: bool,
     bound: Bound,
     rows: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    keep: bool,
+) -> tuple[torch.Tensor, ...]:
     """The forward check: the worst row's ratio of P e against alpha L (R e) (+ beta times the
-    addend's row sums), ||R||_F and ||L||_F, which the backward checks reuse. `rows`: read
+    addend's row sums), then ||R||_F and ||L||_F, and with `keep` (the backward is checked)
+    R^T e and L e: what the backward's checks read of the operands (`Kept`). `rows`: read
     ||P_i|| (a 16-bit output) instead of bounding it (by ||L_i|| ||R||_F and the addend's
     norm: a float32 output's rounding grows with the bias it holds too)."""
     left, right = _as_read(left, dtype, flat), right.to(dtype)
@@ -102,25 +105,24 @@ def output_figures(
         out.sum(-1, dtype=F32), expected, row_norm, left_norm, right_fro, sums_norm, bound,
         addend_norm,
     )  # fmt: skip
-    return ratio, right_fro, left_fro
+    if not keep:
+        return ratio, right_fro, left_fro
+    return ratio, right_fro, left_fro, right.sum(-2, dtype=F32), left.sum(-1, dtype=F32)
 
 
 def grad_figures(
-    right: torch.Tensor, grad: torch.Tensor, dtype: torch.dtype, alpha: float, flat: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """From the output's gradient dP [..., m, p]: dP (R^T e), dP e, the rows' norms ||dP_i||
-    (each alpha times, as both operands' gradients are) and ||R^T e||. Two matrix-vector
-    products: one product with the two vectors side by side costs ten times more on the CPU."""
-    right, grad = right.to(dtype), grad.to(dtype)
+    right_sums: torch.Tensor, grad: torch.Tensor, dtype: torch.dtype, alpha: float, flat: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From the output's gradient dP [..., m, p]: dP (R^T e) and the rows' norms ||dP_i|| (each
+    alpha times, as both operands' gradients are), and ||R^T e||, R^T e the forward's."""
+    grad = grad.to(dtype)
     if flat:
         grad = grad.reshape(-1, grad.shape[-1])
-    sums = right.sum(-2, dtype=F32)
-    projected = _times_column(grad.to(F32), sums.unsqueeze(-1))
-    row_sums = grad.sum(-1, dtype=F32)
+    projected = _times_column(grad.to(F32), right_sums.unsqueeze(-1))
     norms = torch.linalg.vector_norm(grad, dim=-1, dtype=F32)
     if alpha != 1:
-        projected, row_sums, norms = alpha * projected, alpha * row_sums, abs(alpha) * norms
-    return projected, row_sums, norms, torch.linalg.vector_norm(sums, dim=-1)
+        projected, norms = alpha * projected, abs(alpha) * norms
+    return projected, norms, torch.linalg.vector_norm(right_sums, dim=-1)
 
 
 def left_ratio(
@@ -143,9 +145,10 @@ def left_ratio(
 
 def right_ratio(
     grad: torch.Tensor,
-    left: torch.Tensor,
+    output_grad: torch.Tensor,
     dtype: torch.dtype,
-    row_sums: torch.Tensor,
+    alpha: float,
+    left_sums: torch.Tensor,
     left_fro: torch.Tensor,
     grad_norms: torch.Tensor,
     along: int,
@@ -153,14 +156,21 @@ def right_ratio(
     bound: Bound,
     rows: bool,
 ) -> torch.Tensor:
-    """dR = alpha L^T dP: dR e, along `along` (a Linear's weight gradient is dR^T), against
-    alpha L^T (dP e), with ||L||_F for the norms of L's columns (detectors/product_bounds.py)."""
-    expected = (row_sums.unsqueeze(-2) @ _as_read(left, dtype, flat).to(F32)).squeeze(-2)
+    """dR = alpha L^T dP, checked by its columns: e^T dR, summed along `along` (a Linear's
+    weight gradient is dR^T), against alpha (L e)^T dP, L e the forward's. These are the rows of
+    dR^T = alpha dP^T L, bounded as a product's rows are, with ||dP||_F for the norms of dP's
+    columns (detectors/product_bounds.py)."""
+    output_grad = output_grad.to(dtype)
+    if flat:
+        output_grad = output_grad.reshape(-1, output_grad.shape[-1])
+    expected = (left_sums.unsqueeze(-2) @ output_grad.to(F32)).squeeze(-2)
+    if alpha != 1:
+        expected = alpha * expected
     row_norm = row_norms(grad, along) if rows else None
     return bounded_ratio(
-        grad.sum(along, dtype=F32), expected, row_norm, left_fro.unsqueeze(-1),
-        torch.linalg.vector_norm(grad_norms, dim=-1),
-        torch.linalg.vector_norm(row_sums, dim=-1), bound,
+        grad.sum(along, dtype=F32), expected, row_norm,
+        torch.linalg.vector_norm(grad_norms, dim=-1).unsqueeze(-1), left_fro,
+        torch.linalg.vector_norm(left_sums, dim=-1), bound,
     )  # fmt: skip
 
 
@@ -192,7 +202,7 @@ class Kernels:
 
     def __init__(self, kind: str):
         self.kind = kind
-        self.output = self._wrap(output_figures, native_checksum.output_figures)
+        self.figures = self._wrap(output_figures, native_checksum.output_figures)
         # The backward's three checks, one by one; natively all three in one call (`backward`).
         self.grad = self._wrap(grad_figures)
         self.left = self._wrap(left_ratio)
@@ -202,41 +212,61 @@ class Kernels:
         if kind == "native":
             self.rounding = self._wrap(rounding_ratio, native_checksum.rounding_ratio)
 
+    def output(
+        self,
+        left: torch.Tensor,
+        right: torch.Tensor,
+        measured: torch.Tensor,
+        addend: torch.Tensor | None,
+        dtype: torch.dtype,
+        alpha: float,
+        beta: float,
+        flat: bool,
+        bound: Bound,
+        rows: bool,
+        keep: bool,
+    ) -> tuple[torch.Tensor, Kept]:
+        """The forward check's ratio (`output_figures`), and what its backward's checks keep."""
+        ratio, *kept = self.figures(
+            left, right, measured, addend, dtype, alpha, beta, flat, bound, rows, keep
+        )
+        return ratio, Kept(*kept)
+
     def backward(
         self,
-        right: torch.Tensor,
         output_grad: torch.Tensor,
-        left: torch.Tensor,
         dtype: torch.dtype,
         alpha: float,
         flat: bool,
         along: int,
-        right_fro: torch.Tensor,
-        left_fro: torch.Tensor,
+        kept: Kept,
         input_check: OperandCheck | None,
         weight_check: OperandCheck | None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """A product's backward checked once both operands' gradients are made: the output
-        gradient's figures (`grad`), then the input gradient's ratio (`left`) and the weight
-        gradient's (`right`), each where its check is given. Natively in one call where the C
-        kernel applies (one description and one entry for the three), else as the three."""
+        """A product's backward checked once both operands' gradients are made, from dP and what
+        the forward check kept (with `keep`): the output gradient's figures (`grad`), then the
+        input gradient's ratio (`left`) and the weight gradient's (`right`, its sums along
+        `along`), each where its check is given. Natively in one call where the C kernel
+        applies (one description and one entry for the three), else as the three."""
         if self.kind == "native":
             ratios = native_checksum.backward_ratios(
-                right, output_grad, left, dtype, alpha, flat, along, right_fro, left_fro,
-                input_check, weight_check,
-            )  # fmt: skip
+                output_grad, dtype, alpha, flat, along, kept, input_check, weight_check
+            )
             if ratios is not None:
                 return ratios
-        projected, row_sums, norms, sums_norm = self.grad(right, output_grad, dtype, alpha, flat)
+        projected, norms, sums_norm = self.grad(kept.right_sums, output_grad, dtype, alpha, flat)
         input_ratio = weight_ratio = None
         if input_check is not None:
             grad, bound, rows = input_check
-            input_ratio = self.left(grad, projected, norms, right_fro, sums_norm, flat, bound, rows)
+            input_ratio = self.left(
+                grad, projected, norms, kept.right_fro, sums_norm, flat, bound, rows
+            )
         if weight_check is not None:
             grad, bound, rows = weight_check
             weight_ratio = self.right(
-                grad, left, dtype, row_sums, left_fro, norms, along, flat, bound, rows
-            )
+                grad, output_grad, dtype, alpha, kept.left_sums, kept.left_fro, norms, along,
+                flat, bound, rows,
+            )  # fmt: skip
         return input_ratio, weight_ratio
 
     @property

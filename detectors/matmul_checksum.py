@@ -38,6 +38,7 @@ from detectors.product_bounds import (
     F32,
     OPERAND_ROUNDING,
     Bound,
+    Kept,
     OperandCheck,
     Product,
     Rounding,
@@ -61,8 +62,8 @@ class Checked:
     product: Product
     dtype: torch.dtype = F32  # the kernel's
     flat: bool = False  # L's leading dimensions merged into rows
-    right_fro: torch.Tensor | None = None  # ||R||_F per batch matrix
-    left_fro: torch.Tensor | None = None  # ||L||_F per batch matrix
+    backward: bool = False  # its operands' gradients are checked
+    kept: Kept | None = None  # the forward check's, for the backward's
     output_grad: torch.Tensor | None = None  # dP, from its arrival to the operands' gradients
     wide_grads: dict[int, torch.Tensor] | None = None  # emulated numerics' (MatmulCall)
 
@@ -195,6 +196,7 @@ class MatmulChecksum(Detector):
             at = tuple(i for i in (product.left_at, product.right_at) if call.args[i].requires_grad)
             if at:
                 views = tapped([call.args[i] for i in at], self._backward(checked, at))
+                checked.backward = True
                 for i, operand in zip(at, views, strict=True):
                     call.args[i] = operand
 
@@ -247,9 +249,9 @@ class MatmulChecksum(Detector):
         measured = product.as_output(output if accumulator is None else accumulator)
         rounding = self._rounding(measured.dtype)
         bound = self._bound(rounding, product.left.shape[-1], measured.shape[-1])
-        ratio, checked.right_fro, checked.left_fro = self.kernels.output(
+        ratio, checked.kept = self.kernels.output(
             product.left, product.right, measured, product.addend, checked.dtype,
-            product.alpha, product.beta, checked.flat, bound, not rounding.fine,
+            product.alpha, product.beta, checked.flat, bound, not rounding.fine, checked.backward,
         )  # fmt: skip
         self.found.append((step, "forward", f"{checked.key} output", ratio))
 
@@ -257,8 +259,7 @@ class MatmulChecksum(Detector):
         left, right = self._operands(checked)
         rows = self._reads_rows(output.dtype)
         figures = grouped.forward(left, right, checked.product.offs, output, rows)
-        checked.right_fro = figures["right_fro"]
-        checked.left_fro = figures["left_norm"]
+        checked.kept = Kept(figures["right_fro"], figures["left_norm"])
         ratio = self._ratio(figures, right.shape[-2], right.shape[-1], output.dtype)
         self.found.append((step, "forward", f"{checked.key} output", ratio))
 
@@ -297,12 +298,13 @@ class MatmulChecksum(Detector):
         output_grad: torch.Tensor,
         made: dict[int, tuple[torch.Tensor, torch.Tensor | None]],
     ) -> None:
-        """dL = alpha dP R^T: dL e against alpha dP (R^T e); dR = alpha L^T dP: dR e against
-        alpha L^T (dP e) (alpha is in the dP figures), the weight's entries first. The rows of
-        L^T are L's columns, whose norms ||L||_F bounds: reducing a matrix along its columns
-        costs twenty times a reduction along its rows on the CPU, and the bound's L term is
-        small beside the product's own rounding (about half of it in bfloat16, a hundredth in
-        float32)."""
+        """dL = alpha dP R^T: dL e against alpha dP (R^T e); dR = alpha L^T dP by its columns:
+        e^T dR against alpha (L e)^T dP (alpha is in the dP figures), the weight's entries
+        first. R^T e and L e are the forward check's (`Kept`): the backward reads dP and the
+        gradients, not the operands again (they are out of the cache by then: most of the
+        backward check's time). dR's columns are the rows of dR^T = alpha dP^T L, bounded as a
+        product's rows with ||dP||_F for the norms of dP's columns: reducing a matrix along its
+        columns costs twenty times a reduction along its rows on the CPU, eagerly."""
         product = checked.product
         roundings: dict[str, torch.Tensor] = {}
         measured: dict[str, tuple[torch.Tensor, bool]] = {}
@@ -339,7 +341,7 @@ class MatmulChecksum(Detector):
                 rounding = self._operand_rounding(checked, grad, accumulated)
                 bound = self._bound(rounding, product.right.shape[-1], grad.shape[-1])
                 checks["input"] = OperandCheck(grad, bound, not rounding.fine)
-        along = -2 if product.transposed else -1  # dR's rows: a Linear's dW^T's columns
+        along = -1 if product.transposed else -2  # dR's columns: a Linear's dW's rows
         if "weight" in measured:
             grad, accumulated = measured["weight"]
             grad = product.as_right(grad)
@@ -352,8 +354,8 @@ class MatmulChecksum(Detector):
         if not checks:
             return {}
         ratios = self.kernels.backward(
-            product.right, output_grad, product.left, checked.dtype, product.alpha, checked.flat,
-            along, checked.right_fro, checked.left_fro, checks.get("input"), checks.get("weight"),
+            output_grad, checked.dtype, product.alpha, checked.flat, along, checked.kept,
+            checks.get("input"), checks.get("weight"),
         )  # fmt: skip
         return {
             name: r for name, r in zip(("input", "weight"), ratios, strict=True) if r is not None
@@ -387,7 +389,7 @@ class MatmulChecksum(Detector):
         if "input" in measured:
             grad = product.as_left(measured["input"][0])
             rows = self._reads_rows(checked.dtype, grad.dtype)
-            figures = grouped.left_grad(grad, dp, checked.right_fro, rows)
+            figures = grouped.left_grad(grad, dp, checked.kept.right_fro, rows)
             inner = product.right.shape[-1]
             ratio = self._ratio(figures, inner, grad.shape[-1], checked.dtype, grad.dtype)
             ratios["input"] = ratio

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from detectors import native_build
-from detectors.product_bounds import F32, Bound, OperandCheck
+from detectors.product_bounds import F32, Bound, Kept, OperandCheck
 
 SOURCE = Path(__file__).with_name("checksum.c")
 WHO = "matmul_checksum: native checks"
@@ -41,8 +41,8 @@ READS = {(F32, F32): 0, (BF16, BF16): 1, (BF16, F32): 1, (F32, BF16): 2}
 # and, objects the garbage collector tracks, they would set it off every few steps.
 POINTER, INT, REAL = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
 SIGNATURES = {
-    "forward_check": [POINTER, INT, INT, REAL, REAL, POINTER, POINTER, POINTER, POINTER],
-    "backward_check": [POINTER, INT, REAL, INT, POINTER, POINTER, POINTER, POINTER, INT, POINTER],
+    "forward_check": [POINTER, INT, INT, REAL, REAL, POINTER, *[POINTER] * 5],
+    "backward_check": [POINTER, REAL, INT, *[POINTER] * 6, INT, POINTER],
     "rounding_check": [POINTER, POINTER, INT, INT],
 }
 
@@ -217,7 +217,8 @@ def output_figures(
     flat: bool,
     bound: Bound,
     rows: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    keep: bool,
+) -> tuple[torch.Tensor, ...] | None:
     library = load()
     if library is None:
         return None
@@ -228,14 +229,21 @@ def output_figures(
     )  # fmt: skip
     if plan is None:
         return None
-    right_t, batch = plan.extra
+    right_t, batch, (m, p) = plan.extra
     described, _ = plan.bind(sources)
     ratio, right_fro, left_fro = (torch.empty(shape, dtype=F32) for shape in ((), batch, batch))
+    figures: tuple[torch.Tensor, ...] = (ratio, right_fro, left_fro)
+    sums = [None, None]
+    if keep:
+        right_sums = torch.empty(*batch, p, dtype=F32)
+        left_sums = torch.empty(*batch, m, dtype=F32)
+        figures += (right_sums, left_sums)
+        sums = [right_sums.data_ptr(), left_sums.data_ptr()]
     library.forward_check(
         described.buffer_info()[0], right_t, addend is not None, alpha, beta, _bound(bound, rows),
-        right_fro.data_ptr(), left_fro.data_ptr(), ratio.data_ptr(),
+        right_fro.data_ptr(), left_fro.data_ptr(), *sums, ratio.data_ptr(),
     )  # fmt: skip
-    return ratio, right_fro, left_fro
+    return figures
 
 
 def _describe_output(call: _Call, dtype: torch.dtype, flat: bool) -> tuple:
@@ -255,19 +263,16 @@ def _describe_output(call: _Call, dtype: torch.dtype, flat: bool) -> tuple:
             (n, q) == (right[0], inner) and output == (n, m, width)
             and all(a == output for a in added)
         )  # fmt: skip
-    return right_t, batch
+    return right_t, batch, call.shapes[2][1:] if call.applies else None
 
 
 def backward_ratios(
-    right: torch.Tensor,
     output_grad: torch.Tensor,
-    left: torch.Tensor,
     dtype: torch.dtype,
     alpha: float,
     flat: bool,
     along: int,
-    right_fro: torch.Tensor,
-    left_fro: torch.Tensor,
+    kept: Kept,
     input_check: OperandCheck | None,
     weight_check: OperandCheck | None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
@@ -278,14 +283,14 @@ def backward_ratios(
         return None
     input_grad = None if input_check is None else input_check.grad
     weight_grad = None if weight_check is None else weight_check.grad
-    sources = (right, output_grad, left, right_fro, left_fro, input_grad, weight_grad)
+    sources = (output_grad, *kept, input_grad, weight_grad)
     plan = _plan(
         ("backward", dtype, flat, along, *_layouts(*sources)), sources,
         functools.partial(_describe_backward, dtype=dtype, flat=flat, along=along),
     )  # fmt: skip
     if plan is None:
         return None
-    (right_t, grad_t), (described, (right_fros, left_fros)) = plan.extra, plan.bind(sources)
+    grad_t, (described, figures) = plan.extra, plan.bind(sources)
     left_bound = weight_bound = None
     if input_check is not None:
         left_bound = _bound(input_check.bound, input_check.rows)
@@ -294,8 +299,8 @@ def backward_ratios(
     ratios = torch.empty(2, dtype=F32)
     which = (input_check is not None) | (weight_check is not None) << 1
     library.backward_check(
-        described.buffer_info()[0], right_t, alpha, which, right_fros, left_fros, left_bound,
-        weight_bound, grad_t, ratios.data_ptr(),
+        described.buffer_info()[0], alpha, which, *figures, left_bound, weight_bound, grad_t,
+        ratios.data_ptr(),
     )  # fmt: skip
     input_ratio, weight_ratio = ratios.unbind()
     return (
@@ -304,43 +309,39 @@ def backward_ratios(
     )
 
 
-def _describe_backward(call: _Call, dtype: torch.dtype, flat: bool, along: int) -> tuple:
-    right, output_grad, left, right_fro, left_fro, input_grad, weight_grad = call.sources
+def _describe_backward(call: _Call, dtype: torch.dtype, flat: bool, along: int) -> int:
+    output_grad, right_fro, left_fro, right_sums, left_sums, input_grad, weight_grad = call.sources
     output_grad = _flat(output_grad, flat)
-    batch = output_grad.shape[:-2]
-    right_t = call.rows_first(right, batch, dtype, 0)
-    call.matrix(output_grad, batch, dtype, 1)
+    batch, (m, p) = output_grad.shape[:-2], output_grad.shape[-2:]
+    call.matrix(output_grad, batch, dtype, 0)
     if input_grad is not None:
         grad = _flat(input_grad, flat)
         call.matrix(grad, grad.shape[:-2], grad.dtype, 5)
-    grad_t, weight_batch = 0, batch
+    grad_t = 0
     if weight_grad is not None:
-        weight_batch = weight_grad.shape[:-2]
-        grad = weight_grad if along == -1 else weight_grad.mT
-        grad_t = call.rows_first(grad, weight_batch, weight_grad.dtype, 6)
-        call.matrix(_flat(left, flat), weight_batch, dtype, 2)
-    call.floats(right_fro, batch, 3)
-    call.floats(left_fro, weight_batch, 4)
+        grad = weight_grad if along == -2 else weight_grad.mT  # dR itself: its columns summed
+        grad_t = call.rows_first(grad, weight_grad.shape[:-2], weight_grad.dtype, 6)
+    call.floats(right_sums, torch.Size((*batch, p)), 3)
+    call.floats(left_sums, torch.Size((*batch, m)), 4)
+    call.floats(right_fro, batch, 1)
+    call.floats(left_fro, batch, 2)
     if call.applies:
-        call.applies = _backward_agrees(call.shapes, right_t, grad_t, input_grad is not None)
-    return right_t, grad_t
+        call.applies = _backward_agrees(call.shapes, grad_t, input_grad is not None)
+    return grad_t
 
 
-def _backward_agrees(
-    shapes: list[tuple[int, int, int]], right_t: int, grad_t: int, input_checked: bool
-) -> bool:
-    """Whether the backward's matrices agree with one product's: the kernel trusts their sizes
-    (one that did not, a weight's gradient given the wrong way round, would read and write past
-    its buffers), so a call they do not fit runs eagerly, where torch says what is wrong."""
-    right, (n, m, p), *operands = shapes
-    q, width = right[1:] if not right_t else right[:0:-1]
-    agrees = right[0] == n and width == p
-    if input_checked:
-        agrees &= operands.pop(0) == (n, m, q)
-    if operands:
-        grad, left = operands
-        agrees &= grad == ((n, p, q) if grad_t else (n, q, p)) and left == (n, m, q)
-    return agrees
+def _backward_agrees(shapes: list[tuple[int, int, int]], grad_t: int, input_checked: bool) -> bool:
+    """Whether the backward's matrices agree with dP's sizes where the kernel indexes by them:
+    it trusts them (one that did not, a weight's gradient given the wrong way round, would read
+    and write past its buffers), so a call they do not fit runs eagerly, where torch says what
+    is wrong. dL: its rows are dP's; dR: its columns are as many as dP's."""
+    (n, m, p), *operands = shapes
+    if input_checked and operands.pop(0)[:2] != (n, m):
+        return False
+    if not operands:
+        return True
+    batches, rows, cols = operands[0]
+    return batches == n and (rows if grad_t else cols) == p
 
 
 def rounding_ratio(

@@ -25,11 +25,14 @@ autocast kernel's operand casts are repeated here exactly). Row i of P passes wh
 with s = `sigmas` and tiny float32's smallest normal. Two terms read a cheaper upper bound: a
 32- or 64-bit product reads ||L_i|| ||R||_F + ||a_i|| for ||P_i|| (Cauchy-Schwarz and the
 triangle inequality, a_i the row's addend, beta times: a bias large beside a small input row
-is most of what the output rounds), and a weight gradient dR = L^T dP reads ||L||_F for its
-rows' ||L_i||, the norms of L's columns (a reduction along columns costs twenty times one along
-rows on the CPU). ||P_i|| itself, where read, is summed in float64 (detectors/norms.py): a
-16-bit fault of 2^64 or more overflows a float32 sum of squares, and an infinite norm would
-hide the fault in an infinite bound.
+is most of what the output rounds), and a weight gradient dR = L^T dP, checked by its
+columns as the rows of dR^T = dP^T L (that product's P e = L (R e) with dP^T for L and L for
+R), reads ||dP||_F for its rows' norms, dP's columns (a reduction along columns costs twenty
+times one along rows on the CPU). Both gradients' checks take what they need of the operands,
+R^T e, L e and the Frobenius norms, from the forward check (`Kept`): the backward reads dP and
+the gradients only, not the operands again. ||P_i|| itself, where read, is summed in float64
+(detectors/norms.py): a 16-bit fault of 2^64 or more overflows a float32 sum of squares, and an
+infinite norm would hide the fault in an infinite bound.
 An addend (a Linear's bias, addmm's input) is added in the accumulation and the sum rounded
 once, as BLAS's gemm with beta does (and as the CPU's F.linear was measured to: 0.002% of
 bfloat16 outputs differ from one rounding of the float32 result, 27% from two): a model that
@@ -224,6 +227,17 @@ class OperandCheck(NamedTuple):
     grad: torch.Tensor
     bound: Bound
     rows: bool
+
+
+class Kept(NamedTuple):
+    """What a product's forward check keeps for its backward's, so that the backward reads only
+    the gradients: per batch matrix ||R||_F and ||L||_F, and, where the backward is checked,
+    R^T e [..., p] and L e [..., m] (rows merged where the check merged them)."""
+
+    right_fro: torch.Tensor
+    left_fro: torch.Tensor
+    right_sums: torch.Tensor | None = None
+    left_sums: torch.Tensor | None = None
 
 
 def bound_of(rounding: Rounding, inner: int, length: int) -> Bound:
