@@ -389,27 +389,39 @@ void forward_check(const matrix *operands, int64_t right_t, int64_t added, doubl
 }
 
 /* grad_figures: from dP, per row dP_i (R^T e) and ||dP_i|| (each alpha times), R^T e given
- * (the forward's), and ||R^T e|| per batch matrix. */
-static void grad_figures(const matrix *G, const float *right_sums, double alpha,
-                         float *projected, float *norms, float *sums_norm) {
-    int64_t p = G->cols, n = batches(G);
+ * (the forward's), and ||R^T e|| per batch matrix; where L e is given (the weight gradient is
+ * checked), (L e)^T dP per batch matrix into `columns` in the same read, rows summed across
+ * four at a time. */
+static void grad_figures(const matrix *G, const float *right_sums, const float *left_sums,
+                         double alpha, float *projected, float *norms, float *sums_norm,
+                         float *columns) {
+    int64_t m = G->rows, p = G->cols, n = batches(G);
     float *scratch = scratch_for(p, 0, 0);
     const float a = (float)alpha, a_abs = (float)fabs(alpha);
     for (int64_t b = 0; b < n; b++) {
         const float *sums = right_sums + b * p;
         sums_norm[b] = norm(sums, p);
         batch_matrix grad = batch_of(G, b);
-        for (int64_t i = 0; i < G->rows; i++) {
-            figures f = row_figures(row_of(grad, i, scratch), sums, p, DOT | SQUARES);
-            int64_t at = b * G->rows + i;
-            projected[at] = a * f.dot;
-            norms[at] = p == 1 ? a_abs * f.norm : f.squares;
+        if (left_sums)
+            memset(columns + b * p, 0, p * sizeof *columns);
+        for (int64_t r = 0; r < m; r += BLOCK) {
+            int count = m - r < BLOCK ? (int)(m - r) : BLOCK;
+            const float *x[BLOCK];
+            for (int k = 0; k < count; k++) {
+                x[k] = row_of(grad, r + k, scratch + k * p);
+                figures f = row_figures(x[k], sums, p, DOT | SQUARES);
+                int64_t at = b * m + r + k;
+                projected[at] = a * f.dot;
+                norms[at] = p == 1 ? a_abs * f.norm : f.squares;
+            }
+            if (left_sums)
+                accumulate(columns + b * p, x, left_sums + b * m + r, count, p);
         }
     }
     /* The rows' square roots after them all, in vector lanes: taken row by row, each waited on
      * its row's sums, most of a short row's time. */
     if (p > 1)
-        for (int64_t at = 0; at < n * G->rows; at++)
+        for (int64_t at = 0; at < n * m; at++)
             norms[at] = a_abs * sqrtf(norms[at]);
     free(scratch);
 }
@@ -460,17 +472,16 @@ static void column_norms(batch_matrix bm, int64_t rows, int64_t cols, float *nor
  * for the norms of dP's columns. dR given as itself (grad_t 0: its columns summed across its
  * rows) or as its transpose with contiguous rows (a Linear's weight gradient: along them). */
 static void right_check(const matrix *G, const matrix *D, int64_t grad_t, double alpha,
-                        const float *left_sums, const float *left_fro, const float *grad_norms,
-                        const bound *bd, float *out) {
+                        const float *columns, const float *left_sums, const float *left_fro,
+                        const float *grad_norms, const bound *bd, float *out) {
     int64_t m = G->rows, p = G->cols, q = grad_t ? D->cols : D->rows, n = batches(G);
-    float *scratch = scratch_for(p, D->cols, 3);
-    float *expected = scratch + BLOCK * (p + D->cols), *actual = expected + p;
+    float *scratch = scratch_for(D->cols, p, 2), *actual = scratch + BLOCK * (D->cols + p);
     float *norms = actual + p; /* of dR's columns: squares first where summed across its rows */
     const limits lm = limits_of(bd);
     const float a = (float)alpha;
     verdict v = {0.0f, 0};
     for (int64_t b = 0; b < n; b++) {
-        across_rows(G, b, left_sums + b * m, expected, NULL, NULL, scratch);
+        const float *expected = columns + b * p;
         batch_matrix grad = batch_of(D, b);
         if (grad_t)
             for (int64_t r = 0; r < p; r++) {
@@ -509,15 +520,18 @@ void backward_check(const matrix *operands, double alpha, int64_t which, const f
                     const float *left_sums, const float *right_fro, const float *left_fro,
                     const bound *left_bd, const bound *right_bd, int64_t grad_t, float *out) {
     const matrix *G = operands;
-    int64_t rows = batches(G) * G->rows;
-    float *figures = malloc((size_t)(2 * rows + batches(G)) * sizeof *figures);
+    int64_t rows = batches(G) * G->rows, columns = (which & 2) ? batches(G) * G->cols : 0;
+    float *figures = malloc((size_t)(2 * rows + batches(G) + columns) * sizeof *figures);
     float *projected = figures, *norms = projected + rows, *sums_norm = norms + rows;
-    grad_figures(G, right_sums, alpha, projected, norms, sums_norm);
+    float *weighted = sums_norm + batches(G);
+    grad_figures(G, right_sums, (which & 2) ? left_sums : NULL, alpha, projected, norms,
+                 sums_norm, weighted);
     const matrix *next = operands + 1;
     if (which & 1)
         left_check(next++, projected, norms, right_fro, sums_norm, left_bd, out);
     if (which & 2)
-        right_check(G, next, grad_t, alpha, left_sums, left_fro, norms, right_bd, out + 1);
+        right_check(G, next, grad_t, alpha, weighted, left_sums, left_fro, norms, right_bd,
+                    out + 1);
     free(figures);
 }
 
