@@ -207,13 +207,13 @@ def change_and_bound(rank: Rank, products: Products, event: ElementInject, phase
         bound = row_bound(row, left, right_fro, right_sums, module.in_features,
                           roundoff(kernel))  # fmt: skip
     else:
-        column = event.index % module.in_features  # a row of dW^T: one input feature
-        row = module.weight.grad[:, column]
+        # A row of dW: one output feature, a column of dR = x^T dout, a row of dR^T = dout^T x.
+        row = module.weight.grad[event.index // module.in_features]
         dout = seen["dout"].to(kernel).reshape(-1, module.out_features)
         u_out = max(roundoff(kernel), roundoff(module.weight.grad.dtype))
-        # ||L||_F stands for the norm of L's column (the docstring's weight-gradient rows).
-        bound = row_bound(row, float(x.double().norm()), float(dout.double().norm()),
-                          float(dout.double().sum(-1).norm()), x.shape[0], u_out)  # fmt: skip
+        # ||dout||_F stands for the norm of dout's column (the docstring's weight gradient).
+        bound = row_bound(row, float(dout.double().norm()), float(x.double().norm()),
+                          float(x.double().sum(-1).norm()), x.shape[0], u_out)  # fmt: skip
     return change, bound
 
 
