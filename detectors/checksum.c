@@ -201,10 +201,10 @@ static void accumulate_squares(float *squares, const float *const *x, int count,
 }
 
 /* Batch matrix b's rows weighed by w (or by one each, w NULL) and summed into `across`, into
- * `squares` their squares where given, and into `total` their sum of squares where given;
- * scratch holds BLOCK rows. */
+ * `squares` their squares where given, into `along` each row's own sum where given, and into
+ * `total` their sum of squares where given; scratch holds BLOCK rows. */
 static void across_rows(const matrix *m, int64_t b, const float *w, float *across,
-                        float *squares, double *total, float *scratch) {
+                        float *squares, float *along, double *total, float *scratch) {
     static const float ones[BLOCK] = {1.0f, 1.0f, 1.0f, 1.0f};
     batch_matrix bm = batch_of(m, b);
     memset(across, 0, m->cols * sizeof *across);
@@ -215,7 +215,12 @@ static void across_rows(const matrix *m, int64_t b, const float *w, float *acros
         const float *x[BLOCK];
         for (int k = 0; k < count; k++) {
             x[k] = row_of(bm, r + k, scratch + k * m->cols);
-            if (total)
+            if (along) {
+                figures f = row_figures(x[k], NULL, m->cols, SUM | SQUARES);
+                along[r + k] = f.sum;
+                if (total)
+                    *total += f.squares;
+            } else if (total)
                 *total += row_figures(x[k], NULL, m->cols, SQUARES).squares;
         }
         accumulate(across, x, w ? w + r : ones, count, m->cols);
@@ -229,37 +234,19 @@ static void across_rows(const matrix *m, int64_t b, const float *w, float *acros
  * read; scratch holds BLOCK rows. */
 static void sums_of(const matrix *m, int64_t b, float *along, float *across, double *squares,
                     float *scratch) {
-    if (!across) {
-        batch_matrix bm = batch_of(m, b);
-        for (int64_t r = 0; r < m->rows; r++) {
-            const float *x = row_of(bm, r, scratch);
-            if (squares) {
-                figures f = row_figures(x, NULL, m->cols, SUM | SQUARES);
-                along[r] = f.sum;
-                *squares += f.squares;
-            } else
-                along[r] = row_figures(x, NULL, m->cols, SUM).sum;
-        }
+    if (across) {
+        across_rows(m, b, NULL, across, NULL, along, squares, scratch);
         return;
     }
-    if (!along) {
-        across_rows(m, b, NULL, across, NULL, squares, scratch);
-        return;
-    }
-    static const float ones[BLOCK] = {1.0f, 1.0f, 1.0f, 1.0f};
     batch_matrix bm = batch_of(m, b);
-    memset(across, 0, m->cols * sizeof *across);
-    for (int64_t r = 0; r < m->rows; r += BLOCK) {
-        int count = m->rows - r < BLOCK ? (int)(m->rows - r) : BLOCK;
-        const float *x[BLOCK];
-        for (int k = 0; k < count; k++) {
-            x[k] = row_of(bm, r + k, scratch + k * m->cols);
-            figures f = row_figures(x[k], NULL, m->cols, SUM | SQUARES);
-            along[r + k] = f.sum;
-            if (squares)
-                *squares += f.squares;
-        }
-        accumulate(across, x, ones, count, m->cols);
+    for (int64_t r = 0; r < m->rows; r++) {
+        const float *x = row_of(bm, r, scratch);
+        if (squares) {
+            figures f = row_figures(x, NULL, m->cols, SUM | SQUARES);
+            along[r] = f.sum;
+            *squares += f.squares;
+        } else
+            along[r] = row_figures(x, NULL, m->cols, SUM).sum;
     }
 }
 
@@ -492,7 +479,7 @@ static void right_check(const matrix *G, const matrix *D, int64_t grad_t, double
                 norms[r] = lm.rows ? own_norm(x, q, f) : 0.0f;
             }
         else {
-            across_rows(D, b, NULL, actual, lm.rows ? norms : NULL, NULL, scratch);
+            across_rows(D, b, NULL, actual, lm.rows ? norms : NULL, NULL, NULL, scratch);
             int overflowed = 0;
             for (int64_t c = 0; c < p; c++) {
                 overflowed |= !isfinite(norms[c]);

@@ -212,24 +212,10 @@ class Kernels:
         if kind == "native":
             self.rounding = self._wrap(rounding_ratio, native_checksum.rounding_ratio)
 
-    def output(
-        self,
-        left: torch.Tensor,
-        right: torch.Tensor,
-        measured: torch.Tensor,
-        addend: torch.Tensor | None,
-        dtype: torch.dtype,
-        alpha: float,
-        beta: float,
-        flat: bool,
-        bound: Bound,
-        rows: bool,
-        keep: bool,
-    ) -> tuple[torch.Tensor, Kept]:
-        """The forward check's ratio (`output_figures`), and what its backward's checks keep."""
-        ratio, *kept = self.figures(
-            left, right, measured, addend, dtype, alpha, beta, flat, bound, rows, keep
-        )
+    def output(self, *args: object) -> tuple[torch.Tensor, Kept]:
+        """The forward check (`output_figures`, its arguments): its ratio, and what the
+        backward's checks keep."""
+        ratio, *kept = self.figures(*args)
         return ratio, Kept(*kept)
 
     def backward(
