@@ -26,7 +26,9 @@ from pathlib import Path
 from harness.launch import stacks
 from harness.runtime import environment
 
-# The main module first (every forked rank would import it again otherwise), then stacks, whose
+# The main module first, for the Pythons whose forkserver imports it (3.11-3.13.7 look for its
+# path under a key their own preparation data lacks, CPython gh-126631, and every rank runs the
+# main script again: for sdc-bench's, a tenth of a second of CPU a rank), then stacks, whose
 # import registers the server's stack dump before torch loads. torch._dynamo last: every
 # optimizer's add_param_group imports it on first use (torch._disable_dynamo), about a second of
 # CPU in each rank of each world, which made up most of a small campaign's time on 2 cores.

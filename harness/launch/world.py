@@ -66,6 +66,11 @@ def init_rank(topology: TopologyConfig, rank: int, local_rank: int | None = None
     """Settings every rank needs before it joins, under either launcher: a fixed thread count,
     its GPU and, for exact replay there, what recomputation needs before NCCL and cuBLAS start.
     Its device. (The CPU kernel pins were set before it started; its report shows them.)"""
+    # What the rank has imported (torch, the harness: some 250,000 objects) lives as long as it
+    # does: out of the collector's reach, a full collection (Python's own, and shutdown's) reads
+    # only the trials' objects. shutdown's took 0.1 s of CPU a rank; a world closed in 0.44 s on
+    # 2 cores, and closes in 0.06 s.
+    gc.freeze()
     torch.set_num_threads(topology.threads(rank))
     device = devices.rank_device(
         topology.device or "cpu", rank if local_rank is None else local_rank, devices.gpu_count()
