@@ -16,9 +16,10 @@ each matrix read once (detectors/native_checksum.py, the default), or torch's op
 products, the verdicts kept on the device until the step's read. Backward checks hold the
 operands until backward; not checked there: an operand broadcast over the product's batch.
 
-Cost per step (sdc-plan): bytes = 3*A*(N + 1.5*N*t/d)/k, flops = 6*(N + 1.5*N*t/d)/k:
+Cost per step (sdc-plan): bytes = 2*A*(N + 1.5*N*t/d)/k, flops = 4*(N + 1.5*N*t/d)/k:
 on a checked step (every k-th, every product: `fraction` 1), every product's operands and output
-read about once, forward and the two backward products, a multiply-add per element read (the
+read once in forward, and its output's and operands' gradients once in backward (which takes
+R^T e and L e from the forward, not the operands again), a multiply-add per element read (the
 symbols: harness/analysis/estimates.py).
 """
 

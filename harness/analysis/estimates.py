@@ -61,7 +61,7 @@ FORMULAS: dict[str, dict[str, str]] = {
     "replay": {"bytes": "B*N/k", "flops": "0", "train": "6*N*t/k"},
     # Every step (num_steps -1): an upper bound for its default, the first step only.
     "titan_replay": {"bytes": "B*N", "flops": "0", "train": "6*N*t"},
-    "matmul_checksum": {"bytes": "3*A*(N + 1.5*N*t/d)/k", "flops": "6*(N + 1.5*N*t/d)/k"},
+    "matmul_checksum": {"bytes": "2*A*(N + 1.5*N*t/d)/k", "flops": "4*(N + 1.5*N*t/d)/k"},
 }
 
 
