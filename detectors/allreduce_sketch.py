@@ -30,9 +30,11 @@ Why a faulty reduction cannot forge this in step with the data:
   float32 a piece at a time into one workspace, in cache, its norm taken from there (the
   rider about 1.9 read passes, the check 1.2-1.7: MKL's matrix-vector product streams slower
   than `torch.sum`). The two paths' projections differ within the float32 projection's
-  rounding, their verdicts not at all (tests/unit/test_native_projection.py). Either way the
-  weights cost rows + numel / rows random numbers, one draw each, and the slot a few small
-  operations per bucket (docs/performance.md).
+  rounding, their verdicts not at all (tests/unit/test_native_projection.py). The kernel's
+  figures are host numbers: the slots and the verdict are made from them in Python and put in
+  a tensor once, rounded as float32 tensors would round them (the same slots, bit for bit, as
+  the tensors' path, which a GPU or eager bucket takes). Either way the weights cost rows +
+  numel / rows random numbers, one draw each (docs/performance.md).
 
 The comparison allows for the rounding of the projections and of the sum:
 
@@ -80,6 +82,7 @@ harness/analysis/estimates.py).
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 import zlib
@@ -156,7 +159,18 @@ def rider_of(
 
 def _native(buffer: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
     """(projection, sum of squares) in float64 by the fused kernel, or None: eager instead."""
-    return native_projection.project(buffer.reshape(-1), weights)
+    figures = native_projection.project(buffer.reshape(-1), weights)
+    return None if figures is None else torch.tensor(figures, dtype=torch.float64)
+
+
+def _f32(value: float) -> float:
+    """`value` rounded to float32, as a float32 tensor holds it (overflow to infinity)."""
+    return ctypes.c_float(value).value
+
+
+def _bits(value: float) -> bytes:
+    """`value`'s float32 bits: a NaN equals itself, and -0 differs from 0."""
+    return bytes(ctypes.c_float(value))
 
 
 def _pass(
@@ -258,6 +272,8 @@ class AllreduceSketch(Detector):
             self.eager_instead = False
             self.warn(step, native_build.EAGER_INSTEAD, {"kernels": "eager"})
         rows = bucket.buffer.view(bucket.shards, -1)
+        if self.native and native_projection.applies(bucket.buffer):
+            return self._rider_on_host(step, bucket, rows)
         slot = torch.zeros(bucket.shards, 2 * world + 1, device=bucket.buffer.device)
         slot[:, 1 + rank] = step + 1
         for row in range(bucket.shards):
@@ -270,25 +286,74 @@ class AllreduceSketch(Detector):
                 self.sent[bucket.index] = (weights, figures[0])  # the value sent, bit for bit
         return slot.view(-1)
 
+    def _rider_on_host(self, step: int, bucket: Bucket, rows: torch.Tensor) -> torch.Tensor:
+        """`rider` from the kernel's host figures: rounded as the tensors would round them (to
+        float32, then times the contribution in float32) and made one tensor. The tensors'
+        small operations, eight a row here and fifteen in the check, took about 0.15 ms a
+        bucket, a tenth of a read pass of 25 MiB and most of a small bucket's check."""
+        world, rank = self.info.world_size, self.info.rank
+        contribution = _f32(bucket.contribution)
+        slots: list[float] = []
+        for row in range(bucket.shards):
+            weights = step_weights(step, _chunk(bucket, row), rows.shape[1])
+            projection, squares = native_projection.project(rows[row], weights)
+            slot = [0.0] * (2 * world + 1)
+            slot[0] = _f32(_f32(math.sqrt(squares)) * contribution)
+            slot[1 + rank] = step + 1
+            slot[1 + world + rank] = sent = _f32(_f32(projection) * contribution)
+            slots += slot
+            if row == bucket.shard:
+                self.sent[bucket.index] = (weights, sent)
+        return torch.tensor(slots, dtype=torch.float32)
+
     def on_reduced_grad(self, step: int, bucket: Bucket) -> None:
         world, rank = self.info.world_size, self.info.rank
         weights, own = self.sent[bucket.index]  # kept: a retried reduction is checked again
-        slot = bucket.riders[id(self)]
-        norms, tags, projections = slot[0], slot[1 : 1 + world], slot[1 + world :]
-        wrong = tags != step + 1
-        changed = projections[rank].view(torch.int32) != own.view(torch.int32)
-        got = project(bucket.buffer, weights, self.native).double()
-        # In float64, in rank order: the world's few float32 projections add with an error far
-        # below the bound (the exactly rounded sum differs in the 16th digit at most).
-        expected = projections.sum(dtype=torch.float64)
         n = bucket.buffer.numel()
         # A wrapped hook divides (contribution 1 / W) and may cast (wire) after the riders.
         per_rank = (bucket.contribution != 1) + (bucket.wire is not None)
         rho, alpha = sum_rounding(bucket.wire or bucket.buffer.dtype, world, per_rank)
-        bound = tolerance(norms.double(), n, self.rtol, rho, alpha)
-        # Not "> bound": NaN is caught too, since a NaN cannot be verified.
-        off = ~((got - expected).abs() <= bound)
-        index = bucket.index
+        if isinstance(own, float):  # the rider's figures were the kernel's, on the host
+            norms, *tags_and_projections = bucket.riders[id(self)].tolist()
+            tags, projections = tags_and_projections[:world], tags_and_projections[world:]
+            wrong = any(t != step + 1 for t in tags)
+            changed = _bits(projections[rank]) != _bits(own)
+            got = _f32(native_projection.project(bucket.buffer, weights)[0])
+            # In float64: the world's few float32 projections add with an error far below the
+            # bound (exactly rounded here; torch's float64 sum on the device below differs in
+            # the 16th digit at most).
+            expected = math.fsum(projections)
+            bound = tolerance(norms, n, self.rtol, rho, alpha)
+            off = not abs(got - expected) <= bound  # not ">": a NaN cannot be verified
+            broken = torch.tensor(wrong or changed or off)
+            verified = torch.tensor(not (wrong or changed))
+            detail = torch.tensor([*tags, changed, got, expected, bound], dtype=torch.float64)
+        else:
+            slot = bucket.riders[id(self)]
+            norms, tags, projections = slot[0], slot[1 : 1 + world], slot[1 + world :]
+            wrong = (tags != step + 1).any()
+            changed = projections[rank].view(torch.int32) != own.view(torch.int32)
+            got = project(bucket.buffer, weights, self.native).double()
+            expected = projections.sum(dtype=torch.float64)
+            bound = tolerance(norms.double(), n, self.rtol, rho, alpha)
+            off = ~((got - expected).abs() <= bound)
+            broken, verified = wrong | changed | off, ~(wrong | changed)
+            detail = torch.cat([tags.double(), torch.stack([changed.double(), got, expected,
+                                                            bound])])  # fmt: skip
+        self._judge(step, bucket, broken, verified, detail)
+
+    def _judge(
+        self,
+        step: int,
+        bucket: Bucket,
+        broken: torch.Tensor,
+        verified: torch.Tensor,
+        detail: torch.Tensor,
+    ) -> None:
+        """The verdict (`detail`: the tags, then whether the own slot changed, the received
+        projection, the expected one and the bound), and at step 0 the sensitivity where the
+        slots were `verified`."""
+        world, rank, index = self.info.world_size, self.info.rank, bucket.index
 
         def explain(values: list[float]) -> None:
             tag_values, (was_changed, received, summed, limit) = values[:world], values[world:]
@@ -304,18 +369,16 @@ class AllreduceSketch(Detector):
                 evidence |= {"received": received, "expected": summed, "bound": limit}
                 self.alert(step, "post_allreduce", [rank], evidence)
 
-        detail = torch.cat([tags.double(), torch.stack([changed.double(), got, expected, bound])])
-        self.defer(step, "post_allreduce", wrong.any() | changed | off, explain, detail)
+        self.defer(step, "post_allreduce", broken, explain, detail)
         if step == 0:
             # The smallest change of one element this check can see, next to the gradient norm.
             def sensitivity(values: list[float]) -> None:
                 self._log.emit(Sensitivity(step=step, detector=self.name, bucket=index,
                                            bound=values[0], grad_norm=values[1]))  # fmt: skip
 
-            norm = bucket.buffer.float().norm().double()
-            verified = ~(wrong.any() | changed)  # what the bound applies to
-            self.defer(step, "post_allreduce", verified, sensitivity, torch.stack([bound, norm]),
-                       alarm=False)  # fmt: skip
+            norm = bucket.buffer.float().norm().double().reshape(1)
+            self.defer(step, "post_allreduce", verified, sensitivity,  # what the bound applies to
+                       torch.cat([detail[-1:], norm]), alarm=False)  # fmt: skip
 
 
 def _chunk(bucket: Bucket, row: int) -> int | str:

@@ -4,7 +4,7 @@ bucket (docs/performance.md, "Fused checks").
 
 Entry contract: a contiguous CPU bucket of float32 or bfloat16 and the sketch's weights (u, v, z:
 float32, as `allreduce_sketch.step_weights` draws them for its layout); `project` returns the
-projection and the sum of squares as a float64 tensor of two, or None where the kernel does not
+projection and the sum of squares as two float64 host numbers, or None where the kernel does not
 apply (another dtype or device) or cannot be built, and the caller runs the eager path, the
 reference: the two agree within the float32 projection's rounding
 (tests/unit/test_native_projection.py).
@@ -30,22 +30,30 @@ WHO = "allreduce_sketch: native projection"
 DTYPES = {torch.float32: "project_float32", torch.bfloat16: "project_bfloat16"}
 
 
-def project(bucket: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
-    """(projection, sum of squares) of `bucket` (module docstring), or None: eager instead."""
-    if bucket.device.type != "cpu" or not bucket.is_contiguous():
-        return None
-    kernels = load()
-    kernel = kernels.get(bucket.dtype) if kernels is not None else None
+def applies(bucket: torch.Tensor) -> bool:
+    """Whether `project` computes this bucket's figures (not None)."""
+    return _kernel(bucket) is not None
+
+
+def _kernel(bucket: torch.Tensor) -> Callable[..., None] | None:
+    kernels = load() if bucket.device.type == "cpu" and bucket.is_contiguous() else None
+    return kernels.get(bucket.dtype) if kernels is not None else None
+
+
+def project(bucket: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> tuple[float, float] | None:
+    """(projection, sum of squares) of `bucket` (module docstring), float64 on the host (the
+    kernel ran there: nothing waits to read them), or None: eager instead."""
+    kernel = _kernel(bucket)
     if kernel is None:
         return None
     u, v, z = weights
     if u.numel() * v.numel() + z.numel() != bucket.numel():  # the kernel reads what they cover
         raise ValueError(f"weights for {u.numel()} x {v.numel()} + {z.numel()} elements, "
                          f"not the bucket's {bucket.numel()}")  # fmt: skip
-    out = torch.empty(2, dtype=torch.float64)
+    out = (ctypes.c_double * 2)()
     kernel(bucket.data_ptr(), bucket.numel(), u.numel(), v.numel(),
-           u.data_ptr(), v.data_ptr(), z.data_ptr(), out.data_ptr())  # fmt: skip
-    return out
+           u.data_ptr(), v.data_ptr(), z.data_ptr(), ctypes.addressof(out))  # fmt: skip
+    return out[0], out[1]
 
 
 @functools.cache

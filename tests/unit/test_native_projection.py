@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from benchmarks.common import bucket, detector
 from benchmarks.kernels import sketch_work
@@ -20,6 +21,7 @@ from detectors import allreduce_sketch as sketch
 from detectors import native_projection
 from detectors.native_build import EAGER_INSTEAD
 from harness.core.events import CheckWarning
+from harness.core.plugins import Bucket, DetectorContext, EventLog, RankInfo
 
 COMPILER = shutil.which(os.environ.get("CC", "cc"))
 # Narrow rows read one at a time (4,096 rows of 17-625), wide ones eight at a time (512 rows of
@@ -117,6 +119,70 @@ def test_the_verdicts_of_a_reduction_are_the_same_on_both_paths(dtype):
         for buffer, alarm in ((received, False), (faulty, True)):
             got = float(sketch.project(buffer, weights, native))
             assert (not abs(got - expected) <= bound) is alarm, (native, alarm)
+
+
+def _checked_world(
+    native: bool, as_tensors: bool, contributions: list[torch.Tensor], spoil
+) -> tuple[list[torch.Tensor], list[tuple[bool, list[float]]]]:
+    """Each rank's sketch on a world of len(contributions) ranks whose wrapped hook divides by
+    the world (the contribution 1/W, not a float32 number): every rank's rider, then the summed
+    riders (`spoil`ed in place, as a faulty reduction would) and the received sum checked on
+    every rank. The riders, and each rank's (alarm, detail), step 0's sensitivity after it."""
+    world, step = len(contributions), 0
+    dtype = contributions[0].dtype
+    ranks = []
+    for r in range(world):
+        info, model = RankInfo(r, world, 1), nn.Linear(1, 1).to(dtype)
+        ctx = DetectorContext(info, model, None, steps=1, data=tuple((q,) for q in range(world)))
+        config = sketch.AllreduceSketch.configure(
+            "allreduce_sketch", {"kernels": "native" if native else "eager"}, None
+        )
+        ranks.append(sketch.AllreduceSketch(config, ctx, EventLog(r, 0)))
+    with pytest.MonkeyPatch.context() as patch:
+        if as_tensors:  # the path a GPU bucket takes, here with the same figures
+            patch.setattr(native_projection, "applies", lambda _bucket: False)
+        riders = [
+            check.rider(step, Bucket(0, c, [], True, contribution=1 / world))
+            for check, c in zip(ranks, contributions, strict=True)
+        ]
+        summed = torch.stack(riders).sum(0)
+        spoil(summed)
+        received = torch.stack([(c.float() / world).to(dtype) for c in contributions]).sum(0)
+        verdicts = []
+        for check in ranks:
+            reduced = Bucket(0, received, [], True, {id(check): summed}, contribution=1 / world)
+            check.on_reduced_grad(step, reduced)
+            for pending in check._log.verdicts.pending:
+                verdicts.append((bool(pending.flag), pending.detail.tolist()))
+    return riders, verdicts
+
+
+def _lose_rank_1s_tag(summed: torch.Tensor) -> None:
+    summed[2] = 0
+
+
+def _change_rank_2s_projection(summed: torch.Tensor) -> None:
+    summed[-1] *= 1.5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("spoil", "alarms"),
+    [(lambda _summed: None, [False] * 3), (_lose_rank_1s_tag, [True] * 3),
+     (_change_rank_2s_projection, [True] * 3)],
+    ids=["clean", "tag", "projection"],
+)  # fmt: skip
+def test_the_checks_host_figures_give_the_slots_and_verdicts_of_its_tensors(dtype, spoil, alarms):
+    """The kernel's figures are read on the host and rounded there as float32 tensors round
+    them: the same slots bit for bit, and on every rank the same verdicts and evidence, as
+    through tensors (a GPU bucket's path); and the eager kernels' verdicts."""
+    contributions = [_values(437_760, dtype, "", seed=r) for r in range(3)]
+    host, as_tensors = (_checked_world(True, t, contributions, spoil) for t in (False, True))
+    assert all(torch.equal(a, b) for a, b in zip(host[0], as_tensors[0], strict=True))
+    assert host[1] == as_tensors[1]
+    eager = _checked_world(False, True, contributions, spoil)
+    assert [alarm for alarm, _ in eager[1]] == [alarm for alarm, _ in host[1]]
+    assert [alarm for alarm, _ in host[1]][::2] == alarms  # each rank's verdict, its sensitivity
 
 
 def test_without_a_compiler_the_sketch_says_so_once_and_runs_eagerly(tmp_path, monkeypatch, caplog):
