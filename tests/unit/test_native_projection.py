@@ -122,13 +122,13 @@ def test_the_verdicts_of_a_reduction_are_the_same_on_both_paths(dtype):
 
 
 def _checked_world(
-    native: bool, as_tensors: bool, contributions: list[torch.Tensor], spoil
+    native: bool, as_tensors: bool, contributions: list[torch.Tensor], spoil, step: int = 0
 ) -> tuple[list[torch.Tensor], list[tuple[bool, list[float]]]]:
     """Each rank's sketch on a world of len(contributions) ranks whose wrapped hook divides by
     the world (the contribution 1/W, not a float32 number): every rank's rider, then the summed
     riders (`spoil`ed in place, as a faulty reduction would) and the received sum checked on
     every rank. The riders, and each rank's (alarm, detail), step 0's sensitivity after it."""
-    world, step = len(contributions), 0
+    world = len(contributions)
     dtype = contributions[0].dtype
     ranks = []
     for r in range(world):
@@ -183,6 +183,29 @@ def test_the_checks_host_figures_give_the_slots_and_verdicts_of_its_tensors(dtyp
     eager = _checked_world(False, True, contributions, spoil)
     assert [alarm for alarm, _ in eager[1]] == [alarm for alarm, _ in host[1]]
     assert [alarm for alarm, _ in host[1]][::2] == alarms  # each rank's verdict, its sensitivity
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradients_overflowed_with_opposite_signs_alarm_alike_on_both_paths(dtype):
+    """Two ranks' gradients overflowed at one element with opposite signs (a float16 step's
+    too high loss scale): the slots' sum is NaN, which every rank alarms on, on the host as
+    through tensors, with the same evidence."""
+    contributions = [_values(437_760, dtype, "", seed=r) for r in range(3)]
+    contributions[0][10], contributions[1][10] = math.inf, -math.inf
+    host, as_tensors = (_checked_world(True, t, contributions, lambda _s: None) for t in (0, 1))
+    alarms = [alarm for alarm, _ in host[1]]
+    assert alarms == [alarm for alarm, _ in as_tensors[1]] and alarms[::2] == [True] * 3
+    for (_, a), (_, b) in zip(host[1], as_tensors[1], strict=True):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=0, equal_nan=True)
+
+
+def test_a_clean_reduction_past_step_2_to_the_24_is_clean_on_both_paths():
+    """The slots' step tag is a float32, which from step 2^24 holds step + 1 rounded: the host
+    path compares it as the tensors do, rounded alike, and finds no lost tag."""
+    contributions = [_values(1000, torch.float32, "", seed=r) for r in range(3)]
+    for as_tensors in (False, True):
+        _, verdicts = _checked_world(True, as_tensors, contributions, lambda _s: None, 2**24 + 2)
+        assert [alarm for alarm, _ in verdicts] == [False] * 3, as_tensors
 
 
 def test_without_a_compiler_the_sketch_says_so_once_and_runs_eagerly(tmp_path, monkeypatch, caplog):
