@@ -131,8 +131,11 @@ class MatmulChecksum(Detector):
         super().__init__(config, ctx, log)
         self.seed = ctx.workload.cfg.seed if ctx.workload is not None else 0
         self.u_in = OPERAND_ROUNDING.get(torch.get_float32_matmul_precision(), 0.0)
-        self.open: dict[int, Checked] = {}  # by call, from operands to output
-        self.convolutions: dict[int, str] = {}  # by call: the key of a convolution checked
+        # By call, from operands to output, the call held with its entry so that its id is not
+        # another call's while the entry lasts (a product that raised leaves its entry: cleared
+        # with the step's verdicts).
+        self.open: dict[int, tuple[MatmulCall, Checked]] = {}
+        self.convolutions: dict[int, tuple[MatmulCall, str]] = {}  # a convolution checked: key
         self.calls, self.calls_step = dict[str, int](), -1  # products per module in that step
         self.found: list[tuple[int, str, str, torch.Tensor]] = []  # (step, phase, key, ratio)
         self.kernels = Kernels(config.kernels)
@@ -183,7 +186,7 @@ class MatmulChecksum(Detector):
         key = self._key(step, call.module)
         if call.func in convolutions.FUNCS:
             if self._sampled(step, key) and convolutions.checkable(call):
-                self.convolutions[id(call)] = key
+                self.convolutions[id(call)] = (call, key)
             return
         product = product_of(call) if self._sampled(step, key) else None
         if call.role:
@@ -192,7 +195,7 @@ class MatmulChecksum(Detector):
             return
         checked = Checked(key, step, product, wide_grads=call.wide_grads)
         call.wide = True
-        self.open[id(call)] = checked
+        self.open[id(call)] = (call, checked)
         if self.config.backward and torch.is_grad_enabled():
             at = tuple(i for i in (product.left_at, product.right_at) if call.args[i].requires_grad)
             if at:
@@ -204,13 +207,15 @@ class MatmulChecksum(Detector):
     def on_matmul_output(
         self, step: int, call: MatmulCall, output: torch.Tensor
     ) -> torch.Tensor | None:
-        key = self.convolutions.pop(id(call), None)
+        _, key = self.convolutions.pop(id(call), (None, None))
+        _, checked = self.open.pop(id(call), (None, None))
+        if output.numel() == 0:  # no row to check: an expert no token reached, an empty batch
+            return None
         if key is not None:
             with unwatched(output.device):
                 figures = convolutions.forward(call, output, self._reads_rows(output.dtype))
                 ratio = self._ratio(figures, figures["inner"], figures["length"], output.dtype)
             self.found.append((step, "forward", f"{key} output", ratio))
-        checked = self.open.pop(id(call), None)
         if checked is None:
             return None
         hooked = self.config.backward and torch.is_grad_enabled()
@@ -338,7 +343,7 @@ class MatmulChecksum(Detector):
         if "input" in measured:
             grad, accumulated = measured["input"]
             grad = product.as_left(grad)
-            if checked.flat or product.checks_grad(product.left, grad):
+            if checked.flat or product.checks_grad(product.left, output_grad):
                 rounding = self._operand_rounding(checked, grad, accumulated)
                 bound = self._bound(rounding, product.right.shape[-1], grad.shape[-1])
                 checks["input"] = OperandCheck(grad, bound, not rounding.fine)
@@ -346,7 +351,7 @@ class MatmulChecksum(Detector):
         if "weight" in measured:
             grad, accumulated = measured["weight"]
             grad = product.as_right(grad)
-            if checked.flat or product.checks_grad(product.right, grad):
+            if checked.flat or product.checks_grad(product.right, output_grad):
                 rounding = self._operand_rounding(checked, grad, accumulated)
                 left = product.left
                 inner = left.numel() // left.shape[-1] if checked.flat else left.shape[-2]
@@ -409,6 +414,8 @@ class MatmulChecksum(Detector):
         self._defer()  # products computed after the audit (a replay's recomputation)
 
     def _defer(self) -> None:
+        self.open.clear()  # the entries of products that raised before their output
+        self.convolutions.clear()
         groups: dict[tuple[int, str], list[tuple[str, torch.Tensor]]] = {}
         for step, phase, key, ratio in self.found:
             groups.setdefault((step, phase), []).append((key, ratio))

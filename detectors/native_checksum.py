@@ -262,6 +262,7 @@ def _describe_output(call: _Call, dtype: torch.dtype, flat: bool) -> tuple:
         call.applies = (
             (n, q) == (right[0], inner) and output == (n, m, width)
             and all(a == output for a in added)
+            and n * m * width > 0  # an empty addend's address is null
         )  # fmt: skip
     return right_t, batch, call.shapes[2][1:] if call.applies else None
 

@@ -288,9 +288,10 @@ def addend_figures(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The addend's part of each row of an output of `shape`, as the kernel adds it (cast to
     `dtype`, beta times): its sum and, with `norms`, its norm; one figure for all rows (a bias,
-    1-D) or one per row, merged into one dimension of rows where `flat`."""
+    a row as wide as the output) or one per row, merged into one dimension of rows where
+    `flat`."""
     addend = addend.to(dtype)
-    if addend.dim() == 1:
+    if addend.dim() == 1 and addend.shape[0] == shape[-1]:  # not one number broadcast
         norm = abs(beta) * torch.linalg.vector_norm(addend, dtype=F32) if norms else None
         return beta * addend.sum(dtype=F32), norm
     wide = addend.expand(shape)

@@ -9,6 +9,8 @@ the detector's code. The campaign tests at the end run the real DDP world."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import math
 from dataclasses import replace
@@ -456,6 +458,110 @@ def test_products_of_1d_operands_are_checked(wrong):
         assert broken == set() and max(found.values()) < 0.5, found
     else:
         assert f"model#{wrong - 1} output" in broken, found
+
+
+def _checked(model: torch.nn.Module, kernels: str, *inputs: torch.Tensor) -> dict[str, float]:
+    """One clean forward and backward of `model` under the check; its ratios by entry."""
+    log = EventLog(0, 0)
+    ctx = DetectorContext(RankInfo(0, 1, 1), model, None, 1, ((0,),))
+    check = MatmulChecksum(MatmulChecksum.Config(kernels=kernels), ctx, log)
+    PluginBus([check], log.verdicts).install_forward_hooks(model, lambda: 0)
+    model(*inputs).backward()
+    return {key: float(ratio) for _, _, key, ratio in check.found}
+
+
+class Broadcasts(torch.nn.Module):
+    """torch.matmul with an operand broadcast over the other's batch: a matrix on the left of a
+    batch of three, then that batch of three on the right of a [2, 3] batch."""
+
+    def __init__(self):
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.a = torch.nn.Parameter(torch.randn(40, 24, generator=gen))
+        self.b = torch.nn.Parameter(torch.randn(3, 24, 56, generator=gen))
+        self.c = torch.nn.Parameter(torch.randn(2, 3, 40, 24, generator=gen))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.a * x @ self.b).square().mean() + (self.c * x @ self.b).square().mean()
+
+
+@pytest.mark.parametrize("kernels", ["native", "eager"])
+def test_a_broadcast_operands_gradient_is_left_out_and_the_rest_checked_clean(kernels):
+    """The gradient of an operand broadcast over the product's batch is summed over that batch,
+    not one product: left out. The outputs and the other operands' gradients are checked, and
+    a clean step stays inside the bound."""
+    found = _checked(Broadcasts(), kernels, torch.tensor(1.0))
+    checked = {"model#0 output", "model#0 weight gradient", "model#1 output",
+               "model#1 input gradient"}  # fmt: skip
+    assert set(found) == checked and max(found.values()) < 0.5, found
+
+
+class Empties(torch.nn.Module):
+    """Products with nothing to check beside one with: a Linear with a bias on no rows (an
+    expert no token reached), baddbmm over an empty batch and over matrices of no rows, and
+    baddbmm whose inner dimension is empty (its output is the addend alone)."""
+
+    def __init__(self):
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.line = torch.nn.Linear(16, 12)
+        self.bias = torch.nn.Parameter(torch.randn(12, generator=gen))
+        self.right = torch.nn.Parameter(torch.randn(3, 16, 12, generator=gen))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        no_rows = self.line(x[:0])
+        no_batch = torch.baddbmm(self.bias, x.new_zeros(0, 8, 16), self.right[:0])
+        no_matrix_rows = torch.baddbmm(self.bias, x.new_zeros(3, 0, 16), self.right)
+        no_inner = torch.baddbmm(self.bias, x.new_zeros(3, 8, 0), self.right[:, :0])
+        empty = no_rows.sum() + no_batch.sum() + no_matrix_rows.sum()
+        return empty + no_inner.square().mean() + self.line(x).square().mean()
+
+
+@pytest.mark.parametrize("kernels", ["native", "eager"])
+def test_empty_products_are_left_out_and_the_step_goes_on(kernels):
+    """An output with no element has nothing to check: left out, forward and backward, and the
+    step goes on (the C kernel once read an empty addend through a null pointer and took the
+    process down). A product of an empty inner dimension is its addend, checked clean."""
+    found = _checked(Empties(), kernels, torch.randn(5, 16, generator=torch.Generator()))
+    checked = {"model#2 output", "model#2 weight gradient", "line#1 output",
+               "line#1 weight gradient"}  # fmt: skip
+    assert set(found) == checked and max(found.values()) < 0.5, found
+
+
+class Tries(torch.nn.Module):
+    """A forward that tries a product of shapes that do not fit, catches torch's error and goes
+    on through fifty small Linears (freed calls' addresses taken again)."""
+
+    def __init__(self):
+        super().__init__()
+        self.line = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, tries: bool) -> torch.Tensor:
+        if tries:
+            with contextlib.suppress(RuntimeError):
+                torch.matmul(x, torch.ones(3, 3))
+            gc.collect()
+        for _ in range(50):
+            x = torch.tanh(self.line(x))
+        return x.square().sum()
+
+
+def test_a_product_that_raised_leaves_nothing_a_later_product_is_checked_against():
+    """A product that raises between its operands' hook and its output's leaves the check's
+    entry for it: cleared with the step, never taken for a later call's (which got the freed
+    call's address, checked against the other product's operands: an error or a false
+    alarm). Every other step checked, as `interval` 2 does, the rest clean."""
+    torch.manual_seed(0)
+    model, log, step = Tries(), EventLog(0, 0), [0]
+    ctx = DetectorContext(RankInfo(0, 1, 1), model, None, 1, ((0,),))
+    check = MatmulChecksum(MatmulChecksum.Config(interval=2), ctx, log)
+    PluginBus([check], log.verdicts).install_forward_hooks(model, lambda: step[0])
+    for step[0] in range(6):
+        model(torch.randn(4, 16), step[0] == 0).backward()
+        check.on_audit(step[0])
+        assert not check.open
+    assert len(log.verdicts.pending) == 3 * 2  # forward and backward of steps 0, 2 and 4
+    assert not any(bool(p.flag) for p in log.verdicts.pending)
 
 
 class Patches(torch.nn.Module):

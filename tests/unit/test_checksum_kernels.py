@@ -225,7 +225,7 @@ def _products(dtype: torch.dtype, gen: torch.Generator):
     [B, T, q] against one weight (rows merged); attention's score product on strided per-head
     views of a packed projection (two batch dimensions that do not merge, R a transposed view);
     baddbmm with a 2-D addend broadcast over the batch, alpha and beta; one L broadcast over R's
-    batch."""
+    batch; addmm with one number added to every element (a 1-D addend of one)."""
     qkv = _operand((4, 48, 3, 2, 32), dtype, gen)
     q, k = qkv[:, :, 0].transpose(1, 2), qkv[:, :, 1].transpose(1, 2)
     weight = _operand((384, 256), dtype, gen)
@@ -239,6 +239,8 @@ def _products(dtype: torch.dtype, gen: torch.Generator):
          _operand((40, 56), dtype, gen), 0.5, 2.0, False),
         ("broadcast", _operand((40, 24), dtype, gen), _operand((3, 24, 56), dtype, gen), None,
          1.0, 1.0, False),
+        ("one addend", _operand((8, 16), dtype, gen), _operand((16, 12), dtype, gen),
+         torch.full((1,), 2.0, dtype=dtype), 1.0, 1.0, False),
     ]  # fmt: skip
 
 
