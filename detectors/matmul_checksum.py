@@ -69,6 +69,21 @@ class Checked:
     wide_grads: dict[int, torch.Tensor] | None = None  # emulated numerics' (MatmulCall)
 
 
+def _whole_base(t: torch.Tensor) -> torch.Tensor:
+    """The tensor `t` views all of, in the same order, where there is one with a node of its
+    own; else `t`."""
+    base = t._base
+    whole = (
+        base is not None and base.grad_fn is not None and base.numel() == t.numel()
+        and base.is_contiguous() and t.is_contiguous()
+    )  # fmt: skip
+    return base if whole else t
+
+
+def _keep_output_grad(checked: Checked, shape: torch.Size, grad: torch.Tensor) -> None:
+    checked.output_grad = grad.reshape(shape)
+
+
 class unwatched:
     """The checks' own arithmetic: no autograd graph, no autocast (sums stay float32), and no
     torch function mode (the products' watch, emulated numerics) between it and the kernels:
@@ -224,7 +239,11 @@ class MatmulChecksum(Detector):
             if hooked and output.requires_grad:
                 # A hook, not a Function: a model may change the product in place. It only
                 # keeps dP: the checks run once the operands' gradients are made (`_backward`).
-                on_grad(output, functools.partial(setattr, checked, "output_grad"))
+                # On the node that made the product: F.linear of 3-D data that needs no
+                # gradient views its 2-D product, and a view changed in place (an in-place
+                # activation) leaves the graph with its node, and the hook with it.
+                made = _whole_base(output)
+                on_grad(made, functools.partial(_keep_output_grad, checked, output.shape))
         return None
 
     def _operands(self, checked: Checked) -> tuple[torch.Tensor, torch.Tensor]:

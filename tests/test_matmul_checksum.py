@@ -528,6 +528,31 @@ def test_empty_products_are_left_out_and_the_step_goes_on(kernels):
     assert set(found) == checked and max(found.values()) < 0.5, found
 
 
+@pytest.mark.parametrize("kernels", ["native", "eager"])
+def test_a_product_changed_in_place_keeps_its_backward_checks(kernels):
+    """A Linear on data that needs no gradient returns a view of its 2-D product where the data
+    has more than two dimensions; an in-place activation on that view (ReLU(inplace=True))
+    takes the view's own node out of the graph. The output gradient is taken where the product
+    was made: each product's checks are there, as for 2-D data, and clean."""
+    found = {}
+    for shape in ((3, 5, 16), (15, 16)):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(16, 16), torch.nn.ReLU(inplace=True), torch.nn.Linear(16, 4)
+        )
+        data = torch.randn(*shape)
+        found[shape] = _checked(torch.nn.Sequential(model, _Squares()), kernels, data)
+    checked = {f"0.{m}#0 {entry}" for m in (0, 2) for entry in ("output", "weight gradient")}
+    checked.add("0.2#0 input gradient")
+    for shape, ratios in found.items():
+        assert set(ratios) == checked and max(ratios.values()) < 0.5, (shape, ratios)
+
+
+class _Squares(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.square().sum()
+
+
 class Tries(torch.nn.Module):
     """A forward that tries a product of shapes that do not fit, catches torch's error and goes
     on through fifty small Linears (freed calls' addresses taken again)."""
