@@ -553,6 +553,24 @@ class _Squares(torch.nn.Module):
         return x.square().sum()
 
 
+def test_a_backward_that_reaches_one_operand_leaves_nothing_for_the_next():
+    """A backward that reaches one operand of a product (`inputs=[weight]`) gathers half of its
+    gradients; the next backwards gather their own, never pairing that gradient with their
+    output gradient: three backwards of one graph, clean."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16))
+    log = EventLog(0, 0)
+    ctx = DetectorContext(RankInfo(0, 1, 1), model, None, 1, ((0,),))
+    check = MatmulChecksum(MatmulChecksum.Config(), ctx, log)
+    PluginBus([check], log.verdicts).install_forward_hooks(model, lambda: 0)
+    y = model(torch.randn(4, 16))
+    y.square().sum().backward(inputs=[model[2].weight], retain_graph=True)
+    (y * 3).sum().backward(retain_graph=True)
+    (y**3).sum().backward()
+    gradients = [(key, float(r)) for _, phase, key, r in check.found if phase != "forward"]
+    assert ("2#0 input gradient" in dict(gradients)) and max(r for _, r in gradients) < 0.5
+
+
 class Tries(torch.nn.Module):
     """A forward that tries a product of shapes that do not fit, catches torch's error and goes
     on through fifty small Linears (freed calls' addresses taken again)."""

@@ -134,22 +134,28 @@ def tapped(
 
 
 class _Gathered:
-    """A product's operands' gradients as their views' nodes receive them, handed to `seen`
-    when the last arrives (then gathered again: a graph kept for a second backward)."""
+    """A product's operands' gradients as their views' nodes receive them in one backward,
+    handed to `seen` when the last arrives. Each backward gathers its own (a graph kept for a
+    second one): one that reached only some of them (`inputs=`, `autograd.grad` of a subset)
+    leaves its gradients to no other."""
 
-    __slots__ = ("seen", "grads", "missing")
+    __slots__ = ("seen", "grads", "missing", "backward")
 
     def __init__(self, seen: Callable[[tuple[torch.Tensor | None, ...]], None], count: int):
         self.seen = seen
         self.grads: list[torch.Tensor | None] = [None] * count
         self.missing = count
+        self.backward = -1  # the graph task (one backward) gathered for
 
     def arrived(self, at: int, grads: tuple[torch.Tensor | None, ...]) -> None:
+        backward = torch._C._current_graph_task_id()  # as torch's own multi-grad hook tells
+        if backward != self.backward:
+            count = len(self.grads)
+            self.backward, self.grads, self.missing = backward, [None] * count, count
         self.grads[at] = grads[0]
         self.missing -= 1
         if not self.missing:
-            made = tuple(self.grads)
-            self.grads, self.missing = [None] * len(made), len(made)
+            made, self.grads = tuple(self.grads), [None] * len(self.grads)  # not kept after
             self.seen(made)
 
 
