@@ -24,6 +24,10 @@ from harness.core.plugins import Bucket, Detector
 
 def non_finite(flat: torch.Tensor) -> torch.Tensor:
     """Whether `flat` holds a NaN or an infinity: a 0-d bool tensor on its device, unread."""
+    if flat.is_complex():  # its real and imaginary parts
+        flat = torch.view_as_real(flat)
+    if flat.numel() == 0:  # a chunk of a dtype that only empty parameters hold
+        return torch.zeros((), dtype=torch.bool, device=flat.device)
     low, high = torch.aminmax(flat)
     return ~(torch.isfinite(low) & torch.isfinite(high))
 

@@ -86,8 +86,11 @@ class WeightConsensus(Detector):
         named = [(n, p) for n, p in model.named_parameters()]
         if self.config.optimizer_state and self.optimizer is not None:
             names = {p: n for n, p in named}
+            # What the optimizer keeps per element of each parameter, whichever it is (Adam's
+            # moments, SGD's momentum): not its counters (Adam's step, on the host on a GPU).
             for p, state in self.optimizer.state.items():
-                named += [(f"{names[p]}.{k}", state[k]) for k in ("exp_avg", "exp_avg_sq")]
+                named += [(f"{names[p]}.{k}", v) for k, v in sorted(state.items())
+                          if isinstance(v, torch.Tensor) and v.shape == p.shape]  # fmt: skip
         return [(n, dtensors.local(t)) for n, t in named]
 
     def _consensus(self, step: int, model: nn.Module) -> torch.Tensor:
