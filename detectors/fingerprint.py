@@ -38,7 +38,11 @@ tests check each; ROW = 32 words):
   the sign and top exponent bits of the odd-indexed float32 elements (every fourth bfloat16).
   No map that is linear modulo 2^64 can do better there: 2^63 times any odd weight is 2^63.
   At any greater distance the two effective weights are products of random odd words, and the
-  change vanishes with probability about 2^-(63 - k) for a change d with k factors of two.
+  change vanishes with probability about 2^-(63 - k) for a change d with k factors of two: for
+  the top bit alone (k = 63) always, so flipping the sign of any two float64 elements, or of
+  any two odd-indexed float32 elements (every fourth bfloat16), however far apart, leaves both
+  words as they were on this path (the CPU's XXH3 sees it). A bijective non-linear step on each
+  word before the mixing (a xor-shift) would move that bit down; not yet made.
 - bursts: the same bit flipped in k words of a row changes its word by 2^p times a sum of k
   odd weights, p the bit's position in its 64-bit word. For odd k that sum is odd and the
   change never vanishes; for even k it vanishes with probability about 2^-(63 - p): 1 in 128
