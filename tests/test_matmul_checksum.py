@@ -571,6 +571,30 @@ def test_a_backward_that_reaches_one_operand_leaves_nothing_for_the_next():
     assert ("2#0 input gradient" in dict(gradients)) and max(r for _, r in gradients) < 0.5
 
 
+class Doubles(torch.nn.Module):
+    """A float64 Linear with a bias and a float64 convolution (a Lightning "64-true" model),
+    beside a float32 Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.wide = torch.nn.Linear(16, 8).double()
+        self.conv = torch.nn.Conv1d(2, 4, 3).double()
+        self.line = torch.nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        wide = self.wide(x.double()).square().sum() + self.conv(x.double().view(4, 2, 8)).sum()
+        return wide.float() + self.line(x).square().sum()
+
+
+@pytest.mark.parametrize("kernels", ["native", "eager"])
+def test_float64_products_are_left_out_and_the_step_goes_on(kernels):
+    """The checks' figures are float32: a float64 product is left out (its Linear with a bias
+    once raised in the bias's norm and stopped the step), and the float32 one is checked."""
+    found = _checked(Doubles(), kernels, torch.randn(4, 16, generator=torch.Generator()))
+    assert set(found) == {"line#0 output", "line#0 weight gradient"}, found
+    assert max(found.values()) < 0.5, found
+
+
 class Tries(torch.nn.Module):
     """A forward that tries a product of shapes that do not fit, catches torch's error and goes
     on through fifty small Linears (freed calls' addresses taken again)."""
