@@ -39,14 +39,17 @@ def _parts(call: MatmulCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor |
     return args[0], args[1], bias, options
 
 
+def readable(t: object) -> bool:
+    """A floating-point tensor the checks read (here and in detectors/product_bounds.py): not
+    float64, whose figures would need float64 throughout where the checks' are float32 (its
+    products are left out)."""
+    return isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
+
+
 def checkable(call: MatmulCall) -> bool:
     x, weight, bias, options = _parts(call)
     tensors = [x, weight] + ([] if bias is None else [bias])
-    floating = all(  # not float64: the figures are float32 (detectors/product_bounds.py)
-        isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
-        for t in tensors
-    )
-    batched = floating and x.dim() == FUNCS[call.func] + 2
+    batched = all(readable(t) for t in tensors) and x.dim() == FUNCS[call.func] + 2
     return batched and options.get("groups", 1) == 1 and "out" not in call.kwargs
 
 

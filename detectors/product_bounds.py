@@ -134,7 +134,7 @@ def product_of(call: MatmulCall) -> Product | None:
     else:
         found = Product(args[0], args[1], None, 1.0, 1.0, 0, 1, False)
     tensors = [found.left, found.right] + ([] if found.addend is None else [found.addend])
-    if not all(_floating(t) for t in tensors):
+    if not all(convolutions.readable(t) for t in tensors):
         return None
     if call.func in VECTOR_PRODUCTS:
         left, right = found.left, found.right
@@ -157,17 +157,11 @@ def _grouped(args: list, kwargs: dict) -> Product | None:
     offs = args[2] if len(args) > 2 else kwargs.get("offs")
     extra = len(args) > 3 or any(kwargs.get(k) is not None for k in ("bias", "out_dtype"))
     left, right = args[0], args[1]
-    if offs is None or extra or not all(_floating(t) for t in (left, right)):
+    if offs is None or extra or not all(convolutions.readable(t) for t in (left, right)):
         return None
     if left.dim() != 2 or right.dim() != 3 or offs.dim() != 1:
         return None
     return Product(left, right, None, 1.0, 1.0, 0, 1, False, offs)
-
-
-def _floating(t: object) -> bool:
-    """A floating-point tensor the checks can read: not float64, whose figures would need
-    float64 throughout where the checks' are float32 (its products are left out)."""
-    return isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
 
 
 def checked_flops(call: MatmulCall, output: torch.Tensor, backward: bool) -> int:

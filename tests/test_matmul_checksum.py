@@ -439,16 +439,23 @@ class Scaled(Plugin):
         return wrong
 
 
+def _watched(
+    model: torch.nn.Module, plugins: tuple[Plugin, ...] = (), step_of=lambda: 0, **config
+) -> MatmulChecksum:
+    """The check on rank 0 of a world of one, watching `model`'s products after `plugins`."""
+    log = EventLog(0, 0)
+    ctx = DetectorContext(RankInfo(0, 1, 1), model, None, 1, ((0,),))
+    check = MatmulChecksum(MatmulChecksum.Config(**config), ctx, log)
+    PluginBus([*plugins, check], log.verdicts).install_forward_hooks(model, step_of)
+    return check
+
+
 @pytest.mark.parametrize("wrong", [None, 2, 3, 4], ids=["clean", "right", "left", "both"])
 def test_products_of_1d_operands_are_checked(wrong):
     """Each product with a vector operand is checked forward and for both operands' gradients;
     x8 on one element of its output is caught, naming that product."""
-    model, log = Vectors(), EventLog(0, 0)
-    ctx = DetectorContext(RankInfo(0, 1, 1), model, None, 1, ((0,),))
-    check = MatmulChecksum(MatmulChecksum.Config(), ctx, log)
-    plugins = [] if wrong is None else [Scaled(wrong)]
-    bus = PluginBus([*plugins, check], log.verdicts)
-    bus.install_forward_hooks(model, lambda: 0)
+    model = Vectors()
+    check = _watched(model, () if wrong is None else (Scaled(wrong),))
     model(torch.randn(4, 6, 16, generator=torch.Generator().manual_seed(1))).backward()
     found = {key: float(ratio) for _, _, key, ratio in check.found}
     # Each product: its output and both operands' gradients, but the input x's (no gradient).
@@ -462,10 +469,7 @@ def test_products_of_1d_operands_are_checked(wrong):
 
 def _checked(model: torch.nn.Module, kernels: str, *inputs: torch.Tensor) -> dict[str, float]:
     """One clean forward and backward of `model` under the check; its ratios by entry."""
-    log = EventLog(0, 0)
-    ctx = DetectorContext(RankInfo(0, 1, 1), model, None, 1, ((0,),))
-    check = MatmulChecksum(MatmulChecksum.Config(kernels=kernels), ctx, log)
-    PluginBus([check], log.verdicts).install_forward_hooks(model, lambda: 0)
+    check = _watched(model, kernels=kernels)
     model(*inputs).backward()
     return {key: float(ratio) for _, _, key, ratio in check.found}
 
@@ -559,10 +563,7 @@ def test_a_backward_that_reaches_one_operand_leaves_nothing_for_the_next():
     output gradient: three backwards of one graph, clean."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16))
-    log = EventLog(0, 0)
-    ctx = DetectorContext(RankInfo(0, 1, 1), model, None, 1, ((0,),))
-    check = MatmulChecksum(MatmulChecksum.Config(), ctx, log)
-    PluginBus([check], log.verdicts).install_forward_hooks(model, lambda: 0)
+    check = _watched(model)
     y = model(torch.randn(4, 16))
     y.square().sum().backward(inputs=[model[2].weight], retain_graph=True)
     (y * 3).sum().backward(retain_graph=True)
@@ -619,16 +620,14 @@ def test_a_product_that_raised_leaves_nothing_a_later_product_is_checked_against
     call's address, checked against the other product's operands: an error or a false
     alarm). Every other step checked, as `interval` 2 does, the rest clean."""
     torch.manual_seed(0)
-    model, log, step = Tries(), EventLog(0, 0), [0]
-    ctx = DetectorContext(RankInfo(0, 1, 1), model, None, 1, ((0,),))
-    check = MatmulChecksum(MatmulChecksum.Config(interval=2), ctx, log)
-    PluginBus([check], log.verdicts).install_forward_hooks(model, lambda: step[0])
+    model, step = Tries(), [0]
+    check = _watched(model, step_of=lambda: step[0], interval=2)
     for step[0] in range(6):
         model(torch.randn(4, 16), step[0] == 0).backward()
         check.on_audit(step[0])
         assert not check.open
-    assert len(log.verdicts.pending) == 3 * 2  # forward and backward of steps 0, 2 and 4
-    assert not any(bool(p.flag) for p in log.verdicts.pending)
+    assert len(check._log.verdicts.pending) == 3 * 2  # forward and backward of steps 0, 2 and 4
+    assert not any(bool(p.flag) for p in check._log.verdicts.pending)
 
 
 class Patches(torch.nn.Module):
@@ -653,11 +652,8 @@ def test_convolutions_are_checked_forward(wrong, dtype):
     """Each ungrouped convolution's output is checked at every output position against a
     convolution with its summed filters; x8 on one element is caught, naming that module."""
     torch.manual_seed(0)
-    model, log = Patches().to(dtype), EventLog(0, 0)
-    ctx = DetectorContext(RankInfo(0, 1, 1), model, None, 1, ((0,),))
-    check = MatmulChecksum(MatmulChecksum.Config(), ctx, log)
-    bus = PluginBus([*([] if wrong is None else [Scaled(wrong)]), check], log.verdicts)
-    bus.install_forward_hooks(model, lambda: 0)
+    model = Patches().to(dtype)
+    check = _watched(model, () if wrong is None else (Scaled(wrong),))
     x = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(1)).to(dtype)
     model(x)
     found = {key: float(ratio) for _, phase, key, ratio in check.found if phase == "forward"}
