@@ -37,7 +37,6 @@ from detectors import grouped_products as grouped
 from detectors.checksum_kernels import KERNELS, Kernels
 from detectors.product_bounds import (
     F32,
-    OPERAND_ROUNDING,
     Bound,
     Kept,
     OperandCheck,
@@ -45,6 +44,7 @@ from detectors.product_bounds import (
     Rounding,
     bound_of,
     bounded_ratio,
+    operand_rounding,
     product_of,
     roundoff,
 )
@@ -62,6 +62,7 @@ class Checked:
     step: int
     product: Product
     dtype: torch.dtype = F32  # the kernel's
+    operands: float = 0.0  # u_i: the kernel's rounding of float32 operands (product_bounds.py)
     flat: bool = False  # L's leading dimensions merged into rows
     backward: bool = False  # its operands' gradients are checked
     kept: Kept | None = None  # the forward check's, for the backward's
@@ -145,7 +146,9 @@ class MatmulChecksum(Detector):
     def __init__(self, config: Config, ctx: DetectorContext, log: EventLog):
         super().__init__(config, ctx, log)
         self.seed = ctx.workload.cfg.seed if ctx.workload is not None else 0
-        self.u_in = OPERAND_ROUNDING.get(torch.get_float32_matmul_precision(), 0.0)
+        # u_i by device and kind (product or convolution), read once a step: a job may set
+        # its precision after building the check.
+        self.precisions: dict[tuple[str, bool], float] = {}
         # By call, from operands to output, the call held with its entry so that its id is not
         # another call's while the entry lasts (a product that raised leaves its entry: cleared
         # with the step's verdicts).
@@ -155,7 +158,7 @@ class MatmulChecksum(Detector):
         self.found: list[tuple[int, str, str, torch.Tensor]] = []  # (step, phase, key, ratio)
         self.kernels = Kernels(config.kernels)
         self.eager_instead = config.kernels == "native" and native_checksum.load() is None
-        self.roundings: dict[tuple[torch.dtype, ...], Rounding] = {}
+        self.roundings: dict[tuple[float, tuple[torch.dtype, ...]], Rounding] = {}
         self.bounds: dict[tuple[Rounding, int, int], Bound] = {}
 
     def watches_matmuls(self) -> bool:
@@ -163,7 +166,7 @@ class MatmulChecksum(Detector):
 
     def _key(self, step: int, module: str) -> str:
         if step != self.calls_step:
-            self.calls, self.calls_step = {}, step
+            self.calls, self.calls_step, self.precisions = {}, step, {}
         n = self.calls[module] = self.calls.get(module, 0) + 1
         return f"{module or 'model'}#{n - 1}"
 
@@ -173,18 +176,28 @@ class MatmulChecksum(Detector):
         draw = zlib.crc32(f"{self.seed}:{step}:{key}".encode()) / 2**32
         return draw < self.config.fraction
 
-    def _rounding(self, *dtypes: torch.dtype) -> Rounding:
-        rounding = self.roundings.get(dtypes)
+    def _precision(self, device: torch.device, convolution: bool) -> float:
+        """u_i of a float32 product or convolution on `device` this step."""
+        key = (device.type, convolution)
+        u = self.precisions.get(key)
+        if u is None:
+            u = self.precisions[key] = operand_rounding(device, convolution)
+        return u
+
+    def _rounding(self, operands: float, *dtypes: torch.dtype) -> Rounding:
+        """The roundings of a product of these dtypes whose kernel rounds float32 operands by
+        `operands` (u_i)."""
+        rounding = self.roundings.get((operands, dtypes))
         if rounding is None:  # once per dtypes: torch.finfo costs microseconds, four per product
             acc = torch.float64 if torch.float64 in dtypes else F32
             out = max(roundoff(d) for d in dtypes)
-            rounding = Rounding(out, roundoff(acc), self.u_in, self.config.sigmas)
-            self.roundings[dtypes] = rounding
+            rounding = Rounding(out, roundoff(acc), operands, self.config.sigmas)
+            self.roundings[operands, dtypes] = rounding
         return rounding
 
     def _reads_rows(self, *dtypes: torch.dtype) -> bool:
         """Whether the bound of a product of these dtypes reads its rows' norms (16 bits)."""
-        return not self._rounding(*dtypes).fine
+        return not self._rounding(0.0, *dtypes).fine
 
     def on_matmul_operands(self, step: int, call: MatmulCall) -> None:
         if step % self.config.interval:
@@ -208,7 +221,8 @@ class MatmulChecksum(Detector):
             key = f"{key} {call.role}"
         if product is None:
             return
-        checked = Checked(key, step, product, wide_grads=call.wide_grads)
+        operands = self._precision(product.left.device, False)
+        checked = Checked(key, step, product, operands=operands, wide_grads=call.wide_grads)
         call.wide = True
         self.open[id(call)] = (call, checked)
         if self.config.backward and torch.is_grad_enabled():
@@ -229,7 +243,10 @@ class MatmulChecksum(Detector):
         if key is not None:
             with unwatched(output.device):
                 figures = convolutions.forward(call, output, self._reads_rows(output.dtype))
-                ratio = self._ratio(figures, figures["inner"], figures["length"], output.dtype)
+                operands = self._precision(output.device, True)
+                ratio = self._ratio(
+                    figures, figures["inner"], figures["length"], operands, output.dtype
+                )
             self.found.append((step, "forward", f"{key} output", ratio))
         if checked is None:
             return None
@@ -272,7 +289,7 @@ class MatmulChecksum(Detector):
             exact = self.kernels.rounding(output, accumulator, output.dtype)
             self.found.append((step, "forward", f"{checked.key} output rounding", exact))
         measured = product.as_output(output if accumulator is None else accumulator)
-        rounding = self._rounding(measured.dtype)
+        rounding = self._rounding(checked.operands, measured.dtype)
         bound = self._bound(rounding, product.left.shape[-1], measured.shape[-1])
         ratio, checked.kept = self.kernels.output(
             product.left, product.right, measured, product.addend, checked.dtype,
@@ -285,13 +302,19 @@ class MatmulChecksum(Detector):
         rows = self._reads_rows(output.dtype)
         figures = grouped.forward(left, right, checked.product.offs, output, rows)
         checked.kept = Kept(figures["right_fro"], figures["left_norm"])
-        ratio = self._ratio(figures, right.shape[-2], right.shape[-1], output.dtype)
+        inner, length = right.shape[-2], right.shape[-1]
+        ratio = self._ratio(figures, inner, length, checked.operands, output.dtype)
         self.found.append((step, "forward", f"{checked.key} output", ratio))
 
     def _ratio(
-        self, figures: dict[str, torch.Tensor], inner: int, length: int, *dtypes: torch.dtype
+        self,
+        figures: dict[str, torch.Tensor],
+        inner: int,
+        length: int,
+        operands: float,
+        *dtypes: torch.dtype,
     ) -> torch.Tensor:
-        rounding = self._rounding(*dtypes)
+        rounding = self._rounding(operands, *dtypes)
         return bounded_ratio(
             figures["actual"], figures["expected"], None if rounding.fine else figures["row_norm"],
             figures["left_norm"], figures["right_fro"], figures["right_sums_norm"],
@@ -389,7 +412,8 @@ class MatmulChecksum(Detector):
     def _operand_rounding(
         self, checked: Checked, grad: torch.Tensor, accumulated: bool
     ) -> Rounding:
-        return self._rounding(*((F32,) if accumulated else (checked.dtype, grad.dtype)))
+        dtypes = (F32,) if accumulated else (checked.dtype, grad.dtype)
+        return self._rounding(checked.operands, *dtypes)
 
     def _bound(self, rounding: Rounding, inner: int, length: int) -> Bound:
         """bound_of, once per rounding and shape: its square roots cost microseconds."""
@@ -416,13 +440,17 @@ class MatmulChecksum(Detector):
             rows = self._reads_rows(checked.dtype, grad.dtype)
             figures = grouped.left_grad(grad, dp, checked.kept.right_fro, rows)
             inner = product.right.shape[-1]
-            ratio = self._ratio(figures, inner, grad.shape[-1], checked.dtype, grad.dtype)
+            ratio = self._ratio(
+                figures, inner, grad.shape[-1], checked.operands, checked.dtype, grad.dtype
+            )
             ratios["input"] = ratio
         if "weight" in measured:
             grad = product.as_right(measured["weight"][0])
             rows = self._reads_rows(checked.dtype, grad.dtype)
             figures, inner = grouped.right_grad(left, product.offs, grad, dp, rows)
-            ratio = self._ratio(figures, inner, grad.shape[-1], checked.dtype, grad.dtype)
+            ratio = self._ratio(
+                figures, inner, grad.shape[-1], checked.operands, checked.dtype, grad.dtype
+            )
             ratios["weight"] = ratio
         return ratios
 

@@ -14,13 +14,13 @@ never add up their rounding errors in one sum.
 
 The bound. u_o is the unit roundoff of the product's dtype (bfloat16 2^-8, float16 2^-11,
 float32 2^-24), u_a that of its accumulation (float32 for 16- and 32-bit kernels, float64 for
-float64), u_i that of the operands where the kernel rounds them (float32 under
-`torch.set_float32_matmul_precision`: "high" TF32 2^-11, "medium" bfloat16 2^-8; else 0: an
+float64), u_i that of the operands where the kernel rounds them: a float32 kernel at the
+precision torch lets its backend use (`operand_rounding`: TF32 2^-11, bfloat16 2^-8; else 0: an
 autocast kernel's operand casts are repeated here exactly). Row i of P passes when
 
     |sum_j P_ij - L_i . (R e)| <= s [ (u_o + sqrt(p) u_a) ||P_i||
                                        + (u_a (sqrt(q) + sqrt(p)) + sqrt(2) u_i) ||L_i|| ||R||_F
-                                       + sqrt(q) u_a ||L_i|| ||R e|| ] + p tiny
+                                       + (sqrt(q) u_a + sqrt(2) u_i) ||L_i|| ||R e|| ] + p tiny
 
 with s = `sigmas` and tiny float32's smallest normal. Two terms read a cheaper upper bound: a
 32- or 64-bit product reads ||L_i|| ||R||_F + ||a_i|| for ||P_i|| (Cauchy-Schwarz and the
@@ -40,7 +40,9 @@ adds a bias itself does it in an operation of its own, outside the product. Each
 sum of independent rounding errors by Hoeffding's inequality, as Higham and Mary's probabilistic
 error analysis does: the product's own rounding to its dtype (u_o ||P_i||, which dominates in 16
 bits), its accumulation over q (by Cauchy-Schwarz, sum_l |L_il R_lj| <= ||L_i|| ||R_:j||), and
-the check's own sums over p and q. A clean row exceeds it with probability below 2 exp(-s^2 /
+the check's own sums over p and q, and its own product L (R e), which a backend at that
+precision computes from rounded operands too (a cuDNN convolution with the summed filter, a
+GEMM of one column). A clean row exceeds it with probability below 2 exp(-s^2 /
 2): 2.5e-14 at the default 8. A change d of one element of row i is caught when |d| exceeds the
 row's bound: in bfloat16 about s u_o ||P_i|| = ||P_i|| / 32, a third of the row's RMS at p =
 128; in float32 a few tenths of a percent of ||L_i|| ||R||_F at gpt's sizes. What falls below is
@@ -73,8 +75,24 @@ from harness.core.matmuls import MatmulCall
 
 F32 = torch.float32
 TINY = torch.finfo(F32).tiny
-# The operands' rounding inside a float32 kernel, by torch's float32 matmul precision.
-OPERAND_ROUNDING = {"highest": 0.0, "high": 2.0**-11, "medium": 2.0**-8}
+# The operands' rounding inside a float32 kernel, by the precision torch lets its backend use.
+PRECISION_ROUNDING = {"tf32": 2.0**-11, "bf16": 2.0**-8}
+
+
+def operand_rounding(device: torch.device, convolution: bool) -> float:
+    """u_i of a float32 product on `device`: what torch lets the backend that computes it
+    round its operands to (`torch.backends.*.fp32_precision`, each setting inheriting
+    `torch.backends.fp32_precision`): cuBLAS's matmuls and cuDNN's convolutions on a GPU, where
+    a convolution is TF32 by default; oneDNN's on the CPU. The settings are read, not torch's
+    legacy `get_float32_matmul_precision`, which raises once a job uses them."""
+    backends = torch.backends
+    if device.type == "cuda":
+        setting = backends.cudnn.conv if convolution else backends.cuda.matmul
+    elif device.type == "cpu":
+        setting = backends.mkldnn.conv if convolution else backends.mkldnn.matmul
+    else:
+        return 0.0
+    return PRECISION_ROUNDING.get(setting.fp32_precision, 0.0)
 
 
 def roundoff(dtype: torch.dtype) -> float:
@@ -241,7 +259,7 @@ def bound_of(rounding: Rounding, inner: int, length: int) -> Bound:
     return Bound(
         row=s * (rounding.out + p * rounding.acc),
         fro=s * (rounding.acc * (q + p) + math.sqrt(2) * rounding.operands),
-        sums=s * q * rounding.acc,
+        sums=s * (q * rounding.acc + math.sqrt(2) * rounding.operands),
         floor=length * TINY,
     )
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from detectors.matmul_checksum import MatmulChecksum
+from detectors.product_bounds import operand_rounding
 from harness.campaign.coverage import product_coverage
 from harness.config.schema import FaultConfig, RunConfig
 from harness.core.bus import PluginBus
@@ -666,6 +667,92 @@ def test_convolutions_are_checked_forward(wrong, dtype):
         assert broken == set() and max(found.values()) < 0.5, found
     else:
         assert broken == {["embed", "mix", "line"][wrong - 1] + "#0 output"}, found
+
+
+@pytest.fixture
+def precisions():
+    """torch.backends, its float32 precision settings put back as they were after the test: the
+    generic one first, which each backend's inherits where it says "none"."""
+    b = torch.backends
+    settings = (b, b.cuda.matmul, b.cudnn.conv, b.mkldnn.matmul, b.mkldnn.conv)
+    saved = [setting.fp32_precision for setting in settings]
+    yield b
+    for setting, value in zip(settings, saved, strict=True):
+        setting.fp32_precision = value
+
+
+def _tf32(t: torch.Tensor) -> torch.Tensor:
+    """`t` rounded to TF32's 10 bits of mantissa (to nearest, ties to even), as float32."""
+    bits = t.contiguous().view(torch.int32)
+    return ((bits + 0xFFF + ((bits >> 13) & 1)) & ~0x1FFF).view(torch.float32)
+
+
+class Tf32(Plugin):
+    """Each float32 product as a kernel allowed TF32 computes it (cuDNN's convolutions on a GPU
+    by default, cuBLAS's matmuls where a job asks): the two operands rounded to TF32, the bias
+    not, the rest in float32."""
+
+    def watches_matmuls(self) -> bool:
+        return True
+
+    def on_matmul_output(self, step, call, output):
+        args = [_tf32(a) if i < 2 else a for i, a in enumerate(call.args)]
+        return call.func(*args, **call.kwargs)
+
+
+class Tensorcores(torch.nn.Module):
+    """A Linear and a convolution in float32, each with a bias."""
+
+    def __init__(self):
+        super().__init__()
+        self.line = torch.nn.Linear(256, 128)
+        self.conv = torch.nn.Conv2d(16, 32, kernel_size=3, padding=1)
+
+    def forward(self, x: torch.Tensor, image: torch.Tensor) -> torch.Tensor:
+        return self.line(x).sum() + self.conv(image).sum()
+
+
+@pytest.mark.parametrize("setting", ["ieee", "tf32"])
+def test_the_bound_follows_the_float32_precision_torch_allows_each_backend(precisions, setting):
+    """A float32 kernel allowed TF32 rounds its operands to 10 bits of mantissa: its clean
+    products, computed here as such a kernel computes them, are beyond the float32 bound and
+    inside it where torch's setting for that backend allows TF32; x8 on one element of either
+    is still caught. The settings are PyTorch 2.9's per backend, as a GPU job sets them: torch's
+    legacy `get_float32_matmul_precision` raises once one is used, which stopped the check as
+    it was built."""
+    precisions.cuda.matmul.fp32_precision = "tf32"
+    precisions.mkldnn.matmul.fp32_precision = setting
+    precisions.mkldnn.conv.fp32_precision = setting
+    torch.manual_seed(0)
+    model, gen = Tensorcores(), torch.Generator().manual_seed(1)
+    x, image = torch.randn(64, 256, generator=gen), torch.randn(2, 16, 12, 12, generator=gen)
+    for wrong in (None, 1, 2):
+        check = _watched(model, (Tf32(),) if wrong is None else (Tf32(), Scaled(wrong)))
+        with torch.no_grad():
+            model(x, image)
+        found = {key: float(ratio) for _, _, key, ratio in check.found}
+        assert set(found) == {"line#0 output", "conv#0 output"}
+        if wrong is not None:
+            assert not found[["line#0 output", "conv#0 output"][wrong - 1]] <= 1.0, found
+        elif setting == "tf32":
+            assert max(found.values()) < 0.5, found
+        else:
+            assert min(found.values()) > 1.0, found
+
+
+def test_a_gpus_float32_convolutions_are_bounded_as_tf32_by_default(precisions):
+    """cuDNN's float32 convolutions are TF32 unless a job says otherwise, cuBLAS's matmuls are
+    not: the operands' rounding the bounds take for each, from torch's settings (no GPU needed
+    to read them), and the generic setting that each backend's inherits."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert operand_rounding(cuda, convolution=True) == 2.0**-11
+    assert operand_rounding(cuda, convolution=False) == 0.0
+    assert operand_rounding(cpu, convolution=True) == operand_rounding(cpu, False) == 0.0
+    precisions.fp32_precision = "tf32"
+    assert operand_rounding(cuda, False) == operand_rounding(cpu, False) == 2.0**-11
+    precisions.cudnn.conv.fp32_precision = "ieee"
+    precisions.mkldnn.matmul.fp32_precision = "bf16"
+    assert operand_rounding(cuda, True) == 0.0 and operand_rounding(cpu, False) == 2.0**-8
 
 
 def test_only_modules_that_run_are_targets():
