@@ -23,34 +23,61 @@ rank therefore fingerprint the same tensor differently: a world's ranks must com
 kind of device. The spawned world places every rank on one kind; a torchrun world whose hosts
 resolve different kinds is refused before its first trial (harness/launch/torchrun_world.py).
 
-`mixed_words` is a linear mixing with proofs instead of probabilities. The bytes are read as
-64-bit integers ("words"; 16- and 32-bit elements share a word) in rows of ROW words, and each
-row is mixed into one word by a dot product with fixed, position-dependent weights, wrapping
-modulo 2^64. The row words are mixed again, ROW at a time, until at most MAX_FOLD remain; those
-are folded into two words by two rows of random odd weights. What it catches, and why (the
-tests check each; ROW = 32 words):
-- any single changed element, in any dtype: every weight is odd, so a nonzero change of a word
-  stays nonzero after the multiplication modulo 2^64, at every level;
-- two elements swapped, or the same bit flipped in opposite directions in two elements, in
-  one row: the change is d * (w_i - w_j) for two distinct weights. The row weights are odd with
-  distinct residues modulo 64, so w_i - w_j has at most 5 factors of two, and the change
-  vanishes only when d has 59 or more: when it is confined to the top 5 bits of a 64-bit word,
-  the sign and top exponent bits of the odd-indexed float32 elements (every fourth bfloat16).
-  No map that is linear modulo 2^64 can do better there: 2^63 times any odd weight is 2^63.
-  At any greater distance the two effective weights are products of random odd words, and the
-  change vanishes with probability about 2^-(63 - k) for a change d with k factors of two: for
-  the top bit alone (k = 63) always, so flipping the sign of any two float64 elements, or of
-  any two odd-indexed float32 elements (every fourth bfloat16), however far apart, leaves both
-  words as they were on this path (the CPU's XXH3 sees it). A bijective non-linear step on each
-  word before the mixing (a xor-shift) would move that bit down; not yet made.
-- bursts: the same bit flipped in k words of a row changes its word by 2^p times a sum of k
-  odd weights, p the bit's position in its 64-bit word. For odd k that sum is odd and the
-  change never vanishes; for even k it vanishes with probability about 2^-(63 - p): 1 in 128
-  for an exponent bit of float64 (p = 56; hypothesis found 8 adjacent float64 elements with
-  bit 56 flipped that collide), 2^-23 below bit 40. Other random multi-element changes collide
-  with probability about 2^-64; the tests measure it.
-Its cost on the CPU is one `torch.mv` of the int64 view: 1.85-2.2x a read pass, since torch has
-no vectorised integer matrix-vector product (`mm` and multiply-then-sum are slower still).
+`mixed_words` is a linear mixing with proofs instead of probabilities, after one bijective step.
+The bytes are read as 64-bit integers ("words"; 16- and 32-bit elements share a word), and each
+word w is first mapped to L(w) = w ^ (w >>> 29), a logical shift. L is a bijection and linear
+over XOR: a change that flips the bits d of a word (its XOR difference) flips the bits L(d) of
+its mapped word. The mapped words are mixed in rows of ROW words, each row into one word by a
+dot product with fixed, position-dependent weights, wrapping modulo 2^64. The row words are
+mixed again, ROW at a time, until at most MAX_FOLD remain; those are folded into two words by
+two rows of random odd weights. Every weight is odd, so a word's change reaches each of the two
+words multiplied by an odd number (a product of weights) and keeps its factors of two: k of
+them, k the lowest set bit of L(d) (a - b and a ^ b have the same lowest set bit), at every
+level, so the map is needed once, before the first. What it catches, and why (the tests check
+each; ROW = 32 words):
+- any change in which an odd number of the changed words have the smallest k: it is 2^k times a
+  sum of an odd number of odd numbers. So any single changed element, in any dtype; two changed
+  words of different k; the same bit of a word flipped in an odd number of words.
+- natural faults have a small k: a flip of bit p of a word maps to 2^p ^ 2^(p - 29) (p >= 29)
+  or 2^p, so k = p - 29 or p, at most 34 (the sign bit of a float64 or of an odd-indexed
+  float32; without the map it was 63). Any change confined to one element of 32 bits or fewer
+  has k <= 34 too: k >= 35 needs bits 0-34 of d to equal its bits 29-63, which no change
+  within one 32-bit half of a word meets (the tests check it by rank); it takes a float64 or
+  two elements of a word, as 2^39 ^ 2^10 does (k = 39).
+- two changed words in one row: their mapped words change by 2^k a and 2^k b (a, b odd), and
+  the row word by 2^k (a w_i + b w_j), which vanishes only for one ratio a/b modulo 2^(64 - k).
+  Opposite changes (b = -a: two float64 elements swapped) vanish only when k >= 59, since the
+  row weights are odd with distinct residues modulo 64, so w_i - w_j has at most 5 factors of
+  two; equal changes (b = a) only when k >= 53, since w_i + w_j has at most 11 for these
+  weights. That window, L(d) confined to bits 59-63 (53-63), is no natural fault: L^-1(2^t) has
+  bits t, t - 29 and t - 58 (those >= 0), so d would repeat its top bits 29 and 58 places down,
+  for bits 59-63 one pattern in bits 1-5, 30-34 and 59-63. No two single-bit flips in two
+  words of a row cancel, whatever their bits and directions (checked exhaustively for these
+  weights). Without the map the window held d itself: two float64 elements that differ only in
+  their sign and top 4 exponent bits, swapped, could cancel.
+- at any greater distance the effective weights are products of random odd words, and changes
+  of the same k cancel in each of the two words with probability about 2^-(63 - k): about that
+  where they meet in a row before the fold, its square where they meet only in the fold (whose
+  two rows of weights are independent). Two sign flips (k = 34): at most about 2^-29; without
+  the map always, however far apart (2^63 times any odd weight is 2^63), and so was negating a
+  float64 tensor of an even number of elements. Any bijection has a preimage of 2^63, which
+  still cancels in any two words: here L^-1(2^63) = 2^63 ^ 2^34 ^ 2^5, bits 63, 34 and 5 of a
+  float64, or the sign and bit 2 of an odd-indexed float32 with bit 5 of its neighbour. The
+  shift chooses where it lies. 29 is no multiple of 16, so no bit of an element lands on the
+  same bit of another (a shift by 32 puts it at 2^63 ^ 2^31, the signs of both float32 elements
+  of a word: negating a float32 tensor of an even number of words would go unseen), and a
+  single flip keeps k <= max(63 - 29, 28) = 34.
+- bursts: the same bit flipped in n words changes each mapped word by 2^k times an odd number.
+  For odd n the change never vanishes; for even n it vanishes with probability about
+  2^-(63 - k), at most 2^-29 for one bit: 2^-36 for an exponent bit of float64 (p = 56, k = 27;
+  without the map 1 in 128, and 8 adjacent float64 elements with bit 56 flipped collided). A
+  burst of L^-1(2^56), bits 56 and 27 together, still collides once in 128 positions. Other
+  random multi-element changes collide with probability about 2^-64; the tests measure it.
+Its cost on the CPU, for 25 MiB of float32 on one thread of this machine, is 6.6-7.0x
+`torch.sum` of the same bytes: the map's three elementwise passes over the int64 view (a shift,
+a mask and a XOR, into one new tensor; torch has no logical shift of int64) take 4.6-5.0x, and
+the mixing, one `torch.mv`, 2.1-2.4x, as before the map; torch has no vectorised integer
+matrix-vector product (`mm` and multiply-then-sum are slower still).
 
 `signs` gives a fixed Rademacher (+1/-1) vector per tensor name: a projection onto it is linear,
 continuous (small rounding differences stay small) and moved by any single-element change.
@@ -67,7 +94,9 @@ import xxhash
 
 ROW = 32
 MAX_FOLD = 4096
+SHIFT = 29
 _MASK = (1 << 64) - 1
+_LOW = (1 << (64 - SHIFT)) - 1  # clears the copies of the sign that `>>` shifts in
 
 
 def bits_fingerprint(tensor: torch.Tensor) -> tuple[int, int]:
@@ -98,7 +127,7 @@ def _signed(word: int) -> int:
 
 def mixed_words(tensor: torch.Tensor) -> torch.Tensor:
     """The linear mixing's two words (module docstring), on the tensor's device, unread."""
-    words = _words(tensor)
+    words = _xorshift(_words(tensor))
     while words.numel() > MAX_FOLD:
         words = _mix(words)
     return (words * _fold(words.numel(), words.device)).sum(1)
@@ -114,6 +143,16 @@ def _mix(words: torch.Tensor) -> torch.Tensor:
     if rest.numel():
         mixed = torch.cat([mixed, (rest * weights[: rest.numel()]).sum(0, keepdim=True)])
     return mixed
+
+
+def _xorshift(words: torch.Tensor) -> torch.Tensor:
+    """Each word w as w ^ (w >>> SHIFT), a logical shift (torch's `>>` on int64 is arithmetic,
+    and w ^ (w >> SHIFT) would lose the top bit). Bijective and linear over GF(2); one new
+    tensor, in three elementwise passes."""
+    mapped = words >> SHIFT
+    mapped &= _LOW
+    mapped ^= words
+    return mapped
 
 
 def _words(tensor: torch.Tensor) -> torch.Tensor:

@@ -97,8 +97,8 @@ def test_the_words_depend_on_the_dtypes_bytes_not_only_the_values(words):
 
 def test_swapping_two_elements_changes_the_words_where_an_xor_fold_cannot_see_it(words):
     """titan_replay's XOR digest is order-insensitive (its docstring's blind spot); the
-    fingerprint is order-aware: swapping elements 0 and 2 changes word 0 by d and word 1 by -d,
-    d < 2^32, and the row's weights differ by at most 5 factors of two."""
+    fingerprint is order-aware: swapping elements 0 and 2 changes the low halves of words 0 and
+    1, which the linear mixing's xor-shift maps to changes with at most 34 factors of two."""
     t = torch.tensor([1.5, 7.0, -3.25, 7.0, 0.5, 0.5, 0.5, 0.5])
     swapped = t[[2, 1, 0, 3, 4, 5, 6, 7]]
     assert xor_digest(swapped) == xor_digest(t)
@@ -115,6 +115,19 @@ def test_the_same_bit_flipped_both_ways_in_two_words_changes_the_words(words):
     as_words = [v.view(torch.int64).sum().item() for v in (t, changed)]
     assert as_words[0] == as_words[1] and xor_digest(changed) == xor_digest(t)
     assert words(changed) != words(t)
+
+
+def test_the_linear_mixings_xor_shift_is_logical_and_bijective():
+    """w ^ (w >>> 29) with a logical shift: torch's `>>` on int64 copies the sign in, and
+    w ^ (w >> 29) would clear the top bit of every word and map both 0 and -1 to 0."""
+    mask = (1 << 64) - 1
+    unsigned = [0, 1, 1 << 63, mask, (1 << 63) - 1, 0x0123456789ABCDEF, 0xFEDCBA9876543210]
+    signed = torch.tensor([w - (1 << 64) if w >> 63 else w for w in unsigned])
+    got = [w & mask for w in fingerprint._xorshift(signed).tolist()]
+    assert got == [w ^ (w >> 29) for w in unsigned]
+    assert signed.tolist() == [w - (1 << 64) if w >> 63 else w for w in unsigned]  # untouched
+    # Its inverse, y ^ (y >>> 29) ^ (y >>> 58), gives every word back.
+    assert [y ^ (y >> 29) ^ (y >> 58) for y in got] == unsigned
 
 
 def test_mixed_words_fold_a_tensor_above_max_fold_words():
