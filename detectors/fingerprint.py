@@ -134,11 +134,13 @@ def mixed_words(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _mix(words: torch.Tensor) -> torch.Tensor:
-    """One word per row of ROW words: the row's dot product with the weights, modulo 2^64."""
+    """One word per row of ROW words: the row's dot product with the weights, modulo 2^64.
+    `words` are the mixing's own (the map's or a level's), multiplied in place on a GPU: the
+    fingerprint holds one copy of the tensor at most."""
     weights = _weights(words.device)
     rows = words.numel() // ROW
     body = words[: rows * ROW].view(rows, ROW)
-    mixed = torch.mv(body, weights) if words.device.type == "cpu" else (body * weights).sum(1)
+    mixed = torch.mv(body, weights) if words.device.type == "cpu" else body.mul_(weights).sum(1)
     rest = words[rows * ROW :]
     if rest.numel():
         mixed = torch.cat([mixed, (rest * weights[: rest.numel()]).sum(0, keepdim=True)])
