@@ -34,7 +34,7 @@ every k steps, and a fingerprint of its gradient (the symbols: harness/analysis/
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,6 +77,19 @@ class Regenerated:
         for source, m in self.ctx.batches(rank):
             with workload.forward_rng(step, source, m):
                 yield workload.loss(model, workload.batch(step, source, m))
+
+
+def trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The parameters a step's backward gives gradients to, by name: not a frozen one (a
+    fine-tuned model's backbone, LoRA's base weights), by which autograd refuses to
+    differentiate."""
+    return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+
+
+def gradients(loss: torch.Tensor, params: Sequence[nn.Parameter]) -> tuple[torch.Tensor, ...]:
+    """d loss / d params, recomputed; zeros for a parameter the step did not use (DDP with
+    find_unused_parameters), as DDP's bucket holds for it, where autograd would refuse."""
+    return torch.autograd.grad(loss, params, allow_unused=True, materialize_grads=True)
 
 
 class Replay(Detector):
@@ -174,11 +187,10 @@ class Replay(Detector):
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
         """Loss, per-parameter projections and squared norm of `rank`'s local gradient,
         recomputed on `model`, unread."""
-        params = [p for _, p in model.named_parameters()]
-        names = [n for n, _ in model.named_parameters()]
+        names, params = zip(*trainable(model), strict=True)
         total_loss, grads, count = 0.0, None, 0
         for loss in self.data.losses(model, step, rank):
-            part = torch.autograd.grad(self.data.backpropagated(loss, rank), params)
+            part = gradients(self.data.backpropagated(loss, rank), params)
             grads = (
                 list(part) if grads is None else [a + b for a, b in zip(grads, part, strict=True)]
             )

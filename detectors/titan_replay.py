@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from detectors.replay import Regenerated
+from detectors.replay import Regenerated, gradients, trainable
 from harness.core.checks import CheckConfig
 from harness.core.plugins import Bucket, Detector, DetectorContext, EventLog
 from harness.core.values import integer
@@ -81,12 +81,12 @@ class TitanReplay(Detector):
             self.grads |= {name: xor_digest(g) for name, g in bucket.tensors}
 
     def _replay(self, model: nn.Module, step: int) -> tuple[list[float], dict[str, int]]:
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        named = trainable(model)
         losses, grads = [], None
         # Each micro-batch under the random state it trained under, its backward inside it.
         for loss in self.data.losses(model, step, self.info.rank):
             backward = self.data.backpropagated(loss, self.info.rank)
-            part = torch.autograd.grad(backward, [p for _, p in named])
+            part = gradients(backward, [p for _, p in named])
             grads = (
                 list(part) if grads is None else [a + b for a, b in zip(grads, part, strict=True)]
             )

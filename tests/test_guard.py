@@ -20,7 +20,7 @@ import detectors
 from detectors import allreduce_sketch as sketch
 from harness.guard import Guard
 from harness.runtime.replica import unsharded_copy
-from tests.conftest import BIN
+from tests.conftest import BIN, forked_ranks
 
 LOOP = Path(__file__).parent / "loops" / "plain_ddp.py"
 
@@ -157,6 +157,81 @@ def test_a_closed_guard_leaves_the_loop_as_it_was(one_rank):
     assert sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()) == before
     one_rank(torch.full((2, 4), float("nan"))).sum().backward()
     assert guard.alerts == [] and guard.closed
+
+
+class PartlyFrozen(nn.Module):
+    """A fine-tuned model's shape: a frozen first layer (a backbone, LoRA's base weights) and a
+    branch its forward takes only for wide inputs (DDP with find_unused_parameters)."""
+
+    def __init__(self):
+        super().__init__()
+        self.base, self.head, self.branch = nn.Linear(4, 8), nn.Linear(8, 2), nn.Linear(8, 2)
+        self.base.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.base(x))
+        return self.head(h) + (self.branch(h) if x.shape[0] > 8 else 0)
+
+
+FROZEN_WORLD = 3
+
+
+def _partly_frozen_rank(rank: int, store: str, results) -> None:
+    """Three steps of PartlyFrozen under both replays, a x1000 on rank 1's largest local
+    gradient at step 2: the steps each check alerted at, by check."""
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
+                            world_size=FROZEN_WORLD)  # fmt: skip
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = DDP(PartlyFrozen(), find_unused_parameters=True)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+
+    def loss_of(m: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        return m(batch).square().mean()
+
+    fault = {"site": "grad", "model": "scale", "factor": 1000.0, "select": "largest",
+             "ranks": [1], "steps": [2]}  # fmt: skip
+    checks = {"replay": {"interval": 1}, "titan_replay": {"num_steps": -1}}
+    guard = Guard(model, checks, mode="observe", replay_fn=loss_of, ranks_per_node=1,
+                  inject=fault)  # fmt: skip
+    try:
+        for step in range(3):
+            batch = torch.randn(4, 4, generator=torch.Generator().manual_seed(10 * step + rank))
+            optimizer.zero_grad()
+            guard.audit_batch(batch)
+            guard.loss(loss_of(model, batch)).backward()
+            guard.before_step()
+            optimizer.step()
+            guard.after_step(optimizer)
+        alerts = sorted((a.detector, a.step, tuple(a.suspect_ranks)) for a in guard.alerts)
+        results.put((rank, alerts))
+    except Exception as error:  # the test reports it, not a rank's traceback
+        results.put((rank, f"{type(error).__name__}: {error}"))
+    finally:
+        guard.close()
+        dist.destroy_process_group()
+
+
+def test_the_replays_recompute_a_step_with_frozen_and_unused_parameters(tmp_path):
+    """Autograd refuses to differentiate by a frozen parameter or one the step did not use; the
+    replays recompute the trainable ones, an unused one's gradient zero as in DDP's bucket: on
+    3 ranks, clean steps replay clean and a x1000 on rank 1's local gradient is caught by both,
+    naming rank 1 (replay on its peer, titan_replay on the rank itself)."""
+    ctx = forked_ranks(tmp_path)
+    results = ctx.Queue()
+    store = str(tmp_path / "store")
+    procs = [ctx.Process(target=_partly_frozen_rank, args=(r, store, results))
+             for r in range(FROZEN_WORLD)]  # fmt: skip
+    for proc in procs:
+        proc.start()
+    got = dict(results.get(timeout=120) for _ in procs)
+    for proc in procs:
+        proc.join(timeout=30)
+    # replay's verdict is the world's, every rank records it; titan_replay's the rank's own.
+    assert got == {
+        rank: [("replay", 2, (1,))] + ([("titan_replay", 2, (1,))] if rank == 1 else [])
+        for rank in range(FROZEN_WORLD)
+    }, got
 
 
 @pytest.fixture
