@@ -78,6 +78,10 @@ def test_a_rehearsed_fault_raises_at_its_step_naming_its_rank(tmp_path):
     assert alarm["suspect_ranks"] == [2]
 
 
+def _forward_hooks(model: nn.Module) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
 @pytest.fixture
 def one_rank(tmp_path):
     """A world of one gloo rank in this process: enough for the guard's refusals."""
@@ -149,12 +153,11 @@ def test_a_closed_guard_leaves_the_loop_as_it_was(one_rank):
     """After close() the forward hooks are gone, the reduction is DDP's own, and a NaN that
     would have alerted raises nothing: training may go on unguarded."""
     model = one_rank.module
-    before = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+    before = _forward_hooks(model)
     guard = Guard(one_rank, ["nan_inf", "matmul_checksum"])
-    hooked = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
-    assert hooked > before
+    assert _forward_hooks(model) > before
     guard.close()
-    assert sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()) == before
+    assert _forward_hooks(model) == before
     one_rank(torch.full((2, 4), float("nan"))).sum().backward()
     assert guard.alerts == [] and guard.closed
 
@@ -243,13 +246,18 @@ def one_shard(tmp_path):
     dist.destroy_process_group()
 
 
-def test_a_mixed_precision_policy_is_refused_in_one_line(one_shard):
+def test_a_mixed_precision_policy_is_refused_in_one_line_leaving_the_module_as_it_was(one_shard):
+    """The refusal comes once the checks' forward hooks are on the module: a loop that goes on
+    unguarded after it trains without them (every product had gone through the refused guard's
+    watch)."""
     model = fully_shard(
         nn.Linear(4, 2), mesh=one_shard, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     )
+    before = _forward_hooks(model)
     with pytest.raises(ValueError, match="MixedPrecisionPolicy.*use torch.autocast") as error:
-        Guard(model)
+        Guard(model, ["nan_inf", "matmul_checksum"])
     assert "\n" not in str(error.value)
+    assert _forward_hooks(model) == before
 
 
 def test_the_replica_of_a_sharded_module_is_the_module_without_fsdp(one_shard):

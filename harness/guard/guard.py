@@ -102,10 +102,17 @@ class Guard:
                            transparent=True, inner=comm_hook)  # fmt: skip
         self.bus, self._state, self._hooks = plugins.bus, plugins.state, plugins.hooks
         self._shards: ShardedBuckets | None = None
-        if isinstance(model, DDP):
-            model.register_comm_hook(self._state, comm.comm_hook)
-        else:
-            self._shards = _sharded_sites(model, self.bus, ctx)
+        try:
+            if isinstance(model, DDP):
+                model.register_comm_hook(self._state, comm.comm_hook)
+            else:
+                self._shards = _sharded_sites(model, self.bus, ctx)
+        except BaseException:
+            # Refused (a fully_shard setting the sites cannot take): the module as it was, so
+            # that a loop going on unguarded is not watched by a guard that does not exist.
+            for handle in self._hooks:
+                handle.remove()
+            raise
         self._set_step(start_step)
         self._loss_step = -1
         self._seen = 0  # events already considered for an alarm
