@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -130,6 +131,32 @@ def test_a_rehearsal_that_can_never_strike_is_refused(one_rank):
              "tensor": "nothing"}  # fmt: skip
     with pytest.raises(ValueError, match="^inject.tensor: 'nothing' matches nothing at site"):
         Guard(one_rank, inject=fault)
+
+
+@pytest.mark.parametrize(
+    ("settings", "error"),
+    [
+        (
+            {"detectors": {"nan_inf": {"mode": "observe"}}, "mode": "act"},
+            re.escape("detectors.nan_inf.mode: the guard's own, Guard(mode='act'); got 'observe'"),
+        ),
+        ({"ranks_per_node": 0}, "^ranks_per_node: 0 is out of range; allowed: 1..inf$"),
+        ({"ranks_per_node": 3}, "^ranks_per_node: 3 does not divide the world of 1 rank"),
+        (
+            {"comm_hook": powerSGD_hook.powerSGD_hook},
+            "^comm_hook: a \\(state, hook\\) pair as DDP's register_comm_hook takes them",
+        ),
+    ],
+    ids=["mode", "no-ranks-per-node", "ranks-per-node", "bare-comm-hook"],
+)
+def test_a_setting_the_guard_would_ignore_or_trip_over_later_is_refused(one_rank, settings, error):
+    """A check's own `mode` (the guard's decides), a node size that is no size or does not
+    divide the world (nodes then name the wrong ranks), a comm hook without its state (it
+    failed in the first backward): one line naming the key, before any hook is placed."""
+    with pytest.raises(ValueError, match=error) as refused:
+        Guard(one_rank, **settings)
+    assert "\n" not in str(refused.value)
+    assert _forward_hooks(one_rank) == 0 and not one_rank._comm_hooks
 
 
 def test_a_module_neither_ddp_nor_sharded_is_refused(one_rank):

@@ -34,6 +34,7 @@ from harness.core.phases import PHASE_ORDER
 from harness.core.plugins import DetectorContext, EventLog, RankInfo
 from harness.core.stopwatch import HOOK, Stopwatch
 from harness.core.values import integer
+from harness.errors import ConfigError
 from harness.guard import selection
 from harness.guard.alarm import SDCAlarm, quarantine
 from harness.results.costs import CheckCost, JobCosts, combined, priced
@@ -65,12 +66,11 @@ class Guard:
         start_step: int = 0,
         warmup_steps: int = 3,
     ):
+        _check_comm_hook(comm_hook)
         self.parallel, shard_size = _parallelism(model, comm_hook)
         self.warmup_steps = integer("warmup_steps", warmup_steps, 1)
         rank, world = dist.get_rank(), dist.get_world_size()
-        per_node = ranks_per_node or int(
-            os.environ.get("SDC_RANKS_PER_NODE") or os.environ.get("LOCAL_WORLD_SIZE", world)
-        )
+        per_node = _ranks_per_node(ranks_per_node, world)
         self.model = model.module if isinstance(model, DDP) else model
         first = next(self.model.parameters())
         self.info = RankInfo(rank, world, per_node, str(first.device))
@@ -340,6 +340,34 @@ class Guard:
             self.checks[first.detector], first.step, self.checkpointed.__contains__
         )
         return SDCAlarm(same, self.machines, since)
+
+
+def _check_comm_hook(comm_hook: Any) -> None:
+    """A hook handed over without its state would fail in the first backward."""
+    if comm_hook is not None and not (
+        isinstance(comm_hook, tuple) and len(comm_hook) == 2 and callable(comm_hook[1])
+    ):
+        raise ValueError(
+            "comm_hook: a (state, hook) pair as DDP's register_comm_hook takes them, e.g. "
+            f"(None, fp16_compress_hook); got {type(comm_hook).__name__} {comm_hook!r:.60}"
+        )
+
+
+def _ranks_per_node(given: int | None, world: int) -> int:
+    """Ranks per machine: `given`, else the launcher's (SDC_RANKS_PER_NODE, torchrun's
+    LOCAL_WORLD_SIZE), else the world. It must divide the world: the checks name the machine
+    of rank r as r // ranks_per_node."""
+    key, value = "ranks_per_node", given
+    if value is None:
+        key = next((k for k in ("SDC_RANKS_PER_NODE", "LOCAL_WORLD_SIZE") if os.environ.get(k)),
+                   "")  # fmt: skip
+        value = int(os.environ[key]) if key else world
+    per_node = integer(key or "ranks_per_node", value, 1)
+    if world % per_node:
+        ranks = "rank" if world == 1 else "ranks"
+        raise ConfigError(key or "ranks_per_node",
+                          f"{per_node} does not divide the world of {world} {ranks}")  # fmt: skip
+    return per_node
 
 
 def _parallelism(

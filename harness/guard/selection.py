@@ -113,6 +113,11 @@ def _configured(name: str, params: dict[str, Any], job: Job) -> CheckConfig:
             f"'{name}' needs Guard(..., replay_fn=fn), fn(model, batch) -> loss, and "
             "guard.audit_batch(batch) for every micro-batch"
         )
+    if params.get("mode", job.mode) != job.mode:
+        raise ConfigError(
+            f"detectors.{name}.mode", f"the guard's own, Guard(mode={job.mode!r}); got "
+            f"{params['mode']!r}"
+        )  # fmt: skip
     try:
         # The campaign's own validation, so that a setting fails the same way here.
         return check.configure(f"detectors.{name}", {**params, "mode": job.mode}, job.topology)
