@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import detectors
 from detectors import allreduce_sketch as sketch
-from harness.guard import Guard
+from harness.guard import Guard, SDCAlarm
 from harness.runtime.replica import unsharded_copy
 from tests.conftest import BIN, forked_ranks
 
@@ -262,6 +262,72 @@ def test_the_replays_recompute_a_step_with_frozen_and_unused_parameters(tmp_path
         rank: [("replay", 2, (1,))] + ([("titan_replay", 2, (1,))] if rank == 1 else [])
         for rank in range(FROZEN_WORLD)
     }, got
+
+
+def _trainer_checkpoints_rank(rank: int, store: str, folder: str, results) -> None:
+    """A loop whose trainer writes its own checkpoints, as Lightning's ModelCheckpoint does under
+    SDCGuard (no `checkpoints` folder of the guard's): replay every 3 steps, x1000 on rank 1's
+    local gradient at step 3. The alarm's step and first suspect step."""
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
+                            world_size=FROZEN_WORLD)  # fmt: skip
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = DDP(nn.Linear(4, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def loss_of(m: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        return m(batch).square().mean()
+
+    fault = {"site": "grad", "model": "scale", "factor": 1000.0, "select": "largest",
+             "ranks": [1], "steps": [3]}  # fmt: skip
+    guard = Guard(model, {"replay": {"interval": 3}}, mode="act", replay_fn=loss_of,
+                  ranks_per_node=1, inject=fault)  # fmt: skip
+    try:
+        for step in range(5):
+            batch = torch.randn(4, 4, generator=torch.Generator().manual_seed(10 * step + rank))
+            optimizer.zero_grad()
+            guard.audit_batch(batch)
+            guard.loss(loss_of(model, batch)).backward()
+            guard.before_step()
+            optimizer.step()
+            guard.after_step(optimizer)
+            if guard.before_checkpoint():
+                path = Path(folder) / f"step={step}.ckpt"
+                if rank == 0:
+                    path.write_text("state")
+                guard.checkpoint_written(path)
+        results.put((rank, None))
+    except SDCAlarm as alarm:
+        results.put((rank, (alarm.step, alarm.first_suspect_step)))
+    finally:
+        guard.close()
+        dist.destroy_process_group()
+
+
+def test_a_trainers_own_checkpoints_of_the_suspect_interval_are_set_aside(tmp_path):
+    """Without a folder of the guard's, the checkpoints the trainer wrote after the last step the
+    checks vouch for are renamed *.suspect, and quarantine.json is written beside them (they
+    were left as they were: a resume from "last" took weights the alarm had put in doubt)."""
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    ctx = forked_ranks(tmp_path)
+    results = ctx.Queue()
+    args = (str(tmp_path / "store"), str(folder), results)
+    procs = [ctx.Process(target=_trainer_checkpoints_rank, args=(r, *args))
+             for r in range(FROZEN_WORLD)]  # fmt: skip
+    for proc in procs:
+        proc.start()
+    got = dict(results.get(timeout=120) for _ in procs)
+    for proc in procs:
+        proc.join(timeout=30)
+    # Replay vouched for step 0; the fault's step 3 is where it looked next.
+    assert got == {rank: (3, 1) for rank in range(FROZEN_WORLD)}, got
+    names = sorted(p.name for p in folder.iterdir())
+    assert names == ["quarantine.json", "step=0.ckpt", "step=1.ckpt.suspect",
+                     "step=2.ckpt.suspect"], names  # fmt: skip
+    record = json.loads((folder / "quarantine.json").read_text())
+    assert record["set_aside"] == ["step=1.ckpt", "step=2.ckpt"]
+    assert record["first_suspect_step"] == 1 and record["suspect_ranks"] == [1]
 
 
 @pytest.fixture

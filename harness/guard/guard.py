@@ -312,8 +312,11 @@ class Guard:
         if alarm is None:
             return
         self.alarm = alarm
-        if self.folder is not None and self.info.rank == 0:
-            quarantine(self.folder, alarm, self.written)
+        # Without a folder of the guard's, quarantine.json goes beside the checkpoints the
+        # trainer wrote (Lightning's ModelCheckpoint under SDCGuard's default).
+        folder = self.folder or (self.written[-1][1].parent if self.written else None)
+        if folder is not None and self.info.rank == 0:
+            quarantine(folder, alarm, self.written)
         # Training ends here: nothing the guard did may still be in flight when it does.
         self.close()
         raise alarm.again()

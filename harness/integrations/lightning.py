@@ -32,7 +32,8 @@ hooks:
 
 An alarm in act mode raises `SDCAlarm` out of `trainer.fit` on every rank; the script ends with
 `sys.exit(alarm.exit_code)` (86: suspect hardware, 87: not attributed), and the checkpoints
-written from the first suspect step on are set aside (`*.suspect`), listed in quarantine.json.
+written from the first suspect step on are set aside (`*.suspect`), listed in quarantine.json
+(in `checkpoints`, else beside them).
 """
 
 from __future__ import annotations
