@@ -9,16 +9,20 @@ the example once (tests/loops/forked_ranks.py, as tests/test_hf_trainer.py says 
 from __future__ import annotations
 
 import json
+import os
+import socket
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
+import torch
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from harness.errors import ConfigError
 from harness.guard import EXIT_SUSPECT_HARDWARE
 from harness.integrations.lightning import SDCGuard
-from tests.conftest import example_ranks
+from tests.conftest import example_ranks, forked_ranks
 
 EXAMPLE = Path(__file__).parents[1] / "examples" / "train_lightning.py"
 RANKS = 4
@@ -94,6 +98,52 @@ def test_a_rehearsed_gradient_fault_stops_the_fit_at_its_step_on_every_rank(fits
     assert not (folder / "step=6.ckpt").exists() and not (folder / "step=6.ckpt.suspect").exists()
 
 
+class Tiny(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.line = torch.nn.Linear(4, 2)
+
+    def training_step(self, batch, batch_idx):
+        return self.line(batch[0]).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _scheduled_fit(port: int, results) -> None:
+    """A one-rank DDP fit whose accumulation goes from 1 micro-batch a step to 2 at its second
+    epoch (Lightning's GradientAccumulationScheduler), titan_replay at every step: its steps
+    and the steps the checks alerted at."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(8, 4))
+    guard = SDCGuard({"titan_replay": {"num_steps": -1}}, mode="observe")
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, strategy="ddp", max_epochs=2, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[guard, GradientAccumulationScheduler({0: 1, 1: 2})],
+    )  # fmt: skip
+    trainer.fit(Tiny(), torch.utils.data.DataLoader(data, batch_size=2))
+    results.put((trainer.global_step, sorted({a.step for a in guard.guard.alerts})))
+
+
+def test_accumulation_that_changes_during_the_fit_scales_the_replayed_loss_as_lightning_does(
+    tmp_path,
+):
+    """Lightning divides each micro-batch's loss by the accumulation of the moment; the replay
+    recomputed with the fit's first (every audit of the second epoch alerted on a clean fit)."""
+    ctx = forked_ranks(tmp_path)
+    results = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = ctx.Process(target=_scheduled_fit, args=(port, results))
+    proc.start()
+    steps, alerted = results.get(timeout=120)
+    proc.join(timeout=30)
+    assert (steps, alerted) == (4 + 2, []), (steps, alerted)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
@@ -122,3 +172,10 @@ def test_a_fit_the_callback_cannot_guard_is_refused_in_one_line(trainer, message
     built = pl.Trainer(accelerator="cpu", devices=1, logger=False, **trainer)
     with pytest.raises(ValueError, match=message):
         SDCGuard().on_train_start(built, pl.LightningModule())
+
+
+def test_accumulation_a_scheduler_turns_on_under_model_parallel_is_refused_at_its_step():
+    built = pl.Trainer(accelerator="cpu", devices=1, logger=False, strategy=ModelParallelStrategy())
+    built.accumulate_grad_batches = 2  # as GradientAccumulationScheduler sets it at an epoch
+    with pytest.raises(ValueError, match="^accumulate_grad_batches: 1 is allowed under Model"):
+        SDCGuard().on_before_optimizer_step(built, pl.LightningModule(), None)

@@ -90,7 +90,6 @@ class SDCGuard(pl.Callback):
         per_node = self.ranks_per_node or int(
             os.environ.get("SDC_RANKS_PER_NODE") or trainer.num_devices
         )
-        micro_batches = trainer.accumulate_grad_batches
         precision = trainer.strategy.precision_plugin
 
         watched, child = _watched(trainer.strategy, pl_module)
@@ -103,7 +102,9 @@ class SDCGuard(pl.Callback):
             watched,
             **self.options,
             replay_fn=replay,
-            scale_loss=lambda loss, _: loss / micro_batches,
+            # The accumulation of the moment, as Lightning divides by it: a
+            # GradientAccumulationScheduler changes it during the fit.
+            scale_loss=lambda loss, _: loss / trainer.accumulate_grad_batches,
             ranks_per_node=per_node,
             start_step=trainer.global_step,
         )
@@ -115,6 +116,7 @@ class SDCGuard(pl.Callback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
+        _refuse_accumulation(trainer)  # a GradientAccumulationScheduler may have turned it on
         self._attached().before_step()
 
     def on_train_batch_end(
@@ -184,16 +186,20 @@ class SDCGuard(pl.Callback):
             self.guard.close()
 
 
+def _refuse_accumulation(trainer: pl.Trainer) -> None:
+    if isinstance(trainer.strategy, ModelParallelStrategy) and trainer.accumulate_grad_batches != 1:
+        raise ValueError(
+            "accumulate_grad_batches: 1 is allowed under ModelParallelStrategy, which "
+            "reduce-scatters every micro-batch where the checks judge a step's whole gradient "
+            f"(got {trainer.accumulate_grad_batches}; strategy='ddp' accumulates)"
+        )
+
+
 def _refuse_unservable(trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
     """One ValueError line for a fit the callback cannot guard as it is."""
     strategy = trainer.strategy
     if isinstance(strategy, ModelParallelStrategy):
-        if trainer.accumulate_grad_batches != 1:
-            raise ValueError(
-                "accumulate_grad_batches: 1 is allowed under ModelParallelStrategy, which "
-                "reduce-scatters every micro-batch where the checks judge a step's whole gradient "
-                f"(got {trainer.accumulate_grad_batches}; strategy='ddp' accumulates)"
-            )
+        _refuse_accumulation(trainer)
         if strategy.device_mesh["tensor_parallel"].size() != 1:
             raise ValueError(
                 "tensor_parallel_size: 1 is allowed (the checks know data parallelism: DDP, "
