@@ -170,6 +170,19 @@ def test_a_second_guard_on_one_ddp_is_refused(one_rank):
         Guard(one_rank)
 
 
+def test_a_guard_left_open_on_a_module_is_closed_by_the_next_one(one_rank):
+    """A fit that raised past the trainer's callbacks (an error in the user's step: the HF
+    Trainer has no event for it) leaves its guard open and its watch on the module; the next
+    guard on that module (a retry's fresh DDP wrapper) closes it, and the products are watched
+    once, not by a guard whose verdicts nobody reads."""
+    before = _forward_hooks(one_rank.module)
+    first = Guard(one_rank, ["nan_inf", "matmul_checksum"])
+    once = _forward_hooks(one_rank.module) - before
+    second = Guard(DDP(one_rank.module), ["nan_inf", "matmul_checksum"])
+    assert first.closed and not second.closed
+    assert _forward_hooks(one_rank.module) - before == once
+
+
 def test_the_costs_are_refused_until_the_warmup_is_over(one_rank):
     guard = Guard(one_rank, ["nan_inf"], warmup_steps=2)
     with pytest.raises(RuntimeError, match="the first 2 steps are a warm-up"):

@@ -14,6 +14,7 @@ import math
 import os
 import socket
 import sys
+import weakref
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -46,6 +47,8 @@ if TYPE_CHECKING:
     from harness.runtime.shard_sites import ShardedBuckets
 
 STEP = "step"
+# The guard on each module, as a weak reference (the guard holds its module).
+_GUARDS: weakref.WeakKeyDictionary[nn.Module, weakref.ref[Guard]] = weakref.WeakKeyDictionary()
 
 
 class Guard:
@@ -98,6 +101,12 @@ class Guard:
         )
         ctx = DetectorContext(self.info, self.model, None, 0, tuple((r,) for r in range(world)),
                               replay_data=self.shipped)  # fmt: skip
+        # A module carries one guard: one left open by a fit that raised past its trainer's
+        # callbacks (the HF Trainer has no event for it) would watch every product again.
+        stale = _GUARDS.get(self.model, lambda: None)()
+        if stale is not None:
+            stale.close()
+        _GUARDS[self.model] = weakref.ref(self)
         plugins = assemble(self.model, ctx, self.log, self.checks, fault, seed,
                            transparent=True, inner=comm_hook)  # fmt: skip
         self.bus, self._state, self._hooks = plugins.bus, plugins.state, plugins.hooks
