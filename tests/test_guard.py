@@ -183,6 +183,28 @@ def test_a_guard_left_open_on_a_module_is_closed_by_the_next_one(one_rank):
     assert _forward_hooks(one_rank.module) - before == once
 
 
+def test_a_step_that_changes_its_batch_replays_the_batch_it_was_handed(one_rank):
+    """The guard keeps a copy of each micro-batch: a step that takes a key out of its batch or
+    changes it in place (MLM masking, a normalisation in place) replays what it was handed
+    (the kept reference crashed the replay or alarmed on a clean step)."""
+
+    def loss_of(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        x = batch.pop("x")
+        return model(x.mul_(2)).square().mean()
+
+    optimizer = torch.optim.SGD(one_rank.parameters(), lr=0.1)
+    guard = Guard(one_rank, {"titan_replay": {"num_steps": -1}}, replay_fn=loss_of)
+    for step in range(2):
+        batch = {"x": torch.randn(3, 4, generator=torch.Generator().manual_seed(step))}
+        optimizer.zero_grad()
+        guard.audit_batch(batch)
+        guard.loss(loss_of(one_rank, batch)).backward()
+        guard.before_step()
+        optimizer.step()
+        guard.after_step(optimizer)
+    assert guard.alerts == [] and guard.warnings == []
+
+
 def test_the_costs_are_refused_until_the_warmup_is_over(one_rank):
     guard = Guard(one_rank, ["nan_inf"], warmup_steps=2)
     with pytest.raises(RuntimeError, match="the first 2 steps are a warm-up"):
