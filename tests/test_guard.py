@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import detectors
 from detectors import allreduce_sketch as sketch
+from harness.core import inflight
 from harness.guard import Guard, SDCAlarm
 from harness.runtime.replica import unsharded_copy
 from tests.conftest import BIN, forked_ranks
@@ -89,6 +90,15 @@ def one_rank(tmp_path):
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     yield DDP(nn.Linear(4, 2))
+    _ended()
+
+
+def _ended() -> None:
+    """The group destroyed once gloo's thread is done with the last collective: it drops a
+    comm hook's Python callback after the collective's waiters wake, and the group's last owner
+    (the DDP module, freed after the test) joins that thread while holding the GIL the thread
+    waits for: a hang, one run in four, where a test ended right after a backward."""
+    inflight.quiesce()
     dist.destroy_process_group()
 
 
@@ -371,7 +381,7 @@ def one_shard(tmp_path):
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     yield init_device_mesh("cpu", (1,))
-    dist.destroy_process_group()
+    _ended()
 
 
 def test_a_mixed_precision_policy_is_refused_in_one_line_leaving_the_module_as_it_was(one_shard):
