@@ -215,6 +215,18 @@ def test_a_step_that_changes_its_batch_replays_the_batch_it_was_handed(one_rank)
     assert guard.alerts == [] and guard.warnings == []
 
 
+def test_a_ddp_module_whose_guard_closed_takes_a_new_one(one_rank):
+    """DDP takes one comm hook for its life, and the HF Trainer reuses its DDP wrapper for a
+    second `train()`: a new guard takes the closed one's place (it was refused: "a comm hook
+    already"), and checks: a NaN gradient alerts."""
+    Guard(one_rank, ["nan_inf"]).close()
+    guard = Guard(one_rank, ["nan_inf"])
+    one_rank(torch.full((2, 4), float("nan"))).sum().backward()
+    guard.before_step()
+    assert guard.alerts and {(a.detector, a.step) for a in guard.alerts} == {("nan_inf", 0)}
+    guard.close()
+
+
 def test_the_costs_are_refused_until_the_warmup_is_over(one_rank):
     guard = Guard(one_rank, ["nan_inf"], warmup_steps=2)
     with pytest.raises(RuntimeError, match="the first 2 steps are a warm-up"):

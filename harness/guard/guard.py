@@ -70,7 +70,8 @@ class Guard:
         warmup_steps: int = 3,
     ):
         _check_comm_hook(comm_hook)
-        self.parallel, shard_size = _parallelism(model, comm_hook)
+        slot = _released_slot(model)
+        self.parallel, shard_size = _parallelism(model, comm_hook, slot is not None)
         self.warmup_steps = integer("warmup_steps", warmup_steps, 1)
         rank, world = dist.get_rank(), dist.get_world_size()
         per_node = _ranks_per_node(ranks_per_node, world)
@@ -111,9 +112,13 @@ class Guard:
                            transparent=True, inner=comm_hook)  # fmt: skip
         self.bus, self._state, self._hooks = plugins.bus, plugins.state, plugins.hooks
         self._shards: ShardedBuckets | None = None
+        self._slot: comm.HookSlot | None = None
         try:
             if isinstance(model, DDP):
-                model.register_comm_hook(self._state, comm.comm_hook)
+                if slot is None:
+                    slot = comm.HookSlot()
+                    model.register_comm_hook(slot, comm.slotted_hook)
+                slot.state, self._slot = self._state, slot
             else:
                 self._shards = _sharded_sites(model, self.bus, ctx)
         except BaseException:
@@ -281,6 +286,8 @@ class Guard:
         self._hooks = []
         empty = PluginBus([], device=self.info.device)
         self._state.bus = empty
+        if self._slot is not None:
+            self._slot.open = False
         if self._shards is not None:
             self._shards.bind(empty)
         self.bus, self.shipped = empty, None
@@ -354,6 +361,14 @@ class Guard:
         return SDCAlarm(same, self.machines, since)
 
 
+def _released_slot(model: nn.Module) -> comm.HookSlot | None:
+    """The slot of a closed guard's comm hook on `model`, a DDP module, or None."""
+    hooks = getattr(model, "_comm_hooks", [])
+    if len(hooks) == 1 and hooks[0][0] is comm.slotted_hook and not hooks[0][1].open:
+        return hooks[0][1]
+    return None
+
+
 def _check_comm_hook(comm_hook: Any) -> None:
     """A hook handed over without its state would fail in the first backward."""
     if comm_hook is not None and not (
@@ -383,12 +398,12 @@ def _ranks_per_node(given: int | None, world: int) -> int:
 
 
 def _parallelism(
-    model: nn.Module, comm_hook: tuple[Any, Callable] | None
+    model: nn.Module, comm_hook: tuple[Any, Callable] | None, released: bool = False
 ) -> tuple[str, int | None]:
     """ddp, or fsdp or hsdp with the shard group's size; ValueError for a module the guard
-    cannot attach to."""
+    cannot attach to. `released`: the DDP module's comm hook is a closed guard's."""
     if isinstance(model, DDP):
-        if model._comm_hooks:
+        if model._comm_hooks and not released:
             raise ValueError(
                 "model: this DDP module has a comm hook already (another Guard's, or your own: "
                 "pass yours as Guard(..., comm_hook=(state, hook)) and the guard wraps it)"

@@ -4,8 +4,8 @@ hooks on the model. A campaign's trainer and the guard in a user's loop both ass
 here, so a check sees the same hooks, in the same order, wherever it runs.
 
 The caller owns DDP: the trainer wraps the model with the harness's fixed reduction layout
-(harness/runtime/comm.py, `harness_ddp`), the guard registers `comm.comm_hook` with this state on
-the user's own DDP.
+(harness/runtime/comm.py, `harness_ddp`), the guard registers `comm.slotted_hook` on the user's
+own DDP with a slot that holds this state.
 """
 
 from __future__ import annotations

@@ -195,6 +195,20 @@ def comm_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future
     return _fixed_layout(state, bucket)
 
 
+class HookSlot:
+    """What the guard registers DDP's comm hook with: DDP takes one hook for its life, and a
+    module may be guarded again once its guard has closed (the HF Trainer reuses its DDP
+    wrapper for a second `train()`), the new guard's state put in the slot."""
+
+    state: HookState
+    open = True  # false once the guard that holds it has closed
+
+
+def slotted_hook(slot: HookSlot, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """`comm_hook` with the slot's state."""
+    return comm_hook(slot.state, bucket)
+
+
 def _fixed_layout(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future:
     """DDP's bucket is ready: backward has made all of its gradients. Every chunk of it not yet
     launched is launched now; the last of DDP's buckets waits for every chunk's result and
