@@ -263,6 +263,22 @@ class PartlyFrozen(nn.Module):
 FROZEN_WORLD = 3
 
 
+def _forked_world(tmp_path: Path, rank_main, *args: object) -> dict[int, object]:
+    """Each of FROZEN_WORLD forked ranks runs `rank_main(rank, store, *args, results)` and puts
+    (rank, what it found) in `results`: what each found, by rank."""
+    ctx = forked_ranks(tmp_path)
+    results = ctx.Queue()
+    store = str(tmp_path / "store")
+    procs = [ctx.Process(target=rank_main, args=(r, store, *args, results))
+             for r in range(FROZEN_WORLD)]  # fmt: skip
+    for proc in procs:
+        proc.start()
+    got = dict(results.get(timeout=120) for _ in procs)
+    for proc in procs:
+        proc.join(timeout=30)
+    return got
+
+
 def _partly_frozen_rank(rank: int, store: str, results) -> None:
     """Three steps of PartlyFrozen under both replays, a x1000 on rank 1's largest local
     gradient at step 2: the steps each check alerted at, by check."""
@@ -304,16 +320,7 @@ def test_the_replays_recompute_a_step_with_frozen_and_unused_parameters(tmp_path
     replays recompute the trainable ones, an unused one's gradient zero as in DDP's bucket: on
     3 ranks, clean steps replay clean and a x1000 on rank 1's local gradient is caught by both,
     naming rank 1 (replay on its peer, titan_replay on the rank itself)."""
-    ctx = forked_ranks(tmp_path)
-    results = ctx.Queue()
-    store = str(tmp_path / "store")
-    procs = [ctx.Process(target=_partly_frozen_rank, args=(r, store, results))
-             for r in range(FROZEN_WORLD)]  # fmt: skip
-    for proc in procs:
-        proc.start()
-    got = dict(results.get(timeout=120) for _ in procs)
-    for proc in procs:
-        proc.join(timeout=30)
+    got = _forked_world(tmp_path, _partly_frozen_rank)
     # replay's verdict is the world's, every rank records it; titan_replay's the rank's own.
     assert got == {
         rank: [("replay", 2, (1,))] + ([("titan_replay", 2, (1,))] if rank == 1 else [])
@@ -367,16 +374,7 @@ def test_a_trainers_own_checkpoints_of_the_suspect_interval_are_set_aside(tmp_pa
     were left as they were: a resume from "last" took weights the alarm had put in doubt)."""
     folder = tmp_path / "checkpoints"
     folder.mkdir()
-    ctx = forked_ranks(tmp_path)
-    results = ctx.Queue()
-    args = (str(tmp_path / "store"), str(folder), results)
-    procs = [ctx.Process(target=_trainer_checkpoints_rank, args=(r, *args))
-             for r in range(FROZEN_WORLD)]  # fmt: skip
-    for proc in procs:
-        proc.start()
-    got = dict(results.get(timeout=120) for _ in procs)
-    for proc in procs:
-        proc.join(timeout=30)
+    got = _forked_world(tmp_path, _trainer_checkpoints_rank, str(folder))
     # Replay vouched for step 0; the fault's step 3 is where it looked next.
     assert got == {rank: (3, 1) for rank in range(FROZEN_WORLD)}, got
     names = sorted(p.name for p in folder.iterdir())
