@@ -279,33 +279,44 @@ def _forked_world(tmp_path: Path, rank_main, *args: object) -> dict[int, object]
     return got
 
 
-def _partly_frozen_rank(rank: int, store: str, results) -> None:
-    """Three steps of PartlyFrozen under both replays, a x1000 on rank 1's largest local
-    gradient at step 2: the steps each check alerted at, by check."""
+def _joined(rank: int, store: str) -> None:
+    """This forked rank in the FROZEN_WORLD-rank gloo world, on one thread, seeded alike."""
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
                             world_size=FROZEN_WORLD)  # fmt: skip
     torch.set_num_threads(1)
     torch.manual_seed(0)
+
+
+def _square_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    return model(batch).square().mean()
+
+
+def _guarded_step(guard: Guard, model: nn.Module, optimizer, step: int, rank: int) -> None:
+    """One step of a plain guarded loop on this rank's own batch of `step`."""
+    batch = torch.randn(4, 4, generator=torch.Generator().manual_seed(10 * step + rank))
+    optimizer.zero_grad()
+    guard.audit_batch(batch)
+    guard.loss(_square_loss(model, batch)).backward()
+    guard.before_step()
+    optimizer.step()
+    guard.after_step(optimizer)
+
+
+def _partly_frozen_rank(rank: int, store: str, results) -> None:
+    """Three steps of PartlyFrozen under both replays, a x1000 on rank 1's largest local
+    gradient at step 2: the steps each check alerted at, by check."""
+    _joined(rank, store)
     model = DDP(PartlyFrozen(), find_unused_parameters=True)
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
-
-    def loss_of(m: nn.Module, batch: torch.Tensor) -> torch.Tensor:
-        return m(batch).square().mean()
 
     fault = {"site": "grad", "model": "scale", "factor": 1000.0, "select": "largest",
              "ranks": [1], "steps": [2]}  # fmt: skip
     checks = {"replay": {"interval": 1}, "titan_replay": {"num_steps": -1}}
-    guard = Guard(model, checks, mode="observe", replay_fn=loss_of, ranks_per_node=1,
-                  inject=fault)  # fmt: skip
+    guard = Guard(model, checks, mode="observe", replay_fn=_square_loss,
+                  ranks_per_node=1, inject=fault)  # fmt: skip
     try:
         for step in range(3):
-            batch = torch.randn(4, 4, generator=torch.Generator().manual_seed(10 * step + rank))
-            optimizer.zero_grad()
-            guard.audit_batch(batch)
-            guard.loss(loss_of(model, batch)).backward()
-            guard.before_step()
-            optimizer.step()
-            guard.after_step(optimizer)
+            _guarded_step(guard, model, optimizer, step, rank)
         alerts = sorted((a.detector, a.step, tuple(a.suspect_ranks)) for a in guard.alerts)
         results.put((rank, alerts))
     except Exception as error:  # the test reports it, not a rank's traceback
@@ -332,29 +343,17 @@ def _trainer_checkpoints_rank(rank: int, store: str, folder: str, results) -> No
     """A loop whose trainer writes its own checkpoints, as Lightning's ModelCheckpoint does under
     SDCGuard (no `checkpoints` folder of the guard's): replay every 3 steps, x1000 on rank 1's
     local gradient at step 3. The alarm's step and first suspect step."""
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
-                            world_size=FROZEN_WORLD)  # fmt: skip
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
+    _joined(rank, store)
     model = DDP(nn.Linear(4, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 
-    def loss_of(m: nn.Module, batch: torch.Tensor) -> torch.Tensor:
-        return m(batch).square().mean()
-
     fault = {"site": "grad", "model": "scale", "factor": 1000.0, "select": "largest",
              "ranks": [1], "steps": [3]}  # fmt: skip
-    guard = Guard(model, {"replay": {"interval": 3}}, mode="act", replay_fn=loss_of,
-                  ranks_per_node=1, inject=fault)  # fmt: skip
+    guard = Guard(model, {"replay": {"interval": 3}}, mode="act",
+                  replay_fn=_square_loss, ranks_per_node=1, inject=fault)  # fmt: skip
     try:
         for step in range(5):
-            batch = torch.randn(4, 4, generator=torch.Generator().manual_seed(10 * step + rank))
-            optimizer.zero_grad()
-            guard.audit_batch(batch)
-            guard.loss(loss_of(model, batch)).backward()
-            guard.before_step()
-            optimizer.step()
-            guard.after_step(optimizer)
+            _guarded_step(guard, model, optimizer, step, rank)
             if guard.before_checkpoint():
                 path = Path(folder) / f"step={step}.ckpt"
                 if rank == 0:

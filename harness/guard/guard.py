@@ -386,14 +386,13 @@ def _ranks_per_node(given: int | None, world: int) -> int:
     of rank r as r // ranks_per_node."""
     key, value = "ranks_per_node", given
     if value is None:
-        key = next((k for k in ("SDC_RANKS_PER_NODE", "LOCAL_WORLD_SIZE") if os.environ.get(k)),
-                   "")  # fmt: skip
-        value = int(os.environ[key]) if key else world
-    per_node = integer(key or "ranks_per_node", value, 1)
+        source = next((k for k in ("SDC_RANKS_PER_NODE", "LOCAL_WORLD_SIZE") if os.environ.get(k)),
+                      None)  # fmt: skip
+        key, value = (source, int(os.environ[source])) if source else (key, world)
+    per_node = integer(key, value, 1)
     if world % per_node:
         ranks = "rank" if world == 1 else "ranks"
-        raise ConfigError(key or "ranks_per_node",
-                          f"{per_node} does not divide the world of {world} {ranks}")  # fmt: skip
+        raise ConfigError(key, f"{per_node} does not divide the world of {world} {ranks}")
     return per_node
 
 
