@@ -54,6 +54,7 @@ _OWN, _REPLAY = 0, 3
 # How a mismatch is judged: a third node's majority, or Megatron-LM's rerun flow.
 VERDICTS = ("majority", "megatron")
 COMPARES = ("tolerant", "exact")
+DEFAULT_INTERVAL = 5  # steps between audits where neither interval nor steps is given
 
 
 class Regenerated:
@@ -99,16 +100,21 @@ class Replay(Detector):
 
     @dataclass(frozen=True)
     class Config(CheckConfig):
-        interval: int = 5  # audit every N steps (step % N == 0) ...
-        steps: tuple[int, ...] | None = None  # ... or exactly these steps
+        interval: int | None = None  # audit every N steps (step % N == 0; None: 5) ...
+        steps: tuple[int, ...] | None = None  # ... or exactly these steps, in its place
         compare: str = "tolerant"  # exact: bit patterns (needs deterministic compute)
         rtol: float | None = None  # tolerant; None: 1e-5 in float32, derived for 16 bits
         verdict: str = "majority"
 
         def __post_init__(self) -> None:
             super().__post_init__()
-            integer("interval", self.interval, 1)
-            if self.steps is not None:
+            if self.steps is None:
+                every = DEFAULT_INTERVAL if self.interval is None else self.interval
+                self._normalise("interval", integer("interval", every, 1))
+            elif self.interval is not None:
+                # Either would be obeyed silently over the other.
+                raise ConfigError("steps", "replace the interval; give one of interval and steps")
+            else:
                 self._normalise("steps", int_list("steps", self.steps, 0, 2**31 - 1))
             choice("compare", self.compare, COMPARES)
             if self.rtol is not None:

@@ -152,6 +152,11 @@ CASES = [
         "detectors.weight_consensus.interval",
         "allowed: 1..inf",
     ),
+    (
+        ["detectors=[replay]", "detectors.replay.interval=4", "detectors.replay.steps=[3]"],
+        "detectors.replay.steps",
+        "give one of interval and steps",
+    ),
     (["detectors=[replay]", "topology.nodes=2"], "topology.nodes", "at least 3 nodes"),
     (["detectors.nan_inf.mode=panic"], "detectors.nan_inf.mode", "allowed: observe, act"),
     (["fault=grad_scale", "fault.model=crash", "fault.value=melt"], "fault.value", "raise, exit"),

@@ -130,8 +130,15 @@ def test_periodic_checks_report_their_interval(name):
     assert parse(name, interval=7).every == 7
 
 
-def test_replay_at_listed_steps_has_no_every():
-    assert parse("replay", interval=7, steps=[3, 9]).every is None
+def test_replay_at_listed_steps_has_no_every_and_every_5_by_default():
+    assert parse("replay", steps=[3, 9]).every is None
+    assert parse("replay").every == 5
+
+
+def test_replay_refuses_an_interval_beside_listed_steps():
+    """One of the two would be obeyed and the other silently ignored."""
+    error = parse_error("replay", interval=7, steps=[3, 9])
+    assert error.key == "detectors.replay.steps" and "one of interval and steps" in error.message
 
 
 # replay
