@@ -9,10 +9,12 @@ import re
 from pathlib import Path
 
 import pandas as pd
+from matplotlib.container import BarContainer
 
-from harness.analysis import intervals, overheads, report, tables
+from harness.analysis import figures, intervals, overheads, report, tables
 from harness.campaign import overhead
 from harness.results import schema
+from tests.rows import frame
 
 BASELINE = Path(__file__).resolve().parent.parent / "results" / "baseline"
 # Two jobs of an audit_frequency sweep, one replay interval each; both timed nan_inf as well.
@@ -57,6 +59,46 @@ def images_render_from_disk(out: Path) -> list[str]:
         assert not src.startswith(("/", "file:")), src  # relative: the folder opens anywhere
         assert (out / src).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", src
     return images
+
+
+def kept_open(monkeypatch) -> list:
+    """The figures the report's figure functions draw, kept open instead of written."""
+    drawn = []
+    monkeypatch.setattr(figures, "_save", lambda fig, path: drawn.append(fig) or path)
+    return drawn
+
+
+def test_catch_rate_figure_counts_each_detector_over_the_trials_it_ran_in(monkeypatch, tmp_path):
+    """A merged sweep: replay ran in half the trials and caught each, as the table says (4/4);
+    it ran in no harmful trial, so it has no harmful bar rather than a 0% one."""
+    missed = {"fired": True, "effect": "harmful", "detectors": "nan_inf"}
+    caught = {"fired": True, "effect": "benign", "detectors": "nan_inf;replay", "detected": True,
+              "detected_by": "replay", "first_detector": "replay"}  # fmt: skip
+    df = frame(*[missed] * 4, *[caught] * 4)
+    assert tables.catch_counts(df)["all fired"]["replay"] == (4, 4)
+    drawn = kept_open(monkeypatch)
+    detectors = tables.detector_names(df)
+    figures.catch_rate_by_detector(df, detectors, tables.wilson, tmp_path / "rates.png")
+    ax = drawn[0].axes[0]
+    heights = {
+        bars.get_label(): {detectors[round(b.get_x() + b.get_width() / 2)]: b.get_height()
+                           for b in bars}
+        for bars in ax.containers if isinstance(bars, BarContainer)
+    }  # fmt: skip
+    assert heights == {
+        "among all fired": {"nan_inf": 0.0, "replay": 1.0},
+        "among harmful": {"nan_inf": 0.0},
+    }
+    assert [t.get_text() for t in ax.texts] == ["n=0"]
+
+
+def test_time_to_detection_histogram_draws_every_caught_trial(monkeypatch, tmp_path):
+    caught = {"fired": True, "detected": True, "detectors": "replay", "detected_by": "replay",
+              "first_detector": "replay"}  # fmt: skip
+    df = frame(*(dict(caught, ttd_steps=t) for t in (0, 5, 30, 45, 49)))
+    drawn = kept_open(monkeypatch)
+    figures.detection_delay(df, tmp_path / "ttd.png")
+    assert sum(bar.get_height() for bar in drawn[0].axes[0].patches) == 5
 
 
 def test_escape_impact_counts_the_damage_of_harmful_faults_no_detector_caught(tmp_path):
@@ -141,3 +183,16 @@ def test_faults_that_never_struck_are_counted_apart_from_every_effect():
     line = report.effects_line(table)
     assert line.endswith("; 3 planned faults never struck (effect none)"), line
     assert "masked" not in report.effects_line(table.loc[faulty])
+
+
+def test_a_crashed_trial_is_a_crash_not_a_fault_that_never_struck():
+    """A crashed trial's ranks sent no events, so its row says fired False: its effect, crash,
+    is what the line reports, not a planned fault that never struck."""
+    with open(BASELINE / "trials.csv", newline="") as f:
+        table = pd.DataFrame(list(csv.DictReader(f))[::20])
+    table["fired"] = table["fired"] == "True"
+    faulty = table.index[table["site"] != "none"][:2]
+    table.loc[faulty, ["fired", "effect"]] = [False, "crash"]
+    assert report.never_struck(table) == 0
+    line = report.effects_line(table)
+    assert "crash 2" in line and "never struck" not in line, line

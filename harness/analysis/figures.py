@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import matplotlib
 
+from harness.analysis.tables import catch_counts
 from harness.core.vocabulary import Effect, Site
 from harness.results.trial_row import Column
 
@@ -23,6 +25,7 @@ EFFECT_COLORS = {
     Effect.CRASH: "#636363",
     Effect.NONE: "#ffffff",
 }
+MAX_TTD_BINS = 50
 
 
 def _save(fig: plt.Figure, path: Path) -> Path:
@@ -33,27 +36,24 @@ def _save(fig: plt.Figure, path: Path) -> Path:
 
 
 def catch_rate_by_detector(df: pd.DataFrame, detectors: list[str], wilson, path: Path) -> Path:
-    """Catch rate among fired and among harmful trials, with 95% Wilson intervals."""
-    fired = df[df[Column.fired] == True]  # noqa: E712
+    """Catch rate among fired and among harmful trials, with 95% Wilson intervals: each
+    detector's n counts the trials in which it ran, the report's table's counts (catch_counts).
+    A detector that ran in none of a set's trials has no bar there, and says n=0."""
+    counts = catch_counts(df)
     fig, ax = plt.subplots(figsize=(max(4, 1.3 * len(detectors) + 2), 3.2))
     width = 0.38
-    for offset, (label, subset) in zip(
-        (-width / 2, width / 2),
-        (("all fired", fired), ("harmful", fired[fired[Column.effect] == Effect.HARMFUL])),
-        strict=True,
-    ):
-        rates, errors = [], [[], []]
-        for d in detectors:
-            k = int(
-                subset[Column.detected_by].map(lambda s, d=d: d in s.split(";")).astype(bool).sum()
-            )
-            n = len(subset)
-            lo, hi = wilson(k, n) if n else (0.0, 0.0)
-            rate = k / n if n else 0.0
-            rates.append(rate)
-            errors[0].append(max(0.0, rate - lo))  # rounding can put lo a hair above
-            errors[1].append(max(0.0, hi - rate))
-        x = np.arange(len(detectors)) + offset
+    for offset, label in zip((-width / 2, width / 2), ("all fired", "harmful"), strict=True):
+        x, rates, errors = [], [], [[], []]
+        for i, d in enumerate(detectors):
+            k, n = counts[label].get(d, (0, 0))
+            if n == 0:
+                ax.text(i + offset, 0.02, "n=0", ha="center", fontsize=7)
+                continue
+            lo, hi = wilson(k, n)
+            x.append(i + offset)
+            rates.append(k / n)
+            errors[0].append(max(0.0, k / n - lo))  # rounding can put lo a hair above
+            errors[1].append(max(0.0, hi - k / n))
         ax.bar(x, rates, width, yerr=errors, capsize=3, label=f"among {label}")
     ax.set_xticks(np.arange(len(detectors)), detectors, rotation=20, ha="right")
     ax.set_ylim(0, 1.05)
@@ -105,9 +105,15 @@ def detection_delay(df: pd.DataFrame, path: Path) -> Path | None:
     caught = df[df[Column.detected] == True]  # noqa: E712
     if caught.empty:
         return None
+    ttd = pd.to_numeric(caught[Column.ttd_steps], errors="coerce")
+    # Bins up to the slowest detection, a step wide until that makes more than MAX_TTD_BINS: a
+    # fixed range silently left out every trial past it.
+    top = int(np.nan_to_num(ttd.max()))
+    step = max(1, math.ceil((top + 1) / MAX_TTD_BINS))
+    bins = np.arange(0, top + step + 1, step)
     fig, ax = plt.subplots(figsize=(5, 3))
-    for detector, g in caught.groupby(Column.first_detector):
-        ax.hist(pd.to_numeric(g[Column.ttd_steps]), bins=range(0, 22), alpha=0.6, label=detector)
+    for detector, g in ttd.groupby(caught[Column.first_detector]):
+        ax.hist(g, bins=bins, alpha=0.6, label=detector)
     ax.set_xlabel("steps from injection to first alert")
     ax.set_ylabel("trials")
     ax.legend(fontsize=8)

@@ -38,7 +38,7 @@ from harness.analysis.tables import (
     wilson,
 )
 from harness.core.events import Sensitivity, from_record, of, to_record
-from harness.core.vocabulary import Site
+from harness.core.vocabulary import Effect, Site
 from harness.results import machine
 from harness.results.folder import EVENTS_FILE, RunFolder
 from harness.results.schema import read_goldens
@@ -99,8 +99,10 @@ def escape_section(df: pd.DataFrame, folder: Path) -> str:
 
 def never_struck(df: pd.DataFrame) -> int:
     """Trials with a fault planned that never changed a value: counted apart from every effect
-    (`effect` none, `fired` False), so that fired counts can be trusted."""
-    return int(((df[Column.site] != Site.NONE) & (df[Column.fired] != True)).sum())  # noqa: E712
+    (`effect` none, `fired` False), so that fired counts can be trusted. A crashed trial's
+    ranks sent no events, so it says fired False too: its effect, crash, is its own count."""
+    planned = (df[Column.site] != Site.NONE) & (df[Column.effect] == Effect.NONE)
+    return int((planned & (df[Column.fired] != True)).sum())  # noqa: E712
 
 
 def effects_line(df: pd.DataFrame) -> str:
@@ -288,8 +290,7 @@ def write_report(df: pd.DataFrame, out: Path, dirs: list[Path] | None = None) ->
         "## What each detector sees and misses\n\nFired trials caught by each detector, per "
         "scenario (k/n, 95% Wilson interval).\n\n" + markdown_table(sees_and_misses(df)),
         "## False positives (clean trials)\n\n"
-        f"Alerts per clean trial, all detectors: {per_trial(df)}\n\n"
-        + markdown_table(false_positives(df)),
+        f"All detectors: {per_trial(df)}\n\n" + markdown_table(false_positives(df)),
         "## Time to detection, containment and attribution\n\n"
         + markdown_table(detection_times(df)),
         escape_section(df, folder),

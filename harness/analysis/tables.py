@@ -176,9 +176,17 @@ def catch_rates(df: pd.DataFrame) -> list[dict[str, object]]:
     ]
 
 
+def sweep_columns(df: pd.DataFrame) -> list[str]:
+    """Workload and dtype, each where the trials hold more than one: a scenario is only the same
+    within one of each (a bit class names different bits in each dtype), so a sweep's cells are
+    told apart by them. A campaign of one of each keeps its cells' columns and keys as they are."""
+    return [c for c in (Column.workload, Column.dtype) if df[c].nunique() > 1]
+
+
 @dataclass(frozen=True)
 class Cell:
-    """One scenario cell (site, model, bit class) of fired trials, as numbers."""
+    """One scenario cell (site, model, bit class; workload and dtype in a sweep of them, as
+    `sweep_columns` says) of fired trials, as numbers."""
 
     site: str
     model: str
@@ -186,10 +194,13 @@ class Cell:
     fired: Counts
     harmful: Counts
     effects: str
+    workload: str = ""  # blank: the trials hold one workload
+    dtype: str = ""  # blank: the trials hold one dtype
 
     @property
-    def key(self) -> tuple[str, str, str]:
-        return (self.site, self.model, self.bit_class)
+    def key(self) -> tuple[str, ...]:
+        swept = (v for v in (self.workload, self.dtype) if v)
+        return (self.site, self.model, *swept, self.bit_class)
 
     @property
     def blind(self) -> bool:
@@ -197,12 +208,14 @@ class Cell:
 
 
 def cell_stats(df: pd.DataFrame) -> list[Cell]:
-    """Catch counts per (site, model, bit class), among fired and among harmful or latent
-    trials (the damage a blind spot lets through)."""
+    """Catch counts per (site, model, bit class) and per workload and dtype where the trials
+    hold several, among fired and among harmful or latent trials (the damage a blind spot lets
+    through)."""
     fired = df[df[Column.fired] == True]  # noqa: E712
+    swept = sweep_columns(df)
     found = []
-    for (site, model, klass), g in fired.groupby(
-        [Column.site, Column.model, "bit_class"], dropna=False
+    for (site, model, *sweep, klass), g in fired.groupby(
+        [Column.site, Column.model, *swept, "bit_class"], dropna=False
     ):
         harmful = g[g[Column.effect].isin(DAMAGING)]
         effects = ", ".join(f"{e} {c}" for e, c in g[Column.effect].value_counts().items())
@@ -214,17 +227,20 @@ def cell_stats(df: pd.DataFrame) -> list[Cell]:
                 fired=(int(g[Column.detected].sum()), len(g)),
                 harmful=(int(harmful[Column.detected].sum()), len(harmful)),
                 effects=effects,
+                **dict(zip(map(str, swept), sweep, strict=True)),
             )
         )
     return found
 
 
 def cells(df: pd.DataFrame) -> list[dict[str, object]]:
-    """Catch rate per (site, model, bit class), and whether the cell is a blind spot."""
+    """Catch rate per scenario cell (Cell), and whether the cell is a blind spot."""
+    swept = sweep_columns(df)
     return [
         {
             Column.site: c.site,
             Column.model: c.model,
+            **{column: getattr(c, column) for column in swept},
             "bit class": c.bit_class,
             "catch rate (fired)": rate_text(*c.fired),
             "catch rate (harmful or latent)": rate_text(*c.harmful),
@@ -266,10 +282,11 @@ def escapes(df: pd.DataFrame) -> list[dict[str, object]]:
 
 
 def sees_and_misses(df: pd.DataFrame) -> list[dict[str, object]]:
-    """Per scenario (site, model, scope, persistence): what share of fired trials each detector
-    caught, with n and a 95% Wilson interval. A dash: the detector was not on in those trials."""
+    """Per scenario (site, model, scope, persistence, and workload and dtype where the trials
+    hold several): what share of fired trials each detector caught, with n and a 95% Wilson
+    interval. A dash: the detector was not on in those trials."""
     fired = df[df[Column.fired] == True]  # noqa: E712
-    keys = [Column.site, Column.model, Column.scope, Column.persistence]
+    keys = [Column.site, Column.model, *sweep_columns(df), Column.scope, Column.persistence]
     rows = []
     # A column of blanks reads as float NaN, which pandas will not fill with text.
     named = fired.astype({Column.scope: object}).fillna({Column.scope: ""})
@@ -353,7 +370,9 @@ def by_parallel(df: pd.DataFrame) -> list[dict[str, object]]:
 
 
 def false_positive_counts(df: pd.DataFrame) -> dict[str, Counts]:
-    """Per detector: (clean trials it alerted in, clean trials)."""
+    """Per detector: (clean trials it alerted in, clean trials it ran in). A trial is one
+    outcome, alert or none, so k/n is a proportion with a Wilson interval; a count of alerts
+    per trial would not be one."""
     clean = df[df[Column.site] == Site.NONE]
     found = {}
     for d in detector_names(df):
@@ -370,8 +389,17 @@ def false_positives(df: pd.DataFrame) -> list[dict[str, object]]:
 
 
 def per_trial(df: pd.DataFrame) -> str:
+    """All detectors' alerts in the clean trials, as a count beside the trials: not k/n, since
+    one trial may raise several."""
     clean = df[df[Column.site] == Site.NONE]
-    return f"{clean[Column.alerts].sum()}/{len(clean)}" if len(clean) else "no clean trials"
+    if clean.empty:
+        return "no clean trials"
+    alerts, n = int(clean[Column.alerts].sum()), len(clean)
+    return f"{alerts} {_plural(alerts, 'alert')} in {n} {_plural(n, 'clean trial')}"
+
+
+def _plural(count: int, noun: str) -> str:
+    return noun if count == 1 else noun + "s"
 
 
 def detection_times(df: pd.DataFrame) -> list[dict[str, object]]:

@@ -11,6 +11,7 @@ import pandas as pd
 import pytest
 
 from harness.analysis.intervals import INTERVAL_COLUMNS, interval_outcomes, pairs
+from harness.analysis.regress import new_blind_spots
 from harness.analysis.tables import (
     ANY,
     TRIAL_SETS,
@@ -19,10 +20,14 @@ from harness.analysis.tables import (
     blind_spot,
     catch_counts,
     catch_rates,
+    cell_stats,
+    cells,
     false_positive_counts,
     false_positives,
     markdown_table,
+    per_trial,
     rate_text,
+    sees_and_misses,
     wilson,
 )
 from harness.core.formats import classify_bit
@@ -230,6 +235,18 @@ def test_false_positives_count_clean_trials_where_each_detector_ran():
     ]
 
 
+def test_false_positives_count_clean_trials_with_an_alert_and_the_total_reads_as_alerts():
+    """A clean trial is one Bernoulli outcome, so five alerts in one trial count once in k/n;
+    the total over all detectors is a count of alerts, printed as one, not as k/n."""
+    noisy = {"site": "none", "detectors": "nan_inf", "alerts": 5, "alert_detectors": "nan_inf"}
+    quiet = [{"site": "none", "detectors": "nan_inf"}] * 9
+    table = trials(noisy, *quiet)
+    assert false_positive_counts(table) == {"nan_inf": (1, 10)}
+    assert per_trial(table) == "5 alerts in 10 clean trials"
+    assert per_trial(trials(noisy)) == "5 alerts in 1 clean trial"
+    assert per_trial(TABLE) == "0 alerts in 2 clean trials"
+
+
 def test_no_fired_trials_give_empty_counts():
     counts = catch_counts(trials({"site": "none", "detectors": "nan_inf"}))
     assert counts["all fired"] == {ANY: (0, 0), "nan_inf": (0, 0)}
@@ -271,3 +288,75 @@ def test_interval_outcomes_one_row_per_fired_trial_and_periodic_check():
 def test_markdown_table_escapes_a_bar_inside_a_cell():
     table = markdown_table([{"check": "replay", "overrides": "a|b"}])
     assert table.splitlines()[2] == "| replay | a\\|b |"
+
+
+# scenario cells across dtypes and workloads
+
+
+def classed(*rows: dict) -> pd.DataFrame:
+    """Rows framed with their bit class, as load_trials adds it."""
+    table = trials(*rows)
+    configured = zip(table["dtype"], table["bit"], strict=True)
+    table["bit_class"] = [bit_class(d, b) for d, b in configured]
+    return table
+
+
+FLIP = {"fired": True, "effect": "harmful", "model": "bitflip", "detectors": "nan_inf"}
+# Exponent bits of each dtype: every float32 flip escapes, every bfloat16 flip is caught.
+F32_MISSED = [dict(FLIP, dtype="float32", bit=27)] * 5
+BF16_CAUGHT = [dict(FLIP, dtype="bfloat16", bit=11, detected=True, detected_by="nan_inf")] * 5
+CELL_COLUMNS = ["catch rate (fired)", "catch rate (harmful or latent)", "effects", "blind spot"]
+
+
+def test_a_dtype_sweep_keeps_each_dtypes_cell_and_its_blind_spot_apart():
+    """A bit class names different bits in each dtype: merged, 0/5 and 5/5 read as 5/10 and
+    the float32 blind spot disappears."""
+    rows = cells(classed(*F32_MISSED, *BF16_CAUGHT))
+    assert [list(r)[:4] for r in rows] == [["site", "model", "dtype", "bit class"]] * 2
+    by_dtype = {r["dtype"]: r for r in rows}
+    assert by_dtype["float32"]["catch rate (harmful or latent)"] == rate_text(0, 5)
+    assert by_dtype["float32"]["blind spot"] == "**yes**"
+    assert by_dtype["bfloat16"]["blind spot"] == "no"
+    keys = {c.key for c in cell_stats(classed(*F32_MISSED, *BF16_CAUGHT))}
+    assert keys == {("grad", "bitflip", "float32", "exponent"),
+                    ("grad", "bitflip", "bfloat16", "exponent")}  # fmt: skip
+
+
+def test_a_workload_sweep_keeps_each_workloads_cell_apart():
+    table = classed(*F32_MISSED, *(dict(r, workload="llama") for r in F32_MISSED[:2]))
+    rows = cells(table)
+    assert [(r["workload"], r["catch rate (fired)"]) for r in rows] == [
+        ("llama", rate_text(0, 2)),
+        ("mlp", rate_text(0, 5)),
+    ]
+    assert list(rows[0])[:4] == ["site", "model", "workload", "bit class"]
+
+
+def test_a_single_dtype_campaigns_cells_keep_their_columns_and_key():
+    rows = cells(classed(*F32_MISSED))
+    assert [list(r) for r in rows] == [["site", "model", "bit class", *CELL_COLUMNS]]
+    assert rows[0]["blind spot"] == "**yes**"
+    assert [c.key for c in cell_stats(classed(*F32_MISSED))] == [("grad", "bitflip", "exponent")]
+
+
+def test_what_each_detector_sees_is_split_by_dtype_only_in_a_dtype_sweep():
+    rows = sees_and_misses(classed(*F32_MISSED, *BF16_CAUGHT))
+    assert [(r["dtype"], r["nan_inf"]) for r in rows] == [
+        ("bfloat16", rate_text(5, 5)),
+        ("float32", rate_text(0, 5)),
+    ]
+    single = sees_and_misses(classed(*F32_MISSED))
+    assert [list(r) for r in single] == [
+        ["site", "model", "scope", "persistence", "nan_inf", "harmful"]
+    ]
+
+
+def test_sdc_regress_finds_a_blind_spot_that_a_dtype_sweep_gained():
+    """sdc-regress compares the same cells the report prints."""
+    caught = [dict(r, detected=True, detected_by="nan_inf") for r in F32_MISSED]
+    before = classed(*caught, *BF16_CAUGHT)
+    after = classed(*F32_MISSED, *BF16_CAUGHT)
+    found = new_blind_spots(before, after)
+    assert [f["where"] for f in found] == [
+        "grad / bitflip / float32 / exponent, harmful or latent trials"
+    ]
