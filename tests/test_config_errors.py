@@ -158,6 +158,25 @@ CASES = [
         "give one of interval and steps",
     ),
     (["detectors=[replay]", "topology.nodes=2"], "topology.nodes", "at least 3 nodes"),
+    # Faults that could never strike as configured, or would store another value than recorded.
+    (
+        ["workload.precision=bf16-true", "fault=grad_scale", "fault.factor=1.001"],
+        "fault.factor",
+        "rounds back to every element in bfloat16",
+    ),
+    (
+        ["workload.precision=16-true", "fault=grad_nan", "fault.value=100000"],
+        "fault.value",
+        "is stored as inf in float16",
+    ),
+    (["fault=loss_scale", "fault.model=swap", "fault.factor=null"], "fault.site", "one element"),
+    (["fault=grad_bitflip", "fault.ber=1e-5"], "fault.bit", "draws its own bits"),
+    (["fault=grad_scale", "fault.bucket=1"], "fault.bucket", "reduce in 1 bucket; allowed: 0..0"),
+    (
+        ["workload=gpt", "fault=grad_scale", "fault.bucket=1", "fault.tensor=head.weight"],
+        "fault.tensor",
+        "matches nothing in bucket 1",
+    ),
     (["detectors.nan_inf.mode=panic"], "detectors.nan_inf.mode", "allowed: observe, act"),
     (["fault=grad_scale", "fault.model=crash", "fault.value=melt"], "fault.value", "raise, exit"),
     (["fault=allreduce_rank", "fault.scope=everyone"], "fault.scope", "allowed: rank, reduction"),

@@ -12,7 +12,9 @@ import torch
 
 from harness.config.schema import FaultConfig
 from harness.core.matmuls import ForwardModules
+from harness.core.plugins import matches
 from harness.errors import ConfigError
+from harness.runtime.comm import fixed_layout
 from injectors import sites
 
 # What a module site's targets are, for the error that names none matched.
@@ -62,6 +64,27 @@ def check_target(
     if fault.index is not None and None not in sizes and fault.index + fault.elements > sum(sizes):
         high = sum(sizes) - fault.elements
         raise ConfigError(f"{key}.index", f"{fault.index} is out of range; allowed: 0..{high}")
+
+
+def check_bucket(key: str, fault: FaultConfig, model: torch.nn.Module) -> None:
+    """A campaign's reduction chunks are fixed for the run's life (harness/runtime/comm.py): a
+    bucket past the last is never reduced, so its fault could never strike. (A guard's buckets
+    are its DDP module's own, known only once it has reduced.)"""
+    if fault.bucket is None:
+        return
+    layout = fixed_layout(model)
+    count = len(layout)
+    if fault.bucket >= count:
+        raise ConfigError(
+            f"{key}.bucket", f"{fault.bucket} is out of range: this model's gradients reduce in "
+            f"{count} bucket{'s' * (count != 1)}; allowed: 0..{count - 1}"
+        )  # fmt: skip
+    held = layout[fault.bucket]
+    if not any(matches(name, fault.tensor) for name in held):
+        raise ConfigError(
+            f"{key}.tensor", f"'{fault.tensor}' matches nothing in bucket {fault.bucket}; "
+            f"allowed: {', '.join(held)}"
+        )  # fmt: skip
 
 
 def _reaches_product(

@@ -173,6 +173,8 @@ def fault_config(
             "one rank, on the node whose reduction is broken"
         )  # fmt: skip
     _largest(key, values, model)
+    _bit_error_rate(key, values)
+    _changes_a_value(key, values, site, model, workload)
     values["settings"] = injectors.model_class(model).Config.parse(key, settings)
     fault = FaultConfig(**values)
     injectors.model_class(model).validate(key, fault)
@@ -194,6 +196,73 @@ def _largest(key: str, values: dict[str, Any], model: str) -> None:
             f"{key}.select",
             f"model {model} changes a rank's whole contribution, not an element; allowed: random",
         )
+
+
+def _bit_error_rate(key: str, values: dict[str, Any]) -> None:
+    """A bit error rate draws its own elements and bits, any bit of each word: a key that names
+    them too would be ignored."""
+    if values["ber"] is None:
+        return
+    for name in ("bit", "index", "schedule"):
+        if values[name] not in (None, ()):
+            raise ConfigError(
+                f"{key}.{name}", "a bit error rate draws its own bits and elements; leave it unset"
+            )
+    for name, default in (("nbits", 1), ("elements", 1)):
+        if values[name] != default:
+            raise ConfigError(
+                f"{key}.{name}",
+                f"a bit error rate draws its own bits and elements; leave it {default}",
+            )
+
+
+# The sites whose tensors hold the workload's dtype, or float32 where a mixed precision makes
+# them 16-bit (activations, products): a value that the workload's dtype cannot change is
+# unchanged there too. The loss and optimizer moments may be float32 under a 16-bit dtype.
+IN_WORKLOAD_DTYPE = ("grad", "allreduce", "weight", "gather", "activation", "matmul")
+# The one element of the loss: nothing to exchange, and its range is that element.
+ONE_ELEMENT = {"loss"}
+
+
+def _changes_a_value(
+    key: str, values: dict[str, Any], site: str, model: str, workload: WorkloadConfig
+) -> None:
+    """A fault that would store every element unchanged, or another value than its record
+    says, could never strike as configured."""
+    if site in ONE_ELEMENT and (model == "swap" or values["value"] == "random"):
+        what = "swap exchanges two elements" if model == "swap" else "random draws within its range"
+        raise ConfigError(f"{key}.site", f"{what}, and the {site} is one element")
+    if site not in IN_WORKLOAD_DTYPE:
+        return
+    dtype = getattr(torch, workload.dtype)
+    _, mantissa = FLOAT_FORMATS[workload.dtype]
+    factor = values["factor"]
+    # Within 2^-(m+2) of 1, x * factor rounds back to x for every x of an m-bit mantissa.
+    if model == "scale" and factor is not None and 0 < abs(factor - 1) < 2.0 ** -(mantissa + 2):
+        raise ConfigError(
+            f"{key}.factor",
+            f"{factor:g} rounds back to every element in {workload.dtype}: the fault could "
+            f"never strike; allowed: |factor - 1| >= {2.0 ** -(mantissa + 2):g}",
+        )
+    number = _number(values["value"]) if model == "value" else None
+    if number is not None and number != 0:
+        stored = torch.tensor(number, dtype=torch.float64).to(dtype).item()
+        if not math.isfinite(stored) or stored == 0:
+            limit = torch.finfo(dtype)
+            raise ConfigError(
+                f"{key}.value",
+                f"{values['value']} is stored as {stored:g} in {workload.dtype}; allowed: "
+                f"{limit.tiny * limit.eps:g} <= |value| <= {limit.max:g}, or inf, nan, max, zero",
+            )
+
+
+def _number(value: str | None) -> float | None:
+    """A value's finite number, or None for a name (nan, inf, max, zero, ...)."""
+    try:
+        number = float(value) if value is not None else math.nan
+    except ValueError:
+        return None
+    return number if math.isfinite(number) else None
 
 
 def _parallel_fault(key: str, values: dict[str, Any], site: str, topology: TopologyConfig) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import detectors
-from harness.config.fault_targets import check_target
+from harness.config.fault_targets import check_bucket, check_target
 from harness.config.faults import expand_scenarios, fault_config, unused_fault
 from harness.config.mix import check_mix, scenario_class
 from harness.config.schema import (
@@ -313,6 +313,7 @@ def run_config(raw: dict[str, Any]) -> RunConfig:
         mix = scenario_class(key, scenario)
         fault = fault_config(key, scenario, workload, topology)
         check_target(key, fault, model, forward, topology.shard_group)
+        check_bucket(key, fault, model)
         scenarios.append(fault)
         classes.append((key, not fault.clean, mix))
         for s in range(seeds):
