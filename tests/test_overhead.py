@@ -10,12 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from harness.analysis import overheads, report
+from harness.analysis import overheads, plan_report, report
+from harness.analysis.plan import Job, PlanError, plan
 from harness.analysis.regress import load, regressions
+from harness.analysis.tables import load_trials
 from harness.campaign import overhead
 from harness.campaign.run import SpawnExecutor
 from harness.errors import ConfigError
 from harness.results import schema
+from tests import rows
 from tests.conftest import compose_run, sdc_bench
 
 BASELINE = Path(__file__).resolve().parent.parent / "results" / "baseline"
@@ -124,3 +127,36 @@ def test_regress_reads_the_table_a_campaign_writes(measured, tmp_path):
             (tmp_path / name / source.name).write_bytes(source.read_bytes())
     assert load(tmp_path / "a").overhead is not None
     assert regressions(load(tmp_path / "a"), load(tmp_path / "b")) == []
+
+
+def _sweep_over_workloads(root: Path, replay: dict[str, float]) -> Path:
+    """A sweep with one job per workload, each with its trials and its replay@5 overhead."""
+    for job, (workload, pct) in enumerate(replay.items()):
+        folder = root / str(job)
+        folder.mkdir(parents=True)
+        rows.write(folder / "trials.csv", [{"workload": workload}])
+        measured = {"detector": "replay", "interval": 5, "overhead_pct": pct, "floor_pct": 1.0}
+        overhead.write(folder / schema.OVERHEAD_FILE, [measured])
+    return root
+
+
+def test_overheads_of_several_workloads_are_kept_apart_and_not_planned_together(tmp_path):
+    """A median over an mlp's 4% and a gpt's 40% is neither workload's overhead."""
+    root = _sweep_over_workloads(tmp_path / "a", {"mlp": 4.0, "gpt": 40.0})
+    table = overheads.load_overhead([root])
+    assert [(r.workload, r.dtype, r.overhead_pct, r.runs) for r in table.itertuples()] == [
+        ("gpt", "float32", 40.0, 1),
+        ("mlp", "float32", 4.0, 1),
+    ]
+    with pytest.raises(PlanError, match=r"several workloads \(gpt in float32, mlp in float32\)"):
+        plan(load_trials([root]), table, Job())
+    section = plan_report.report_section(load_trials([root]), table, tmp_path)
+    assert "several workloads (gpt in float32, mlp in float32)" in section
+    measured = report.overhead_section(table, tmp_path)
+    assert "| workload | detector |" in measured and "| mlp | replay | 5 | 4.00% |" in measured
+    # Each workload's overhead compares with its own: the gpt's grew, the mlp's did not.
+    grown = _sweep_over_workloads(tmp_path / "b", {"mlp": 4.0, "gpt": 55.0})
+    found = regressions(load(root), load(grown))
+    assert [(f["where"], f["baseline"], f["current"]) for f in found] == [
+        ("replay, interval 5, gpt in float32", "40.00%", "55.00%")
+    ]

@@ -350,3 +350,24 @@ def test_faults_that_differ_only_in_their_models_settings_count_apart(tmp_path):
     result = plan(*load([folder]), HAND)
     (option,) = [o for o, _ in result.ranked if o.name == "nan_inf"]
     assert option.caught == (1, 2)
+
+
+def test_two_faults_alike_in_their_columns_and_label_count_apart(tmp_path):
+    """campaign=peers corrupts the reduction of the gradient (scenario 012) and that of the
+    riders (022): the rows and labels are alike, the tensor is not in them. Run at the same
+    intervals, they are two faults; the same fault at another interval of a check outside the
+    set still counts once."""
+    on = "allreduce_sketch;replay"
+    label = "allreduce-scale-x1000-reduction-s0"
+    rows = [
+        {**trial(12, 0, True, on, "replay=5", "allreduce_sketch=12"), "trial_id": f"012-{label}"},
+        {**trial(12, 0, False, on, "replay=5"), "trial_id": f"022-{label}"},
+        {**trial(12, 0, True, on, "replay=10", "allreduce_sketch=12"), "trial_id": f"112-{label}"},
+        {**trial(12, 0, False, on, "replay=10"), "trial_id": f"122-{label}"},
+    ]
+    costs = [("allreduce_sketch", "", 1.0, ""), ("replay", "5", 8.0, ""), ("replay", "10", 4.0, "")]
+    result = plan(*load([write_run(tmp_path / "run", rows, costs)]), HAND)
+    (sketch,) = [o for o, _ in result.ranked if o.name == "allreduce_sketch"]
+    assert sketch.caught == (1, 2)
+    nothing = [o for o, _ in result.ranked if o.name == "no checks"]
+    assert [o.escaped for o in nothing] == [(1, 2)]

@@ -221,3 +221,24 @@ def test_an_overhead_growth_within_measurement_noise_is_no_regression(runs, tmp_
     overhead.write(current / schema.OVERHEAD_FILE, [dict(measured[0], overhead_pct=8.0)])
     proc = sdc_regress(baseline, current)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_a_sweeps_jobs_compare_trial_by_trial_within_their_job(runs, tmp_path):
+    """A sweep's jobs repeat the same trial ids: a trial compares with the one of its own job."""
+    sweeps = {}
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        for job in ("0", "1"):
+            copy(runs["baseline"], tmp_path / name / job)
+            shutil.copy(runs["baseline"] / "campaign.json", tmp_path / name / job)
+        sweeps[name] = tmp_path / name
+
+    def harm_first_trial(table):
+        table[0]["effect"] = "benign" if table[0]["effect"] == "harmful" else "harmful"
+
+    edit_rows(sweeps["b"] / "1", harm_first_trial)
+    proc = sdc_regress(sweeps["a"], sweeps["b"])
+    assert (
+        "sdc-regress: same environment (same commit): rows compare bit for bit; 15/16 shared "
+        "trials kept their effect and golden loss"
+    ) in proc.stdout.splitlines()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import matplotlib
 
-from harness.analysis.tables import catch_counts
+from harness.analysis.tables import catch_counts, sweep_columns
 from harness.core.vocabulary import Effect, Site
 from harness.results.trial_row import Column
 
@@ -151,12 +151,14 @@ def overhead_vs_interval(table: pd.DataFrame, path: Path) -> Path | None:
     if periodic.empty:
         return None
     fig, ax = plt.subplots(figsize=(5.5, 3.5))
-    for detector, g in periodic.groupby("detector"):
-        (line,) = ax.plot(g["steps"], g["overhead_pct"], marker="o", label=f"{detector}")
+    swept = sweep_columns(periodic)
+    for keys, g in periodic.groupby([*swept, "detector"]):
+        name = " ".join(map(str, keys))  # a line per workload and dtype, where several
+        (line,) = ax.plot(g["steps"], g["overhead_pct"], marker="o", label=name)
         floor = g.dropna(subset=["floor_pct"])
         if not floor.empty:
             ax.plot(floor["steps"], floor["floor_pct"], marker="s", linestyle="--",
-                    color=line.get_color(), label=f"{detector} floor")  # fmt: skip
+                    color=line.get_color(), label=f"{name} floor")  # fmt: skip
     ax.set_xscale("log")
     intervals = sorted(periodic["steps"].unique())
     ax.set_xticks(intervals, [f"{k:g}" for k in intervals])

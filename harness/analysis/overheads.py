@@ -1,6 +1,6 @@
 """overhead.csv of the runs a report or a plan reads: each (check, interval)'s step overhead,
-its floor and its cost against plain DDP, as the medians over the runs that measured it
-(docs/design.md, section 4).
+its floor and its cost against plain DDP on each workload, as the medians over the runs that
+measured it (docs/design.md, section 4).
 """
 
 from __future__ import annotations
@@ -11,18 +11,25 @@ from pathlib import Path
 import pandas as pd
 
 from harness.analysis.tables import ReportError
+from harness.results.folder import TRIALS_FILE
 from harness.results.schema import OVERHEAD_COLUMNS, OVERHEAD_FILE, OVERHEAD_REQUIRED
+from harness.results.trial_row import Column
+
+# A check's cost is a share of its workload's step: runs of other workloads (or dtypes) measure
+# other costs, and a median over them is none of them.
+RAN_ON = [Column.workload, Column.dtype]
 
 
 def load_overhead(dirs: list[Path]) -> pd.DataFrame | None:
     """Every overhead.csv under the given folders (a sweep holds one per job), one row per
-    (detector, interval) with the medians over the runs that measured it and their number;
-    None when no run measured overhead."""
-    files = [f for d in dirs for f in sorted(d.rglob(OVERHEAD_FILE))]
+    (workload, dtype, detector, interval) with the medians over the runs that measured it and
+    their number; None when no run measured overhead. A run's workload and dtype are those of
+    its trials.csv; without one, the other runs' when they measured one workload, else blank."""
+    files = [(d, f) for d in dirs for f in sorted(d.rglob(OVERHEAD_FILE))]
     if not files:
         return None
     frames = []
-    for f in files:
+    for d, f in files:
         try:
             table = pd.read_csv(f, dtype=str, keep_default_na=False)
         except (ValueError, OSError) as exc:  # pandas: an empty or malformed file
@@ -37,13 +44,38 @@ def load_overhead(dirs: list[Path]) -> pd.DataFrame | None:
                 table[column] = pd.to_numeric(table[column].replace("", math.nan))
         except ValueError as exc:
             raise ReportError(f"{f}: unreadable: {exc}") from None
-        frames.append(table[OVERHEAD_COLUMNS])
+        frames.append(table[OVERHEAD_COLUMNS].assign(**_ran_on(d, f.parent)))
     table = pd.concat(frames, ignore_index=True)
-    merged = table.groupby(["detector", "interval"], as_index=False).agg(
+    known = table.loc[table[Column.workload] != "", RAN_ON].drop_duplicates()
+    if len(known) == 1:  # a file without trials beside it is of the one workload measured
+        table[RAN_ON] = known.to_numpy()[0]
+    merged = table.groupby([*RAN_ON, "detector", "interval"], as_index=False).agg(
         overhead_pct=("overhead_pct", "median"),
         floor_pct=("floor_pct", "median"),
         overhead_vs_ddp_pct=("overhead_vs_ddp_pct", "median"),
         runs=("overhead_pct", "size"),
     )
     merged["steps"] = pd.to_numeric(merged["interval"].replace("", math.nan))
-    return merged.sort_values(["detector", "steps"], ignore_index=True)
+    return merged.sort_values([*RAN_ON, "detector", "steps"], ignore_index=True)
+
+
+def _ran_on(top: Path, folder: Path) -> dict[str, str]:
+    """The workload and dtype of the run in `folder`: its trials.csv's, or the nearest one's
+    up to `top` (a job's overhead.csv beside its trials.csv, or below them); blank without."""
+    for at in (folder, *folder.parents):
+        trials = at / TRIALS_FILE
+        if trials.is_file():
+            try:
+                ran = pd.read_csv(trials, usecols=RAN_ON, dtype=str, keep_default_na=False)
+            except (ValueError, OSError) as exc:
+                raise ReportError(f"{trials}: unreadable: {exc}") from None
+            return {c: ",".join(sorted(ran[c].unique())) for c in RAN_ON}
+        if at == top:
+            break
+    return dict.fromkeys(RAN_ON, "")
+
+
+def ran_on(table: pd.DataFrame) -> list[str]:
+    """The workloads the table's runs measured, as `workload in dtype`."""
+    pairs = table[RAN_ON].drop_duplicates().itertuples(index=False)
+    return [f"{w} in {d}" if w else "an unknown workload" for w, d in pairs]

@@ -32,7 +32,7 @@ import pandas as pd
 from harness.analysis.estimates import FORMULAS, JobShape
 from harness.analysis.intervals import pairs
 from harness.analysis.mix import conflicts, covered, kish, trial_weights, weighed
-from harness.analysis.overheads import load_overhead
+from harness.analysis.overheads import load_overhead, ran_on
 from harness.analysis.tables import (
     PUBLISHED,
     Counts,
@@ -187,7 +187,13 @@ def fired_faults(trials: pd.DataFrame) -> pd.DataFrame:
     fired["damaged"] = damaged(fired)
     # The fault's label (the trial id without its scenario's place, harness/config/load.py):
     # it holds what the columns do not, such as a fault model's own settings.
-    fired["fault"] = fired[Column.trial_id].map(lambda t: t.split("-", 1)[-1])
+    label = fired[Column.trial_id].map(lambda t: t.split("-", 1)[-1])
+    # Neither holds every fault field (the tensor, the probability): two scenarios alike in both
+    # and run with the same checks at the same intervals are two faults. The i-th of them is the
+    # same fault as the i-th alike at other intervals, which a grid runs in the same order.
+    alike = [*FAULT_COLUMNS, label, Column.detectors, Column.check_intervals]
+    place = fired.groupby(alike, dropna=False, sort=False).cumcount()
+    fired["fault"] = label + "#" + place.astype(str)
     return fired
 
 
@@ -361,9 +367,12 @@ def plan(
 ) -> Plan:
     """`costs` (job_overheads) in place of `table`'s (overhead.csv), when given."""
     if costs is None:
-        ran_on = ", ".join(sorted({f"{w} in {d}" for w, d in zip(
+        if table[Column.workload].nunique() > 1:
+            raise PlanError(several_workloads(ran_on(table)))
+        table = over_dtypes(table)
+        trials_on = ", ".join(sorted({f"{w} in {d}" for w, d in zip(
             trials[Column.workload], trials[Column.dtype], strict=True)}))  # fmt: skip
-        costs = replace(overheads(table), source=f"{ran_on}, on the campaign's machine")
+        costs = replace(overheads(table), source=f"{trials_on}, on the campaign's machine")
     mixed = weighed(trials)
     fired = trials[trials[Column.fired] == True]  # noqa: E712
     if mixed and fired[Column.weight].isna().any():
@@ -384,6 +393,28 @@ def plan(
     )
     uncovered = 1 - covered(trials, fired) if mixed else 0.0
     return Plan(job, ranked, costs, mixed, uncovered)
+
+
+def over_dtypes(table: pd.DataFrame) -> pd.DataFrame:
+    """One workload's overheads in several dtypes as one row per (check, interval), the median
+    over the dtypes: the plan pools the trials of every dtype too, and its source names them."""
+    pooled = table.groupby(["detector", "interval"], as_index=False).agg(
+        overhead_pct=("overhead_pct", "median"),
+        floor_pct=("floor_pct", "median"),
+        overhead_vs_ddp_pct=("overhead_vs_ddp_pct", "median"),
+        steps=("steps", "first"),
+    )
+    return pooled.sort_values(["detector", "steps"], ignore_index=True)
+
+
+def several_workloads(measured_on: list[str]) -> str:
+    """Why overheads of several workloads price no plan: a job runs one, and each check costs
+    another share of another workload's step."""
+    return (
+        f"overhead.csv measured on several workloads ({', '.join(measured_on)}): plan from one "
+        "workload's runs, or price the checks for your job with --costs FILE, or --gpu --params "
+        "--tokens-per-step"
+    )
 
 
 def load(dirs: list[Path], need_overhead: bool = True) -> tuple[pd.DataFrame, pd.DataFrame | None]:

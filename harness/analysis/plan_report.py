@@ -25,6 +25,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 
 from harness.analysis.estimates import GPUS, MFU, REPLICAS, EstimateError, JobShape
+from harness.analysis.overheads import ran_on
 
 # harness.analysis.plan imports harness.analysis.report, whose figures module picks the Agg backend
 # on its first import (a batch job has no display) and leaves a notebook's backend alone after that.
@@ -43,6 +44,7 @@ from harness.analysis.plan import (
     job_overheads,
     load,
     plan,
+    several_workloads,
 )
 from harness.analysis.tables import markdown_table, rate_text
 from harness.results.costs import JobCosts
@@ -285,12 +287,15 @@ def markdown(
 
 
 def report_section(trials: pd.DataFrame, table: pd.DataFrame, folder: Path) -> str:
-    """The report's section, at the default job figures."""
+    """The report's section, at the default job figures; what stops a plan, without one."""
+    title = "## How often to audit\n\n"
+    if table[Column.workload].nunique() > 1:
+        return title + f"Not planned: {several_workloads(ran_on(table))}."
     result = plan(trials, table, Job())
     path = figure(result, folder / FIGURE_FILE)
     text = markdown(result, f"figures/{path.name}", TOP)
     return (
-        "## How often to audit\n\nAt the default job figures (`sdc-plan RUN_DIR --gpus N ...` "
+        f"{title}At the default job figures (`sdc-plan RUN_DIR --gpus N ...` "
         f"plans for another job); the table holds the {TOP} best options.\n\n" + text
     )
 

@@ -8,16 +8,17 @@ folder, no trials.csv, missing columns), before anything is compared. A regressi
   so that the seed-to-seed noise of two runs of the same code is never one;
 - a new false positive: a detector with no alert in the baseline's clean trials has one now;
 - an overhead more than 25% above the baseline's (and more than 5 percentage points, below
-  which two timings differ from noise alone), per (detector, interval) in the overhead.csv
-  files that a campaign with `campaign.overhead` writes, when both folders have them;
+  which two timings differ from noise alone), per (workload, dtype, detector, interval) in the
+  overhead.csv files that a campaign with `campaign.overhead` writes, when both folders have them;
 - a new blind spot (docs/design.md, section 5): a cell that is one now and was not in the baseline.
 
 Before the verdict it says whether both runs computed in the same environment (campaign.json,
 harness.runtime.environment). Only then can rows compare bit for bit: golden losses, `golden_match`
 and which trials are masked (bit-identical to their golden run). It reports how many shared trials
-kept their effect and golden loss, as information: a change of code may change them. Across
-environments these are not compared at all, since a masked trial there may turn benign from
-rounding alone; every regression above is a rate with its interval and compares either way.
+(a trial: its job's folder in a sweep, and its id) kept their effect and golden loss, as
+information: a change of code may change them. Across environments these are not compared at
+all, since a masked trial there may turn benign from rounding alone; every regression above is
+a rate with its interval and compares either way.
 
 Every count comes from the report's own functions (harness.analysis.report), so a regression is
 judged on exactly the numbers the report shows.
@@ -32,7 +33,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.analysis.overheads import load_overhead
+from harness.analysis.overheads import RAN_ON, load_overhead, ran_on
 from harness.analysis.tables import (
     ANY,
     Cell,
@@ -49,6 +50,9 @@ from harness.analysis.tables import (
 from harness.results import machine
 from harness.results.trial_row import Column
 
+# A trial's place in its run or sweep: a sweep's jobs repeat the same trial ids, so a trial is
+# its job's folder (relative to the folder given, "." for a run) and its id.
+JOB = "job"
 OVERHEAD_GROWTH = 0.25
 # Two measurements of the nightly's overheads (100 steps, 5 rounds) on an idle 2-core machine
 # differed by up to 5.3 percentage points: below this, growth is not evidence.
@@ -59,7 +63,7 @@ OVERHEAD_NOISE_PP = 5.0
 class Run:
     """One folder's tables: its trials, and its overhead when it measured one."""
 
-    trials: pd.DataFrame
+    trials: pd.DataFrame  # with JOB
     overhead: pd.DataFrame | None
     environment: dict[str, str] | None  # None: not recorded, or differing within a sweep
 
@@ -67,6 +71,7 @@ class Run:
 def load(folder: Path) -> Run:
     """Read a run or sweep folder; any problem raises ReportError naming the folder or file."""
     trials = _trials(folder)
+    trials[JOB] = [str(Path(r).relative_to(folder)) for r in trials["run"]]
     runs = [Path(r) for r in sorted(trials["run"].unique())]
     return Run(trials, load_overhead([folder]), machine.of_runs(runs))
 
@@ -165,12 +170,16 @@ def overhead_growth(base: pd.DataFrame | None, cur: pd.DataFrame | None) -> list
     machine differs by more than 25% of itself from noise alone."""
     if base is None or cur is None:
         return []
-    joined = base.merge(cur, on=["detector", "interval"], suffixes=("_base", "_cur"))
+    joined = base.merge(cur, on=[*RAN_ON, "detector", "interval"], suffixes=("_base", "_cur"))
+    # One workload's table names no workload, as before; with several, each finding names its.
+    several = max(len(ran_on(base)), len(ran_on(cur))) > 1
     found = []
     for row in joined.itertuples(index=False):
         was, now = row.overhead_pct_base, row.overhead_pct_cur
         if now - was > max(OVERHEAD_GROWTH * abs(was), OVERHEAD_NOISE_PP):
             where = f"{row.detector}, interval {row.interval or '-'}"
+            if several:
+                where += f", {row.workload} in {row.dtype}"
             found.append(_finding("overhead grew", where, f"{was:.2f}%", f"{now:.2f}%"))
     return found
 
@@ -189,7 +198,9 @@ def environment_lines(base: Run, cur: Run) -> list[str]:
     """Whether the two runs' rows can compare bit for bit, and what compares either way."""
     before, after = base.environment, cur.environment
     if machine.same_numbers(before, after):
-        shared = base.trials.merge(cur.trials, on=Column.trial_id, suffixes=("_base", "_cur"))
+        shared = base.trials.merge(
+            cur.trials, on=[JOB, Column.trial_id], suffixes=("_base", "_cur")
+        )
         kept = (shared["effect_base"] == shared["effect_cur"]) & (
             shared["golden_final_loss_base"] == shared["golden_final_loss_cur"]
         )

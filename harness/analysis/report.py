@@ -35,6 +35,7 @@ from harness.analysis.tables import (
     per_trial,
     recovery,
     sees_and_misses,
+    sweep_columns,
     wilson,
 )
 from harness.core.events import Sensitivity, from_record, of, to_record
@@ -50,9 +51,12 @@ def _pct(x: float) -> str:
 
 
 def overhead_section(table: pd.DataFrame, folder: Path) -> str:
-    """The overhead table and, for checks with an interval, overhead and floor against it."""
+    """The overhead table and, for checks with an interval, overhead and floor against it; per
+    workload and dtype where the runs measured several (a share of another step each)."""
+    swept = sweep_columns(table)
     rows = [
         {
+            **{column: getattr(r, column) for column in swept},
             "detector": r.detector,
             "interval": r.interval or "-",
             "overhead (vs hook)": _pct(r.overhead_pct),
