@@ -11,6 +11,8 @@ every rank's exit code. The documented torchrun command runs the same main()
 from __future__ import annotations
 
 import json
+import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -20,7 +22,7 @@ import transformers
 import detectors
 from harness.guard import EXIT_SUSPECT_HARDWARE
 from harness.integrations.transformers import SDCGuardCallback
-from tests.conftest import example_ranks
+from tests.conftest import example_ranks, forked_ranks
 
 EXAMPLE = Path(__file__).parents[1] / "examples" / "train_hf_trainer.py"
 RANKS = 4
@@ -96,12 +98,14 @@ def test_a_scaled_gradient_stops_the_fit_at_its_step_and_sets_aside_what_it_may_
 
 
 def tiny_trainer(out: Path, cls: type = transformers.Trainer, **settings) -> transformers.Trainer:
-    """A one-step Trainer in this process (no process group), with the callback."""
+    """A one-step Trainer with the callback: a single process here, DDP in a rank with
+    torchrun's environment."""
     config = transformers.Qwen2Config(
         vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=8,
     )  # fmt: skip
-    trainer_settings = {k: settings.pop(k) for k in ("compute_loss_func",) if k in settings}
+    own = ("compute_loss_func", "data_collator")
+    trainer_settings = {k: settings.pop(k) for k in own if k in settings}
     tokens = torch.zeros(8, dtype=torch.long)
     return cls(
         model=transformers.Qwen2ForCausalLM(config),
@@ -148,6 +152,84 @@ def test_what_the_callback_cannot_guard_is_refused_in_one_line(tmp_path, cls, se
     with pytest.raises(ValueError) as error:
         trainer.train()
     assert str(error.value).startswith(refused) and "\n" not in str(error.value)
+
+
+def forward_hooks(model: torch.nn.Module) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+class BrokenOnce:
+    """A data collator that raises on its first batch: a user's error once training has begun
+    (after on_train_begin), which the Trainer tells no callback about."""
+
+    def __init__(self):
+        self.broken = True
+
+    def __call__(self, features: list[dict]) -> dict:
+        if self.broken:
+            self.broken = False
+            raise RuntimeError("the collator broke")
+        return transformers.default_data_collator(features)
+
+
+class HooksInStep(transformers.TrainerCallback):
+    """The forward hooks on the model at each step's end: what watches the fit."""
+
+    def __init__(self):
+        self.seen: list[int] = []
+
+    def on_step_end(self, args, state, control, model=None, **kwargs) -> None:
+        self.seen.append(forward_hooks(model))
+
+
+def _train_after_an_error(port: int, out: str, results) -> None:
+    """One rank as torchrun starts it (accelerate wraps the model in DDP): a fit that raised a
+    RuntimeError of the collator's, then train() again on the same Trainer. The forward hooks
+    the first left, the second's outcome, the hooks in its step and after it."""
+    os.environ.update(
+        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+    )  # fmt: skip
+    trainer = tiny_trainer(Path(out), ddp_backend="gloo", save_strategy="no",
+                           data_collator=BrokenOnce())  # fmt: skip
+    watch = HooksInStep()
+    trainer.add_callback(watch)
+    first, second = "no error", "not run"
+    try:
+        trainer.train()
+    except RuntimeError as error:
+        first = str(error)
+    left = forward_hooks(trainer.model)
+    callback = next(
+        c for c in trainer.callback_handler.callbacks if isinstance(c, SDCGuardCallback)
+    )
+    stale = callback.guard
+    try:
+        trainer.train()
+        second = (stale.closed, trainer.state.global_step, callback.guard.alerts)
+    except Exception as error:  # the test reports it, not a rank's traceback
+        second = f"{type(error).__name__}: {error}"
+    results.put((first, left, second, watch.seen, forward_hooks(trainer.model)))
+
+
+def test_a_fit_that_raised_leaves_the_next_train_a_fresh_one(tmp_path):
+    """The guard and hooks of a fit that ended in the user's error (not an alarm) stay on the
+    model until the next train() on that Trainer begins: it closes them and trains guarded,
+    each product watched once (as many hooks as the failed fit had, not its and the new
+    guard's), and a fit that ends clean leaves no hook behind. The second train() was refused:
+    the open guard still held DDP's comm hook."""
+    ctx = forked_ranks(tmp_path)
+    results = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = ctx.Process(target=_train_after_an_error, args=(port, str(tmp_path), results))
+    proc.start()
+    first, left, second, seen, after = results.get(timeout=120)
+    proc.join(timeout=30)
+    assert first == "the collator broke"
+    assert second == (True, 1, []), second
+    assert seen == [left] and after == 0, (left, seen, after)
 
 
 def test_a_wrong_mode_or_check_name_is_refused_where_the_callback_is_written():

@@ -16,7 +16,11 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.callbacks import GradientAccumulationScheduler
+from lightning.pytorch.callbacks import (
+    GradientAccumulationScheduler,
+    ModelCheckpoint,
+    OnExceptionCheckpoint,
+)
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from harness.errors import ConfigError
@@ -142,6 +146,69 @@ def test_accumulation_that_changes_during_the_fit_scales_the_replayed_loss_as_li
     steps, alerted = results.get(timeout=120)
     proc.join(timeout=30)
     assert (steps, alerted) == (4 + 2, []), (steps, alerted)
+
+
+def _fits_after_an_alarm(port: int, folder: str, results) -> None:
+    """One DDP rank, act mode, a checkpoint every step and one on any exception: a fit that a
+    NaN in step 2's batch alarms, then a fit on the same Trainer with the same SDCGuard, then
+    one with a new SDCGuard in its place. The alarm, the second fit's outcome and the folder's
+    files after it, the third's outcome, what it wrote by the new guard's record, and the
+    folder's files."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    poisoned = torch.randn(8, 4)
+    poisoned[4] = float("nan")
+    guard = SDCGuard(["nan_inf"], mode="act")
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, strategy="ddp", max_steps=4, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+        callbacks=[guard, ModelCheckpoint(folder, "{step}", every_n_train_steps=1, save_top_k=-1),
+                   OnExceptionCheckpoint(folder)],
+    )  # fmt: skip
+    module = Tiny()
+
+    def fit(data: torch.Tensor) -> tuple[str, str] | None:
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data), batch_size=2)
+        try:
+            trainer.fit(module, loader)
+        except RuntimeError as error:  # SDCAlarm is one
+            return type(error).__name__, str(error)
+        return None
+
+    alarm = fit(poisoned)
+    second = fit(torch.randn(8, 4)), sorted(os.listdir(folder))
+    fresh = SDCGuard(["nan_inf"], mode="act")
+    trainer.callbacks[trainer.callbacks.index(guard)] = fresh
+    third = fit(torch.randn(8, 4))
+    written = [(step, path.name) for step, path in fresh.guard.written] if fresh.guard else []
+    results.put((alarm, second, third, written, sorted(os.listdir(folder))))
+
+
+def test_after_an_alarm_the_guard_refuses_a_new_fit_and_a_new_guard_takes_the_saves_over(
+    tmp_path,
+):
+    """As the HF callback: the alarmed SDCGuard refuses a new fit on its Trainer, naming the
+    alarm, and nothing is saved then either (OnExceptionCheckpoint included); the second fit
+    trained on, each checkpoint gated twice (its gate over the alarmed one). A new SDCGuard in
+    its place takes the alarmed gate off: its fit's checkpoints are written, each approved and
+    recorded once (the alarmed gate had refused every one)."""
+    folder = tmp_path / "checkpoints"
+    ctx = forked_ranks(tmp_path)
+    results = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = ctx.Process(target=_fits_after_an_alarm, args=(port, str(folder), results))
+    proc.start()
+    alarm, second, third, written, files = results.get(timeout=120)
+    proc.join(timeout=30)
+    assert alarm[0] == "SDCAlarm" and alarm[1].startswith("nan_inf at step 2: "), alarm
+    # Lightning names a checkpoint by the steps done: the alarmed fit wrote steps 0 and 1's.
+    before = ["quarantine.json", "step=1.ckpt", "step=2.ckpt"]
+    refused = ("RuntimeError", f"SDCGuard: an alarm ended this fit: {alarm[1]}")
+    assert second == (refused, before), second
+    assert third is None, third
+    assert written == [(2, "step=3.ckpt"), (3, "step=4.ckpt")]
+    assert files == [*before, "step=3.ckpt", "step=4.ckpt"], files
 
 
 @pytest.mark.parametrize(

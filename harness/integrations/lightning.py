@@ -33,13 +33,16 @@ hooks:
 An alarm in act mode raises `SDCAlarm` out of `trainer.fit` on every rank; the script ends with
 `sys.exit(alarm.exit_code)` (86: suspect hardware, 87: not attributed), and the checkpoints
 written from the first suspect step on are set aside (`*.suspect`), listed in quarantine.json
-(in `checkpoints`, else beside them).
+(in `checkpoints`, else beside them). The gate stays on the strategy: nothing the Trainer saves
+afterwards is written, and the callback refuses a new fit (RuntimeError naming the alarm). A new
+SDCGuard in its place takes the gate off and puts its own on.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -51,12 +54,14 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
-from harness.guard import Guard, SDCAlarm, selection
+from harness.guard import Guard, selection
 from harness.guard.selection import Chosen
 
 # Precisions whose backward sees the loss itself: float16's GradScaler multiplies it by a scale
 # that changes between steps and overflows on purpose (an inf gradient that is not corruption).
 PRECISIONS = ("32-true", "64-true", "bf16-mixed", "bf16-true")
+# The gates SDCGuards put on strategies' save_checkpoint (_gated_save).
+_GATES: weakref.WeakSet[Callable] = weakref.WeakSet()
 
 
 class SDCGuard(pl.Callback):
@@ -86,6 +91,9 @@ class SDCGuard(pl.Callback):
         self._stepped = 0
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.guard is not None and self.guard.alarm is not None:
+            # The Trainer's weights are the alarmed fit's; its gate stays on (on_exception).
+            raise RuntimeError(f"SDCGuard: an alarm ended this fit: {self.guard.alarm}")
         _refuse_unservable(trainer, pl_module)
         per_node = self.ranks_per_node or int(
             os.environ.get("SDC_RANKS_PER_NODE") or trainer.num_devices
@@ -111,7 +119,7 @@ class SDCGuard(pl.Callback):
         self._stepped = trainer.global_step
         self._module, self._strategy = pl_module, trainer.strategy
         pl_module.training_step = self._guarded_step(pl_module.training_step)
-        trainer.strategy.save_checkpoint = self._gated_save(trainer.strategy.save_checkpoint)
+        trainer.strategy.save_checkpoint = self._gated_save(_ungated(trainer.strategy))
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
@@ -128,14 +136,12 @@ class SDCGuard(pl.Callback):
             self._attached().after_step(trainer.optimizers[0])
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._detach(keep_gate=False)
+        self._detach()
 
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        # After an alarm the gate stays: nothing this trainer saves later (Lightning's
-        # OnExceptionCheckpoint runs after this hook) may be written.
-        self._detach(keep_gate=isinstance(exception, SDCAlarm))
+        self._detach()
 
     def _attached(self) -> Guard:
         if self.guard is None:
@@ -175,15 +181,28 @@ class SDCGuard(pl.Callback):
             save(checkpoint, filepath, *args, **kw)
             guard.checkpoint_written(filepath)
 
+        _GATES.add(gated)
         return gated
 
-    def _detach(self, keep_gate: bool) -> None:
+    def _detach(self) -> None:
         if self._module is not None:
             vars(self._module).pop("training_step", None)
-        if self._strategy is not None and not keep_gate:
+        # After an alarm the gate stays, through the fits this guard then refuses: nothing the
+        # trainer saves later (Lightning's OnExceptionCheckpoint runs after on_exception) may
+        # be written.
+        alarmed = self.guard is not None and self.guard.alarm is not None
+        if self._strategy is not None and not alarmed:
             vars(self._strategy).pop("save_checkpoint", None)
         if self.guard is not None:
             self.guard.close()
+
+
+def _ungated(strategy: pl.strategies.Strategy) -> Callable:
+    """The strategy's save_checkpoint without the gate an alarmed SDCGuard left on it: a new
+    guard in its place decides the saves alone (under both gates the alarmed one refused every
+    checkpoint the new one approved)."""
+    save = strategy.save_checkpoint
+    return save.__wrapped__ if save in _GATES else save
 
 
 def _refuse_accumulation(trainer: pl.Trainer) -> None:

@@ -28,7 +28,9 @@ events (transformers/trainer.py, `_inner_training_loop` and `_run_epoch`):
   checkpoint is due, `before_checkpoint` on every rank; one the checks do not approve is not
   written (`control.should_save` cleared). `on_save`: the checkpoint folder is recorded, so that
   an alarm sets it aside when it falls in the suspect interval.
-- `on_train_end`: the guard closes and the hooks come off.
+- `on_train_end`: the guard closes and the hooks come off. A fit that raises anything but the
+  alarm leaves them on (the Trainer has no event for an error) until the next `on_train_begin`
+  takes them off; one the alarm ended is refused a new train() on this callback.
 
 An alarm in act mode raises `SDCAlarm` out of `trainer.train()` on every rank, before anything
 of that step is saved; the script ends with `sys.exit(alarm.exit_code)` (86: suspect hardware,
@@ -92,6 +94,9 @@ class SDCGuardCallback(transformers.TrainerCallback):
     ) -> None:
         if self.guard is not None and self.guard.alarm is not None:
             raise RuntimeError(f"SDCGuardCallback: an alarm ended this fit: {self.guard.alarm}")
+        # A fit that raised anything else left this callback's guard open and its hooks on the
+        # model (the Trainer has no event for an error): the new fit takes over from it.
+        self._detach()
         trainer = _trainer_of(self)
         _refuse_unservable(trainer)
         ddp: DDP = trainer.model_wrapped
