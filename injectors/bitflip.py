@@ -3,7 +3,9 @@
 `fault.bit` is an index, a class (`sign`, `exponent_msb`, `exponent`, `mantissa`: a bit of that
 class drawn from the trial's seed), or null for any bit drawn from the seed. `fault.nbits` > 1
 flips that many bits: adjacent ones upward from the chosen bit (`fault.adjacent=true`, shifted
-down to fit the word), or the chosen bit plus others drawn at random.
+down to fit the word), or the chosen bit plus others drawn at random. A permanent or
+intermittent fault flips the bits it drew at its first strike on an element at every strike
+(injectors/injector.py, `_redraw`).
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 `exit` with code 0 as if done early, `hang` forever (its peers block in the next collective),
 or `kill` itself with SIGKILL. docs/design.md section 5's `crash` effect, on demand: it
 measures what a campaign and its detectors do when hardware takes a process down instead of a
-value."""
+value. The strike is recorded, and kept for the trial's row, before the rank goes (`fatal`): the
+row says the fault fired, at its step and rank, and its effect is `crash`."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ class InjectedCrash(RuntimeError):
 
 class Crash(FaultModel):
     name = "crash"
+    fatal = True
 
     @classmethod
     def validate(cls, key: str, fault) -> None:

@@ -32,6 +32,7 @@ the injector hands every hook to it and keeps what all sites share.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -52,7 +53,7 @@ class FaultInjector(Plugin):
 
     Elements are chosen from the trial seed alone, so a `reduction` fault corrupts the same
     position on every receiver, and a permanent fault keeps hitting the same unit step after
-    step, as a defective core would.
+    step, as a defective core would: the same elements, and the same bits of them.
     """
 
     def __init__(
@@ -65,8 +66,12 @@ class FaultInjector(Plugin):
         hardware: tuple[int, ...] | None = None,
         data: tuple[tuple[int, ...], ...] | None = None,
         forward: ForwardModules | None = None,
+        keep: Callable[[], None] | None = None,
     ):
         self.fault = fault
+        # Makes the rank's events so far durable where the parent reads them when the rank
+        # returns none (a fatal model's strike); None where no parent reads them.
+        self.keep = keep
         self.seed = seed
         self.info = info
         self.log = log
@@ -95,6 +100,8 @@ class FaultInjector(Plugin):
         self.group: tuple[int, ...] | None = None
         # The hooks of the fault's site, with that site's own state.
         self.site = strikes.for_site(self, model)
+        # The model's random state at its first strike on each tensor's elements (`_redraw`).
+        self.first_draws: dict[tuple[str, tuple[tuple[int, int | None], ...]], tuple] = {}
 
     def initial_positions(self, matched: list[tuple[str, int | None]]) -> dict[str, list[int]]:
         """Seeded positions over the matched tensors, concatenated in model order. A module's
@@ -201,9 +208,32 @@ class FaultInjector(Plugin):
             by_tensor.setdefault(name, (flat, []))[1].append((index, bit))
         for name, (flat, picks) in by_tensor.items():
             before = [(float(flat[i]), bits.to_hex(flat, i)) for i, _ in picks]
+            if self.model.fatal:
+                self._fatal(step, name, flat, picks[0][0], *before[0])
+            self._redraw(name, picks)
             touched = self.model.corrupt_many(flat, picks)
             for (index, _), (old, old_bits), hit in zip(picks, before, touched, strict=True):
                 self._record(step, name, flat, index, old, old_bits, hit)
+
+    def _redraw(self, name: str, picks: list[tuple[int, int | None]]) -> None:
+        """Before the model corrupts `picks` of tensor `name`: a fault that persists is one
+        broken unit, so at every strike on the same elements the model draws what it drew at
+        its first (a bit of the class `fault.bit` names, the extra bits of `fault.nbits`, a
+        random value), from the trial's seed; an intermittent fault strikes at other steps, not
+        other bits. A transient fault draws anew at each of its steps."""
+        if self.fault.persistence == "transient":
+            return
+        first = self.first_draws.setdefault((name, tuple(picks)), self.model.rng.getstate())
+        self.model.rng.setstate(first)
+
+    def _fatal(
+        self, step: int, name: str, flat: torch.Tensor, index: int, old: float, old_bits: str
+    ) -> None:
+        """A fatal model strikes at its first element: the rank goes down there, changing no
+        value, and the row must still say the fault struck, where and when."""
+        self._record(step, name, flat, index, old, old_bits, None, fatal=True)
+        if self.keep is not None:
+            self.keep()
 
     def _record(
         self,
@@ -214,6 +244,7 @@ class FaultInjector(Plugin):
         old: float,
         old_bits: str,
         touched: list[int] | None,
+        fatal: bool = False,
     ) -> None:
         new_bits = bits.to_hex(flat, index)
         self.log.emit(
@@ -229,7 +260,7 @@ class FaultInjector(Plugin):
                 new=sites.number(float(flat[index])),
                 old_bits=old_bits,
                 new_bits=new_bits,
-                fired=old_bits != new_bits,
+                fired=fatal or old_bits != new_bits,
                 phase=self.site.phase,
                 group=None if self.group is None else list(self.group),
             )
@@ -322,7 +353,8 @@ def build(
     hardware: tuple[int, ...] | None,
     data: tuple[tuple[int, ...], ...] | None,
     forward: ForwardModules | None = None,
+    keep: Callable[[], None] | None = None,
 ) -> list[Plugin]:
     if fault.clean:
         return []
-    return [FaultInjector(fault, seed, info, log, model, hardware, data, forward)]
+    return [FaultInjector(fault, seed, info, log, model, hardware, data, forward, keep)]

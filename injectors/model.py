@@ -25,6 +25,9 @@ class FaultModel:
     # A per-product model strikes whole products of the forward, each with its own chance
     # (`corrupt_lane`), not elements drawn up front (injectors/defective_unit.py).
     per_product = False
+    # A fatal model takes its rank down where it strikes (injectors/crash.py): the rank returns
+    # no events, so its strike is recorded, and kept where the parent reads it, before it acts.
+    fatal = False
     # The model's own keys, beside the keys every fault has: set as `fault.KEY` or a scenario's
     # `KEY`, parsed into `fault.settings` (a `Config` instance) when the fault is validated.
     Config: type[Settings] = Settings

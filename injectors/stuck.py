@@ -1,5 +1,6 @@
 """`stuck`: a bit stuck at 0 or 1 (`fault.stuck_at`). When the bit already holds that value
-nothing changes, and the injection does not count as fired."""
+nothing changes, and the injection does not count as fired. A bit drawn from a class (or any
+bit) is drawn once per element when the fault persists: the same bit stays stuck."""
 
 from __future__ import annotations
 

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import defaultdict
+from dataclasses import replace
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -17,7 +21,9 @@ from harness.core.bus import PluginBus
 from harness.core.plugins import EventLog, RankInfo
 from harness.errors import ConfigError
 from harness.launch.world import shutdown
+from harness.runtime import last_words
 from harness.runtime.comm import HookState, comm_hook
+from injectors.crash import InjectedCrash
 from injectors.injector import FaultInjector
 from tests.conftest import compose_run, events, forked_ranks, rows, run_here, sdc_bench
 
@@ -194,6 +200,85 @@ def test_largest_selects_the_largest_magnitudes_across_the_matched_tensors():
     hit = sorted((e.tensor, e.index, e.old) for e in log.events)
     assert hit == [("0.bias", 3, 8.0), ("0.weight", 9, 7.0), ("1.weight", 7, -9.0)]
     assert model[1].weight[1, 3] == 0 and model[0].bias[3] == 0
+
+
+def _strikes(fault: FaultConfig, steps: range, seed: int = 0) -> list:
+    """The inject events of `fault` on a small model's weights over `steps`, its weights
+    restored before each strike, as training would move them."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    log = EventLog(0, 0)
+    injector = FaultInjector(fault, seed, RankInfo(0, 1, 1), log, model)
+    start = [p.detach().clone() for p in model.parameters()]
+    for step in steps:
+        with torch.no_grad():
+            for p, p0 in zip(model.parameters(), start, strict=True):
+                p.copy_(p0)
+        injector.on_update(step, model)
+    return [replace(e, time=0.0) for e in log.events]
+
+
+@pytest.mark.parametrize(("model", "bit", "persistence"), [
+    ("bitflip", "exponent", "permanent"),
+    ("bitflip", None, "intermittent"),
+    ("stuck", "mantissa", "permanent"),
+    ("stuck", None, "intermittent"),
+])  # fmt: skip
+def test_a_persistent_fault_breaks_the_same_bits_of_its_elements_at_every_strike(
+    model, bit, persistence
+):
+    fault = FaultConfig(
+        site="weight", model=model, bit=bit, stuck_at=1, persistence=persistence,
+        probability=0.6, elements=3, ranks=(0,), steps=(1,), tensor="*",
+    )  # fmt: skip
+    struck = _strikes(fault, range(12))
+    assert len({e.step for e in struck}) >= 3
+    by_element = defaultdict(set)
+    for e in struck:
+        by_element[(e.tensor, e.index)].add(tuple(e.bits))
+    assert len(by_element) == 3 and all(len(b) == 1 for b in by_element.values()), by_element
+    assert _strikes(fault, range(12)) == struck, "the same seed gives the same strikes"
+
+
+def test_a_persistent_fault_with_extra_bits_flips_the_same_set_every_time():
+    fault = FaultConfig(
+        site="weight", model="bitflip", bit="mantissa", nbits=3, adjacent=False,
+        persistence="permanent", ranks=(0,), steps=(0,), tensor="*",
+    )  # fmt: skip
+    struck = _strikes(fault, range(4))
+    assert len(struck) == 4 and len({tuple(e.bits) for e in struck}) == 1
+
+
+def test_a_transient_fault_still_draws_each_strike_anew():
+    fault = FaultConfig(
+        site="weight", model="bitflip", bit="mantissa", steps=(0, 1, 2, 3, 4, 5),
+        ranks=(0,), tensor="*",
+    )  # fmt: skip
+    assert len({e.bit for e in _strikes(fault, range(6))}) > 1
+
+
+@pytest.mark.parametrize("action", ["raise", "exit"])
+def test_a_crash_keeps_its_strike_before_it_takes_the_rank_down(tmp_path, action):
+    """A crashed rank returns no events: its strike must be kept before the crash acts, or its
+    row says the fault never struck."""
+    model = torch.nn.Linear(2, 2)
+    log = EventLog(1, 1)
+    kept = tmp_path / "rank1.last_words.jsonl"
+    fault = FaultConfig(site="weight", model="crash", value=action, ranks=(1,), steps=(3,))
+    keep = partial(last_words.keep, kept, log.events)
+    injector = FaultInjector(fault, 0, RankInfo(1, 2, 1), log, model, keep=keep)
+    with pytest.raises(InjectedCrash) if action == "raise" else _exits():
+        injector.on_update(3, model)
+    (strike,) = last_words.read(tmp_path)
+    assert (strike.step, strike.rank, strike.model, strike.fired) == (3, 1, "crash", True)
+
+
+@contextlib.contextmanager
+def _exits():
+    """os._exit, caught: the crash's own exit, stopped short of ending the test."""
+    with patch("os._exit", side_effect=SystemExit) as exit_, pytest.raises(SystemExit):
+        yield
+    exit_.assert_called_once_with(0)
 
 
 def _published_example(rank: int, store: str, results) -> None:

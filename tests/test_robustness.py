@@ -103,6 +103,9 @@ def test_crashing_ranks_cost_one_trial_each_and_a_golden_run_lost_to_the_world_i
     assert proc.returncode == 0, proc.stderr[-3000:]
     table = rows(out)
     assert [r["effect"] for r in table] == ["crash"] * 4 + ["harmful"]
+    # Each crash struck, though its rank returned no events: it kept its strike before it acted.
+    struck = [(r["fired"], r["inject_step"], r["injected_ranks"]) for r in table[:4]]
+    assert struck == [("True", "3", str(rank)) for _, rank in actions]
     causes = [r["crash_cause"] for r in table[:4]]
     # The root cause first, then the peers whose collectives lost it.
     assert causes[0].startswith("rank 1 raised InjectedCrash: injected crash")

@@ -103,8 +103,8 @@ def escape_section(df: pd.DataFrame, folder: Path) -> str:
 
 def never_struck(df: pd.DataFrame) -> int:
     """Trials with a fault planned that never changed a value: counted apart from every effect
-    (`effect` none, `fired` False), so that fired counts can be trusted. A crashed trial's
-    ranks sent no events, so it says fired False too: its effect, crash, is its own count."""
+    (`effect` none, `fired` False), so that fired counts can be trusted. A trial that crashed
+    before its fault struck says fired False too: its effect, crash, is its own count."""
     planned = (df[Column.site] != Site.NONE) & (df[Column.effect] == Effect.NONE)
     return int((planned & (df[Column.fired] != True)).sum())  # noqa: E712
 

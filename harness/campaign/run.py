@@ -36,7 +36,7 @@ from harness.results.judgement import Judged, golden_from, noise_band, trial_row
 from harness.results.records import Records
 from harness.results.schema import Golden, TrialResult
 from harness.results.trial_row import TrialRow
-from harness.runtime import environment
+from harness.runtime import environment, last_words
 
 logger = logging.getLogger(__name__)
 
@@ -283,7 +283,9 @@ class Campaign:
             )
 
     def prepared(self, spec: TrialSpec) -> TrialSpec:
-        """The spec to run: a trial fast-forwards from its golden run's snapshot."""
+        """The spec to run: a trial fast-forwards from its golden run's snapshot. What an
+        interrupted run of it kept before a crash is no strike of this run."""
+        last_words.forget(self.folder.trial_store(spec.trial_id))
         return fast_forwarded(self.run, spec, self.folder.store)
 
     def observe_twin(self, spec: TrialSpec) -> TrialSpec | None:
@@ -301,6 +303,8 @@ class Campaign:
     ) -> TrialRow | None:
         """Store a golden result, or append a trial's row; return the row. `twin` is the
         outcome of `observe_twin(spec)`, when it has one."""
+        # Only a crashed trial's ranks kept their strikes: the others return them in `parts`.
+        kept = [] if outcome.parts else last_words.read(self.folder.trial_store(spec.trial_id))
         if not self.run.checkpoint.keep and not spec.golden:
             for trial_id in (spec.trial_id, f"{spec.trial_id}~observe"):
                 shutil.rmtree(self.folder.trial_store(trial_id), ignore_errors=True)
@@ -326,8 +330,9 @@ class Campaign:
         golden = self.goldens[spec.seed]
         judged = None if twin is None else Judged(twin.parts, twin.crash, EffectSource.OBSERVE_TWIN)
         row, events = trial_row(
-            self.run, spec, outcome.parts, outcome.crash, golden, band, outcome.recovery, judged
-        )
+            self.run, spec, outcome.parts, outcome.crash, golden, band, outcome.recovery, judged,
+            kept,
+        )  # fmt: skip
         self.records.add_trial(row, events)
         return row
 

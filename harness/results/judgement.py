@@ -99,13 +99,14 @@ def trial_row(
     band: float,
     recovery: RecoveryRecord | None = None,
     judged: Judged | None = None,
+    kept: list[Event] | None = None,
 ) -> tuple[TrialRow, list[Event]]:
     """The trial's row for trials.csv and its events for events.jsonl; `recovery` holds what
     harness.campaign.recovery did (None: recovery was off); `judged` the observe twin's result when
-    a check stopped this trial."""
+    a check stopped this trial; `kept` what crashed ranks kept before they went down."""
     judged = judged or Judged(parts, crash)
     fault: FaultConfig = spec.fault
-    events: list[Event] = [e for p in parts or [] for e in p.events]
+    events: list[Event] = [e for p in parts or [] for e in p.events] + (kept or [])
     events.sort(key=lambda e: (getattr(e, "step", -1), e.time))
     injections = [e for e in events if isinstance(e, Inject) and e.fired]
     alerts = merge_alerts(events)

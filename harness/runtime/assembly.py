@@ -46,14 +46,17 @@ def assemble(
     transparent: bool = False,
     inner: tuple[Any, Callable] | None = None,
     forward: ForwardModules | None = None,
+    keep: Callable[[], None] | None = None,
 ) -> RankPlugins:
     """`fault` (None: none) strikes as planned for `seed` on the world ranks `hardware` (None:
     a user's loop, where no fault may name a spare); `transparent` and `inner` go to the comm
     hook (the guard: the user's reduction stays the user's); `forward`, what the workload's
-    forward runs, narrows the modules a fault draws its target from (injectors/sites.py)."""
+    forward runs, narrows the modules a fault draws its target from (injectors/sites.py); `keep`
+    makes the rank's strikes durable before a fault takes it down
+    (harness/runtime/last_words.py)."""
     info = ctx.info
     plugins = [] if fault is None else injector.build(
-        fault, seed, info, log, model, hardware, ctx.data, forward
+        fault, seed, info, log, model, hardware, ctx.data, forward, keep
     )  # fmt: skip
     built = detectors.build(checks, ctx, log)
     bus = PluginBus(plugins + built, log.verdicts, info.device, log.stopwatch)

@@ -30,10 +30,10 @@ from harness.config.schema import RunConfig, TrialSpec
 from harness.core import inflight
 from harness.core.bus import PluginBus
 from harness.core.dtensors import local, whole
-from harness.core.events import Checkpoint, HostReads, Retry, Stop
+from harness.core.events import Checkpoint, HostReads, Inject, Retry, Stop
 from harness.core.plugins import Detector, DetectorContext, EventLog, RankInfo
 from harness.results.schema import RankResult
-from harness.runtime import checkpoint, devices, numerics, snapshots
+from harness.runtime import checkpoint, devices, last_words, numerics, snapshots
 from harness.runtime.assembly import assemble
 from harness.runtime.comm import HookState, harness_ddp, retry_reduction
 from harness.runtime.locate import faulty_node_ranks
@@ -143,7 +143,7 @@ def run_trial(
 def _trained(
     run: RunConfig, spec: TrialSpec, info: RankInfo, store: Path, beat: Callable[[], None]
 ) -> RankResult:
-    rank = _set_up(run, spec, info)
+    rank = _set_up(run, spec, info, store)
     losses: list[torch.Tensor] = []  # read once, when the trial ends
     try:
         for step in range(rank.first_step, rank.workload.cfg.steps):
@@ -177,7 +177,7 @@ class _Rank:
     first_step: int
 
 
-def _set_up(run: RunConfig, spec: TrialSpec, info: RankInfo) -> _Rank:
+def _set_up(run: RunConfig, spec: TrialSpec, info: RankInfo, store: Path) -> _Rank:
     """The model (sharded, or in DDP with the harness's hook), its checks and fault assembled,
     the optimizer, and a recovery segment's checkpoint restored."""
     cfg = replace(run.workload, seed=spec.seed)
@@ -197,7 +197,10 @@ def _set_up(run: RunConfig, spec: TrialSpec, info: RankInfo) -> _Rank:
         from harness.runtime.replica import unsharded_copy  # sharded runs only: see `_sharded`
 
         ctx.unsharded_copy = partial(unsharded_copy, model)
-    rank = assemble(model, ctx, log, checks, spec.fault, spec.seed, hardware, forward=run.forward)
+    keep = partial(_keep_strikes, last_words.path(store, spec.trial_id, info.rank), log)
+    rank = assemble(
+        model, ctx, log, checks, spec.fault, spec.seed, hardware, forward=run.forward, keep=keep
+    )
     if shards is not None:
         shards.bind(rank.bus)
     acting = any(config.acts for config in checks.values())
@@ -216,6 +219,11 @@ def _set_up(run: RunConfig, spec: TrialSpec, info: RankInfo) -> _Rank:
         state=rank.state, acting=acting, result=result, first_step=first_step,
         stop_point=StopPoint(rank.bus, acting, result, rank.state, log, info),
     )  # fmt: skip
+
+
+def _keep_strikes(to: Path, log: EventLog) -> None:
+    """The rank's strikes so far, for the row of the trial it is about to crash."""
+    last_words.keep(to, [e for e in log.events if isinstance(e, Inject)])
 
 
 def _restored(
