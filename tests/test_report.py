@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import math
 import re
+import warnings
 from pathlib import Path
 
 import pandas as pd
@@ -90,6 +91,18 @@ def test_catch_rate_figure_counts_each_detector_over_the_trials_it_ran_in(monkey
         "among harmful": {"nan_inf": 0.0},
     }
     assert [t.get_text() for t in ax.texts] == ["n=0"]
+
+
+def test_catch_rate_figure_of_clean_trials_keeps_every_detectors_place(monkeypatch, tmp_path):
+    """No fired trial: no bar at all, each detector's place still on the axis (an empty axis
+    made matplotlib's layout give up with a warning)."""
+    df = frame(*[{"site": "none", "detectors": "nan_inf;replay"}] * 3)
+    drawn = kept_open(monkeypatch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        figures.catch_rate_by_detector(df, ["nan_inf", "replay"], tables.wilson, tmp_path / "r.png")
+    ax = drawn[0].axes[0]
+    assert ax.get_xlim() == (-0.6, 1.6) and [t.get_text() for t in ax.texts] == ["n=0"] * 4
 
 
 def test_time_to_detection_histogram_draws_every_caught_trial(monkeypatch, tmp_path):

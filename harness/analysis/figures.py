@@ -56,6 +56,8 @@ def catch_rate_by_detector(df: pd.DataFrame, detectors: list[str], wilson, path:
             errors[1].append(max(0.0, hi - k / n))
         ax.bar(x, rates, width, yerr=errors, capsize=3, label=f"among {label}")
     ax.set_xticks(np.arange(len(detectors)), detectors, rotation=20, ha="right")
+    # Every detector's place, with bars or without (a campaign of clean trials has none).
+    ax.set_xlim(-0.6, len(detectors) - 0.4)
     ax.set_ylim(0, 1.05)
     ax.set_ylabel("catch rate")
     ax.legend(fontsize=8)
