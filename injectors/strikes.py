@@ -42,10 +42,16 @@ class Site(Plugin):
 class ModuleOutput(Site):
     """activation: a module's output in the forward pass, replaced by a corrupted copy."""
 
+    def __init__(self, injector: FaultInjector, model: nn.Module):
+        super().__init__(injector, model)
+        self.first = FirstStrike(self.fault.persistence)
+
     def watches_module(self, name: str) -> bool:
         return self.injector.active and matches(name, self.fault.tensor)
 
     def on_forward(self, step: int, module: str, output: torch.Tensor) -> torch.Tensor | None:
+        if not self.injector.due(step) or not self.first(step, module):
+            return None
         return self.injector.replaced(step, module, output)
 
 
@@ -62,6 +68,7 @@ class Matmul(Site):
     def __init__(self, injector: FaultInjector, model: nn.Module):
         super().__init__(injector, model)
         self.phase = self.fault.phase
+        self.first = FirstStrike(self.fault.persistence)
         self.armed: str | None = None
         self.made = 0  # products made in the armed module so far
         # The call whose output a forward fault replaces (by id()), and its target module.
@@ -77,7 +84,7 @@ class Matmul(Site):
         return self.armed is not None and self.armed in stack
 
     def on_forward_pre(self, step: int, module: str) -> None:
-        if self.injector.due(step):
+        if self.injector.due(step) and self.first(step, module):
             self.armed, self.made = module, 0
 
     def on_forward(self, step: int, module: str, output: torch.Tensor) -> torch.Tensor | None:
@@ -174,23 +181,32 @@ class Unit(Site):
 class Loss(Site):
     """loss: the scalar loss before backward."""
 
+    def __init__(self, injector: FaultInjector, model: nn.Module):
+        super().__init__(injector, model)
+        self.first = FirstStrike(self.fault.persistence)
+
     def on_loss(self, step: int, loss: torch.Tensor) -> torch.Tensor | None:
+        if not self.injector.due(step) or not self.first(step, "loss"):
+            return None
         return self.injector.replaced(step, "loss", loss)
 
 
-class FirstReduction:
-    """A transient fault strikes a step's reduction of a chunk once: when the harness re-runs
-    that reduction (harness/runtime/comm.py, retry_reduction), the repeat runs clean."""
+class FirstStrike:
+    """A transient fault strikes a step's work at one place once: a repeat of that work in the
+    step runs clean (a reduction the harness re-runs, harness/runtime/comm.py retry_reduction; a
+    later micro-batch's forward; a check's recomputation on this rank, replay's or
+    titan_replay's, which would otherwise carry the upset into the evidence against it). A
+    fault that persists is a broken unit: it strikes every time."""
 
     def __init__(self, persistence: str):
         self.transient = persistence == "transient"
-        self.struck: set[tuple[int, int]] = set()
+        self.struck: set[tuple[int, int | str]] = set()
 
-    def __call__(self, step: int, index: int) -> bool:
+    def __call__(self, step: int, place: int | str) -> bool:
         if not self.transient:
             return True
-        first = (step, index) not in self.struck
-        self.struck.add((step, index))
+        first = (step, place) not in self.struck
+        self.struck.add((step, place))
         return first
 
 
@@ -222,7 +238,7 @@ class Reduced(Buckets):
 
     def __init__(self, injector: FaultInjector, model: nn.Module):
         super().__init__(injector, model)
-        self.first = FirstReduction(self.fault.persistence)
+        self.first = FirstStrike(self.fault.persistence)
 
     def on_reduced_grad(self, step: int, bucket: Bucket) -> None:
         if not self.first(step, bucket.index) or not self._receives(bucket):
@@ -260,7 +276,7 @@ class Contribution(Site):
 
     def __init__(self, injector: FaultInjector, model: nn.Module):
         super().__init__(injector, model)
-        self.first = FirstReduction(self.fault.persistence)
+        self.first = FirstStrike(self.fault.persistence)
         self.stale = self.fault.model == "stale"
         # Per chunk: (step, genuine contribution) of the latest step sent and of the one before.
         self.sent: dict[int, tuple[int, list[torch.Tensor]]] = {}

@@ -144,6 +144,32 @@ def test_persistence_schedules_and_bit_error_rate(tmp_path, run_ok):
     assert all(int(e["old_bits"], 16) ^ int(e["new_bits"], 16) == 1 << e["bit"] for e in ber)
 
 
+def test_a_transient_forward_fault_strikes_its_step_once_and_a_permanent_one_every_forward(
+    tmp_path, run_ok
+):
+    """Two micro-batches and replay auditing the fault's step: a transient upset strikes the
+    step's first forward only, not the second micro-batch nor a recomputation (which would carry
+    it into the evidence); a broken unit (permanent) strikes every forward the rank runs."""
+    where = "model:scale,factor:1000,tensor:fc2,ranks:[1],steps:[3]"
+    out = _campaign(
+        tmp_path,
+        run_ok,
+        [f"site:activation,{where}", f"site:loss,{where.replace(',tensor:fc2', '')}",
+         f"site:activation,{where},persistence:permanent"],
+        "workload.micro_batches=2", "detectors=[replay]", "detectors.replay.steps=[3]",
+        "workload.steps=4",
+    )  # fmt: skip
+    activation, loss, permanent = (_by_trial(out)[r["trial_id"]] for r in rows(out))
+    for transient in (activation, loss):
+        assert [(e["step"], e["rank"]) for e in transient] == [(3, 1)], transient
+    # Its two micro-batches, then on the audit its replays of peers' and its recomputation of
+    # its own two, struck again alike.
+    assert {(e["step"], e["rank"]) for e in permanent} == {(3, 1)} and len(permanent) >= 6
+    trained = [e["old"] for e in permanent[:2]]
+    assert all([e["old"] for e in permanent].count(old) == 2 for old in trained), permanent
+    assert all(r["detected"] == "True" and r["suspect_ranks"] == "1" for r in rows(out))
+
+
 # Slow set; the default-run twin for schedules is test_persistence_schedules_and_bit_error_rate.
 @pytest.mark.slow
 def test_a_schedule_built_from_recorded_events_replays_them_exactly(tmp_path, run_ok):
@@ -200,6 +226,54 @@ def test_largest_selects_the_largest_magnitudes_across_the_matched_tensors():
     hit = sorted((e.tensor, e.index, e.old) for e in log.events)
     assert hit == [("0.bias", 3, 8.0), ("0.weight", 9, 7.0), ("1.weight", 7, -9.0)]
     assert model[1].weight[1, 3] == 0 and model[0].bias[3] == 0
+
+
+def test_largest_at_activation_strikes_its_elements_in_one_module_drawn_from_the_seed():
+    """The module holding the largest output is unknown before the forward: one module is drawn
+    up front, as for random select, and only its largest outputs are struck."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    fault = FaultConfig(
+        site="activation", model="value", value="zero", select="largest", elements=2,
+        ranks=(0,), steps=(0,), tensor="*",
+    )  # fmt: skip
+    outputs = {"0": torch.tensor([1.0, -5.0, 2.0, 0.5]), "1": torch.tensor([1.0, 0.0, 2.0, 0.5]),
+               "2": torch.tensor([9.0, -3.0])}  # fmt: skip
+    modules = set()
+    for seed in range(8):
+        log = EventLog(0, 0)
+        injector = FaultInjector(fault, seed, RankInfo(0, 1, 1), log, model)
+        for name, output in outputs.items():
+            injector.on_forward(0, name, output.clone())
+        assert len(log.events) == 2 and len({e.tensor for e in log.events}) == 1, log.events
+        module = log.events[0].tensor
+        top = sorted(outputs[module].abs().tolist(), reverse=True)[:2]
+        assert sorted((abs(e.old) for e in log.events), reverse=True) == top
+        modules.add(module)
+    assert len(modules) > 1, "the module is drawn from the seed"
+
+
+def test_a_sharded_fault_draws_its_tensor_among_those_this_ranks_shard_holds():
+    """FSDP's last ranks may hold nothing of a short parameter: the tensor is drawn among those
+    with elements in this rank's shard, so the fault always strikes."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    held = {"0.weight": 4, "0.bias": 1, "1.weight": 0, "1.bias": 0}  # this rank's dim-0 rows
+
+    def shard(name: str, p: torch.Tensor) -> torch.Tensor:
+        return p.detach()[: held[name]]
+
+    params = dict(model.named_parameters())
+    fault = FaultConfig(
+        site="weight", model="value", value=7.0, ranks=(0,), steps=(0,), tensor="*.bias"
+    )
+    with patch("injectors.sites.is_dtensor", return_value=True), patch(
+        "injectors.sites.local", side_effect=lambda p: shard(next(
+            n for n, q in params.items() if q is p), p)
+    ):  # fmt: skip
+        for seed in range(8):
+            log = EventLog(0, 0)
+            injector = FaultInjector(fault, seed, RankInfo(0, 1, 1), log, model)
+            injector.inject(0, [(n, shard(n, p).clone()) for n, p in params.items()])
+            assert [(e.tensor, e.fired) for e in log.events] == [("0.bias", True)], seed
 
 
 def _strikes(fault: FaultConfig, steps: range, seed: int = 0) -> list:
