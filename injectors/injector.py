@@ -108,10 +108,15 @@ class FaultInjector(Plugin):
         output size is only known in the forward pass: its indices are drawn there."""
         if self.fault.schedule or self.fault.ber:
             return {}
+        names = sorted(n for n, _ in matched)
+        if self.fault.select == "largest" and self.fault.site not in sites.MODULE_SITES:
+            # Every tensor it names; the elements are chosen where the values are known.
+            return {name: [] for name in names}
         if matched and matched[0][1] is None:
-            return {self.rng.choice(sorted(n for n, _ in matched)): []}
-        if self.fault.select == "largest":  # chosen where the values are known (`_choose`)
-            return {}
+            # Sizes unknown up front (a module's output, a rank's shard): one tensor is drawn, its
+            # elements where it is at hand. The module holding a forward's largest value is
+            # unknown before the forward runs: `largest` takes the largest of the one drawn.
+            return {self.rng.choice(names): []}
         total = sum(size for _, size in matched)
         if self.model.grouped and total:
             k = self.fault.index if self.fault.index is not None else self.rng.randrange(total)
@@ -181,7 +186,7 @@ class FaultInjector(Plugin):
             return [(n, f, i, b) for n, f in flats for i, b in self._elements(step, n, f)]
         candidates = []
         for name, flat in flats:
-            if matches(name, self.fault.tensor):
+            if name in self.positions:
                 top = torch.topk(
                     flat.detach().abs().float(), min(self.fault.elements, flat.numel())
                 )

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from harness.core.dtensors import is_dtensor
+from harness.core.dtensors import is_dtensor, local
 from harness.core.matmuls import ForwardModules
 from harness.core.plugins import matches
 
@@ -18,6 +18,11 @@ if TYPE_CHECKING:
     from harness.config.schema import FaultConfig
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+# The sites whose targets are modules, one drawn up front: what they strike is a forward value.
+MODULE_SITES = ("activation", "matmul")
+# The sites where a sharded rank holds only its own chunk of each parameter (dim 0, as FSDP2's
+# `fully_shard` splits it: `torch.chunk`, so the last ranks of a short dim 0 hold nothing).
+SHARD_HELD = ("allreduce", "weight", "optimizer")
 RIDERS = "riders"
 
 
@@ -35,6 +40,10 @@ def targets(
     without it (a user's loop, whose forward the harness has not seen) every module that could."""
     params = list(model.named_parameters())
     sharded = any(is_dtensor(p) for _, p in params)
+    if sharded and site in SHARD_HELD:
+        # FSDP's last ranks may hold nothing of a short dim 0: a fault drawn there would never
+        # strike, so only the parameters this rank's shard holds part of are reachable.
+        params = [(n, p) for n, p in params if local(p).numel()]
     if site == "optimizer":
         # Sharded: a rank's own shard of the moments, whose size shows when it is at hand.
         return [(f"{n}.{k}", None if sharded else p.numel()) for n, p in params for k in MOMENTS]

@@ -171,6 +171,8 @@ CASES = [
     ),
     (["fault=loss_scale", "fault.model=swap", "fault.factor=null"], "fault.site", "one element"),
     (["fault=grad_bitflip", "fault.ber=1e-5"], "fault.bit", "draws its own bits"),
+    (["fault=activation_nan", "fault.index=5"], "fault.index", "when the module's forward runs"),
+    ([*FSDP, "fault=weight_bitflip", "fault.index=0"], "fault.index", "in the rank's own shard"),
     (["fault=grad_scale", "fault.bucket=1"], "fault.bucket", "reduce in 1 bucket; allowed: 0..0"),
     (
         ["workload=gpt", "fault=grad_scale", "fault.bucket=1", "fault.tensor=head.weight"],

@@ -57,7 +57,7 @@ def check_target(
         raise ConfigError(f"{key}.tensor", message)
     if fault.site == "matmul" and forward is not None:
         _reaches_product(key, fault, [name for name, _ in matched], forward)
-    if shard_group is not None and fault.site in SHARD_HELD:
+    if shard_group is not None and fault.site in sites.SHARD_HELD:
         sizes = _held(key, fault, model, [name for name, _ in matched], shard_group)
     else:
         sizes = [size for _, size in matched]
@@ -99,11 +99,6 @@ def _reaches_product(
             f"{key}.product", f"{fault.product} is never reached: '{fewest}' makes {most} "
             f"product{'s' * (most != 1)} per forward; allowed: 1..{most}"
         )  # fmt: skip
-
-
-# The sites where a sharded rank holds only its own chunk of each parameter (dim 0, as FSDP2's
-# `fully_shard` splits it: `torch.chunk`, so the last ranks of a short dim 0 hold nothing).
-SHARD_HELD = ("allreduce", "weight", "optimizer")
 
 
 def _held(

@@ -26,7 +26,7 @@ from harness.config.schema import (
 from harness.core.formats import BIT_CLASSES, FLOAT_FORMATS
 from harness.core.values import choice, int_list, integer, known_keys
 from harness.errors import ConfigError
-from injectors import bits
+from injectors import bits, sites
 
 # The keys every fault has; a model's own keys (its `Config`) come beside them.
 FAULT_KEYS = [f.name for f in fields(FaultConfig) if f.name != "settings"]
@@ -175,6 +175,7 @@ def fault_config(
     _largest(key, values, model)
     _bit_error_rate(key, values)
     _changes_a_value(key, values, site, model, workload)
+    _index_placed(key, values, site, model, topology)
     values["settings"] = injectors.model_class(model).Config.parse(key, settings)
     fault = FaultConfig(**values)
     injectors.model_class(model).validate(key, fault)
@@ -254,6 +255,28 @@ def _changes_a_value(
                 f"{values['value']} is stored as {stored:g} in {workload.dtype}; allowed: "
                 f"{limit.tiny * limit.eps:g} <= |value| <= {limit.max:g}, or inf, nan, max, zero",
             )
+
+
+def _index_placed(
+    key: str, values: dict[str, Any], site: str, model: str, topology: TopologyConfig
+) -> None:
+    """`index` places the fault's first element among the named tensors' elements, which a
+    module site knows only when its forward runs, and a sharded rank only when its shard is at
+    hand: there one tensor is drawn and its elements in it (a grouped model takes the index as
+    its first within that tensor), so an index would be ignored."""
+    if values["index"] is None or injectors.model_class(model).grouped:
+        return
+    if site in sites.MODULE_SITES:
+        raise ConfigError(
+            f"{key}.index", f"site {site} draws its elements when the module's forward runs; "
+            "leave it unset (fault.tensor names the module)"
+        )  # fmt: skip
+    if topology.sharded and site in sites.SHARD_HELD:
+        raise ConfigError(
+            f"{key}.index", f"under {topology.parallel}, site {site} draws its elements in the "
+            "rank's own shard when it is at hand; leave it unset, or name the element in "
+            "fault.schedule"
+        )  # fmt: skip
 
 
 def _number(value: str | None) -> float | None:
