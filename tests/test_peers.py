@@ -72,11 +72,13 @@ def test_no_peer_check_alarms_on_a_clean_run(peers):
 def test_replay_with_megatrons_rerun_verdicts(tmp_path):
     """`detectors.replay.verdict=megatron`: a fault the same rank does not reproduce on a rerun
     is transient (a local gradient corrupted in the comm hook); one it reproduces but another
-    node does not is a persistent fault of that rank (its forward, corrupted on every run); the
-    verdict goes into the alert."""
+    node does not is a persistent fault of that rank (its forward, broken on every run: a
+    permanent fault; a transient one strikes its step's first forward only); the verdict goes
+    into the alert."""
     scenarios = [
         "site:grad,model:scale,factor:1000,ranks:[1],steps:[5]",
-        "site:activation,tensor:fc1,model:scale,factor:1000,ranks:[1],steps:[5]",
+        "site:activation,tensor:fc1,model:scale,factor:1000,ranks:[1],steps:[5],"
+        "persistence:permanent",
     ]
     listed = ",".join("{" + s + "}" for s in scenarios)
     run_here(

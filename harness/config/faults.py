@@ -264,7 +264,9 @@ def _index_placed(
     module site knows only when its forward runs, and a sharded rank only when its shard is at
     hand: there one tensor is drawn and its elements in it (a grouped model takes the index as
     its first within that tensor), so an index would be ignored."""
-    if values["index"] is None or injectors.model_class(model).grouped:
+    chosen = injectors.model_class(model)
+    # A grouped model places its group at the index; a per-product one refuses it itself.
+    if values["index"] is None or chosen.grouped or chosen.per_product:
         return
     if site in sites.MODULE_SITES:
         raise ConfigError(
