@@ -33,13 +33,14 @@ class BitFlip(FaultModel):
         first = choose_bit(self.fault, flat.dtype, self.rng) if bit is None else bit
         n = self.fault.nbits if bit is None else 1
         if n == 1:
-            chosen = [first]
+            extra = []
         elif self.fault.adjacent:
             low = min(first, width - n)
-            chosen = list(range(low, low + n))
+            extra = [b for b in range(low, low + n) if b != first]
         else:
-            others = [b for b in range(width) if b != first]
-            chosen = sorted([first, *self.rng.sample(others, n - 1)])
+            extra = sorted(self.rng.sample([b for b in range(width) if b != first], n - 1))
+        # The chosen bit first: the event's `bit`, and the row's, whose class is the fault's.
+        chosen = [first, *extra]
         for b in chosen:
             bits.flip(flat, index, b)
         return chosen

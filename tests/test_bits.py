@@ -139,13 +139,14 @@ def test_value_sets_names_and_numbers():
 def test_multi_bit_flips_adjacent_and_random():
     adjacent = FaultConfig(site="grad", model="bitflip", bit=30, nbits=3, adjacent=True)
     flat = torch.zeros(1)
-    # Shifted down so all three fit below bit 32.
-    assert BitFlip(adjacent, random.Random(0)).corrupt(flat, 0) == [29, 30, 31]
+    # Shifted down so all three fit below bit 32; the chosen bit first, as the event's `bit`
+    # and the row's (its class is the fault's: 30 is the exponent's top bit, 29 is not).
+    assert BitFlip(adjacent, random.Random(0)).corrupt(flat, 0) == [30, 29, 31]
     assert bits.pattern(flat, 0) == 0b111 << 29
     scattered = FaultConfig(site="grad", model="bitflip", bit=5, nbits=4, adjacent=False)
     flat = torch.zeros(1)
     touched = BitFlip(scattered, random.Random(0)).corrupt(flat, 0)
-    assert 5 in touched and len(set(touched)) == 4
+    assert touched[0] == 5 and touched[1:] == sorted(touched[1:]) and len(set(touched)) == 4
     assert bits.pattern(flat, 0) == sum(1 << b for b in touched)
 
 
