@@ -165,6 +165,18 @@ CASES = [
         "rounds back to every element in bfloat16",
     ),
     (
+        [
+            "workload.precision=bf16-true",
+            "fault=grad_scale",
+            "fault.model=burst",
+            "fault.burst_model=scale",
+            "fault.elements=4",
+            "fault.factor=1.001",
+        ],
+        "fault.factor",
+        "rounds back to every element in bfloat16",
+    ),  # fmt: skip
+    (
         ["workload.precision=16-true", "fault=grad_nan", "fault.value=100000"],
         "fault.value",
         "is stored as inf in float16",

@@ -96,7 +96,8 @@ def test_crashing_ranks_cost_one_trial_each_and_a_golden_run_lost_to_the_world_i
     proc = subprocess.run(
         # Off: golden-s1 must run here, not come from another test's golden store entry.
         [sys.executable, "-c", KILL_UNDER_GOLDEN_ONCE, *SMALL, "campaign.seeds=1",
-         "campaign.golden_cache=false", _scenarios(*scenarios), f"out={out}"],
+         "campaign.golden_cache=false", "checkpoint.keep=true", _scenarios(*scenarios),
+         f"out={out}"],
         cwd=tmp_path, capture_output=True, text=True, timeout=400,
     )  # fmt: skip
     watcher.done.set()
@@ -106,6 +107,8 @@ def test_crashing_ranks_cost_one_trial_each_and_a_golden_run_lost_to_the_world_i
     # Each crash struck, though its rank returned no events: it kept its strike before it acted.
     struck = [(r["fired"], r["inject_step"], r["injected_ranks"]) for r in table[:4]]
     assert struck == [("True", "3", str(rank)) for _, rank in actions]
+    # Read into the rows, then gone from the kept store, which holds checkpoints.
+    assert (out / "store").is_dir() and not list((out / "store").rglob("*.last_words.jsonl"))
     causes = [r["crash_cause"] for r in table[:4]]
     # The root cause first, then the peers whose collectives lost it.
     assert causes[0].startswith("rank 1 raised InjectedCrash: injected crash")

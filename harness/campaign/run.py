@@ -304,7 +304,9 @@ class Campaign:
         """Store a golden result, or append a trial's row; return the row. `twin` is the
         outcome of `observe_twin(spec)`, when it has one."""
         # Only a crashed trial's ranks kept their strikes: the others return them in `parts`.
+        # Read once, then gone: a kept store holds checkpoints, not these.
         kept = [] if outcome.parts else last_words.read(self.folder.trial_store(spec.trial_id))
+        last_words.forget(self.folder.trial_store(spec.trial_id))
         if not self.run.checkpoint.keep and not spec.golden:
             for trial_id in (spec.trial_id, f"{spec.trial_id}~observe"):
                 shutil.rmtree(self.folder.trial_store(trial_id), ignore_errors=True)

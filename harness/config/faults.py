@@ -217,9 +217,11 @@ def _bit_error_rate(key: str, values: dict[str, Any]) -> None:
             )
 
 
-# The sites whose tensors hold the workload's dtype, or float32 where a mixed precision makes
-# them 16-bit (activations, products): a value that the workload's dtype cannot change is
-# unchanged there too. The loss and optimizer moments may be float32 under a 16-bit dtype.
+# The sites whose tensors hold the workload's dtype, or, under a mixed precision, float32 or
+# the 16-bit dtype by module (autocast's products are 16-bit, a LayerNorm's output float32): a
+# value the workload's dtype, the widest of them, cannot change is unchanged in each. What only
+# a 16-bit output rounds away is not refused (it may strike a float32 one): the row's `fired`
+# says. The loss and optimizer moments may be float32 under a 16-bit dtype.
 IN_WORKLOAD_DTYPE = ("grad", "allreduce", "weight", "gather", "activation", "matmul")
 # The one element of the loss: nothing to exchange, and its range is that element.
 ONE_ELEMENT = {"loss"}
@@ -235,6 +237,8 @@ def _changes_a_value(
         raise ConfigError(f"{key}.site", f"{what}, and the {site} is one element")
     if site not in IN_WORKLOAD_DTYPE:
         return
+    if model == "burst" and values.get("burst_model"):
+        model = values["burst_model"]  # a burst corrupts each of its elements with it
     dtype = getattr(torch, workload.dtype)
     _, mantissa = FLOAT_FORMATS[workload.dtype]
     factor = values["factor"]
