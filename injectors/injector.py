@@ -102,6 +102,8 @@ class FaultInjector(Plugin):
         self.site = strikes.for_site(self, model)
         # The model's random state at its first strike on each tensor's elements (`_redraw`).
         self.first_draws: dict[tuple[str, tuple[tuple[int, int | None], ...]], tuple] = {}
+        # The bits a persisting fault's first strike left in carried-over state (`_hold`).
+        self.holds: dict[tuple[str, tuple[tuple[int, int | None], ...]], list] = {}
 
     def initial_positions(self, matched: list[tuple[str, int | None]]) -> dict[str, list[int]]:
         """Seeded positions over the matched tensors, concatenated in model order. A module's
@@ -216,9 +218,45 @@ class FaultInjector(Plugin):
             if self.model.fatal:
                 self._fatal(step, name, flat, picks[0][0], *before[0])
             self._redraw(name, picks)
-            touched = self.model.corrupt_many(flat, picks)
+            touched = self._held(name, flat, picks)
+            if touched is None:
+                touched = self.model.corrupt_many(flat, picks)
+                self._hold(name, flat, picks, touched)
             for (index, _), (old, old_bits), hit in zip(picks, before, touched, strict=True):
                 self._record(step, name, flat, index, old, old_bits, hit)
+
+    def _hold(
+        self,
+        name: str,
+        flat: torch.Tensor,
+        picks: list[tuple[int, int | None]],
+        touched: list[list[int] | None],
+    ) -> None:
+        """After a persisting fault's first strike on state that carries over (weights,
+        moments): the bits it left, which a broken cell holds. A second flip of them would
+        undo the first."""
+        if self.fault.persistence == "transient" or self.fault.site not in sites.STATE_SITES:
+            return
+        if any(hit is None for hit in touched):  # not a fault of bits (scale, value, swap)
+            return
+        self.holds[(name, tuple(picks))] = [
+            [(b, bits.pattern(flat, index) >> b & 1) for b in hit]
+            for (index, _), hit in zip(picks, touched, strict=True)
+        ]
+
+    def _held(
+        self, name: str, flat: torch.Tensor, picks: list[tuple[int, int | None]]
+    ) -> list[list[int] | None] | None:
+        """At a later strike, the held bits set back where the update changed them (none
+        changes: the strike does not fire); None before the first strike."""
+        held = self.holds.get((name, tuple(picks)))
+        if held is None:
+            return None
+        for (index, _), values in zip(picks, held, strict=True):
+            for b, value in values:
+                if bits.pattern(flat, index) >> b & 1 != value:
+                    bits.flip(flat, index, b)
+        return [[b for b, _ in values] for values in held]
 
     def _redraw(self, name: str, picks: list[tuple[int, int | None]]) -> None:
         """Before the model corrupts `picks` of tensor `name`: a fault that persists is one

@@ -23,6 +23,8 @@ MODULE_SITES = ("activation", "matmul")
 # The sites where a sharded rank holds only its own chunk of each parameter (dim 0, as FSDP2's
 # `fully_shard` splits it: `torch.chunk`, so the last ranks of a short dim 0 hold nothing).
 SHARD_HELD = ("allreduce", "weight", "optimizer")
+# The sites whose tensors carry over from step to step: a strike finds what the last one left.
+STATE_SITES = ("weight", "optimizer")
 RIDERS = "riders"
 
 

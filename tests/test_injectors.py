@@ -23,6 +23,7 @@ from harness.errors import ConfigError
 from harness.launch.world import shutdown
 from harness.runtime import last_words
 from harness.runtime.comm import HookState, comm_hook
+from injectors import bits
 from injectors.crash import InjectedCrash
 from injectors.injector import FaultInjector
 from tests.conftest import compose_run, events, forked_ranks, rows, run_here, sdc_bench
@@ -321,6 +322,41 @@ def test_a_persistent_fault_with_extra_bits_flips_the_same_set_every_time():
     )  # fmt: skip
     struck = _strikes(fault, range(4))
     assert len(struck) == 4 and len({tuple(e.bits) for e in struck}) == 1
+
+
+@pytest.mark.parametrize(("site", "persistence"), [
+    ("weight", "permanent"), ("optimizer", "intermittent"),
+])  # fmt: skip
+def test_a_persisting_flip_of_carried_over_state_holds_its_bits(site, persistence):
+    """Weights and moments carry over from step to step: a second XOR of the bits a broken cell
+    flipped would flip them back (bit 30 of a weight read -1.2e38, then -0.35, then -1.2e38).
+    From its first strike the fault holds them, a strike after the update setting back only
+    what the update changed."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()  # the moments exist
+    fault = FaultConfig(
+        site=site, model="bitflip", bit=29, persistence=persistence, probability=0.7,
+        ranks=(0,), steps=(1,), tensor="weight*", index=3,
+    )  # fmt: skip
+    log = EventLog(0, 0)
+    injector = FaultInjector(fault, 0, RankInfo(0, 1, 1), log, model)
+    state = model.weight if site == "weight" else optimizer.state[model.weight]["exp_avg"]
+    held = []
+    for step in range(1, 8):
+        with torch.no_grad():
+            state.mul_(1.000001)  # the update moves the low bits, not bit 29
+        if site == "weight":
+            injector.on_update(step, model)
+        else:
+            injector.on_optimizer_state(step, optimizer)
+        held.append(bits.pattern(state.detach().view(-1), 3) >> 29 & 1)
+    (struck,) = [e for e in log.events if e.fired]  # held since: no later strike changes it
+    assert len({e.step for e in log.events}) >= 3, log.events
+    after = held[struck.step - 1 :]
+    assert after == [after[0]] * len(after) and held[: struck.step - 1] != after[:1], held
 
 
 def test_a_transient_fault_still_draws_each_strike_anew():
