@@ -119,3 +119,15 @@ def test_the_parent_validates_a_command_once(tmp_path, monkeypatch, run_ok):
     monkeypatch.setattr(cli._Validated, "config", None)  # no earlier command's, in this worker
     run_ok("workload=gpt", "launcher=torchrun", f"out={tmp_path / 'plan'}", cwd=tmp_path)
     assert len(calls) == 1
+
+
+def test_a_bit_index_is_checked_in_the_dtype_its_target_computes_in():
+    """Under bf16-mixed the weights are float32, and a module's output is what autocast made:
+    a Linear's bfloat16 (bits 0..15), a LayerNorm's float32 (0..31)."""
+    fault = ["fault=activation_nan", "fault.model=bitflip", "fault.value=null", "fault.bit=20"]
+    mixed = ["campaign=single", "workload=gpt", "workload.precision=bf16-mixed", *fault]
+    assert compose_run(*mixed, "fault.tensor=ln_f").scenarios[0].bit == 20
+    with pytest.raises(
+        ConfigError, match="20 is outside bfloat16, the dtype of the output of 'head'"
+    ):
+        compose_run(*mixed, "fault.tensor=head")

@@ -184,6 +184,17 @@ CASES = [
     (["fault=loss_scale", "fault.model=swap", "fault.factor=null"], "fault.site", "one element"),
     (["fault=grad_bitflip", "fault.ber=1e-5"], "fault.bit", "draws its own bits"),
     (["fault=activation_nan", "fault.index=5"], "fault.index", "when the module's forward runs"),
+    (
+        [
+            "workload.precision=bf16-mixed",
+            "fault=activation_nan",
+            "fault.model=bitflip",
+            "fault.value=null",
+            "fault.bit=20",
+        ],
+        "fault.bit",
+        "20 is outside bfloat16, the dtype of the output of",
+    ),  # fmt: skip
     ([*FSDP, "fault=weight_bitflip", "fault.index=0"], "fault.index", "in the rank's own shard"),
     (["fault=grad_scale", "fault.bucket=1"], "fault.bucket", "reduce in 1 bucket; allowed: 0..0"),
     (

@@ -15,7 +15,7 @@ from harness.core.matmuls import ForwardModules
 from harness.core.plugins import matches
 from harness.errors import ConfigError
 from harness.runtime.comm import fixed_layout
-from injectors import sites
+from injectors import bits, sites
 
 # What a module site's targets are, for the error that names none matched.
 SITE_TARGETS = {
@@ -57,6 +57,8 @@ def check_target(
         raise ConfigError(f"{key}.tensor", message)
     if fault.site == "matmul" and forward is not None:
         _reaches_product(key, fault, [name for name, _ in matched], forward)
+    if fault.site in sites.MODULE_SITES and forward is not None and isinstance(fault.bit, int):
+        _bit_in_struck_dtype(key, fault, [name for name, _ in matched], forward)
     if shard_group is not None and fault.site in sites.SHARD_HELD:
         sizes = _held(key, fault, model, [name for name, _ in matched], shard_group)
     else:
@@ -85,6 +87,25 @@ def check_bucket(key: str, fault: FaultConfig, model: torch.nn.Module) -> None:
             f"{key}.tensor", f"'{fault.tensor}' matches nothing in bucket {fault.bucket}; "
             f"allowed: {', '.join(held)}"
         )  # fmt: skip
+
+
+def _bit_in_struck_dtype(
+    key: str, fault: FaultConfig, targets: list[str], forward: ForwardModules
+) -> None:
+    """A bit index within every dtype the fault may strike: under a mixed precision a module's
+    output or products are 16-bit (autocast) where the workload's dtype is float32, and a bit
+    past their width could never strike (the rank would raise)."""
+    struck = forward.outputs if fault.site == "activation" else forward.made
+    what = "output" if fault.site == "activation" else "products"
+    for name in targets:
+        for dtype in struck.get(name, ()):
+            width = bits.width(getattr(torch, dtype))
+            if fault.bit >= width:
+                raise ConfigError(
+                    f"{key}.bit", f"{fault.bit} is outside {dtype}, the dtype of the {what} of "
+                    f"'{name}'; allowed: 0..{width - 1}, or a class (sign, exponent_msb, "
+                    "exponent, mantissa), drawn in the dtype struck"
+                )  # fmt: skip
 
 
 def _reaches_product(

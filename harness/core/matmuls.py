@@ -166,6 +166,10 @@ class ForwardModules:
     ran: tuple[str, ...]  # modules whose forward runs
     multiplying: tuple[str, ...]  # those in whose forward (or a child's) a matrix multiply runs
     products: dict[str, int]  # the most products one run of a multiplying module's forward makes
+    # The floating dtypes of what a fault strikes there: each module's output (activation) and
+    # the products its forward makes (matmul). Under autocast, 16-bit where the weights are not.
+    outputs: dict[str, tuple[str, ...]]  # dtype names ("bfloat16"): the record is JSON
+    made: dict[str, tuple[str, ...]]
 
 
 def _never(_stack: tuple[str, ...]) -> bool:
@@ -192,6 +196,8 @@ class Watch(TorchFunctionMode):
         self.ran: dict[str, None] = {}
         self.counts: dict[str, int] = {}  # products of each running module's current run
         self.most: dict[str, int] = {}
+        self.outputs: dict[str, set[torch.dtype]] = {}  # traced: each module's output dtypes
+        self.made: dict[str, set[torch.dtype]] = {}  # traced: its products' dtypes
         self.depth = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -215,7 +221,10 @@ class Watch(TorchFunctionMode):
         for name in stack if self.traces else ():
             self.counts[name] += 1
             self.most[name] = max(self.most.get(name, 0), self.counts[name])
-        return self.on_call(MatmulCall(func, args, kwargs, stack, role))
+        output = self.on_call(MatmulCall(func, args, kwargs, stack, role))
+        for name in stack if self.traces and isinstance(output, torch.Tensor) else ():
+            self.made.setdefault(name, set()).add(output.dtype)
+        return output
 
     def install(self, model: nn.Module) -> list[Any]:
         """Hooks that keep `stack` and open the mode for the root's forward; their handles."""
@@ -236,8 +245,10 @@ class Watch(TorchFunctionMode):
 
         return hook
 
-    def _left(self, _module, _inputs, _output):
-        self.stack.pop()
+    def _left(self, _module, _inputs, output):
+        name = self.stack.pop()
+        if self.traces and isinstance(output, torch.Tensor) and output.is_floating_point():
+            self.outputs.setdefault(name, set()).add(output.dtype)
 
     # A forward that calls the root again from inside (none known) opens the mode once.
     def _open(self, _module, _inputs):
@@ -249,6 +260,10 @@ class Watch(TorchFunctionMode):
         self.depth -= 1
         if self.depth == 0:
             self.__exit__(None, None, None)
+
+
+def _names(dtypes: set[torch.dtype]) -> tuple[str, ...]:
+    return tuple(sorted(str(d).removeprefix("torch.") for d in dtypes))
 
 
 @contextmanager
@@ -268,4 +283,8 @@ def traced(model: nn.Module, forward: Callable[[], Any]) -> ForwardModules:
     with watching(model, Watch(MatmulCall.compute, expands=lambda _: True, traces=True)) as watch:
         forward()
     ran = tuple(watch.ran)
-    return ForwardModules(ran, tuple(n for n in ran if n in watch.most), dict(watch.most))
+    return ForwardModules(
+        ran, tuple(n for n in ran if n in watch.most), dict(watch.most),
+        {n: _names(d) for n, d in watch.outputs.items()},
+        {n: _names(d) for n, d in watch.made.items()},
+    )  # fmt: skip
