@@ -8,11 +8,14 @@ import io
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from multiprocessing.context import BaseContext
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -145,6 +148,21 @@ def forked_ranks(folder: Path) -> BaseContext:
     campaign's ranks come from (harness/launch/rank_server.py), torch already imported, under the
     default CPU kernel pin. A spawned rank imports torch afresh, 3 s of CPU on 2 cores each."""
     return rank_server.context(compose_run().topology.cpu_kernels, folder)
+
+
+def one_forked_rank(folder: Path, target: Callable[..., None], *args: Any) -> Any:
+    """What `target(port, *args, results)` puts on `results`, run as one rank forked
+    (`forked_ranks`), with a free loopback port for its process group's rendezvous."""
+    ctx = forked_ranks(folder)
+    results = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = ctx.Process(target=target, args=(port, *args, results))
+    proc.start()
+    found = results.get(timeout=120)
+    proc.join(timeout=30)
+    return found
 
 
 def run_here(*args: str, cwd: Path) -> subprocess.CompletedProcess:

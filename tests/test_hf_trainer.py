@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,7 @@ import transformers
 import detectors
 from harness.guard import EXIT_SUSPECT_HARDWARE
 from harness.integrations.transformers import SDCGuardCallback
-from tests.conftest import example_ranks, forked_ranks
+from tests.conftest import example_ranks, one_forked_rank
 
 EXAMPLE = Path(__file__).parents[1] / "examples" / "train_hf_trainer.py"
 RANKS = 4
@@ -218,15 +217,9 @@ def test_a_fit_that_raised_leaves_the_next_train_a_fresh_one(tmp_path):
     each product watched once (as many hooks as the failed fit had, not its and the new
     guard's), and a fit that ends clean leaves no hook behind. The second train() was refused:
     the open guard still held DDP's comm hook."""
-    ctx = forked_ranks(tmp_path)
-    results = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = ctx.Process(target=_train_after_an_error, args=(port, str(tmp_path), results))
-    proc.start()
-    first, left, second, seen, after = results.get(timeout=120)
-    proc.join(timeout=30)
+    first, left, second, seen, after = one_forked_rank(
+        tmp_path, _train_after_an_error, str(tmp_path)
+    )
     assert first == "the collator broke"
     assert second == (True, 1, []), second
     assert seen == [left] and after == 0, (left, seen, after)

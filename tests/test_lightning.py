@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -26,7 +25,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from harness.errors import ConfigError
 from harness.guard import EXIT_SUSPECT_HARDWARE
 from harness.integrations.lightning import SDCGuard
-from tests.conftest import example_ranks, forked_ranks
+from tests.conftest import example_ranks, one_forked_rank
 
 EXAMPLE = Path(__file__).parents[1] / "examples" / "train_lightning.py"
 RANKS = 4
@@ -136,15 +135,7 @@ def test_accumulation_that_changes_during_the_fit_scales_the_replayed_loss_as_li
 ):
     """Lightning divides each micro-batch's loss by the accumulation of the moment; the replay
     recomputed with the fit's first (every audit of the second epoch alerted on a clean fit)."""
-    ctx = forked_ranks(tmp_path)
-    results = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = ctx.Process(target=_scheduled_fit, args=(port, results))
-    proc.start()
-    steps, alerted = results.get(timeout=120)
-    proc.join(timeout=30)
+    steps, alerted = one_forked_rank(tmp_path, _scheduled_fit)
     assert (steps, alerted) == (4 + 2, []), (steps, alerted)
 
 
@@ -192,15 +183,9 @@ def test_after_an_alarm_the_guard_refuses_a_new_fit_and_a_new_guard_takes_the_sa
     its place takes the alarmed gate off: its fit's checkpoints are written, each approved and
     recorded once (the alarmed gate had refused every one)."""
     folder = tmp_path / "checkpoints"
-    ctx = forked_ranks(tmp_path)
-    results = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = ctx.Process(target=_fits_after_an_alarm, args=(port, str(folder), results))
-    proc.start()
-    alarm, second, third, written, files = results.get(timeout=120)
-    proc.join(timeout=30)
+    alarm, second, third, written, files = one_forked_rank(
+        tmp_path, _fits_after_an_alarm, str(folder)
+    )
     assert alarm[0] == "SDCAlarm" and alarm[1].startswith("nan_inf at step 2: "), alarm
     # Lightning names a checkpoint by the steps done: the alarmed fit wrote steps 0 and 1's.
     before = ["quarantine.json", "step=1.ckpt", "step=2.ckpt"]
