@@ -48,6 +48,11 @@ if TYPE_CHECKING:
     from harness.config.schema import FaultConfig
 
 
+# A tensor's name and the (index, bit) picks struck in it: what a persisting fault keeps
+# striking, as one broken unit.
+Unit = tuple[str, tuple[tuple[int, int | None], ...]]
+
+
 class FaultInjector(Plugin):
     """Injects one fault, pinned to the hardware of the ranks it names and seeded by the trial.
 
@@ -101,9 +106,9 @@ class FaultInjector(Plugin):
         # The hooks of the fault's site, with that site's own state.
         self.site = strikes.for_site(self, model)
         # The model's random state at its first strike on each tensor's elements (`_redraw`).
-        self.first_draws: dict[tuple[str, tuple[tuple[int, int | None], ...]], tuple] = {}
+        self.first_draws: dict[Unit, tuple] = {}
         # The bits a persisting fault's first strike left in carried-over state (`_hold`).
-        self.holds: dict[tuple[str, tuple[tuple[int, int | None], ...]], list] = {}
+        self.holds: dict[Unit, list[list[tuple[int, int]]]] = {}
 
     def initial_positions(self, matched: list[tuple[str, int | None]]) -> dict[str, list[int]]:
         """Seeded positions over the matched tensors, concatenated in model order. A module's
@@ -217,21 +222,16 @@ class FaultInjector(Plugin):
             before = [(float(flat[i]), bits.to_hex(flat, i)) for i, _ in picks]
             if self.model.fatal:
                 self._fatal(step, name, flat, picks[0][0], *before[0])
-            self._redraw(name, picks)
-            touched = self._held(name, flat, picks)
+            unit = (name, tuple(picks))  # the elements a persisting fault keeps striking
+            self._redraw(unit)
+            touched = self._held(unit, flat)
             if touched is None:
                 touched = self.model.corrupt_many(flat, picks)
-                self._hold(name, flat, picks, touched)
+                self._hold(unit, flat, touched)
             for (index, _), (old, old_bits), hit in zip(picks, before, touched, strict=True):
                 self._record(step, name, flat, index, old, old_bits, hit)
 
-    def _hold(
-        self,
-        name: str,
-        flat: torch.Tensor,
-        picks: list[tuple[int, int | None]],
-        touched: list[list[int] | None],
-    ) -> None:
+    def _hold(self, unit: Unit, flat: torch.Tensor, touched: list[list[int] | None]) -> None:
         """After a persisting fault's first strike on state that carries over (weights,
         moments): the bits it left, which a broken cell holds. A second flip of them would
         undo the first."""
@@ -239,34 +239,32 @@ class FaultInjector(Plugin):
             return
         if any(hit is None for hit in touched):  # not a fault of bits (scale, value, swap)
             return
-        self.holds[(name, tuple(picks))] = [
+        self.holds[unit] = [
             [(b, bits.pattern(flat, index) >> b & 1) for b in hit]
-            for (index, _), hit in zip(picks, touched, strict=True)
+            for (index, _), hit in zip(unit[1], touched, strict=True)
         ]
 
-    def _held(
-        self, name: str, flat: torch.Tensor, picks: list[tuple[int, int | None]]
-    ) -> list[list[int] | None] | None:
+    def _held(self, unit: Unit, flat: torch.Tensor) -> list[list[int] | None] | None:
         """At a later strike, the held bits set back where the update changed them (none
         changes: the strike does not fire); None before the first strike."""
-        held = self.holds.get((name, tuple(picks)))
+        held = self.holds.get(unit)
         if held is None:
             return None
-        for (index, _), values in zip(picks, held, strict=True):
+        for (index, _), values in zip(unit[1], held, strict=True):
             for b, value in values:
                 if bits.pattern(flat, index) >> b & 1 != value:
                     bits.flip(flat, index, b)
         return [[b for b, _ in values] for values in held]
 
-    def _redraw(self, name: str, picks: list[tuple[int, int | None]]) -> None:
-        """Before the model corrupts `picks` of tensor `name`: a fault that persists is one
-        broken unit, so at every strike on the same elements the model draws what it drew at
-        its first (a bit of the class `fault.bit` names, the extra bits of `fault.nbits`, a
-        random value), from the trial's seed; an intermittent fault strikes at other steps, not
-        other bits. A transient fault draws anew at each of its steps."""
+    def _redraw(self, unit: Unit) -> None:
+        """Before the model corrupts a unit's elements: a fault that persists is one broken
+        unit, so at every strike on the same elements the model draws what it drew at its first
+        (a bit of the class `fault.bit` names, the extra bits of `fault.nbits`, a random value),
+        from the trial's seed; an intermittent fault strikes at other steps, not other bits. A
+        transient fault draws anew at each of its steps."""
         if self.fault.persistence == "transient":
             return
-        first = self.first_draws.setdefault((name, tuple(picks)), self.model.rng.getstate())
+        first = self.first_draws.setdefault(unit, self.model.rng.getstate())
         self.model.rng.setstate(first)
 
     def _fatal(
