@@ -38,8 +38,9 @@ def targets(
 ) -> list[tuple[str, int | None]]:
     """The named tensors a site can reach on `model`, with their sizes where known up front.
     `forward` (what one forward runs, harness/core/matmuls.py) narrows the module sites to the
-    modules that run (activation) and those in whose forward a matrix multiply runs (matmul);
-    without it (a user's loop, whose forward the harness has not seen) every module that could."""
+    modules that run and return a floating-point tensor (activation) and those in whose forward
+    a matrix multiply runs (matmul); without it (a user's loop, whose forward the harness has
+    not seen) every module that could."""
     params = list(model.named_parameters())
     sharded = any(is_dtensor(p) for _, p in params)
     if sharded and site in SHARD_HELD:
@@ -50,7 +51,9 @@ def targets(
         # Sharded: a rank's own shard of the moments, whose size shows when it is at hand.
         return [(f"{n}.{k}", None if sharded else p.numel()) for n, p in params for k in MOMENTS]
     if site == "activation":
-        ran = None if forward is None else set(forward.ran)
+        # What a fault can corrupt: a module's floating-point output (a Llama decoder layer or
+        # attention returns a tuple).
+        ran = None if forward is None else set(forward.outputs)
         return [(n, None) for n, _ in model.named_modules() if n and (ran is None or n in ran)]
     if site == "matmul":
         if forward is not None:

@@ -50,6 +50,10 @@ class ModuleOutput(Site):
         return self.injector.active and matches(name, self.fault.tensor)
 
     def on_forward(self, step: int, module: str, output: torch.Tensor) -> torch.Tensor | None:
+        # In a user's loop (no trace of the forward) a glob may name a module whose output is
+        # a tuple or integers: nothing there to corrupt, and the row says it never struck.
+        if not isinstance(output, torch.Tensor) or not output.is_floating_point():
+            return None
         if not self.injector.due(step) or not self.first(step, module):
             return None
         return self.injector.replaced(step, module, output)

@@ -346,8 +346,21 @@ IGNORED_OR_MISTYPED = [
             "fault.tensor=blocks",
         ],
         "fault.tensor",
-        "(modules whose forward runs); allowed: tok, pos, blocks.0, blocks.0.ln1,",
+        "(modules whose forward runs and returns a floating-point tensor); allowed: tok, pos, "
+        "blocks.0, blocks.0.ln1,",
     ),
+    # A Llama's attention returns a tuple: nothing there for a fault to corrupt (its rank raised).
+    (
+        [
+            "workload=llama",
+            "fault.site=activation",
+            "fault.model=scale",
+            "fault.factor=2",
+            "fault.tensor=model.layers.0.self_attn",
+        ],
+        "fault.tensor",
+        "'model.layers.0.self_attn' matches nothing at site activation",
+    ),  # fmt: skip
     (
         ["detectors=[matmul_checksum]", "detectors.matmul_checksum.fraction=0"],
         "detectors.matmul_checksum.fraction",

@@ -19,7 +19,7 @@ from injectors import bits, sites
 
 # What a module site's targets are, for the error that names none matched.
 SITE_TARGETS = {
-    "activation": " (modules whose forward runs)",
+    "activation": " (modules whose forward runs and returns a floating-point tensor)",
     "matmul": " (modules in whose forward a matrix multiply runs)",
 }
 
