@@ -113,7 +113,9 @@ class Replay(Detector):
                 self._normalise("interval", integer("interval", every, 1))
             elif self.interval is not None:
                 # Either would be obeyed silently over the other.
-                raise ConfigError("steps", "replace the interval; give one of interval and steps")
+                raise ConfigError(
+                    "steps", "listed steps replace the interval: give one of interval and steps"
+                )
             else:
                 self._normalise("steps", int_list("steps", self.steps, 0, 2**31 - 1))
             choice("compare", self.compare, COMPARES)
