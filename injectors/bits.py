@@ -18,13 +18,14 @@ def width(dtype: torch.dtype) -> int:
     return torch.finfo(dtype).bits
 
 
-def _format(dtype: torch.dtype) -> str:
+def format_name(dtype: torch.dtype) -> str:
+    """`dtype` as harness.core.formats names it (the `bit_dtype` column's)."""
     return str(dtype).removeprefix("torch.")
 
 
 def class_bits(dtype: torch.dtype, name: str) -> list[int]:
     """The bit indices (LSB = 0) of one bit class in `dtype`."""
-    return format_bits(_format(dtype), name)
+    return format_bits(format_name(dtype), name)
 
 
 def _int_view(flat: torch.Tensor) -> torch.Tensor:

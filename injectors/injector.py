@@ -304,6 +304,7 @@ class FaultInjector(Plugin):
                 fired=fatal or old_bits != new_bits,
                 phase=self.site.phase,
                 group=None if self.group is None else list(self.group),
+                dtype=bits.format_name(flat.dtype),
             )
         )
 

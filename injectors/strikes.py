@@ -22,7 +22,7 @@ from harness.core.dtensors import local
 from harness.core.events import ContributionInject, LaneInject
 from harness.core.matmuls import CONVOLUTIONS, MatmulCall
 from harness.core.plugins import Bucket, Plugin, matches
-from injectors import sites
+from injectors import bits, sites
 
 if TYPE_CHECKING:
     from injectors.injector import FaultInjector
@@ -178,6 +178,7 @@ class Unit(Site):
             product=place, bit=bit, lane=settings.lane, lanes=settings.lanes, elements=elements,
             old_norm=sites.number(float(output.detach().double().norm())),
             new_norm=sites.number(float(corrupted.double().norm())), fired=elements > 0,
+            dtype=bits.format_name(output.dtype),
         ))  # fmt: skip
         return sites.ReplaceValue.apply(output, corrupted)
 

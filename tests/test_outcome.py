@@ -6,11 +6,12 @@ import math
 
 import pytest
 
-from harness.analysis.tables import bit_class, wilson
+from harness.analysis.tables import bit_class, load_trials, wilson
 from harness.config.schema import FaultConfig, TrialSpec
 from harness.core.events import Alert, Checkpoint, ElementInject
 from harness.results.judgement import noise_band, trial_row
 from harness.results.schema import Golden, RankResult
+from harness.results.trial_row import write_trials
 from tests.conftest import compose_run
 
 GRAD_NAN = FaultConfig(site="grad", model="value", value="nan", ranks=(1,), steps=(3,))
@@ -164,3 +165,26 @@ def test_bit_classes():
         "mantissa",
     ]
     assert bit_class("float32", "") == ""
+
+
+def test_a_bit_is_classed_in_the_dtype_it_was_flipped_in(tmp_path):
+    """Under bf16-mixed the workload's dtype is float32 and a Linear's output bfloat16: the
+    exponent's top bit struck there is bit 14, which float32 would class as mantissa."""
+    from tests.test_matmul_checksum import Rank
+
+    run = compose_run(
+        "campaign=single", "workload=gpt", "workload.precision=bf16-mixed", "topology.nodes=1",
+        "fault.site=activation", "fault.model=bitflip", "fault.bit=exponent_msb",
+        "fault.tensor=blocks.0.fc", "fault.ranks=[0]", "fault.steps=[1]",
+    )  # fmt: skip
+    fault = run.scenarios[0]
+    rank = Rank(run, fault, seed=0)
+    for step in range(2):
+        rank.train(step)
+    struck = [e for e in rank.log.events if isinstance(e, ElementInject) and e.fired]
+    assert [(e.bit, e.dtype) for e in struck] == [(14, "bfloat16")]
+    part = RankResult("t", 0, rank.log.events, [1.0], [0.01], 1.0, "x", True)
+    row = trial_row(run, TrialSpec("t", 0, fault), [part], None, Golden(0, 1.0, "g"), 0.1)[0]
+    assert (row.dtype, row.bit, row.bit_dtype) == ("float32", 14, "bfloat16")
+    write_trials(tmp_path / "trials.csv", [row])
+    assert load_trials([tmp_path])["bit_class"].tolist() == ["exponent_msb"]

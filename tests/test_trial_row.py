@@ -46,7 +46,7 @@ FULL = TrialRow(
     check_intervals={"replay": 5, "weight_consensus": 10}, detect_steps={"replay": 11},
     damage=("replicas diverged",), effect_from=EffectSource.OBSERVE_TWIN,
     warnings=("replay: not deterministic",), parallel=Parallel.HSDP, shard_size=2,
-    fault_class="defective_unit", weight=0.495,
+    fault_class="defective_unit", weight=0.495, bit_dtype="bfloat16",
 )  # fmt: skip
 
 

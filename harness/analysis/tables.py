@@ -94,9 +94,9 @@ def load_trials(dirs: list[Path]) -> pd.DataFrame:
             raise ReportError(str(exc)) from None
         frames.append(trials_frame(rows).assign(run=str(f.parent)))
     df = pd.concat(frames, ignore_index=True)
-    df["bit_class"] = [
-        bit_class(d, b) for d, b in zip(df[Column.dtype], df[Column.bit], strict=True)
-    ]
+    # A bit is classed in the dtype it indexes: `bit_dtype` where autocast struck another.
+    dtypes = df[Column.bit_dtype].where(df[Column.bit_dtype].notna(), df[Column.dtype])
+    df["bit_class"] = [bit_class(d, b) for d, b in zip(dtypes, df[Column.bit], strict=True)]
     return df
 
 

@@ -114,6 +114,7 @@ class ElementInject(Inject):
     fired: bool
     phase: str | None = optional()  # matmul faults: which product
     group: list[int] | None = optional()  # a diagnostic sub-group reduction's members
+    dtype: str | None = optional()  # the struck tensor's: under autocast, not the workload's
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -155,6 +156,7 @@ class LaneInject(Inject):
     new_norm: float | str
     fired: bool
     phase: str = "forward"
+    dtype: str | None = optional()  # the struck output's: under autocast, not the workload's
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -11,7 +11,17 @@ from collections import Counter
 from dataclasses import dataclass, replace
 
 from harness.config.schema import FaultConfig, RunConfig, TrialSpec
-from harness.core.events import Alert, Checkpoint, CheckWarning, Crash, Event, Inject, TrialAlert
+from harness.core.events import (
+    Alert,
+    Checkpoint,
+    CheckWarning,
+    Crash,
+    ElementInject,
+    Event,
+    Inject,
+    LaneInject,
+    TrialAlert,
+)
 from harness.core.phases import PHASE_ORDER
 from harness.core.vocabulary import (
     GRADIENT_SITES,
@@ -63,12 +73,17 @@ def merge_alerts(events: list[Event]) -> list[TrialAlert]:
     return sorted(merged, key=lambda a: (a.step, PHASE_ORDER[a.phase], a.detector))
 
 
-def _bit(fault: FaultConfig, injections: list[Inject]) -> int | str | None:
-    """The bit actually flipped when it was one; else the configured bit, class or None."""
-    flipped = {e.bit for e in injections}
-    if len(flipped) == 1 and None not in flipped:
-        return flipped.pop()
-    return fault.bit
+def _bit(
+    fault: FaultConfig, injections: list[Inject], workload_dtype: str
+) -> tuple[int | str | None, str | None]:
+    """The bit actually flipped when it was one bit of one dtype, with that dtype where it is
+    not the workload's; else the configured bit, class or None, and no dtype."""
+    flipped = {(e.bit, e.dtype) for e in injections if isinstance(e, ElementInject | LaneInject)}
+    if len(flipped) == 1:
+        bit, dtype = flipped.pop()
+        if bit is not None:
+            return bit, None if dtype in (None, workload_dtype) else dtype
+    return fault.bit, None
 
 
 def _sorted(values) -> tuple:
@@ -119,6 +134,7 @@ def trial_row(
     first = caught[0] if caught else None
 
     final_loss = worst_loss(parts)
+    bit, bit_dtype = _bit(fault, injections, run.workload.dtype)
     row = TrialRow(
         trial_id=spec.trial_id,
         seed=spec.seed,
@@ -130,7 +146,7 @@ def trial_row(
         shard_size=run.topology.shard_size or None,
         site=Site(fault.site),
         model=fault.model,
-        bit=_bit(fault, injections),
+        bit=bit,
         factor=fault.factor,
         value=fault.value or None,
         scope=Scope(fault.scope) if fault.scope else None,
@@ -193,6 +209,7 @@ def trial_row(
         ),
         fault_class=spec.mix.name if spec.mix else None,
         weight=spec.mix.weight if spec.mix else None,
+        bit_dtype=bit_dtype,
         **(recovery.fields() if recovery else {}),
     )
     if crash:

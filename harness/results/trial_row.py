@@ -48,7 +48,7 @@ class TrialRow:
     ranks_per_node: int
     site: Site
     model: str
-    bit: int | str | None = None  # the bit flipped, else the configured bit or class
+    bit: int | str | None = None  # the bit flipped (one, of one dtype), else the configured one
     factor: float | None = None
     value: str | None = None
     scope: Scope | None = None
@@ -104,6 +104,9 @@ class TrialRow:
     # A weighed campaign's fault class of the trial and the class's weight (blank: unweighed).
     fault_class: str | None = _extra()
     weight: float | None = _extra()
+    # The dtype `bit` indexes where it is not the workload's: under autocast a forward value
+    # struck is bfloat16 (blank: the workload's, or flips in several dtypes).
+    bit_dtype: str | None = _extra()
 
     def cells(self) -> dict[str, str]:
         """The row as trials.csv's cells, by column."""
