@@ -131,3 +131,17 @@ def test_a_bit_index_is_checked_in_the_dtype_its_target_computes_in():
         ConfigError, match="20 is outside bfloat16, the dtype of the output of 'head'"
     ):
         compose_run(*mixed, "fault.tensor=head")
+
+
+def test_a_scale_factor_is_checked_in_the_widest_dtype_its_targets_compute_in():
+    """x1.001 changes a float32 value and rounds back to every bfloat16 one: under bf16-mixed
+    a LayerNorm's float32 output takes it, a Linear's bfloat16 output or products never could
+    (it struck 'head' with fired False)."""
+    fault = ["fault=activation_nan", "fault.model=scale", "fault.value=null", "fault.factor=1.001"]
+    mixed = ["campaign=single", "workload=gpt", "workload.precision=bf16-mixed", *fault]
+    assert compose_run(*mixed, "fault.tensor=ln_f").scenarios[0].factor == 1.001
+    assert compose_run(*mixed, "fault.tensor=blocks.0.*").scenarios[0].factor == 1.001
+    for site in ("activation", "matmul"):
+        with pytest.raises(ConfigError, match="1.001 rounds back to every element in bfloat16"):
+            compose_run(*mixed, f"fault.site={site}", "fault.tensor=head")
+    assert compose_run(*mixed, "fault.tensor=head", "fault.factor=1.01").scenarios[0].factor == 1.01

@@ -11,6 +11,7 @@ import math
 import torch
 
 from harness.config.schema import FaultConfig
+from harness.core.formats import FLOAT_FORMATS, unchanging_scale
 from harness.core.matmuls import ForwardModules
 from harness.core.plugins import matches
 from harness.errors import ConfigError
@@ -57,8 +58,12 @@ def check_target(
         raise ConfigError(f"{key}.tensor", message)
     if fault.site == "matmul" and forward is not None:
         _reaches_product(key, fault, [name for name, _ in matched], forward)
-    if fault.site in sites.MODULE_SITES and forward is not None and isinstance(fault.bit, int):
-        _bit_in_struck_dtype(key, fault, [name for name, _ in matched], forward)
+    if fault.site in sites.MODULE_SITES and forward is not None:
+        targets = [name for name, _ in matched]
+        if isinstance(fault.bit, int):
+            _bit_in_struck_dtype(key, fault, targets, forward)
+        if fault.factor is not None and "scale" in (fault.model, fault.burst_model):
+            _scale_in_struck_dtype(key, fault, targets, forward)
     if shard_group is not None and fault.site in sites.SHARD_HELD:
         sizes = _held(key, fault, model, [name for name, _ in matched], shard_group)
     else:
@@ -106,6 +111,26 @@ def _bit_in_struck_dtype(
                     f"'{name}'; allowed: 0..{width - 1}, or a class (sign, exponent_msb, "
                     "exponent, mantissa), drawn in the dtype struck"
                 )  # fmt: skip
+
+
+def _scale_in_struck_dtype(
+    key: str, fault: FaultConfig, targets: list[str], forward: ForwardModules
+) -> None:
+    """A scale factor that changes an element of the widest dtype the fault may strike: the
+    workload's (checked in harness/config/faults.py) may be float32 where every target's
+    output or products are bfloat16 (autocast), which round away a factor float32 keeps."""
+    struck = forward.outputs if fault.site == "activation" else forward.made
+    dtypes = {dtype for name in targets for dtype in struck.get(name, ())}
+    if not dtypes:
+        return
+    widest = max(dtypes, key=lambda dtype: FLOAT_FORMATS[dtype][1])
+    least = unchanging_scale(widest)
+    if 0 < abs(fault.factor - 1) < least:
+        raise ConfigError(
+            f"{key}.factor", f"{fault.factor:g} rounds back to every element in {widest}, the "
+            f"widest dtype of what '{fault.tensor}' names at site {fault.site}: the fault "
+            f"could never strike; allowed: |factor - 1| >= {least:g}"
+        )  # fmt: skip
 
 
 def _reaches_product(

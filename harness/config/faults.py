@@ -23,7 +23,7 @@ from harness.config.schema import (
     TopologyConfig,
     WorkloadConfig,
 )
-from harness.core.formats import BIT_CLASSES, FLOAT_FORMATS
+from harness.core.formats import BIT_CLASSES, FLOAT_FORMATS, unchanging_scale
 from harness.core.values import choice, int_list, integer, known_keys
 from harness.errors import ConfigError
 from injectors import bits, sites
@@ -220,8 +220,9 @@ def _bit_error_rate(key: str, values: dict[str, Any]) -> None:
 # The sites whose tensors hold the workload's dtype, or, under a mixed precision, float32 or
 # the 16-bit dtype by module (autocast's products are 16-bit, a LayerNorm's output float32): a
 # value the workload's dtype, the widest of them, cannot change is unchanged in each. What only
-# a 16-bit output rounds away is not refused (it may strike a float32 one): the row's `fired`
-# says. The loss and optimizer moments may be float32 under a 16-bit dtype.
+# a 16-bit output rounds away is refused once the targets' dtypes are traced
+# (harness/config/fault_targets.py). The loss and optimizer moments may be float32 under a
+# 16-bit dtype.
 IN_WORKLOAD_DTYPE = ("grad", "allreduce", "weight", "gather", "activation", "matmul")
 # The one element of the loss: nothing to exchange, and its range is that element.
 ONE_ELEMENT = {"loss"}
@@ -240,14 +241,13 @@ def _changes_a_value(
     if model == "burst" and values.get("burst_model"):
         model = values["burst_model"]  # a burst corrupts each of its elements with it
     dtype = getattr(torch, workload.dtype)
-    _, mantissa = FLOAT_FORMATS[workload.dtype]
     factor = values["factor"]
-    # Within 2^-(m+2) of 1, x * factor rounds back to x for every x of an m-bit mantissa.
-    if model == "scale" and factor is not None and 0 < abs(factor - 1) < 2.0 ** -(mantissa + 2):
+    least = unchanging_scale(workload.dtype)
+    if model == "scale" and factor is not None and 0 < abs(factor - 1) < least:
         raise ConfigError(
             f"{key}.factor",
             f"{factor:g} rounds back to every element in {workload.dtype}: the fault could "
-            f"never strike; allowed: |factor - 1| >= {2.0 ** -(mantissa + 2):g}",
+            f"never strike; allowed: |factor - 1| >= {least:g}",
         )
     number = _number(values["value"]) if model == "value" else None
     if number is not None and number != 0:

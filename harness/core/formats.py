@@ -26,3 +26,9 @@ def classify_bit(fmt: str, bit: int) -> str:
         if bit in class_bits(fmt, name):
             return name
     raise ValueError(f"bit {bit} is outside {fmt}")
+
+
+def unchanging_scale(fmt: str) -> float:
+    """Within this distance of 1, x * factor rounds back to x for every x of `fmt`: half of
+    the half-ulp of the smallest significand, 2^-(m+2) for an m-bit mantissa."""
+    return 2.0 ** -(FLOAT_FORMATS[fmt][1] + 2)
