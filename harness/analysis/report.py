@@ -20,13 +20,13 @@ from harness.analysis import figures, mix
 from harness.analysis.intervals import audit_intervals
 from harness.analysis.overheads import load_overhead
 from harness.analysis.tables import (
-    ESCAPE_CELL,
     ReportError,
     by_parallel,
     catch_rates,
     cells,
     detection_times,
     detector_names,
+    escape_cell,
     escapes,
     false_positives,
     harmful_escapes,
@@ -97,7 +97,7 @@ def escape_section(df: pd.DataFrame, folder: Path) -> str:
     if not rows:
         return text + "No harmful fault escaped every detector.\n"
     text += markdown_table(rows)
-    path = figures.escape_impact(harmful_escapes(df), ESCAPE_CELL, folder / "escapes.png")
+    path = figures.escape_impact(harmful_escapes(df), escape_cell(df), folder / "escapes.png")
     return text + f"\n![Loss damage of the harmful faults no detector caught](figures/{path.name})"
 
 
@@ -287,8 +287,10 @@ def write_report(df: pd.DataFrame, out: Path, dirs: list[Path] | None = None) ->
         "## Catch rate by detector\n\nEach detector's n counts the trials in which it ran.\n\n"
         + markdown_table(catch_rates(df)),
         *([mix_section(df)] if mix.weighed(df) else []),
-        "## Catch rate by scenario cell\n\nA blind spot is a cell with harmful or latent trials "
-        "whose catch rate among them has a 95% upper bound below 50%.\n\n"
+        "## Catch rate by scenario cell\n\nA cell is a site, model and bit class, and each "
+        "setting of the fault that differs between the campaign's scenarios (factor, value, "
+        "scope, persistence; workload and dtype in a sweep). A blind spot is a cell with harmful "
+        "or latent trials whose catch rate among them has a 95% upper bound below 50%.\n\n"
         + coverage_line(df)
         + markdown_table(cells(df)),
         "## What each detector sees and misses\n\nFired trials caught by each detector, per "

@@ -183,10 +183,33 @@ def sweep_columns(df: pd.DataFrame) -> list[str]:
     return [c for c in (Column.workload, Column.dtype) if df[c].nunique() > 1]
 
 
+# A fault's own settings beyond site, model and bit: scenarios that differ in one are caught
+# differently (x10 and x1e6, a NaN and a random value, a transient and a permanent fault).
+SETTINGS = (Column.scope, Column.persistence, Column.factor, Column.value)
+
+
+def setting_columns(df: pd.DataFrame, always: tuple[str, ...] = ()) -> list[str]:
+    """The settings (SETTINGS) that tell scenarios apart: those `always` names, and each the
+    trials hold more than one value of. A campaign of one value keeps its tables as they were."""
+    return [c for c in SETTINGS if c in always or df[c].nunique() > 1]
+
+
+def _as_text(df: pd.DataFrame, columns: list[str]) -> pd.DataFrame:
+    """The columns as the tables show them and group them: a blank as "", a factor as %g."""
+
+    def text(value: object) -> str:
+        if value is None or (isinstance(value, float) and math.isnan(value)):
+            return ""
+        return f"{value:g}" if isinstance(value, float) else str(value)
+
+    return df.assign(**{c: df[c].map(text) for c in columns})
+
+
 @dataclass(frozen=True)
 class Cell:
     """One scenario cell (site, model, bit class; workload and dtype in a sweep of them, as
-    `sweep_columns` says) of fired trials, as numbers."""
+    `sweep_columns` says, and the settings that tell its scenarios apart, as `setting_columns`
+    says) of fired trials, as numbers."""
 
     site: str
     model: str
@@ -196,11 +219,15 @@ class Cell:
     effects: str
     workload: str = ""  # blank: the trials hold one workload
     dtype: str = ""  # blank: the trials hold one dtype
+    scope: str = ""  # blank: the trials hold one, or the fault has none
+    persistence: str = ""
+    factor: str = ""
+    value: str = ""
 
     @property
     def key(self) -> tuple[str, ...]:
-        swept = (v for v in (self.workload, self.dtype) if v)
-        return (self.site, self.model, *swept, self.bit_class)
+        named = (self.workload, self.dtype, self.scope, self.persistence, self.factor, self.value)
+        return (self.site, self.model, *(v for v in named if v), self.bit_class)
 
     @property
     def blind(self) -> bool:
@@ -208,14 +235,14 @@ class Cell:
 
 
 def cell_stats(df: pd.DataFrame) -> list[Cell]:
-    """Catch counts per (site, model, bit class) and per workload and dtype where the trials
-    hold several, among fired and among harmful or latent trials (the damage a blind spot lets
-    through)."""
+    """Catch counts per (site, model, bit class), per workload and dtype where the trials hold
+    several, and per setting that tells their scenarios apart, among fired and among harmful or
+    latent trials (the damage a blind spot lets through)."""
     fired = df[df[Column.fired] == True]  # noqa: E712
-    swept = sweep_columns(df)
+    told = [*sweep_columns(df), *setting_columns(df)]
     found = []
-    for (site, model, *sweep, klass), g in fired.groupby(
-        [Column.site, Column.model, *swept, "bit_class"], dropna=False
+    for (site, model, *apart, klass), g in _as_text(fired, told).groupby(
+        [Column.site, Column.model, *told, "bit_class"], dropna=False
     ):
         harmful = g[g[Column.effect].isin(DAMAGING)]
         effects = ", ".join(f"{e} {c}" for e, c in g[Column.effect].value_counts().items())
@@ -227,7 +254,7 @@ def cell_stats(df: pd.DataFrame) -> list[Cell]:
                 fired=(int(g[Column.detected].sum()), len(g)),
                 harmful=(int(harmful[Column.detected].sum()), len(harmful)),
                 effects=effects,
-                **dict(zip(map(str, swept), sweep, strict=True)),
+                **dict(zip(map(str, told), apart, strict=True)),
             )
         )
     return found
@@ -235,12 +262,12 @@ def cell_stats(df: pd.DataFrame) -> list[Cell]:
 
 def cells(df: pd.DataFrame) -> list[dict[str, object]]:
     """Catch rate per scenario cell (Cell), and whether the cell is a blind spot."""
-    swept = sweep_columns(df)
+    told = [*sweep_columns(df), *setting_columns(df)]
     return [
         {
             Column.site: c.site,
             Column.model: c.model,
-            **{column: getattr(c, column) for column in swept},
+            **{column: getattr(c, column) or "-" for column in told},
             "bit class": c.bit_class,
             "catch rate (fired)": rate_text(*c.fired),
             "catch rate (harmful or latent)": rate_text(*c.harmful),
@@ -251,27 +278,35 @@ def cells(df: pd.DataFrame) -> list[dict[str, object]]:
     ]
 
 
-ESCAPE_CELL = [Column.site, Column.model, Column.persistence, "bit_class"]
+def _escape_settings(df: pd.DataFrame) -> list[str]:
+    return setting_columns(df, always=(Column.persistence,))
+
+
+def escape_cell(df: pd.DataFrame) -> list[str]:
+    """An escape's scenario cell: site, model, persistence, the other settings that tell the
+    trials' scenarios apart (`setting_columns`), bit class."""
+    return [Column.site, Column.model, *_escape_settings(df), "bit_class"]
 
 
 def harmful_escapes(df: pd.DataFrame) -> pd.DataFrame:
-    """Harmful trials that no detector caught, with their scenario cell's columns filled."""
+    """Harmful trials that no detector caught, with their scenario cell's columns as text."""
     harmful = df[(df[Column.fired] == True) & (df[Column.effect] == Effect.HARMFUL)]  # noqa: E712
     missed = harmful[harmful[Column.detected] != True]  # noqa: E712
-    return missed.fillna({Column.persistence: ""})
+    return _as_text(missed, _escape_settings(df))
 
 
 def escapes(df: pd.DataFrame) -> list[dict[str, object]]:
     """The loss damage (loss_delta, final loss minus its golden run's) of harmful trials that no
-    detector caught, per scenario cell (ESCAPE_CELL). A blank loss_delta is a final loss that is
-    not a number: the damage has no size, and is counted apart."""
+    detector caught, per scenario cell (`escape_cell`). A blank loss_delta is a final loss that
+    is not a number: the damage has no size, and is counted apart."""
     harmful = df[(df[Column.fired] == True) & (df[Column.effect] == Effect.HARMFUL)]  # noqa: E712
-    totals = harmful.fillna({Column.persistence: ""}).groupby(ESCAPE_CELL, dropna=False).size()
+    cell = escape_cell(df)
+    totals = _as_text(harmful, _escape_settings(df)).groupby(cell, dropna=False).size()
     rows = []
-    for key, missed in harmful_escapes(df).groupby(ESCAPE_CELL, dropna=False):
+    for key, missed in harmful_escapes(df).groupby(cell, dropna=False):
         delta = pd.to_numeric(missed[Column.loss_delta], errors="coerce")
         finite = delta[delta.map(math.isfinite)]
-        labels = (c.replace("_", " ") for c in ESCAPE_CELL)
+        labels = (c.replace("_", " ") for c in cell)
         row: dict[str, object] = dict(zip(labels, (k or "-" for k in key), strict=True))
         row["escaped / harmful"] = f"{len(missed)}/{totals[key]}"
         row["loss_delta median"] = f"{finite.median():.4g}" if len(finite) else "-"
@@ -282,15 +317,14 @@ def escapes(df: pd.DataFrame) -> list[dict[str, object]]:
 
 
 def sees_and_misses(df: pd.DataFrame) -> list[dict[str, object]]:
-    """Per scenario (site, model, scope, persistence, and workload and dtype where the trials
-    hold several): what share of fired trials each detector caught, with n and a 95% Wilson
-    interval. A dash: the detector was not on in those trials."""
+    """Per scenario (site, model, scope, persistence; workload, dtype, factor and value where
+    the trials hold several): what share of fired trials each detector caught, with n and a
+    95% Wilson interval. A dash: the detector was not on in those trials."""
     fired = df[df[Column.fired] == True]  # noqa: E712
-    keys = [Column.site, Column.model, *sweep_columns(df), Column.scope, Column.persistence]
+    told = setting_columns(df, always=(Column.scope, Column.persistence))
+    keys = [Column.site, Column.model, *sweep_columns(df), *told]
     rows = []
-    # A column of blanks reads as float NaN, which pandas will not fill with text.
-    named = fired.astype({Column.scope: object}).fillna({Column.scope: ""})
-    for key, g in named.groupby(keys, dropna=False):
+    for key, g in _as_text(fired, told).groupby(keys, dropna=False):
         row: dict[str, object] = dict(zip(keys, (k or "-" for k in key), strict=True))
         for d in detector_names(df):
             on = g[_names(g[Column.detectors], d)]

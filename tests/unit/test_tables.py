@@ -360,3 +360,52 @@ def test_sdc_regress_finds_a_blind_spot_that_a_dtype_sweep_gained():
     assert [f["where"] for f in found] == [
         "grad / bitflip / float32 / exponent, harmful or latent trials"
     ]
+
+
+# scenario cells across a fault's settings
+
+SCALE = {"fired": True, "effect": "harmful", "model": "scale", "detectors": "nan_inf"}
+# x10 escapes every time, x1e6 overflows to inf and nan_inf catches it.
+X10_MISSED = [dict(SCALE, factor=10.0)] * 5
+X1E6_CAUGHT = [dict(SCALE, factor=1e6, detected=True, detected_by="nan_inf")] * 5
+
+
+def test_scenarios_of_other_factors_keep_their_cells_and_blind_spots_apart():
+    """Merged, x10's 0/5 and x1e6's 5/5 read as 5/10 and x10's blind spot disappears (as in
+    the default campaign, whose grad scale runs both)."""
+    rows = cells(classed(*X10_MISSED, *X1E6_CAUGHT))
+    assert [list(r)[:4] for r in rows] == [["site", "model", "factor", "bit class"]] * 2
+    by_factor = {r["factor"]: r for r in rows}
+    assert set(by_factor) == {"10", "1e+06"}
+    assert by_factor["10"]["blind spot"] == "**yes**"
+    assert by_factor["1e+06"]["catch rate (harmful or latent)"] == rate_text(5, 5)
+    keys = {c.key for c in cell_stats(classed(*X10_MISSED, *X1E6_CAUGHT))}
+    assert keys == {("grad", "scale", "10", "-"), ("grad", "scale", "1e+06", "-")}
+    seen = sees_and_misses(classed(*X10_MISSED, *X1E6_CAUGHT))
+    assert [(r["factor"], r["nan_inf"]) for r in seen] == [
+        ("10", rate_text(0, 5)),
+        ("1e+06", rate_text(5, 5)),
+    ]
+
+
+def test_persistences_and_values_each_keep_a_cell():
+    nan = dict(FLIP, model="value", bit="", value="nan", detected=True, detected_by="nan_inf")
+    table = classed(
+        *[dict(nan, persistence="transient")] * 2,
+        *[dict(nan, persistence="permanent")] * 3,
+        *[dict(FLIP, model="value", bit="", value="random", persistence="transient")] * 4,
+    )
+    rows = cells(table)
+    assert [(r["persistence"], r["value"], r["catch rate (fired)"]) for r in rows] == [
+        ("permanent", "nan", rate_text(3, 3)),
+        ("transient", "nan", rate_text(2, 2)),
+        ("transient", "random", rate_text(0, 4)),
+    ]
+    # A blank setting is no part of the key: a fault with no value beside ones with one.
+    mixed = classed(*F32_MISSED, nan, dict(nan, value="inf"))
+    keys = {c.key for c in cell_stats(mixed)}
+    assert keys == {
+        ("grad", "bitflip", "exponent"),
+        ("grad", "value", "nan", "-"),
+        ("grad", "value", "inf", "-"),
+    }
