@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -188,3 +189,19 @@ def test_a_bit_is_classed_in_the_dtype_it_was_flipped_in(tmp_path):
     assert (row.dtype, row.bit, row.bit_dtype) == ("float32", 14, "bfloat16")
     write_trials(tmp_path / "trials.csv", [row])
     assert load_trials([tmp_path])["bit_class"].tolist() == ["exponent_msb"]
+
+
+@pytest.mark.parametrize(
+    ("configured", "flipped", "cell"),
+    [("exponent", 30, "exponent"), (None, 30, "exponent_msb"), (23, 23, "exponent")],
+)
+def test_a_trials_bit_class_is_its_scenarios(tmp_path, configured, flipped, cell):
+    """A class draws a bit of it, which may belong to a narrower class too (bit 30 of float32 is
+    the exponent's top bit): the trial stays in its scenario's cell, the class configured. Only
+    a fault with no bit configured is classed by the bit it flipped."""
+    fault = FaultConfig(site="grad", model="bitflip", bit=configured, ranks=(1,), steps=(3,))
+    flip = replace(_inject(1, 3), bit=flipped, bits=[flipped], dtype="float32")
+    row = _row(fault, [_part(0), _part(1, [flip], digest="x"), _part(2), _part(3)])
+    assert (row.bit, row.bit_class) == (flipped, cell)
+    write_trials(tmp_path / "trials.csv", [row])
+    assert load_trials([tmp_path])["bit_class"].tolist() == [cell]

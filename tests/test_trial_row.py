@@ -47,6 +47,7 @@ FULL = TrialRow(
     damage=("replicas diverged",), effect_from=EffectSource.OBSERVE_TWIN,
     warnings=("replay: not deterministic",), parallel=Parallel.HSDP, shard_size=2,
     fault_class="defective_unit", weight=0.495, bit_dtype="bfloat16",
+    bit_class="exponent",
 )  # fmt: skip
 
 

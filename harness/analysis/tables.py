@@ -77,7 +77,7 @@ def bit_class(dtype: str, bit: object) -> str:
 def load_trials(dirs: list[Path]) -> pd.DataFrame:
     """Every trials.csv under the given folders (a sweep folder holds one per job), each read
     into TrialRows (harness/results/trial_row.py) and framed by `trials_frame`, with `run` (the
-    file's folder) and `bit_class` added."""
+    file's folder) added and `bit_class` filled where an older table lacks it."""
     files = []
     for d in dirs:
         if not d.is_dir():
@@ -94,9 +94,10 @@ def load_trials(dirs: list[Path]) -> pd.DataFrame:
             raise ReportError(str(exc)) from None
         frames.append(trials_frame(rows).assign(run=str(f.parent)))
     df = pd.concat(frames, ignore_index=True)
-    # A bit is classed in the dtype it indexes: `bit_dtype` where autocast struck another.
+    # A table written before rows kept their class: the bit's, in the dtype it indexes.
     dtypes = df[Column.bit_dtype].where(df[Column.bit_dtype].notna(), df[Column.dtype])
-    df["bit_class"] = [bit_class(d, b) for d, b in zip(dtypes, df[Column.bit], strict=True)]
+    classed = [bit_class(d, b) for d, b in zip(dtypes, df[Column.bit], strict=True)]
+    df[Column.bit_class] = df[Column.bit_class].where(df[Column.bit_class].notna(), classed)
     return df
 
 
@@ -242,7 +243,7 @@ def cell_stats(df: pd.DataFrame) -> list[Cell]:
     told = [*sweep_columns(df), *setting_columns(df)]
     found = []
     for (site, model, *apart, klass), g in _as_text(fired, told).groupby(
-        [Column.site, Column.model, *told, "bit_class"], dropna=False
+        [Column.site, Column.model, *told, Column.bit_class], dropna=False
     ):
         harmful = g[g[Column.effect].isin(DAMAGING)]
         effects = ", ".join(f"{e} {c}" for e, c in g[Column.effect].value_counts().items())
@@ -285,7 +286,7 @@ def _escape_settings(df: pd.DataFrame) -> list[str]:
 def escape_cell(df: pd.DataFrame) -> list[str]:
     """An escape's scenario cell: site, model, persistence, the other settings that tell the
     trials' scenarios apart (`setting_columns`), bit class."""
-    return [Column.site, Column.model, *_escape_settings(df), "bit_class"]
+    return [Column.site, Column.model, *_escape_settings(df), Column.bit_class]
 
 
 def harmful_escapes(df: pd.DataFrame) -> pd.DataFrame:

@@ -22,6 +22,7 @@ from harness.core.events import (
     LaneInject,
     TrialAlert,
 )
+from harness.core.formats import classify_bit
 from harness.core.phases import PHASE_ORDER
 from harness.core.vocabulary import (
     GRADIENT_SITES,
@@ -84,6 +85,13 @@ def _bit(
         if bit is not None:
             return bit, None if dtype in (None, workload_dtype) else dtype
     return fault.bit, None
+
+
+def _bit_class(configured: int | str | None, bit: int | str | None, dtype: str) -> str | None:
+    """The class of the trial's scenario: the configured class, else the bit's in `dtype`."""
+    if isinstance(configured, str):
+        return configured
+    return None if bit is None else classify_bit(dtype, int(bit))
 
 
 def _sorted(values) -> tuple:
@@ -210,6 +218,7 @@ def trial_row(
         fault_class=spec.mix.name if spec.mix else None,
         weight=spec.mix.weight if spec.mix else None,
         bit_dtype=bit_dtype,
+        bit_class=_bit_class(fault.bit, bit, bit_dtype or run.workload.dtype),
         **(recovery.fields() if recovery else {}),
     )
     if crash:

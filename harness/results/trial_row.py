@@ -107,6 +107,9 @@ class TrialRow:
     # The dtype `bit` indexes where it is not the workload's: under autocast a forward value
     # struck is bfloat16 (blank: the workload's, or flips in several dtypes).
     bit_dtype: str | None = _extra()
+    # The trial's bit class as its scenario names it: the configured class (a drawn bit may also
+    # be in a narrower one), else the class of its bit in that bit's dtype.
+    bit_class: str | None = _extra()
 
     def cells(self) -> dict[str, str]:
         """The row as trials.csv's cells, by column."""
