@@ -133,6 +133,8 @@ def test_report_without_overhead_has_escapes_and_no_overhead_section(tmp_path):
     text = (out / "report.md").read_text()
     assert "## Escape impact" in text and "(figures/escapes.png)" in text
     assert "Overhead" not in text
+    # Rows copied without their golden.jsonl (as results/baseline holds them): not "0 golden runs".
+    assert "Golden runs: not recorded (no golden.jsonl beside trials.csv)" in text
     assert "figures/escapes.png" in images_render_from_disk(out)
 
 

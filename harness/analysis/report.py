@@ -240,18 +240,22 @@ def coverage_line(df: pd.DataFrame) -> str:
 
 def golden_line(df: pd.DataFrame) -> str:
     """How many golden runs the rows were judged against, and which of them the golden store
-    gave instead of a run (golden.jsonl's `reused_from`), one line."""
-    held = [
-        g for run in sorted(df["run"].unique()) for g in read_goldens(RunFolder(Path(run)).goldens)
-    ]
+    gave instead of a run (golden.jsonl's `reused_from`), one line; rows copied without their
+    golden.jsonl say so rather than count none."""
+    folders = [RunFolder(Path(run)) for run in sorted(df["run"].unique())]
+    lacking = sum(not folder.goldens.exists() for folder in folders)
+    if lacking == len(folders):
+        return "not recorded (no golden.jsonl beside trials.csv)"
+    held = [g for folder in folders for g in read_goldens(folder.goldens)]
     reused = [g for g in held if g.reused_from]
+    unrecorded = f"; {lacking} of {len(folders)} folders hold no golden.jsonl" if lacking else ""
     if not reused:
-        return f"{len(held)}, each run in its campaign"
+        return f"{len(held)}, each run in its campaign{unrecorded}"
     stores = sorted({str(Path(g.reused_from).parent.parent) for g in reused})
     seeds = _spans(sorted({g.seed for g in reused}))
     return (
         f"{len(held)}; {len(reused)} reused from the golden store ({', '.join(stores)}; seeds "
-        f"{seeds}), {len(held) - len(reused)} run in their campaign"
+        f"{seeds}), {len(held) - len(reused)} run in their campaign{unrecorded}"
     )
 
 
