@@ -318,15 +318,16 @@ def escapes(df: pd.DataFrame) -> list[dict[str, object]]:
 
 
 def sees_and_misses(df: pd.DataFrame) -> list[dict[str, object]]:
-    """Per scenario (site, model, scope, persistence; workload, dtype, factor and value where
-    the trials hold several): what share of fired trials each detector caught, with n and a
-    95% Wilson interval. A dash: the detector was not on in those trials."""
+    """Per scenario (site, model, scope, persistence, bit class; workload, dtype, factor and
+    value where the trials hold several): what share of fired trials each detector caught,
+    with n and a 95% Wilson interval. A dash: the detector was not on in those trials."""
     fired = df[df[Column.fired] == True]  # noqa: E712
     told = setting_columns(df, always=(Column.scope, Column.persistence))
-    keys = [Column.site, Column.model, *sweep_columns(df), *told]
+    keys = [Column.site, Column.model, *sweep_columns(df), *told, Column.bit_class]
     rows = []
     for key, g in _as_text(fired, told).groupby(keys, dropna=False):
-        row: dict[str, object] = dict(zip(keys, (k or "-" for k in key), strict=True))
+        shown = (c.replace("_", " ") for c in keys)
+        row: dict[str, object] = dict(zip(shown, (k or "-" for k in key), strict=True))
         for d in detector_names(df):
             on = g[_names(g[Column.detectors], d)]
             caught = _names(on[Column.detected_by], d)
