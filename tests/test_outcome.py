@@ -205,3 +205,21 @@ def test_a_trials_bit_class_is_its_scenarios(tmp_path, configured, flipped, cell
     assert (row.bit, row.bit_class) == (flipped, cell)
     write_trials(tmp_path / "trials.csv", [row])
     assert load_trials([tmp_path])["bit_class"].tolist() == [cell]
+
+
+REDUCTION = FaultConfig(
+    site="allreduce", model="scale", factor=1000.0, scope="reduction", ranks=(0,), steps=(3,)
+)
+
+
+@pytest.mark.parametrize(("suspects", "correct"), [([0, 1, 2, 3], False), ([0], True)])
+def test_a_broken_reduction_is_attributed_to_the_node_it_names(suspects, correct):
+    """Scope reduction models node N's reduction hardware (`fault.ranks=[N]`): every receiver
+    gets the wrong sum, so every rank records a strike, but an alert naming every rank has not
+    found the broken node."""
+    struck = [replace(_inject(r, 3), site="allreduce") for r in range(4)]
+    alert = _alert(1, 3, "post_allreduce", suspects)
+    parts = [_part(r, [struck[r], *([alert] if r == 1 else [])], digest="x") for r in range(4)]
+    row = _row(REDUCTION, parts)
+    assert row.injected_ranks == (0, 1, 2, 3) and row.detected
+    assert row.attribution_correct is correct

@@ -172,7 +172,9 @@ def trial_row(
         alerts=len(alerts),
         suspect_ranks=_sorted(first.suspect_ranks) if first else (),
         suspect_nodes=_sorted(first.suspect_nodes) if first else (),
-        attribution_correct=attribution(first, injected_ranks, run) if first else None,
+        attribution_correct=attribution(first, culprits(fault, injected_ranks), run)
+        if first
+        else None,
         final_loss=_number(final_loss),
         golden_final_loss=golden.final_loss,
         loss_delta=_number(final_loss - golden.final_loss),
@@ -308,11 +310,20 @@ def contained(
     return not any(inject_step <= c < first.step for c in checkpoints)
 
 
-def attribution(first: TrialAlert, injected_ranks: set[int], run: RunConfig) -> bool:
-    """The suspect set names the injected ranks (or their nodes) and nothing else."""
+def culprits(fault: FaultConfig, injected_ranks: set[int]) -> set[int]:
+    """The ranks whose hardware the fault models as broken: those it struck, but for a broken
+    reduction (scope reduction), which strikes every receiver of its sum and is the hardware of
+    the rank `fault.ranks` names (a contribution model's sender, node N's reduction)."""
+    if fault.scope == Scope.REDUCTION and fault.ranks:
+        return set(fault.ranks)
+    return injected_ranks
+
+
+def attribution(first: TrialAlert, culprits: set[int], run: RunConfig) -> bool:
+    """The suspect set names the culprits (or their nodes) and nothing else."""
     if first.suspect_ranks:
-        return set(first.suspect_ranks) == injected_ranks
-    nodes = {r // run.topology.ranks_per_node for r in injected_ranks}
+        return set(first.suspect_ranks) == culprits
+    nodes = {r // run.topology.ranks_per_node for r in culprits}
     return bool(first.suspect_nodes) and set(first.suspect_nodes) == nodes
 
 
