@@ -4,7 +4,8 @@ Exit 0 when nothing regressed, 1 with a table of what did, 2 with one line on ba
 folder, no trials.csv, missing columns), before anything is compared. A regression is:
 
 - a catch rate that fell: per detector (the report's catch-rate table) and per scenario cell
-  (site, model, bit class), the current 95% Wilson upper bound below the baseline's lower bound,
+  (site, model, bit class and the settings that tell scenarios apart), the current 95% Wilson
+  upper bound below the baseline's lower bound,
   so that the seed-to-seed noise of two runs of the same code is never one;
 - a new false positive: a detector with no alert in the baseline's clean trials has one now;
 - an overhead more than 25% above the baseline's (and more than 5 percentage points, below
@@ -114,12 +115,8 @@ def detector_drops(base: pd.DataFrame, cur: pd.DataFrame) -> list[dict[str, str]
     return found
 
 
-def _cells(df: pd.DataFrame) -> dict[tuple[str, str, str], Cell]:
+def _cells(df: pd.DataFrame) -> dict[tuple[str, ...], Cell]:
     return {cell.key: cell for cell in cell_stats(df)}
-
-
-def _cell_name(key: tuple) -> str:
-    return " / ".join(str(k) for k in key)
 
 
 def cell_drops(base: pd.DataFrame, cur: pd.DataFrame) -> list[dict[str, str]]:
@@ -134,7 +131,7 @@ def cell_drops(base: pd.DataFrame, cur: pd.DataFrame) -> list[dict[str, str]]:
             ("catch rate (harmful or latent)", cell.harmful, now.harmful),
         ):
             if fell(was, counted):
-                where = f"{_cell_name(key)}, {label}"
+                where = f"{cell.name}, {label}"
                 found.append(
                     _finding("catch rate fell", where, rate_text(*was), rate_text(*counted))
                 )
@@ -148,7 +145,7 @@ def new_blind_spots(base: pd.DataFrame, cur: pd.DataFrame) -> list[dict[str, str
         was = before.get(key)
         if cell.blind and not (was is not None and was.blind):
             text = rate_text(*was.harmful) if was is not None else "not in baseline"
-            where = f"{_cell_name(key)}, harmful or latent trials"
+            where = f"{cell.name}, harmful or latent trials"
             found.append(_finding("new blind spot", where, text, rate_text(*cell.harmful)))
     return found
 

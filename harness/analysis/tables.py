@@ -185,8 +185,18 @@ def sweep_columns(df: pd.DataFrame) -> list[str]:
 
 
 # A fault's own settings beyond site, model and bit: scenarios that differ in one are caught
-# differently (x10 and x1e6, a NaN and a random value, a transient and a permanent fault).
-SETTINGS = (Column.scope, Column.persistence, Column.factor, Column.value)
+# differently (x10 and x1e6, a NaN and a random value, a transient and a permanent fault, a
+# step replay audits and one between its audits, a field mix's classes).
+SETTINGS = (
+    Column.scope,
+    Column.persistence,
+    Column.factor,
+    Column.value,
+    Column.fault_steps,
+    Column.fault_class,
+)
+# What tells one cell from another: the sweep's columns, then the fault's settings.
+APART = (Column.workload, Column.dtype, *SETTINGS)
 
 
 def setting_columns(df: pd.DataFrame, always: tuple[str, ...] = ()) -> list[str]:
@@ -195,22 +205,27 @@ def setting_columns(df: pd.DataFrame, always: tuple[str, ...] = ()) -> list[str]
     return [c for c in SETTINGS if c in always or df[c].nunique() > 1]
 
 
-def _as_text(df: pd.DataFrame, columns: list[str]) -> pd.DataFrame:
-    """The columns as the tables show them and group them: a blank as "", a factor as %g."""
+def _text(value: object) -> str:
+    """A cell as the tables show and group it: a blank as "", a number in its shortest form
+    that reads back as itself (x1.000001 is not x1)."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return ""
+    if isinstance(value, float):
+        short = f"{value:g}"
+        return short if float(short) == value else repr(value)
+    return str(value)
 
-    def text(value: object) -> str:
-        if value is None or (isinstance(value, float) and math.isnan(value)):
-            return ""
-        return f"{value:g}" if isinstance(value, float) else str(value)
 
-    return df.assign(**{c: df[c].map(text) for c in columns})
+def _as_text(df: pd.DataFrame, columns: list[str] | tuple[str, ...]) -> pd.DataFrame:
+    return df.assign(**{c: df[c].map(_text) for c in columns})
 
 
 @dataclass(frozen=True)
 class Cell:
-    """One scenario cell (site, model, bit class; workload and dtype in a sweep of them, as
-    `sweep_columns` says, and the settings that tell its scenarios apart, as `setting_columns`
-    says) of fired trials, as numbers."""
+    """One scenario cell of fired trials, as numbers: site, model, bit class, and every column
+    that may tell scenarios apart (APART; blank where a trial has none). The tables show those
+    that differ among their trials (`sweep_columns`, `setting_columns`); the key holds them
+    all, so two runs' cells of one scenario match whatever else either run holds."""
 
     site: str
     model: str
@@ -218,17 +233,23 @@ class Cell:
     fired: Counts
     harmful: Counts
     effects: str
-    workload: str = ""  # blank: the trials hold one workload
-    dtype: str = ""  # blank: the trials hold one dtype
-    scope: str = ""  # blank: the trials hold one, or the fault has none
-    persistence: str = ""
-    factor: str = ""
-    value: str = ""
+    workload: str
+    dtype: str
+    scope: str
+    persistence: str
+    factor: str
+    value: str
+    fault_steps: str
+    fault_class: str
 
     @property
     def key(self) -> tuple[str, ...]:
-        named = (self.workload, self.dtype, self.scope, self.persistence, self.factor, self.value)
-        return (self.site, self.model, *(v for v in named if v), self.bit_class)
+        return (self.site, self.model, *(getattr(self, c) for c in APART), self.bit_class)
+
+    @property
+    def name(self) -> str:
+        """The key as a finding names it: its parts that are not blank."""
+        return " / ".join(part for part in self.key if part)
 
     @property
     def blind(self) -> bool:
@@ -236,14 +257,12 @@ class Cell:
 
 
 def cell_stats(df: pd.DataFrame) -> list[Cell]:
-    """Catch counts per (site, model, bit class), per workload and dtype where the trials hold
-    several, and per setting that tells their scenarios apart, among fired and among harmful or
-    latent trials (the damage a blind spot lets through)."""
+    """Catch counts per scenario cell (Cell), among fired and among harmful or latent trials
+    (the damage a blind spot lets through)."""
     fired = df[df[Column.fired] == True]  # noqa: E712
-    told = [*sweep_columns(df), *setting_columns(df)]
     found = []
-    for (site, model, *apart, klass), g in _as_text(fired, told).groupby(
-        [Column.site, Column.model, *told, Column.bit_class], dropna=False
+    for (site, model, *apart, klass), g in _as_text(fired, APART).groupby(
+        [Column.site, Column.model, *APART, Column.bit_class], dropna=False
     ):
         harmful = g[g[Column.effect].isin(DAMAGING)]
         effects = ", ".join(f"{e} {c}" for e, c in g[Column.effect].value_counts().items())
@@ -255,7 +274,7 @@ def cell_stats(df: pd.DataFrame) -> list[Cell]:
                 fired=(int(g[Column.detected].sum()), len(g)),
                 harmful=(int(harmful[Column.detected].sum()), len(harmful)),
                 effects=effects,
-                **dict(zip(map(str, told), apart, strict=True)),
+                **dict(zip(map(str, APART), apart, strict=True)),
             )
         )
     return found
@@ -268,7 +287,7 @@ def cells(df: pd.DataFrame) -> list[dict[str, object]]:
         {
             Column.site: c.site,
             Column.model: c.model,
-            **{column: getattr(c, column) or "-" for column in told},
+            **{column.replace("_", " "): getattr(c, column) or "-" for column in told},
             "bit class": c.bit_class,
             "catch rate (fired)": rate_text(*c.fired),
             "catch rate (harmful or latent)": rate_text(*c.harmful),
@@ -279,21 +298,21 @@ def cells(df: pd.DataFrame) -> list[dict[str, object]]:
     ]
 
 
-def _escape_settings(df: pd.DataFrame) -> list[str]:
-    return setting_columns(df, always=(Column.persistence,))
+def _escape_apart(df: pd.DataFrame) -> list[str]:
+    return [*sweep_columns(df), *setting_columns(df, always=(Column.persistence,))]
 
 
 def escape_cell(df: pd.DataFrame) -> list[str]:
-    """An escape's scenario cell: site, model, persistence, the other settings that tell the
-    trials' scenarios apart (`setting_columns`), bit class."""
-    return [Column.site, Column.model, *_escape_settings(df), Column.bit_class]
+    """An escape's scenario cell: site, model, persistence, the other columns that tell the
+    trials' scenarios apart (`sweep_columns`, `setting_columns`), bit class."""
+    return [Column.site, Column.model, *_escape_apart(df), Column.bit_class]
 
 
 def harmful_escapes(df: pd.DataFrame) -> pd.DataFrame:
     """Harmful trials that no detector caught, with their scenario cell's columns as text."""
     harmful = df[(df[Column.fired] == True) & (df[Column.effect] == Effect.HARMFUL)]  # noqa: E712
     missed = harmful[harmful[Column.detected] != True]  # noqa: E712
-    return _as_text(missed, _escape_settings(df))
+    return _as_text(missed, _escape_apart(df))
 
 
 def escapes(df: pd.DataFrame) -> list[dict[str, object]]:
@@ -302,7 +321,7 @@ def escapes(df: pd.DataFrame) -> list[dict[str, object]]:
     is not a number: the damage has no size, and is counted apart."""
     harmful = df[(df[Column.fired] == True) & (df[Column.effect] == Effect.HARMFUL)]  # noqa: E712
     cell = escape_cell(df)
-    totals = _as_text(harmful, _escape_settings(df)).groupby(cell, dropna=False).size()
+    totals = _as_text(harmful, _escape_apart(df)).groupby(cell, dropna=False).size()
     rows = []
     for key, missed in harmful_escapes(df).groupby(cell, dropna=False):
         delta = pd.to_numeric(missed[Column.loss_delta], errors="coerce")
@@ -318,12 +337,12 @@ def escapes(df: pd.DataFrame) -> list[dict[str, object]]:
 
 
 def sees_and_misses(df: pd.DataFrame) -> list[dict[str, object]]:
-    """Per scenario (site, model, scope, persistence, bit class; workload, dtype, factor and
-    value where the trials hold several): what share of fired trials each detector caught,
+    """Per scenario (site, model, scope, persistence, bit class; workload, dtype and the other
+    settings where the trials hold several): what share of fired trials each detector caught,
     with n and a 95% Wilson interval. A dash: the detector was not on in those trials."""
     fired = df[df[Column.fired] == True]  # noqa: E712
-    told = setting_columns(df, always=(Column.scope, Column.persistence))
-    keys = [Column.site, Column.model, *sweep_columns(df), *told, Column.bit_class]
+    told = [*sweep_columns(df), *setting_columns(df, always=(Column.scope, Column.persistence))]
+    keys = [Column.site, Column.model, *told, Column.bit_class]
     rows = []
     for key, g in _as_text(fired, told).groupby(keys, dropna=False):
         shown = (c.replace("_", " ") for c in keys)

@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 
 from harness.analysis.intervals import INTERVAL_COLUMNS, interval_outcomes, pairs
-from harness.analysis.regress import new_blind_spots
+from harness.analysis.regress import cell_drops, new_blind_spots
 from harness.analysis.tables import (
     ANY,
     TRIAL_SETS,
@@ -317,9 +317,9 @@ def test_a_dtype_sweep_keeps_each_dtypes_cell_and_its_blind_spot_apart():
     assert by_dtype["float32"]["catch rate (harmful or latent)"] == rate_text(0, 5)
     assert by_dtype["float32"]["blind spot"] == "**yes**"
     assert by_dtype["bfloat16"]["blind spot"] == "no"
-    keys = {c.key for c in cell_stats(classed(*F32_MISSED, *BF16_CAUGHT))}
-    assert keys == {("grad", "bitflip", "float32", "exponent"),
-                    ("grad", "bitflip", "bfloat16", "exponent")}  # fmt: skip
+    names = {c.name for c in cell_stats(classed(*F32_MISSED, *BF16_CAUGHT))}
+    assert names == {"grad / bitflip / mlp / float32 / exponent",
+                     "grad / bitflip / mlp / bfloat16 / exponent"}  # fmt: skip
 
 
 def test_a_workload_sweep_keeps_each_workloads_cell_apart():
@@ -332,11 +332,13 @@ def test_a_workload_sweep_keeps_each_workloads_cell_apart():
     assert list(rows[0])[:4] == ["site", "model", "workload", "bit class"]
 
 
-def test_a_single_dtype_campaigns_cells_keep_their_columns_and_key():
+def test_a_single_dtype_campaigns_cells_keep_their_columns():
     rows = cells(classed(*F32_MISSED))
     assert [list(r) for r in rows] == [["site", "model", "bit class", *CELL_COLUMNS]]
     assert rows[0]["blind spot"] == "**yes**"
-    assert [c.key for c in cell_stats(classed(*F32_MISSED))] == [("grad", "bitflip", "exponent")]
+    assert [c.name for c in cell_stats(classed(*F32_MISSED))] == [
+        "grad / bitflip / mlp / float32 / exponent"
+    ]
 
 
 def test_what_each_detector_sees_is_split_by_dtype_only_in_a_dtype_sweep():
@@ -358,7 +360,7 @@ def test_sdc_regress_finds_a_blind_spot_that_a_dtype_sweep_gained():
     after = classed(*F32_MISSED, *BF16_CAUGHT)
     found = new_blind_spots(before, after)
     assert [f["where"] for f in found] == [
-        "grad / bitflip / float32 / exponent, harmful or latent trials"
+        "grad / bitflip / mlp / float32 / exponent, harmful or latent trials"
     ]
 
 
@@ -379,8 +381,11 @@ def test_scenarios_of_other_factors_keep_their_cells_and_blind_spots_apart():
     assert set(by_factor) == {"10", "1e+06"}
     assert by_factor["10"]["blind spot"] == "**yes**"
     assert by_factor["1e+06"]["catch rate (harmful or latent)"] == rate_text(5, 5)
-    keys = {c.key for c in cell_stats(classed(*X10_MISSED, *X1E6_CAUGHT))}
-    assert keys == {("grad", "scale", "10", "-"), ("grad", "scale", "1e+06", "-")}
+    names = {c.name for c in cell_stats(classed(*X10_MISSED, *X1E6_CAUGHT))}
+    assert names == {
+        "grad / scale / mlp / float32 / 10 / -",
+        "grad / scale / mlp / float32 / 1e+06 / -",
+    }
     seen = sees_and_misses(classed(*X10_MISSED, *X1E6_CAUGHT))
     assert [(r["factor"], r["nan_inf"]) for r in seen] == [
         ("10", rate_text(0, 5)),
@@ -401,13 +406,13 @@ def test_persistences_and_values_each_keep_a_cell():
         ("transient", "nan", rate_text(2, 2)),
         ("transient", "random", rate_text(0, 4)),
     ]
-    # A blank setting is no part of the key: a fault with no value beside ones with one.
+    # A blank setting is no part of a cell's name: a fault with no value beside ones with one.
     mixed = classed(*F32_MISSED, nan, dict(nan, value="inf"))
-    keys = {c.key for c in cell_stats(mixed)}
-    assert keys == {
-        ("grad", "bitflip", "exponent"),
-        ("grad", "value", "nan", "-"),
-        ("grad", "value", "inf", "-"),
+    names = {c.name for c in cell_stats(mixed)}
+    assert names == {
+        "grad / bitflip / mlp / float32 / exponent",
+        "grad / value / mlp / float32 / nan / -",
+        "grad / value / mlp / float32 / inf / -",
     }
 
 
@@ -419,4 +424,50 @@ def test_what_each_detector_sees_keeps_each_bit_class_apart():
     assert [(r["bit class"], r["nan_inf"]) for r in rows] == [
         ("exponent", rate_text(0, 5)),
         ("mantissa", rate_text(3, 3)),
+    ]
+
+
+def test_factors_that_print_alike_keep_their_cells():
+    """%g prints x1.000001 and x1.000002 as "1": each keeps its exact shortest form."""
+    rows = cells(classed(*[dict(r, factor=1.000001) for r in X10_MISSED],
+                         *[dict(r, factor=1.000002) for r in X1E6_CAUGHT]))  # fmt: skip
+    assert [(r["factor"], r["blind spot"]) for r in rows] == [
+        ("1.000001", "**yes**"),
+        ("1.000002", "no"),
+    ]
+
+
+def test_sdc_regress_matches_a_cell_when_the_current_run_adds_a_scenario_beside_it():
+    """A cell's key holds every setting, blank or not, whatever else each run varies: a current
+    run that adds x10 beside x1e6 still compares its x1e6 cell with the baseline's."""
+    before = classed(*X1E6_CAUGHT)
+    fell = [dict(r, detected=False, detected_by="") for r in X1E6_CAUGHT]
+    after = classed(*fell, *X10_MISSED)
+    assert [f["where"] for f in cell_drops(before, after)] == [
+        "grad / scale / mlp / float32 / 1e+06 / -, catch rate (fired)",
+        "grad / scale / mlp / float32 / 1e+06 / -, catch rate (harmful or latent)",
+    ]
+    blind = new_blind_spots(before, after)
+    assert sorted((f["where"], f["baseline"]) for f in blind) == [
+        ("grad / scale / mlp / float32 / 10 / -, harmful or latent trials", "not in baseline"),
+        ("grad / scale / mlp / float32 / 1e+06 / -, harmful or latent trials", rate_text(5, 5)),
+    ]
+
+
+def test_a_step_between_audits_and_a_field_mix_class_each_keep_a_cell():
+    """nightly's x1000 at step 10 (a replay audit) and at step 12 (between audits) read 68/120
+    merged, 60/60 and 8/60 apart; a field mix's classes are its own scenarios too."""
+    audited = [dict(r, fault_steps="10") for r in X1E6_CAUGHT]
+    between = [dict(r, factor=1e6, fault_steps="12") for r in X10_MISSED]
+    rows = cells(classed(*audited, *between))
+    assert [(r["fault steps"], r["catch rate (fired)"]) for r in rows] == [
+        ("10", rate_text(5, 5)),
+        ("12", rate_text(0, 5)),
+    ]
+    mixed = [dict(r, fault_class="flip1") for r in X1E6_CAUGHT]
+    mixed += [dict(r, factor=1e6, fault_class="flip_multi") for r in X10_MISSED]
+    rows = cells(classed(*mixed))
+    assert [(r["fault class"], r["blind spot"]) for r in rows] == [
+        ("flip1", "no"),
+        ("flip_multi", "**yes**"),
     ]
