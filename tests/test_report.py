@@ -105,6 +105,21 @@ def test_catch_rate_figure_of_clean_trials_keeps_every_detectors_place(monkeypat
     assert ax.get_xlim() == (-0.6, 1.6) and [t.get_text() for t in ax.texts] == ["n=0"] * 4
 
 
+def test_bit_heatmaps_place_each_bit_in_the_dtype_it_indexes(monkeypatch, tmp_path):
+    """bf16-mixed: bit 14 of a Linear's bfloat16 output (the exponent's top bit, caught) and bit
+    14 of a LayerNorm's float32 output (a mantissa bit, missed) are two maps, not one cell."""
+    flip = {"fired": True, "site": "activation", "model": "bitflip", "bit": 14}
+    caught = {"detected": True, "detectors": "nan_inf", "detected_by": "nan_inf",
+              "first_detector": "nan_inf", "ttd_steps": 0}  # fmt: skip
+    df = frame(dict(flip, bit_dtype="bfloat16", **caught), dict(flip, detectors="nan_inf"))
+    drawn = kept_open(monkeypatch)
+    report_maps = report._figures(df, tmp_path)
+    maps = {ax.get_xlabel(): ax.images[0].get_array().tolist() for f in drawn for ax in f.axes
+            if ax.images}  # fmt: skip
+    assert maps == {"bit (bfloat16, LSB = 0)": [[1.0]], "bit (float32, LSB = 0)": [[0.0]]}
+    assert "heatmap_bfloat16.png" in report_maps and "heatmap_float32.png" in report_maps
+
+
 def test_time_to_detection_histogram_draws_every_caught_trial(monkeypatch, tmp_path):
     caught = {"fired": True, "detected": True, "detectors": "replay", "detected_by": "replay",
               "first_detector": "replay"}  # fmt: skip

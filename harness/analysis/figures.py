@@ -7,7 +7,7 @@ from pathlib import Path
 
 import matplotlib
 
-from harness.analysis.tables import catch_counts, sweep_columns
+from harness.analysis.tables import bit_dtypes, catch_counts, sweep_columns
 from harness.core.vocabulary import Effect, Site
 from harness.results.trial_row import Column
 
@@ -85,8 +85,9 @@ def effects_by_scenario(df: pd.DataFrame, path: Path) -> Path:
 
 
 def catch_heatmap(df: pd.DataFrame, dtype: str, path: Path) -> Path | None:
-    """Catch rate (any detector) per site and bit index, for trials with a numeric bit."""
-    fired = df[(df[Column.fired] == True) & (df[Column.dtype] == dtype)].copy()  # noqa: E712
+    """Catch rate (any detector) per site and bit index, for trials with a numeric bit of
+    `dtype` (the bit's own: a bfloat16 output's under bf16-mixed, `bit_dtypes`)."""
+    fired = df[(df[Column.fired] == True) & (bit_dtypes(df) == dtype)].copy()  # noqa: E712
     fired["bit_index"] = pd.to_numeric(fired[Column.bit], errors="coerce")
     fired = fired.dropna(subset=["bit_index"])
     if fired.empty:

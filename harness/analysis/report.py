@@ -21,6 +21,7 @@ from harness.analysis.intervals import audit_intervals
 from harness.analysis.overheads import load_overhead
 from harness.analysis.tables import (
     ReportError,
+    bit_dtypes,
     by_parallel,
     catch_rates,
     cells,
@@ -364,7 +365,7 @@ def _figures(df: pd.DataFrame, folder: Path) -> str:
         ),
         ("Time to detection", figures.detection_delay(df, folder / "ttd.png")),
     ]
-    for dtype in sorted(df[Column.dtype].unique()):
+    for dtype in sorted(bit_dtypes(df).unique()):
         path = figures.catch_heatmap(df, dtype, folder / f"heatmap_{dtype}.png")
         drawn.append((f"Catch rate by site and bit ({dtype})", path))
     lines = ["## Figures"]

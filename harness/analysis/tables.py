@@ -74,6 +74,12 @@ def bit_class(dtype: str, bit: object) -> str:
     return classify_bit(dtype, int(float(bit)))
 
 
+def bit_dtypes(df: pd.DataFrame) -> pd.Series:
+    """The dtype each trial's `bit` indexes: `bit_dtype` where autocast struck another than
+    the workload's, else the workload's."""
+    return df[Column.bit_dtype].where(df[Column.bit_dtype].notna(), df[Column.dtype])
+
+
 def load_trials(dirs: list[Path]) -> pd.DataFrame:
     """Every trials.csv under the given folders (a sweep folder holds one per job), each read
     into TrialRows (harness/results/trial_row.py) and framed by `trials_frame`, with `run` (the
@@ -95,8 +101,7 @@ def load_trials(dirs: list[Path]) -> pd.DataFrame:
         frames.append(trials_frame(rows).assign(run=str(f.parent)))
     df = pd.concat(frames, ignore_index=True)
     # A table written before rows kept their class: the bit's, in the dtype it indexes.
-    dtypes = df[Column.bit_dtype].where(df[Column.bit_dtype].notna(), df[Column.dtype])
-    classed = [bit_class(d, b) for d, b in zip(dtypes, df[Column.bit], strict=True)]
+    classed = [bit_class(d, b) for d, b in zip(bit_dtypes(df), df[Column.bit], strict=True)]
     df[Column.bit_class] = df[Column.bit_class].where(df[Column.bit_class].notna(), classed)
     return df
 
