@@ -185,11 +185,12 @@ def test_the_report_sets_the_same_faults_side_by_side_under_each_parallelism(run
     report.main([str(ddp), str(fsdp), "--out", str(tmp_path / "both")])
     text = (tmp_path / "both" / "report.md").read_text()
     section = text.split("## Catch rate by parallelism")[1].split("\n## ")[0]
-    assert "| site | model | dtype | detector | ddp | fsdp |" in section
+    # The two faults strike at steps 2 and 3: the step tells their rows apart, as in the cells.
+    assert "| site | model | dtype | fault steps | detector | ddp | fsdp |" in section
     lines = [line for line in section.splitlines() if line.startswith("| grad ")]
-    assert "| grad | value | float32 | nan_inf | 1/1 = 100%" in lines[1]
+    assert "| grad | value | float32 | 2 | nan_inf | 1/1 = 100%" in lines[1]
     assert lines[1].endswith("| 1/1 = 100% [21%, 100%] |"), lines
-    assert lines[0].startswith("| grad | value | float32 | grad_stats |")
+    assert lines[0].startswith("| grad | value | float32 | 2 | grad_stats |")
     assert lines[0].endswith("| not run |"), lines
 
 

@@ -403,24 +403,25 @@ def recovery(df: pd.DataFrame) -> str:
 
 
 def by_parallel(df: pd.DataFrame) -> list[dict[str, object]]:
-    """Each detector's catch rate per fault (site, model, dtype) under each parallelism the
-    trials ran with, side by side: what a check loses when the model is sharded. Empty unless
-    the trials span more than one (a table written before sharding existed reads as ddp)."""
+    """Each detector's catch rate per fault (site, model, dtype; the settings that tell the
+    trials' scenarios apart and the bit class, where there are several) under each parallelism
+    the trials ran with, side by side: what a check loses when the model is sharded. Empty
+    unless the trials span more than one (a table written before sharding existed reads as
+    ddp)."""
     modes = sorted(set(df[Column.parallel]))  # ddp, fsdp, hsdp: replicas first, as names sort
     if len(modes) < 2:
         return []
     fired = df[df[Column.fired] == True]  # noqa: E712 (booleans)
+    told = setting_columns(df)
+    if fired[Column.bit_class].fillna("").nunique() > 1:
+        told.append(Column.bit_class)
+    keys = [Column.site, Column.model, Column.dtype, *told]
     rows = []
-    for (site, model, dtype), cell in fired.groupby(
-        [Column.site, Column.model, Column.dtype], sort=True
-    ):
+    for key, cell in _as_text(fired, told).groupby(keys, sort=True):
         for d in detector_names(cell):
-            row: dict[str, object] = {
-                Column.site: site,
-                Column.model: model,
-                Column.dtype: dtype,
-                "detector": d,
-            }
+            shown = (c.replace("_", " ") for c in keys)
+            row: dict[str, object] = dict(zip(shown, (k or "-" for k in key), strict=True))
+            row["detector"] = d
             for mode in modes:
                 on = cell[(cell[Column.parallel] == mode) & _names(cell[Column.detectors], d)]
                 caught = int(_names(on[Column.detected_by], d).sum())

@@ -18,6 +18,7 @@ from harness.analysis.tables import (
     Z95,
     bit_class,
     blind_spot,
+    by_parallel,
     catch_counts,
     catch_rates,
     cell_stats,
@@ -471,3 +472,15 @@ def test_a_step_between_audits_and_a_field_mix_class_each_keep_a_cell():
         ("flip1", "no"),
         ("flip_multi", "**yes**"),
     ]
+
+
+def test_the_parallelism_table_keeps_each_scenario_apart():
+    """x10 and x1e6 under ddp and fsdp: a row each, as the cells have, not 5/10 under each."""
+    table = classed(*X10_MISSED, *X1E6_CAUGHT,
+                    *(dict(r, parallel="fsdp") for r in [*X10_MISSED, *X1E6_CAUGHT]))  # fmt: skip
+    rows = by_parallel(table)
+    assert [(r["factor"], r["ddp"], r["fsdp"]) for r in rows] == [
+        ("10", rate_text(0, 5), rate_text(0, 5)),
+        ("1e+06", rate_text(5, 5), rate_text(5, 5)),
+    ]
+    assert list(rows[0])[:5] == ["site", "model", "dtype", "factor", "detector"]
