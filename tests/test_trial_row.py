@@ -51,16 +51,31 @@ FULL = TrialRow(
 )  # fmt: skip
 
 
-def test_a_stored_older_table_reads_and_writes_back_byte_identical(tmp_path):
-    """The nightly baseline predates `parallel` and `shard_size`: it reads with their defaults
-    and, written with its own header, is the same bytes."""
-    header, rows = read_trials(BASELINE)
-    assert "parallel" not in header and len(rows) == 1980
-    assert {r.parallel for r in rows} == {Parallel.DDP}
-    assert {r.effect for r in rows} == set(Effect) - {Effect.CRASH}
+# Columns added since the first tables were written.
+LATER = ("parallel", "shard_size", "fault_class", "weight", "bit_dtype", "bit_class")
+
+
+def test_an_older_table_reads_and_writes_back_byte_identical(tmp_path):
+    """The nightly baseline's rows as a harness before `parallel`, `bit_class` and the other
+    later columns wrote them: they read with their defaults, the report classes each bit from
+    its index, and written with its own header the table is the same bytes."""
+    _, rows = read_trials(BASELINE)
+    older = tmp_path / "older" / "trials.csv"
+    older.parent.mkdir()
+    write_trials(older, rows, [c for c in COLUMNS if c not in LATER])
+    header, read = read_trials(older)
+    assert not set(LATER) & set(header) and len(read) == 1980
+    assert {r.parallel for r in read} == {Parallel.DDP} and {r.bit_class for r in read} == {None}
+    assert {r.effect for r in read} == set(Effect) - {Effect.CRASH}
     again = tmp_path / "trials.csv"
-    write_trials(again, rows, header)
-    assert again.read_bytes() == BASELINE.read_bytes()
+    write_trials(again, read, header)
+    assert again.read_bytes() == older.read_bytes()
+    # Classed from the bit: an `exponent` trial that flipped bit 30 reads as `exponent_msb`.
+    frame = load_trials([older.parent])
+    flips = frame[frame["trial_id"].str.contains("grad-bitflip-exponent-s")]
+    assert set(flips["bit_class"]) == {"exponent", "exponent_msb"}
+    kept = load_trials([BASELINE.parent])
+    assert set(kept[kept["trial_id"].isin(flips["trial_id"])]["bit_class"]) == {"exponent"}
 
 
 def test_every_field_survives_a_round_trip(tmp_path):
