@@ -13,10 +13,12 @@ folder, no trials.csv, missing columns), before anything is compared. A regressi
   overhead.csv files that a campaign with `campaign.overhead` writes, when both folders have them;
 - a new blind spot (docs/design.md, section 5): a cell that is one now and was not in the baseline.
 
-Before the verdict it says whether both runs computed in the same environment (campaign.json,
-harness.runtime.environment). Only then can rows compare bit for bit: golden losses, `golden_match`
-and which trials are masked (bit-identical to their golden run). It reports how many shared trials
-(a trial: its job's folder in a sweep, and its id) kept their effect and golden loss, as
+Before the verdict it names the baseline's scenario cells that the current run has none of (their
+catch rates cannot compare), and says whether both runs computed in the same environment
+(campaign.json, harness.runtime.environment). Only then can rows compare bit for bit: golden
+losses, `golden_match` and which trials are masked (bit-identical to their golden run). It reports
+how many shared trials (a trial: its job's folder in a sweep, and its id) kept their effect and
+golden loss, as
 information: a change of code may change them. Across environments these are not compared at
 all, since a masked trial there may turn benign from rounding alone; every regression above is
 a rate with its interval and compares either way.
@@ -138,6 +140,13 @@ def cell_drops(base: pd.DataFrame, cur: pd.DataFrame) -> list[dict[str, str]]:
     return found
 
 
+def uncompared_cells(base: pd.DataFrame, cur: pd.DataFrame) -> list[str]:
+    """The baseline's cells the current run has none of: their catch rates were not compared
+    (a scenario dropped, or a table of another shape: say so, never pass in silence)."""
+    current = _cells(cur)
+    return [cell.name for key, cell in _cells(base).items() if key not in current]
+
+
 def new_blind_spots(base: pd.DataFrame, cur: pd.DataFrame) -> list[dict[str, str]]:
     found = []
     before = _cells(base)
@@ -236,6 +245,12 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     for line in environment_lines(base, cur):
         print(f"sdc-regress: {line}")
+    missing = uncompared_cells(base.trials, cur.trials)
+    if missing:
+        print(
+            f"sdc-regress: {len(missing)} baseline scenario cells have none in the current run "
+            f"and were not compared: {'; '.join(missing)}"
+        )
     found = regressions(base, cur)
     sizes = f"{len(base.trials)} baseline trials, {len(cur.trials)} current trials"
     if not found:

@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 
 from harness.analysis.intervals import INTERVAL_COLUMNS, interval_outcomes, pairs
-from harness.analysis.regress import cell_drops, new_blind_spots
+from harness.analysis.regress import cell_drops, new_blind_spots, uncompared_cells
 from harness.analysis.tables import (
     ANY,
     TRIAL_SETS,
@@ -447,6 +447,11 @@ def test_sdc_regress_matches_a_cell_when_the_current_run_adds_a_scenario_beside_
     assert [f["where"] for f in cell_drops(before, after)] == [
         "grad / scale / mlp / float32 / 1e+06 / -, catch rate (fired)",
         "grad / scale / mlp / float32 / 1e+06 / -, catch rate (harmful or latent)",
+    ]
+    assert uncompared_cells(before, after) == []
+    # A run without the baseline's x1e6 compares nothing of it, and says so.
+    assert uncompared_cells(before, classed(*X10_MISSED)) == [
+        "grad / scale / mlp / float32 / 1e+06 / -"
     ]
     blind = new_blind_spots(before, after)
     assert sorted((f["where"], f["baseline"]) for f in blind) == [
