@@ -187,6 +187,7 @@ def test_a_bit_is_classed_in_the_dtype_it_was_flipped_in(tmp_path):
     part = RankResult("t", 0, rank.log.events, [1.0], [0.01], 1.0, "x", True)
     row = trial_row(run, TrialSpec("t", 0, fault), [part], None, Golden(0, 1.0, "g"), 0.1)[0]
     assert (row.dtype, row.bit, row.bit_dtype) == ("float32", 14, "bfloat16")
+    assert (row.precision, row.fault_phase) == ("bf16-mixed", None)
     write_trials(tmp_path / "trials.csv", [row])
     assert load_trials([tmp_path])["bit_class"].tolist() == ["exponent_msb"]
 

@@ -160,3 +160,21 @@ def test_overheads_of_several_workloads_are_kept_apart_and_not_planned_together(
     assert [(f["where"], f["baseline"], f["current"]) for f in found] == [
         ("replay, interval 5, gpt in float32", "40.00%", "55.00%")
     ]
+
+
+def test_overheads_of_a_precision_sweep_are_kept_apart(tmp_path):
+    """bf16-mixed keeps float32 weights, so its runs share the dtype of 32-true ones, and its
+    checks cost another share of another step (matmul_checksum +16.6% and +22.7% of gpt's)."""
+    for job, (precision, pct) in enumerate({"32-true": 16.6, "bf16-mixed": 22.7}.items()):
+        folder = tmp_path / str(job)
+        folder.mkdir()
+        rows.write(folder / "trials.csv", [{"workload": "gpt", "precision": precision}])
+        measured = {"detector": "matmul_checksum", "interval": "", "overhead_pct": pct}
+        overhead.write(folder / schema.OVERHEAD_FILE, [measured])
+    table = overheads.load_overhead([tmp_path])
+    assert [(r.precision, r.overhead_pct) for r in table.itertuples()] == [
+        ("32-true", 16.6),
+        ("bf16-mixed", 22.7),
+    ]
+    assert overheads.ran_on(table) == ["gpt in float32", "gpt in float32 (bf16-mixed)"]
+    assert "| precision | detector |" in report.overhead_section(table, tmp_path)

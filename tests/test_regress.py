@@ -138,8 +138,8 @@ def test_a_detector_switched_off_is_a_regression_with_its_table(runs):
     for trials in ("all fired", "non-masked", "harmful"):
         assert ("catch rate fell", f"nan_inf, {trials} trials") in kinds
         assert ("catch rate fell", f"any detector, {trials} trials") in kinds
-    # The cell: site, model, workload, dtype, persistence, value, step, bit class (none).
-    cell = "grad / value / mlp / float32 / transient / nan / 2 / -"
+    # The cell: site, model, workload, dtype, precision, persistence, value, step, bit class.
+    cell = "grad / value / mlp / float32 / 32-true / transient / nan / 2 / -"
     assert ("catch rate fell", f"{cell}, catch rate (harmful or latent)") in kinds
     assert ("new blind spot", f"{cell}, harmful or latent trials") in kinds
     switched_off = next(row for row in found if row[1] == "nan_inf, harmful trials")

@@ -15,9 +15,9 @@ from harness.results.folder import TRIALS_FILE
 from harness.results.schema import OVERHEAD_COLUMNS, OVERHEAD_FILE, OVERHEAD_REQUIRED
 from harness.results.trial_row import Column
 
-# A check's cost is a share of its workload's step: runs of other workloads (or dtypes) measure
-# other costs, and a median over them is none of them.
-RAN_ON = [Column.workload, Column.dtype]
+# A check's cost is a share of its workload's step: runs of other workloads (or dtypes, or
+# precisions) measure other costs, and a median over them is none of them.
+RAN_ON = [Column.workload, Column.dtype, Column.precision]
 
 
 def load_overhead(dirs: list[Path]) -> pd.DataFrame | None:
@@ -66,16 +66,26 @@ def _ran_on(top: Path, folder: Path) -> dict[str, str]:
         trials = at / TRIALS_FILE
         if trials.is_file():
             try:
-                ran = pd.read_csv(trials, usecols=RAN_ON, dtype=str, keep_default_na=False)
+                ran = pd.read_csv(
+                    trials, usecols=lambda c: c in RAN_ON, dtype=str, keep_default_na=False
+                )
             except (ValueError, OSError) as exc:
                 raise ReportError(f"{trials}: unreadable: {exc}") from None
-            return {c: ",".join(sorted(ran[c].unique())) for c in RAN_ON}
+            # A table written before the precision column: blank, as a run without trials.
+            return {c: ",".join(sorted(ran[c].unique())) if c in ran else "" for c in RAN_ON}
         if at == top:
             break
     return dict.fromkeys(RAN_ON, "")
 
 
 def ran_on(table: pd.DataFrame) -> list[str]:
-    """The workloads the table's runs measured, as `workload in dtype`."""
-    pairs = table[RAN_ON].drop_duplicates().itertuples(index=False)
-    return [f"{w} in {d}" if w else "an unknown workload" for w, d in pairs]
+    """The workloads the table's runs measured, as `workload in dtype`, and a mixed precision
+    where there was one (`gpt in float32 (bf16-mixed)`)."""
+    ran = table[RAN_ON].drop_duplicates().itertuples(index=False)
+    return [_ran(w, d, p) if w else "an unknown workload" for w, d, p in ran]
+
+
+def _ran(workload: str, dtype: str, precision: str) -> str:
+    # Lightning names a mixed precision `*-mixed`; a `*-true` one is the dtype itself.
+    mixed = precision.endswith("-mixed")
+    return f"{workload} in {dtype}" + (f" ({precision})" if mixed else "")

@@ -294,9 +294,11 @@ def write_report(df: pd.DataFrame, out: Path, dirs: list[Path] | None = None) ->
         *([mix_section(df)] if mix.weighed(df) else []),
         "## Catch rate by scenario cell\n\nA cell is a site, model and bit class, and each "
         "setting of the fault that differs between the campaign's scenarios (factor, value, "
-        "scope, persistence, steps, a field mix's class; workload and dtype in a sweep). A blind "
-        "spot is a cell with harmful or latent trials whose catch rate among them has a 95% "
-        "upper bound below 50%.\n\n" + coverage_line(df) + markdown_table(cells(df)),
+        "scope, persistence, steps, a product's phase, a field mix's class; workload, dtype and "
+        "precision in a sweep). A blind spot is a cell with harmful or latent trials whose "
+        "catch rate among them has a 95% upper bound below 50%.\n\n"
+        + coverage_line(df)
+        + markdown_table(cells(df)),
         "## What each detector sees and misses\n\nFired trials caught by each detector, per "
         "scenario (k/n, 95% Wilson interval).\n\n" + markdown_table(sees_and_misses(df)),
         "## False positives (clean trials)\n\n"

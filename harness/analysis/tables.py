@@ -183,10 +183,11 @@ def catch_rates(df: pd.DataFrame) -> list[dict[str, object]]:
 
 
 def sweep_columns(df: pd.DataFrame) -> list[str]:
-    """Workload and dtype, each where the trials hold more than one: a scenario is only the same
-    within one of each (a bit class names different bits in each dtype), so a sweep's cells are
-    told apart by them. A campaign of one of each keeps its cells' columns and keys as they are."""
-    return [c for c in (Column.workload, Column.dtype) if df[c].nunique() > 1]
+    """Workload, dtype and precision, each where the trials hold more than one: a scenario is
+    only the same within one of each (a bit class names different bits in each dtype; bf16-mixed
+    computes in bfloat16 under a float32 dtype), so a sweep's cells are told apart by them. A
+    campaign of one of each keeps its cells' columns as they are."""
+    return [c for c in SWEPT if df[c].nunique() > 1]
 
 
 # A fault's own settings beyond site, model and bit: scenarios that differ in one are caught
@@ -198,10 +199,13 @@ SETTINGS = (
     Column.factor,
     Column.value,
     Column.fault_steps,
+    Column.fault_phase,
     Column.fault_class,
 )
+# What a sweep varies between its jobs that changes what a scenario is.
+SWEPT = (Column.workload, Column.dtype, Column.precision)
 # What tells one cell from another: the sweep's columns, then the fault's settings.
-APART = (Column.workload, Column.dtype, *SETTINGS)
+APART = (*SWEPT, *SETTINGS)
 
 
 def setting_columns(df: pd.DataFrame, always: tuple[str, ...] = ()) -> list[str]:
@@ -240,11 +244,13 @@ class Cell:
     effects: str
     workload: str
     dtype: str
+    precision: str
     scope: str
     persistence: str
     factor: str
     value: str
     fault_steps: str
+    fault_phase: str
     fault_class: str
 
     @property

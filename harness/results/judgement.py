@@ -221,6 +221,8 @@ def trial_row(
         weight=spec.mix.weight if spec.mix else None,
         bit_dtype=bit_dtype,
         bit_class=_bit_class(fault.bit, bit, bit_dtype or run.workload.dtype),
+        precision=run.workload.precision,
+        fault_phase=fault.phase if fault.site == Site.MATMUL else None,
         **(recovery.fields() if recovery else {}),
     )
     if crash:

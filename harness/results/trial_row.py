@@ -110,6 +110,11 @@ class TrialRow:
     # The trial's bit class as its scenario names it: the configured class (a drawn bit may also
     # be in a narrower one), else the class of its bit in that bit's dtype.
     bit_class: str | None = _extra()
+    # The recipe's precision, Lightning's name: `dtype` is the weights', float32 under bf16-mixed,
+    # whose forward computes in bfloat16 (blank: a table written before the column).
+    precision: str | None = _extra()
+    # A matmul fault's product: forward, or the gradients' products in backward.
+    fault_phase: str | None = _extra()
 
     def cells(self) -> dict[str, str]:
         """The row as trials.csv's cells, by column."""

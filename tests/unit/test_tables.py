@@ -489,3 +489,23 @@ def test_the_parallelism_table_keeps_each_scenario_apart():
         ("1e+06", rate_text(5, 5), rate_text(5, 5)),
     ]
     assert list(rows[0])[:5] == ["site", "model", "dtype", "factor", "detector"]
+
+
+def test_a_precision_sweep_and_a_products_phase_each_keep_a_cell():
+    """bf16-mixed keeps float32 weights (the `dtype` column) and computes in bfloat16: a sweep
+    over precision is two scenarios, as x2 on a product in forward and in backward are."""
+    plain = [dict(r, precision="32-true") for r in X10_MISSED]
+    mixed = [dict(r, factor=10.0, precision="bf16-mixed") for r in X1E6_CAUGHT]
+    rows = cells(classed(*plain, *mixed))
+    assert [(r["precision"], r["blind spot"]) for r in rows] == [
+        ("32-true", "**yes**"),
+        ("bf16-mixed", "no"),
+    ]
+    product = {"site": "matmul", "model": "scale", "factor": 2.0}
+    forward = [dict(r, **product, fault_phase="forward") for r in X1E6_CAUGHT]
+    backward = [dict(r, **product, fault_phase="backward") for r in X10_MISSED]
+    rows = cells(classed(*forward, *backward))
+    assert [(r["fault phase"], r["catch rate (fired)"]) for r in rows] == [
+        ("backward", rate_text(0, 5)),
+        ("forward", rate_text(5, 5)),
+    ]
