@@ -12,7 +12,7 @@ import pytest
 
 from harness.analysis import overheads, plan_report, report
 from harness.analysis.plan import Job, PlanError, plan
-from harness.analysis.regress import load, regressions
+from harness.analysis.regress import load, regressions, uncompared_overheads
 from harness.analysis.tables import load_trials
 from harness.campaign import overhead
 from harness.campaign.run import SpawnExecutor
@@ -162,19 +162,41 @@ def test_overheads_of_several_workloads_are_kept_apart_and_not_planned_together(
     ]
 
 
+def _sweep_over_precisions(root: Path, checksum: dict[str, float]) -> Path:
+    for job, (precision, pct) in enumerate(checksum.items()):
+        folder = root / str(job)
+        folder.mkdir(parents=True)
+        caught = {"fired": True, "site": "matmul", "model": "scale", "detected": True,
+                  "detectors": "matmul_checksum", "detected_by": "matmul_checksum"}  # fmt: skip
+        rows.write(folder / "trials.csv", [{"workload": "gpt", "precision": precision, **caught}])
+        measured = {"detector": "matmul_checksum", "interval": "", "overhead_pct": pct}
+        overhead.write(folder / schema.OVERHEAD_FILE, [measured])
+    return root
+
+
 def test_overheads_of_a_precision_sweep_are_kept_apart(tmp_path):
     """bf16-mixed keeps float32 weights, so its runs share the dtype of 32-true ones, and its
     checks cost another share of another step (matmul_checksum +16.6% and +22.7% of gpt's)."""
-    for job, (precision, pct) in enumerate({"32-true": 16.6, "bf16-mixed": 22.7}.items()):
-        folder = tmp_path / str(job)
-        folder.mkdir()
-        rows.write(folder / "trials.csv", [{"workload": "gpt", "precision": precision}])
-        measured = {"detector": "matmul_checksum", "interval": "", "overhead_pct": pct}
-        overhead.write(folder / schema.OVERHEAD_FILE, [measured])
-    table = overheads.load_overhead([tmp_path])
+    root = _sweep_over_precisions(tmp_path / "a", {"32-true": 16.6, "bf16-mixed": 22.7})
+    table = overheads.load_overhead([root])
     assert [(r.precision, r.overhead_pct) for r in table.itertuples()] == [
         ("32-true", 16.6),
         ("bf16-mixed", 22.7),
     ]
     assert overheads.ran_on(table) == ["gpt in float32", "gpt in float32 (bf16-mixed)"]
     assert "| precision | detector |" in report.overhead_section(table, tmp_path)
+    # Each compares with its own, and a finding names the mixed one.
+    grown = _sweep_over_precisions(tmp_path / "b", {"32-true": 16.6, "bf16-mixed": 40.0})
+    found = regressions(load(root), load(grown))
+    assert [f["where"] for f in found] == [
+        "matmul_checksum, interval -, gpt in float32 (bf16-mixed)"
+    ]
+    assert uncompared_overheads(load(root).overhead, load(grown).overhead) == []
+    # A baseline timed on a workload the current run did not time is named, not passed over.
+    plain = _sweep_over_precisions(tmp_path / "c", {"32-true": 16.6})
+    assert uncompared_overheads(load(root).overhead, load(plain).overhead) == [
+        "matmul_checksum, interval -, gpt in float32 (bf16-mixed)"
+    ]
+    # The plan pools them, as it pools dtypes, and its source names both.
+    costs = plan(load_trials([root]), table, Job()).overheads
+    assert costs.source.startswith("gpt in float32, gpt in float32 (bf16-mixed)")

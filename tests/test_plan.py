@@ -301,6 +301,7 @@ ESTIMATE = ["--gpu", "h100", "--params", "7e10", "--tokens-per-step", "4e6"]
         (["{missing}"], "not a folder"),
         (["{empty}"], "no trials.csv"),
         (["{trials_only}"], "no overhead.csv"),
+        (["{clean_only}"], "no fault struck in"),
         (["{fixture}", "--sdc-rate", "-1"], "--sdc-rate: must be a number >= 0"),
         (["{fixture}", "--gpus", "many"], "--gpus: invalid int value"),
         (["{fixture}", "--gpu", "h100"], "--params: an estimate needs --gpu, --params"),
@@ -318,7 +319,13 @@ def test_bad_input_exits_2_with_one_line(tmp_path, capsys, args, says):
     trials_only = tmp_path / "trials_only"
     trials_only.mkdir()
     (trials_only / "trials.csv").write_text((FIXTURE / "0" / "trials.csv").read_text())
+    # A campaign of clean trials alone, with its overheads: nothing to weigh (it raised KeyError).
+    clean_only = tmp_path / "clean_only"
+    clean_only.mkdir()
+    write_cells(clean_only / "trials.csv", [{"site": "none", "detectors": "nan_inf"}] * 3)
+    (clean_only / "overhead.csv").write_text((FIXTURE / "0" / "overhead.csv").read_text())
     where = {
+        "clean_only": clean_only,
         "missing": tmp_path / "nowhere",
         "empty": tmp_path / "empty",
         "trials_only": trials_only,

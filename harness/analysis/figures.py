@@ -156,7 +156,7 @@ def overhead_vs_interval(table: pd.DataFrame, path: Path) -> Path | None:
     fig, ax = plt.subplots(figsize=(5.5, 3.5))
     swept = sweep_columns(periodic)
     for keys, g in periodic.groupby([*swept, "detector"]):
-        name = " ".join(map(str, keys))  # a line per workload and dtype, where several
+        name = " ".join(map(str, keys))  # a line per workload, dtype and precision, where several
         (line,) = ax.plot(g["steps"], g["overhead_pct"], marker="o", label=name)
         floor = g.dropna(subset=["floor_pct"])
         if not floor.empty:

@@ -22,9 +22,10 @@ RAN_ON = [Column.workload, Column.dtype, Column.precision]
 
 def load_overhead(dirs: list[Path]) -> pd.DataFrame | None:
     """Every overhead.csv under the given folders (a sweep holds one per job), one row per
-    (workload, dtype, detector, interval) with the medians over the runs that measured it and
-    their number; None when no run measured overhead. A run's workload and dtype are those of
-    its trials.csv; without one, the other runs' when they measured one workload, else blank."""
+    (workload, dtype, precision, detector, interval) with the medians over the runs that
+    measured it and their number; None when no run measured overhead. A run's workload, dtype
+    and precision are those of its trials.csv; without one, the other runs' when they measured
+    one workload, else blank."""
     files = [(d, f) for d in dirs for f in sorted(d.rglob(OVERHEAD_FILE))]
     if not files:
         return None
@@ -60,8 +61,9 @@ def load_overhead(dirs: list[Path]) -> pd.DataFrame | None:
 
 
 def _ran_on(top: Path, folder: Path) -> dict[str, str]:
-    """The workload and dtype of the run in `folder`: its trials.csv's, or the nearest one's
-    up to `top` (a job's overhead.csv beside its trials.csv, or below them); blank without."""
+    """The workload, dtype and precision of the run in `folder`: its trials.csv's, or the
+    nearest one's up to `top` (a job's overhead.csv beside its trials.csv, or below them); blank
+    without."""
     for at in (folder, *folder.parents):
         trials = at / TRIALS_FILE
         if trials.is_file():
@@ -82,10 +84,11 @@ def ran_on(table: pd.DataFrame) -> list[str]:
     """The workloads the table's runs measured, as `workload in dtype`, and a mixed precision
     where there was one (`gpt in float32 (bf16-mixed)`)."""
     ran = table[RAN_ON].drop_duplicates().itertuples(index=False)
-    return [_ran(w, d, p) if w else "an unknown workload" for w, d, p in ran]
+    return [ran_label(w, d, p) if w else "an unknown workload" for w, d, p in ran]
 
 
-def _ran(workload: str, dtype: str, precision: str) -> str:
+def ran_label(workload: str, dtype: str, precision: object) -> str:
+    """`workload in dtype`, and the precision where it is a mixed one."""
     # Lightning names a mixed precision `*-mixed`; a `*-true` one is the dtype itself.
-    mixed = precision.endswith("-mixed")
+    mixed = isinstance(precision, str) and precision.endswith("-mixed")
     return f"{workload} in {dtype}" + (f" ({precision})" if mixed else "")

@@ -32,7 +32,7 @@ import pandas as pd
 from harness.analysis.estimates import FORMULAS, JobShape
 from harness.analysis.intervals import pairs
 from harness.analysis.mix import conflicts, covered, kish, trial_weights, weighed
-from harness.analysis.overheads import load_overhead, ran_on
+from harness.analysis.overheads import load_overhead, ran_label, ran_on
 from harness.analysis.tables import (
     PUBLISHED,
     Counts,
@@ -370,9 +370,15 @@ def plan(
         if table[Column.workload].nunique() > 1:
             raise PlanError(several_workloads(ran_on(table)))
         table = over_dtypes(table)
-        trials_on = ", ".join(sorted({f"{w} in {d}" for w, d in zip(
-            trials[Column.workload], trials[Column.dtype], strict=True)}))  # fmt: skip
+        ran = trials[[Column.workload, Column.dtype, Column.precision]].itertuples(index=False)
+        trials_on = ", ".join(sorted({ran_label(*r) for r in ran}))
         costs = replace(overheads(table), source=f"{trials_on}, on the campaign's machine")
+    if not (trials[Column.fired] == True).any():  # noqa: E712 (a column of booleans)
+        runs = ", ".join(sorted(trials["run"].unique()))
+        raise PlanError(
+            f"no fault struck in {runs}: a plan weighs the faults a campaign fired (run one with "
+            "fault scenarios)"
+        )
     mixed = weighed(trials)
     fired = trials[trials[Column.fired] == True]  # noqa: E712
     if mixed and fired[Column.weight].isna().any():

@@ -25,7 +25,6 @@ import matplotlib.pyplot as plt
 import pandas as pd
 
 from harness.analysis.estimates import GPUS, MFU, REPLICAS, EstimateError, JobShape
-from harness.analysis.overheads import ran_on
 
 # harness.analysis.plan imports harness.analysis.report, whose figures module picks the Agg backend
 # on its first import (a batch job has no display) and leaves a notebook's backend alone after that.
@@ -44,7 +43,6 @@ from harness.analysis.plan import (
     job_overheads,
     load,
     plan,
-    several_workloads,
 )
 from harness.analysis.tables import markdown_table, rate_text
 from harness.results.costs import JobCosts
@@ -289,9 +287,10 @@ def markdown(
 def report_section(trials: pd.DataFrame, table: pd.DataFrame, folder: Path) -> str:
     """The report's section, at the default job figures; what stops a plan, without one."""
     title = "## How often to audit\n\n"
-    if table[Column.workload].nunique() > 1:
-        return title + f"Not planned: {several_workloads(ran_on(table))}."
-    result = plan(trials, table, Job())
+    try:
+        result = plan(trials, table, Job())
+    except PlanError as exc:
+        return title + f"Not planned: {exc}."
     path = figure(result, folder / FIGURE_FILE)
     text = markdown(result, f"figures/{path.name}", TOP)
     return (

@@ -13,8 +13,9 @@ folder, no trials.csv, missing columns), before anything is compared. A regressi
   overhead.csv files that a campaign with `campaign.overhead` writes, when both folders have them;
 - a new blind spot (docs/design.md, section 5): a cell that is one now and was not in the baseline.
 
-Before the verdict it names the baseline's scenario cells that the current run has none of (their
-catch rates cannot compare), and says whether both runs computed in the same environment
+Before the verdict it names the baseline's scenario cells and overheads that the current run has
+none of (they cannot compare: a scenario or check dropped, or a table written before a column the
+key holds, such as `precision`), and says whether both runs computed in the same environment
 (campaign.json, harness.runtime.environment). Only then can rows compare bit for bit: golden
 losses, `golden_match` and which trials are masked (bit-identical to their golden run). It reports
 how many shared trials (a trial: its job's folder in a sweep, and its id) kept their effect and
@@ -35,7 +36,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.analysis.overheads import RAN_ON, load_overhead, ran_on
+from harness.analysis.overheads import RAN_ON, load_overhead, ran_label, ran_on
 from harness.analysis.tables import (
     ANY,
     Cell,
@@ -139,6 +140,21 @@ def cell_drops(base: pd.DataFrame, cur: pd.DataFrame) -> list[dict[str, str]]:
     return found
 
 
+def uncompared_overheads(base: pd.DataFrame | None, cur: pd.DataFrame | None) -> list[str]:
+    """The baseline's overhead rows the current run measured none of (another workload, dtype
+    or precision, a check or interval it did not time): not compared."""
+    if base is None or cur is None:
+        return []
+    keys = [*RAN_ON, "detector", "interval"]
+    timed = set(cur[keys].itertuples(index=False, name=None))
+    return [
+        f"{row.detector}, interval {row.interval or '-'}, "
+        + ran_label(row.workload, row.dtype, row.precision)
+        for row in base.itertuples(index=False)
+        if tuple(getattr(row, k) for k in keys) not in timed
+    ]
+
+
 def uncompared_cells(base: pd.DataFrame, cur: pd.DataFrame) -> list[str]:
     """The baseline's cells the current run has none of: their catch rates were not compared
     (a scenario dropped, or a table of another shape: say so, never pass in silence)."""
@@ -184,7 +200,7 @@ def overhead_growth(base: pd.DataFrame | None, cur: pd.DataFrame | None) -> list
         if now - was > max(OVERHEAD_GROWTH * abs(was), OVERHEAD_NOISE_PP):
             where = f"{row.detector}, interval {row.interval or '-'}"
             if several:
-                where += f", {row.workload} in {row.dtype}"
+                where += ", " + ran_label(row.workload, row.dtype, row.precision)
             found.append(_finding("overhead grew", where, f"{was:.2f}%", f"{now:.2f}%"))
     return found
 
@@ -249,6 +265,12 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"sdc-regress: {len(missing)} baseline scenario cells have none in the current run "
             f"and were not compared: {'; '.join(missing)}"
+        )
+    untimed = uncompared_overheads(base.overhead, cur.overhead)
+    if untimed:
+        print(
+            f"sdc-regress: {len(untimed)} baseline overheads have none in the current run and "
+            f"were not compared: {'; '.join(untimed)}"
         )
     found = regressions(base, cur)
     sizes = f"{len(base.trials)} baseline trials, {len(cur.trials)} current trials"

@@ -53,7 +53,8 @@ def _pct(x: float) -> str:
 
 def overhead_section(table: pd.DataFrame, folder: Path) -> str:
     """The overhead table and, for checks with an interval, overhead and floor against it; per
-    workload and dtype where the runs measured several (a share of another step each)."""
+    workload, dtype and precision where the runs measured several (a share of another step
+    each)."""
     swept = sweep_columns(table)
     rows = [
         {

@@ -187,7 +187,8 @@ def sweep_columns(df: pd.DataFrame) -> list[str]:
     only the same within one of each (a bit class names different bits in each dtype; bf16-mixed
     computes in bfloat16 under a float32 dtype), so a sweep's cells are told apart by them. A
     campaign of one of each keeps its cells' columns as they are."""
-    return [c for c in SWEPT if df[c].nunique() > 1]
+    # A blank counts: a table written before the precision column beside one written after.
+    return [c for c in SWEPT if df[c].nunique(dropna=False) > 1]
 
 
 # A fault's own settings beyond site, model and bit: scenarios that differ in one are caught
@@ -348,9 +349,9 @@ def escapes(df: pd.DataFrame) -> list[dict[str, object]]:
 
 
 def sees_and_misses(df: pd.DataFrame) -> list[dict[str, object]]:
-    """Per scenario (site, model, scope, persistence, bit class; workload, dtype and the other
-    settings where the trials hold several): what share of fired trials each detector caught,
-    with n and a 95% Wilson interval. A dash: the detector was not on in those trials."""
+    """Per scenario (site, model, scope, persistence, bit class; workload, dtype, precision and
+    the other settings where the trials hold several): what share of fired trials each detector
+    caught, with n and a 95% Wilson interval. A dash: the detector was not on in those trials."""
     fired = df[df[Column.fired] == True]  # noqa: E712
     told = [*sweep_columns(df), *setting_columns(df, always=(Column.scope, Column.persistence))]
     keys = [Column.site, Column.model, *told, Column.bit_class]
@@ -409,8 +410,9 @@ def recovery(df: pd.DataFrame) -> str:
 
 
 def by_parallel(df: pd.DataFrame) -> list[dict[str, object]]:
-    """Each detector's catch rate per fault (site, model, dtype; the settings that tell the
-    trials' scenarios apart and the bit class, where there are several) under each parallelism
+    """Each detector's catch rate per fault (site, model, dtype; the sweep's other columns, the
+    settings that tell the trials' scenarios apart and the bit class, where there are several)
+    under each parallelism
     the trials ran with, side by side: what a check loses when the model is sharded. Empty
     unless the trials span more than one (a table written before sharding existed reads as
     ddp)."""
@@ -418,7 +420,8 @@ def by_parallel(df: pd.DataFrame) -> list[dict[str, object]]:
     if len(modes) < 2:
         return []
     fired = df[df[Column.fired] == True]  # noqa: E712 (booleans)
-    told = setting_columns(df)
+    swept = [c for c in sweep_columns(df) if c != Column.dtype]
+    told = [*swept, *setting_columns(df)]
     if fired[Column.bit_class].fillna("").nunique() > 1:
         told.append(Column.bit_class)
     keys = [Column.site, Column.model, Column.dtype, *told]

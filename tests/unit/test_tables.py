@@ -489,6 +489,22 @@ def test_the_parallelism_table_keeps_each_scenario_apart():
         ("1e+06", rate_text(5, 5), rate_text(5, 5)),
     ]
     assert list(rows[0])[:5] == ["site", "model", "dtype", "factor", "detector"]
+    # A precision sweep (one dtype, float32, for both) keeps each precision's row too.
+    plain = [dict(r, precision="32-true", factor=10.0) for r in X10_MISSED]
+    mixed = [dict(r, precision="bf16-mixed", factor=10.0) for r in X1E6_CAUGHT]
+    both = [*plain, *mixed, *(dict(r, parallel="fsdp") for r in [*plain, *mixed])]
+    rows = by_parallel(classed(*both))
+    assert [(r["precision"], r["ddp"]) for r in rows] == [
+        ("32-true", rate_text(0, 5)),
+        ("bf16-mixed", rate_text(5, 5)),
+    ]
+
+
+def test_a_table_without_the_precision_column_beside_one_with_it_is_told_apart():
+    """A report merging a job written before `precision` existed with one written after: the
+    blank and 32-true cells are two, and the table shows why."""
+    rows = cells(classed(*X10_MISSED, *[dict(r, precision="32-true") for r in X10_MISSED]))
+    assert [r["precision"] for r in rows] == ["-", "32-true"]
 
 
 def test_a_precision_sweep_and_a_products_phase_each_keep_a_cell():
