@@ -211,8 +211,10 @@ APART = (*SWEPT, *SETTINGS)
 
 def setting_columns(df: pd.DataFrame, always: tuple[str, ...] = ()) -> list[str]:
     """The settings (SETTINGS) that tell scenarios apart: those `always` names, and each the
-    trials hold more than one value of. A campaign of one value keeps its tables as they were."""
-    return [c for c in SETTINGS if c in always or df[c].nunique() > 1]
+    fired trials hold more than one value of, a blank being none (a clean trial has no steps).
+    A campaign of one value keeps its tables as they were."""
+    fired = df[df[Column.fired] == True]  # noqa: E712
+    return [c for c in SETTINGS if c in always or fired[c].mask(fired[c] == "").nunique() > 1]
 
 
 def _text(value: object) -> str:

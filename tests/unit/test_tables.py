@@ -525,3 +525,11 @@ def test_a_precision_sweep_and_a_products_phase_each_keep_a_cell():
         ("backward", rate_text(0, 5)),
         ("forward", rate_text(5, 5)),
     ]
+
+
+def test_clean_trials_add_no_setting_column():
+    """A clean trial has no steps (a blank cell): the default campaign's faults, all at step
+    10, keep a table without a `fault steps` column."""
+    faults = [dict(r, fault_steps="10") for r in F32_MISSED]
+    rows = cells(classed(*faults, {"site": "none", "fault_steps": ""}))
+    assert [list(r) for r in rows] == [["site", "model", "bit class", *CELL_COLUMNS]]
