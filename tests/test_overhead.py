@@ -134,7 +134,7 @@ def _sweep_over_workloads(root: Path, replay: dict[str, float]) -> Path:
     for job, (workload, pct) in enumerate(replay.items()):
         folder = root / str(job)
         folder.mkdir(parents=True)
-        rows.write(folder / "trials.csv", [{"workload": workload}])
+        rows.write(folder / "trials.csv", [{"workload": workload, "precision": "32-true"}])
         measured = {"detector": "replay", "interval": 5, "overhead_pct": pct, "floor_pct": 1.0}
         overhead.write(folder / schema.OVERHEAD_FILE, [measured])
     return root
@@ -197,6 +197,9 @@ def test_overheads_of_a_precision_sweep_are_kept_apart(tmp_path):
     assert uncompared_overheads(load(root).overhead, load(plain).overhead) == [
         "matmul_checksum, interval -, gpt in float32 (bf16-mixed)"
     ]
+    # A current run that timed nothing compares none of them either.
+    assert len(uncompared_overheads(load(root).overhead, None)) == 2
+    assert overheads.ran_label("gpt", "float32", "") == "gpt in float32 (precision not recorded)"
     # The plan pools them, as it pools dtypes, and its source names both.
     costs = plan(load_trials([root]), table, Job()).overheads
     assert costs.source.startswith("gpt in float32, gpt in float32 (bf16-mixed)")

@@ -18,6 +18,7 @@ from harness.analysis import regress
 from harness.analysis.regress import load, regressions
 from harness.campaign import overhead
 from harness.results import machine, schema
+from harness.results.trial_row import COLUMNS, read_trials, write_trials
 from harness.runtime import environment
 from tests.conftest import BIN, run_here
 
@@ -139,7 +140,7 @@ def test_a_detector_switched_off_is_a_regression_with_its_table(runs):
         assert ("catch rate fell", f"nan_inf, {trials} trials") in kinds
         assert ("catch rate fell", f"any detector, {trials} trials") in kinds
     # The cell: site, model, workload, dtype, precision, persistence, value, step, bit class.
-    cell = "grad / value / mlp / float32 / 32-true / transient / nan / 2 / -"
+    cell = "grad / value / mlp / float32 / 32-true / transient / value nan / step 2"
     assert ("catch rate fell", f"{cell}, catch rate (harmful or latent)") in kinds
     assert ("new blind spot", f"{cell}, harmful or latent trials") in kinds
     switched_off = next(row for row in found if row[1] == "nan_inf, harmful trials")
@@ -244,3 +245,18 @@ def test_a_sweeps_jobs_compare_trial_by_trial_within_their_job(runs, tmp_path):
         "sdc-regress: same environment (same commit): rows compare bit for bit; 15/16 shared "
         "trials kept their effect and golden loss"
     ) in proc.stdout.splitlines()
+
+
+def test_runs_that_share_no_scenario_cell_exit_2_with_one_line(runs, tmp_path, capsys):
+    """A baseline written before the precision column: none of its cells has a match, so no
+    catch rate could compare, and 'no regression' would say what was never checked."""
+    older = tmp_path / "older"
+    older.mkdir()
+    _, kept = read_trials(runs["baseline"] / "trials.csv")
+    write_trials(older / "trials.csv", kept, [c for c in COLUMNS if c != "precision"])
+    with pytest.raises(SystemExit) as stop:
+        regress.main([str(older), str(runs["baseline"])])
+    assert stop.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert "shares no scenario cell" in captured.err

@@ -120,6 +120,16 @@ def test_bit_heatmaps_place_each_bit_in_the_dtype_it_indexes(monkeypatch, tmp_pa
     assert "heatmap_bfloat16.png" in report_maps and "heatmap_float32.png" in report_maps
 
 
+def test_the_effects_figure_draws_each_scenario_cell(monkeypatch, tmp_path):
+    """x10 and x1e6 are two rows, named as sdc-regress names their cells."""
+    scale = {"fired": True, "site": "grad", "model": "scale", "effect": "benign"}
+    df = frame(dict(scale, factor=10.0), dict(scale, factor=1e6, effect="harmful"))
+    drawn = kept_open(monkeypatch)
+    figures.effects_by_scenario(df, tmp_path / "effects.png")
+    labels = [t.get_text() for t in drawn[0].axes[0].get_yticklabels()]
+    assert labels == ["grad / scale / x10", "grad / scale / x1e+06"]
+
+
 def test_time_to_detection_histogram_draws_every_caught_trial(monkeypatch, tmp_path):
     caught = {"fired": True, "detected": True, "detectors": "replay", "detected_by": "replay",
               "first_detector": "replay"}  # fmt: skip
@@ -148,6 +158,7 @@ def test_report_without_overhead_has_escapes_and_no_overhead_section(tmp_path):
     text = (out / "report.md").read_text()
     assert "## Escape impact" in text and "(figures/escapes.png)" in text
     assert "Overhead" not in text
+    assert "; dtypes: float32; precisions: 32-true; effects: " in text
     # Rows copied without their golden.jsonl (as results/baseline holds them): not "0 golden runs".
     assert "Golden runs: not recorded (no golden.jsonl beside trials.csv)" in text
     assert "figures/escapes.png" in images_render_from_disk(out)

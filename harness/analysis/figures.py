@@ -7,7 +7,14 @@ from pathlib import Path
 
 import matplotlib
 
-from harness.analysis.tables import bit_dtypes, catch_counts, sweep_columns
+from harness.analysis.tables import (
+    as_text,
+    bit_dtypes,
+    catch_counts,
+    cell_label,
+    scenario_columns,
+    sweep_columns,
+)
 from harness.core.vocabulary import Effect, Site
 from harness.results.trial_row import Column
 
@@ -65,11 +72,13 @@ def catch_rate_by_detector(df: pd.DataFrame, detectors: list[str], wilson, path:
 
 
 def effects_by_scenario(df: pd.DataFrame, path: Path) -> Path:
-    """Masked / benign / latent / harmful / crash shares per (site, model)."""
+    """Masked / benign / latent / harmful / crash shares per scenario cell (site, model, the
+    columns that tell the trials' scenarios apart, bit class; tables.cell_label names each)."""
     faulty = df[df[Column.site] != Site.NONE]
-    table = pd.crosstab(
-        [faulty[Column.site], faulty[Column.model]], faulty[Column.effect], normalize="index"
-    )
+    columns = [Column.site, Column.model, *scenario_columns(df), Column.bit_class]
+    named = as_text(faulty, columns)
+    cells = named[columns].apply(lambda row: cell_label(row.to_dict()), axis=1)
+    table = pd.crosstab(cells.rename("cell"), named[Column.effect], normalize="index")
     fig, ax = plt.subplots(figsize=(7, 0.35 * len(table) + 1.5))
     left = np.zeros(len(table))
     for effect in (Effect.MASKED, Effect.BENIGN, Effect.LATENT, Effect.HARMFUL, Effect.CRASH):
@@ -77,7 +86,7 @@ def effects_by_scenario(df: pd.DataFrame, path: Path) -> Path:
             ax.barh(range(len(table)), table[effect], left=left, color=EFFECT_COLORS[effect],
                     label=effect, edgecolor="black", linewidth=0.3)  # fmt: skip
             left += table[effect].to_numpy()
-    ax.set_yticks(range(len(table)), [f"{s} / {m}" for s, m in table.index])
+    ax.set_yticks(range(len(table)), list(table.index))
     ax.set_xlabel("share of trials")
     if ax.get_legend_handles_labels()[0]:  # no trial fired: nothing to name
         ax.legend(fontsize=8, ncols=5, loc="lower center", bbox_to_anchor=(0.5, 1.0))

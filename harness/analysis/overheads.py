@@ -88,7 +88,10 @@ def ran_on(table: pd.DataFrame) -> list[str]:
 
 
 def ran_label(workload: str, dtype: str, precision: object) -> str:
-    """`workload in dtype`, and the precision where it is a mixed one."""
+    """`workload in dtype`, and the precision where it is a mixed one or was not recorded (a
+    table written before the column)."""
+    if not isinstance(precision, str) or not precision:
+        return f"{workload} in {dtype} (precision not recorded)"
     # Lightning names a mixed precision `*-mixed`; a `*-true` one is the dtype itself.
-    mixed = isinstance(precision, str) and precision.endswith("-mixed")
+    mixed = precision.endswith("-mixed")
     return f"{workload} in {dtype}" + (f" ({precision})" if mixed else "")

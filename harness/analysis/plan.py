@@ -402,8 +402,9 @@ def plan(
 
 
 def over_dtypes(table: pd.DataFrame) -> pd.DataFrame:
-    """One workload's overheads in several dtypes as one row per (check, interval), the median
-    over the dtypes: the plan pools the trials of every dtype too, and its source names them."""
+    """One workload's overheads in several dtypes or precisions as one row per (check,
+    interval), the median over them: the plan pools their trials too, and its source names
+    them."""
     pooled = table.groupby(["detector", "interval"], as_index=False).agg(
         overhead_pct=("overhead_pct", "median"),
         floor_pct=("floor_pct", "median"),

@@ -1,7 +1,8 @@
 """`sdc-regress BASELINE_DIR CURRENT_DIR`: did coverage drop or overhead grow since the baseline?
 
 Exit 0 when nothing regressed, 1 with a table of what did, 2 with one line on bad input (a missing
-folder, no trials.csv, missing columns), before anything is compared. A regression is:
+folder, no trials.csv, missing columns, two runs that share no scenario cell), before anything is
+compared. A regression is:
 
 - a catch rate that fell: per detector (the report's catch-rate table) and per scenario cell
   (site, model, bit class and the settings that tell scenarios apart), the current 95% Wilson
@@ -9,8 +10,10 @@ folder, no trials.csv, missing columns), before anything is compared. A regressi
   so that the seed-to-seed noise of two runs of the same code is never one;
 - a new false positive: a detector with no alert in the baseline's clean trials has one now;
 - an overhead more than 25% above the baseline's (and more than 5 percentage points, below
-  which two timings differ from noise alone), per (workload, dtype, detector, interval) in the
-  overhead.csv files that a campaign with `campaign.overhead` writes, when both folders have them;
+  which two timings of a small overhead differ from noise alone; a 4-rank world on 2 cores can
+  move one by more: results/baseline/README.md), per (workload, dtype, precision, detector,
+  interval) in the overhead.csv files that a campaign with `campaign.overhead` writes, when both
+  folders have them;
 - a new blind spot (docs/design.md, section 5): a cell that is one now and was not in the baseline.
 
 Before the verdict it names the baseline's scenario cells and overheads that the current run has
@@ -143,9 +146,11 @@ def cell_drops(base: pd.DataFrame, cur: pd.DataFrame) -> list[dict[str, str]]:
 def uncompared_overheads(base: pd.DataFrame | None, cur: pd.DataFrame | None) -> list[str]:
     """The baseline's overhead rows the current run measured none of (another workload, dtype
     or precision, a check or interval it did not time): not compared."""
-    if base is None or cur is None:
+    if base is None:
         return []
     keys = [*RAN_ON, "detector", "interval"]
+    if cur is None:  # the current run timed nothing
+        cur = base.iloc[0:0]
     timed = set(cur[keys].itertuples(index=False, name=None))
     return [
         f"{row.detector}, interval {row.interval or '-'}, "
@@ -258,9 +263,17 @@ def main(argv: list[str] | None = None) -> None:
     except ReportError as exc:
         print(f"sdc-regress: {exc}", file=sys.stderr)
         sys.exit(2)
+    missing = uncompared_cells(base.trials, cur.trials)
+    if missing and len(missing) == len(cell_stats(base.trials)):
+        print(
+            f"sdc-regress: {args.current} shares no scenario cell with {args.baseline}: nothing "
+            "to compare (another campaign, or a baseline written before a column the cells "
+            "hold: regenerate it)",
+            file=sys.stderr,
+        )
+        sys.exit(2)
     for line in environment_lines(base, cur):
         print(f"sdc-regress: {line}")
-    missing = uncompared_cells(base.trials, cur.trials)
     if missing:
         print(
             f"sdc-regress: {len(missing)} baseline scenario cells have none in the current run "

@@ -58,7 +58,7 @@ def overhead_section(table: pd.DataFrame, folder: Path) -> str:
     swept = sweep_columns(table)
     rows = [
         {
-            **{column: getattr(r, column) for column in swept},
+            **{column: getattr(r, column) or "-" for column in swept},
             "detector": r.detector,
             "interval": r.interval or "-",
             "overhead (vs hook)": _pct(r.overhead_pct),
@@ -284,6 +284,7 @@ def write_report(df: pd.DataFrame, out: Path, dirs: list[Path] | None = None) ->
         "Golden runs: " + golden_line(df) + "  ",
         f"Trials: {len(df)}; workloads: {', '.join(sorted(df[Column.workload].unique()))}; "
         f"dtypes: {', '.join(sorted(df[Column.dtype].unique()))}; "
+        f"precisions: {', '.join(sorted(df[Column.precision].fillna('not recorded').unique()))}; "
         "effects: " + effects_line(df),
         "Rates are k/n with a 95% Wilson interval. Catch rate = detected / fired "
         "(docs/design.md §5); "

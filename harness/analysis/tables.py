@@ -228,8 +228,31 @@ def _text(value: object) -> str:
     return str(value)
 
 
-def _as_text(df: pd.DataFrame, columns: list[str] | tuple[str, ...]) -> pd.DataFrame:
+def as_text(df: pd.DataFrame, columns: list[str] | tuple[str, ...]) -> pd.DataFrame:
+    """The columns as the tables show and group them (`_text`)."""
     return df.assign(**{c: df[c].map(_text) for c in columns})
+
+
+def scenario_columns(df: pd.DataFrame) -> list[str]:
+    """The columns beyond site, model and bit class that tell the trials' scenarios apart, as
+    the cells' table shows them: a sweep's (`sweep_columns`), then the settings'."""
+    return [*sweep_columns(df), *setting_columns(df)]
+
+
+# How a cell's name shows a setting whose value alone would not say what it is.
+_SHOWN = {
+    Column.factor: "x{}",
+    Column.value: "value {}",
+    Column.fault_steps: "step {}",
+    Column.fault_class: "class {}",
+}
+
+
+def cell_label(parts: dict[str, str]) -> str:
+    """A scenario cell's columns as one name: the parts that are not blank (or "-"), a setting
+    with what it is ('grad / scale / x10 / step 12')."""
+    shown = (_SHOWN.get(c, "{}").format(v) for c, v in parts.items() if v and v != "-")
+    return " / ".join(shown)
 
 
 @dataclass(frozen=True)
@@ -262,8 +285,9 @@ class Cell:
 
     @property
     def name(self) -> str:
-        """The key as a finding names it: its parts that are not blank."""
-        return " / ".join(part for part in self.key if part)
+        """The key as a finding names it (`cell_label`)."""
+        columns = (Column.site, Column.model, *APART, Column.bit_class)
+        return cell_label(dict(zip(columns, self.key, strict=True)))
 
     @property
     def blind(self) -> bool:
@@ -275,7 +299,7 @@ def cell_stats(df: pd.DataFrame) -> list[Cell]:
     (the damage a blind spot lets through)."""
     fired = df[df[Column.fired] == True]  # noqa: E712
     found = []
-    for (site, model, *apart, klass), g in _as_text(fired, APART).groupby(
+    for (site, model, *apart, klass), g in as_text(fired, APART).groupby(
         [Column.site, Column.model, *APART, Column.bit_class], dropna=False
     ):
         harmful = g[g[Column.effect].isin(DAMAGING)]
@@ -296,7 +320,7 @@ def cell_stats(df: pd.DataFrame) -> list[Cell]:
 
 def cells(df: pd.DataFrame) -> list[dict[str, object]]:
     """Catch rate per scenario cell (Cell), and whether the cell is a blind spot."""
-    told = [*sweep_columns(df), *setting_columns(df)]
+    told = scenario_columns(df)
     return [
         {
             Column.site: c.site,
@@ -326,7 +350,7 @@ def harmful_escapes(df: pd.DataFrame) -> pd.DataFrame:
     """Harmful trials that no detector caught, with their scenario cell's columns as text."""
     harmful = df[(df[Column.fired] == True) & (df[Column.effect] == Effect.HARMFUL)]  # noqa: E712
     missed = harmful[harmful[Column.detected] != True]  # noqa: E712
-    return _as_text(missed, _escape_apart(df))
+    return as_text(missed, _escape_apart(df))
 
 
 def escapes(df: pd.DataFrame) -> list[dict[str, object]]:
@@ -335,7 +359,7 @@ def escapes(df: pd.DataFrame) -> list[dict[str, object]]:
     is not a number: the damage has no size, and is counted apart."""
     harmful = df[(df[Column.fired] == True) & (df[Column.effect] == Effect.HARMFUL)]  # noqa: E712
     cell = escape_cell(df)
-    totals = _as_text(harmful, _escape_apart(df)).groupby(cell, dropna=False).size()
+    totals = as_text(harmful, _escape_apart(df)).groupby(cell, dropna=False).size()
     rows = []
     for key, missed in harmful_escapes(df).groupby(cell, dropna=False):
         delta = pd.to_numeric(missed[Column.loss_delta], errors="coerce")
@@ -358,7 +382,7 @@ def sees_and_misses(df: pd.DataFrame) -> list[dict[str, object]]:
     told = [*sweep_columns(df), *setting_columns(df, always=(Column.scope, Column.persistence))]
     keys = [Column.site, Column.model, *told, Column.bit_class]
     rows = []
-    for key, g in _as_text(fired, told).groupby(keys, dropna=False):
+    for key, g in as_text(fired, told).groupby(keys, dropna=False):
         shown = (c.replace("_", " ") for c in keys)
         row: dict[str, object] = dict(zip(shown, (k or "-" for k in key), strict=True))
         for d in detector_names(df):
@@ -428,7 +452,7 @@ def by_parallel(df: pd.DataFrame) -> list[dict[str, object]]:
         told.append(Column.bit_class)
     keys = [Column.site, Column.model, Column.dtype, *told]
     rows = []
-    for key, cell in _as_text(fired, told).groupby(keys, sort=True):
+    for key, cell in as_text(fired, told).groupby(keys, sort=True):
         for d in detector_names(cell):
             shown = (c.replace("_", " ") for c in keys)
             row: dict[str, object] = dict(zip(shown, (k or "-" for k in key), strict=True))

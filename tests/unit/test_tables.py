@@ -384,8 +384,8 @@ def test_scenarios_of_other_factors_keep_their_cells_and_blind_spots_apart():
     assert by_factor["1e+06"]["catch rate (harmful or latent)"] == rate_text(5, 5)
     names = {c.name for c in cell_stats(classed(*X10_MISSED, *X1E6_CAUGHT))}
     assert names == {
-        "grad / scale / mlp / float32 / 10 / -",
-        "grad / scale / mlp / float32 / 1e+06 / -",
+        "grad / scale / mlp / float32 / x10",
+        "grad / scale / mlp / float32 / x1e+06",
     }
     seen = sees_and_misses(classed(*X10_MISSED, *X1E6_CAUGHT))
     assert [(r["factor"], r["nan_inf"]) for r in seen] == [
@@ -412,8 +412,8 @@ def test_persistences_and_values_each_keep_a_cell():
     names = {c.name for c in cell_stats(mixed)}
     assert names == {
         "grad / bitflip / mlp / float32 / exponent",
-        "grad / value / mlp / float32 / nan / -",
-        "grad / value / mlp / float32 / inf / -",
+        "grad / value / mlp / float32 / value nan",
+        "grad / value / mlp / float32 / value inf",
     }
 
 
@@ -445,18 +445,18 @@ def test_sdc_regress_matches_a_cell_when_the_current_run_adds_a_scenario_beside_
     fell = [dict(r, detected=False, detected_by="") for r in X1E6_CAUGHT]
     after = classed(*fell, *X10_MISSED)
     assert [f["where"] for f in cell_drops(before, after)] == [
-        "grad / scale / mlp / float32 / 1e+06 / -, catch rate (fired)",
-        "grad / scale / mlp / float32 / 1e+06 / -, catch rate (harmful or latent)",
+        "grad / scale / mlp / float32 / x1e+06, catch rate (fired)",
+        "grad / scale / mlp / float32 / x1e+06, catch rate (harmful or latent)",
     ]
     assert uncompared_cells(before, after) == []
     # A run without the baseline's x1e6 compares nothing of it, and says so.
     assert uncompared_cells(before, classed(*X10_MISSED)) == [
-        "grad / scale / mlp / float32 / 1e+06 / -"
+        "grad / scale / mlp / float32 / x1e+06"
     ]
     blind = new_blind_spots(before, after)
     assert sorted((f["where"], f["baseline"]) for f in blind) == [
-        ("grad / scale / mlp / float32 / 10 / -, harmful or latent trials", "not in baseline"),
-        ("grad / scale / mlp / float32 / 1e+06 / -, harmful or latent trials", rate_text(5, 5)),
+        ("grad / scale / mlp / float32 / x10, harmful or latent trials", "not in baseline"),
+        ("grad / scale / mlp / float32 / x1e+06, harmful or latent trials", rate_text(5, 5)),
     ]
 
 
