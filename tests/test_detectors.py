@@ -70,6 +70,10 @@ def test_a_wrong_reduction_escapes_the_published_three_and_the_sketch_catches_it
     assert not _caught_by(row) & PUBLISHED
     assert row["first_detector"] == "allreduce_sketch" and row["detect_step"] == "6"
     assert row["contained"] == "True"
+    # Every receiver got the wrong sum and the sketch names them all: rank 0's broken reduction
+    # is not found, so the attribution is not correct.
+    assert row["injected_ranks"] == row["suspect_ranks"] == "0;1;2;3"
+    assert row["attribution_correct"] == "False"
 
 
 def test_one_wrong_receiver_is_named_by_weight_consensus_and_caught_by_the_sketch(matrix):

@@ -25,11 +25,12 @@ from harness.campaign.golden_store import golden_inputs
 from harness.core.phases import PHASE_ORDER
 from tests.conftest import BIN, compose_run, events, rows, without_timing
 
+REDUCTION = "{site:allreduce,scope:reduction,model:scale,factor:1000.0,ranks:[1],steps:[2]}"
 SCENARIOS = [
     "{site:none}",
     "{site:grad,model:value,value:nan,ranks:[1],steps:[2]}",
     "{site:allreduce,model:scale,factor:1000.0,ranks:[2],steps:[3]}",
-    "{site:allreduce,scope:reduction,model:scale,factor:1000.0,ranks:[1],steps:[2]}",
+    REDUCTION,
     "{site:gather,model:scale,factor:1000.0,ranks:[3],steps:[2]}",
     "{site:optimizer,model:value,value:nan,ranks:[0],steps:[1]}",
     "{site:matmul,model:scale,factor:1000.0,ranks:[1],steps:[2]}",
@@ -117,6 +118,10 @@ def test_faults_at_each_collective_site_are_caught_in_their_step(run_ok, tmp_pat
         assert (row["detect_step"], row["suspect_ranks"]) == (str(step), suspects), row
         first = min(mine, key=lambda a: (a["step"], PHASE_ORDER[a["phase"]]))
         assert (first["detector"], first["step"], first["phase"]) == (detector, step, phase)
+    # The broken reduction is rank 1's: under HSDP the sketch names rank 1 and its twin, both
+    # struck, which does not single out the rank the fault names.
+    reduction = table[SCENARIOS.index(REDUCTION)]
+    assert reduction["attribution_correct"] == str(mode == "fsdp"), reduction
 
 
 # 8 sequences per step under HSDP in bfloat16 (gpt's default is 16): at 4, replay did not name
