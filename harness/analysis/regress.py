@@ -149,9 +149,7 @@ def uncompared_overheads(base: pd.DataFrame | None, cur: pd.DataFrame | None) ->
     if base is None:
         return []
     keys = [*RAN_ON, "detector", "interval"]
-    if cur is None:  # the current run timed nothing
-        cur = base.iloc[0:0]
-    timed = set(cur[keys].itertuples(index=False, name=None))
+    timed = set() if cur is None else set(cur[keys].itertuples(index=False, name=None))
     return [
         f"{row.detector}, interval {row.interval or '-'}, "
         + ran_label(row.workload, row.dtype, row.precision)

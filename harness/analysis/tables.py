@@ -182,15 +182,6 @@ def catch_rates(df: pd.DataFrame) -> list[dict[str, object]]:
     ]
 
 
-def sweep_columns(df: pd.DataFrame) -> list[str]:
-    """Workload, dtype and precision, each where the trials hold more than one: a scenario is
-    only the same within one of each (a bit class names different bits in each dtype; bf16-mixed
-    computes in bfloat16 under a float32 dtype), so a sweep's cells are told apart by them. A
-    campaign of one of each keeps its cells' columns as they are."""
-    # A blank counts: a table written before the precision column beside one written after.
-    return [c for c in SWEPT if df[c].nunique(dropna=False) > 1]
-
-
 # A fault's own settings beyond site, model and bit: scenarios that differ in one are caught
 # differently (x10 and x1e6, a NaN and a random value, a transient and a permanent fault, a
 # step replay audits and one between its audits, a field mix's classes).
@@ -207,6 +198,15 @@ SETTINGS = (
 SWEPT = (Column.workload, Column.dtype, Column.precision)
 # What tells one cell from another: the sweep's columns, then the fault's settings.
 APART = (*SWEPT, *SETTINGS)
+
+
+def sweep_columns(df: pd.DataFrame) -> list[str]:
+    """Workload, dtype and precision, each where the trials hold more than one: a scenario is
+    only the same within one of each (a bit class names different bits in each dtype; bf16-mixed
+    computes in bfloat16 under a float32 dtype), so a sweep's cells are told apart by them. A
+    campaign of one of each keeps its cells' columns as they are."""
+    # A blank counts: a table written before the precision column beside one written after.
+    return [c for c in SWEPT if df[c].nunique(dropna=False) > 1]
 
 
 def setting_columns(df: pd.DataFrame, always: tuple[str, ...] = ()) -> list[str]:
@@ -231,6 +231,11 @@ def _text(value: object) -> str:
 def as_text(df: pd.DataFrame, columns: list[str] | tuple[str, ...]) -> pd.DataFrame:
     """The columns as the tables show and group them (`_text`)."""
     return df.assign(**{c: df[c].map(_text) for c in columns})
+
+
+def _named(columns: list[str], key: tuple) -> dict[str, object]:
+    """A table row's leading cells: each column by its spaced name, a blank as "-"."""
+    return {c.replace("_", " "): value or "-" for c, value in zip(columns, key, strict=True)}
 
 
 def scenario_columns(df: pd.DataFrame) -> list[str]:
@@ -364,8 +369,7 @@ def escapes(df: pd.DataFrame) -> list[dict[str, object]]:
     for key, missed in harmful_escapes(df).groupby(cell, dropna=False):
         delta = pd.to_numeric(missed[Column.loss_delta], errors="coerce")
         finite = delta[delta.map(math.isfinite)]
-        labels = (c.replace("_", " ") for c in cell)
-        row: dict[str, object] = dict(zip(labels, (k or "-" for k in key), strict=True))
+        row = _named(cell, key)
         row["escaped / harmful"] = f"{len(missed)}/{totals[key]}"
         row["loss_delta median"] = f"{finite.median():.4g}" if len(finite) else "-"
         row["largest abs loss_delta"] = f"{finite.abs().max():.4g}" if len(finite) else "-"
@@ -383,8 +387,7 @@ def sees_and_misses(df: pd.DataFrame) -> list[dict[str, object]]:
     keys = [Column.site, Column.model, *told, Column.bit_class]
     rows = []
     for key, g in as_text(fired, told).groupby(keys, dropna=False):
-        shown = (c.replace("_", " ") for c in keys)
-        row: dict[str, object] = dict(zip(shown, (k or "-" for k in key), strict=True))
+        row = _named(keys, key)
         for d in detector_names(df):
             on = g[_names(g[Column.detectors], d)]
             caught = _names(on[Column.detected_by], d)
@@ -438,10 +441,9 @@ def recovery(df: pd.DataFrame) -> str:
 def by_parallel(df: pd.DataFrame) -> list[dict[str, object]]:
     """Each detector's catch rate per fault (site, model, dtype; the sweep's other columns, the
     settings that tell the trials' scenarios apart and the bit class, where there are several)
-    under each parallelism
-    the trials ran with, side by side: what a check loses when the model is sharded. Empty
-    unless the trials span more than one (a table written before sharding existed reads as
-    ddp)."""
+    under each parallelism the trials ran with, side by side: what a check loses when the model
+    is sharded. Empty unless the trials span more than one (a table written before sharding
+    existed reads as ddp)."""
     modes = sorted(set(df[Column.parallel]))  # ddp, fsdp, hsdp: replicas first, as names sort
     if len(modes) < 2:
         return []
@@ -454,9 +456,7 @@ def by_parallel(df: pd.DataFrame) -> list[dict[str, object]]:
     rows = []
     for key, cell in as_text(fired, told).groupby(keys, sort=True):
         for d in detector_names(cell):
-            shown = (c.replace("_", " ") for c in keys)
-            row: dict[str, object] = dict(zip(shown, (k or "-" for k in key), strict=True))
-            row["detector"] = d
+            row = {**_named(keys, key), "detector": d}
             for mode in modes:
                 on = cell[(cell[Column.parallel] == mode) & _names(cell[Column.detectors], d)]
                 caught = int(_names(on[Column.detected_by], d).sum())

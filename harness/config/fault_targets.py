@@ -94,16 +94,22 @@ def check_bucket(key: str, fault: FaultConfig, model: torch.nn.Module) -> None:
         )  # fmt: skip
 
 
+def _struck_dtypes(fault: FaultConfig, forward: ForwardModules, name: str) -> tuple[str, ...]:
+    """The dtypes a module fault strikes in `name`: its output's (activation), its products'
+    (matmul), as the forward trace recorded them."""
+    struck = forward.outputs if fault.site == "activation" else forward.made
+    return tuple(struck.get(name, ()))
+
+
 def _bit_in_struck_dtype(
     key: str, fault: FaultConfig, targets: list[str], forward: ForwardModules
 ) -> None:
     """A bit index within every dtype the fault may strike: under a mixed precision a module's
     output or products are 16-bit (autocast) where the workload's dtype is float32, and a bit
     past their width could never strike (the rank would raise)."""
-    struck = forward.outputs if fault.site == "activation" else forward.made
     what = "output" if fault.site == "activation" else "products"
     for name in targets:
-        for dtype in struck.get(name, ()):
+        for dtype in _struck_dtypes(fault, forward, name):
             width = bits.width(getattr(torch, dtype))
             if fault.bit >= width:
                 raise ConfigError(
@@ -119,8 +125,7 @@ def _scale_in_struck_dtype(
     """A scale factor that changes an element of the widest dtype the fault may strike: the
     workload's (checked in harness/config/faults.py) may be float32 where every target's
     output or products are bfloat16 (autocast), which round away a factor float32 keeps."""
-    struck = forward.outputs if fault.site == "activation" else forward.made
-    dtypes = {dtype for name in targets for dtype in struck.get(name, ())}
+    dtypes = {dtype for name in targets for dtype in _struck_dtypes(fault, forward, name)}
     if not dtypes:
         return
     widest = max(dtypes, key=lambda dtype: FLOAT_FORMATS[dtype][1])
