@@ -36,7 +36,7 @@ TINY = [
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("overhead")
-    run = compose_run(*TINY, "++campaign.overhead={steps:4}")
+    run = compose_run(*TINY, "++campaign.overhead={steps:4,rounds:2}")
     executor = SpawnExecutor(run.topology, out / "world", out / "store", out / "crashes.log")
     try:
         assert overhead.measure(run, out, executor.run) == out / schema.OVERHEAD_FILE
@@ -59,9 +59,14 @@ def test_one_row_per_detector_with_its_interval_and_replays_floor(measured):
     hook, *checks = table
     # The hook is the reference of overhead_pct; its own cost is against plain DDP only.
     assert hook["overhead_pct"] == hook["floor_pct"] == ""
+    assert hook["overhead_low_pct"] == hook["overhead_high_pct"] == ""
     assert math.isfinite(float(hook["overhead_vs_ddp_pct"]))
     for row in checks:
         assert math.isfinite(float(row["overhead_pct"]))
+        # The median of two rounds lies halfway between the lowest and the highest.
+        low, high = float(row["overhead_low_pct"]), float(row["overhead_high_pct"])
+        assert low <= float(row["overhead_pct"]) <= high
+        assert float(row["overhead_pct"]) == pytest.approx((low + high) / 2, abs=0.002)
         # Against plain DDP a check pays for the hook too: (1 + check) (1 + hook) - 1.
         both = (1 + float(row["overhead_pct"]) / 100) * (
             1 + float(hook["overhead_vs_ddp_pct"]) / 100
@@ -76,11 +81,24 @@ def test_one_row_per_detector_with_its_interval_and_replays_floor(measured):
 def test_the_report_shows_each_check_against_the_hook_and_plain_ddp(measured, tmp_path):
     section = report.overhead_section(overheads.load_overhead([measured]), tmp_path)
     header, _, *lines = [line for line in section.splitlines() if line.startswith("|")]
-    assert "overhead (vs hook)" in header and "overhead (vs plain DDP)" in header
-    by_name = {line.split("|")[1].strip(): line.split("|")[3:5] for line in lines}
+    names = [cell.strip() for cell in header.split("|")]
+    by_name = {
+        line.split("|")[1].strip(): dict(
+            zip(names, (c.strip() for c in line.split("|")), strict=True)
+        )
+        for line in lines
+    }
     assert set(by_name) == {"hook", "nan_inf", "replay", "weight_consensus"}
-    assert by_name["hook"][0].strip() == "-" and by_name["hook"][1].strip().endswith("%")
-    assert all(cells[1].strip().endswith("%") for cells in by_name.values())
+    hook = by_name.pop("hook")
+    assert hook["overhead (vs hook)"] == hook["rounds (vs hook)"] == "-"
+    assert hook["overhead (vs plain DDP)"].endswith("%")
+    with open(measured / schema.OVERHEAD_FILE, newline="") as f:
+        table = list(csv.DictReader(f))
+    for row in table[1:]:
+        cells = by_name[row["detector"]]
+        assert cells["overhead (vs plain DDP)"].endswith("%")
+        low, high = float(row["overhead_low_pct"]), float(row["overhead_high_pct"])
+        assert cells["rounds (vs hook)"] == f"{low:.2f}% to {high:.2f}%"
 
 
 def test_a_resumed_campaign_keeps_its_table_and_one_without_overhead_times_nothing(
@@ -89,7 +107,7 @@ def test_a_resumed_campaign_keeps_its_table_and_one_without_overhead_times_nothi
     def never(run, spec):
         raise AssertionError(f"timed {spec.trial_id} again")
 
-    run = compose_run(*TINY, "++campaign.overhead={steps:4}")
+    run = compose_run(*TINY, "++campaign.overhead={steps:4,rounds:2}")
     assert overhead.measure(run, measured, never) == measured / schema.OVERHEAD_FILE
     # A campaign that does not ask for overhead times nothing.
     assert overhead.measure(compose_run(*TINY), tmp_path, never) is None
@@ -203,3 +221,30 @@ def test_overheads_of_a_precision_sweep_are_kept_apart(tmp_path):
     # The plan pools them, as it pools dtypes, and its source names both.
     costs = plan(load_trials([root]), table, Job()).overheads
     assert costs.source.startswith("gpt in float32, gpt in float32 (bf16-mixed)")
+
+
+def test_a_sweeps_rounds_span_every_job_and_a_table_without_them_leaves_none(tmp_path):
+    """The lowest round of any job and the highest: the spread sdc-regress judges growth by. A
+    job's table written before the rounds were recorded leaves the check's spread unknown, not
+    the other jobs' alone."""
+    jobs = {
+        "0": {"nan_inf": (4.0, 1.0, 9.0), "grad_stats": (4.0, 1.0, 9.0)},
+        "1": {"nan_inf": (6.0, 3.0, 12.0), "grad_stats": (6.0, 3.0, 12.0)},
+        "2": {"nan_inf": (5.0, "", "")},
+    }
+    for job, checks in jobs.items():
+        folder = tmp_path / job
+        folder.mkdir()
+        rows.write(folder / "trials.csv", [{"workload": "gpt", "precision": "32-true"}])
+        measured = [
+            {"detector": name, "interval": "", "overhead_pct": pct, "overhead_low_pct": low,
+             "overhead_high_pct": high}
+            for name, (pct, low, high) in checks.items()
+        ]  # fmt: skip
+        overhead.write(folder / schema.OVERHEAD_FILE, measured)
+    table = overheads.load_overhead([tmp_path]).set_index("detector")
+    grad_stats, nan_inf = table.loc["grad_stats"], table.loc["nan_inf"]
+    assert (grad_stats.overhead_pct, grad_stats.overhead_low_pct) == (5.0, 1.0)
+    assert (grad_stats.overhead_high_pct, grad_stats.runs) == (12.0, 2)
+    assert (nan_inf.overhead_pct, nan_inf.runs) == (5.0, 3)
+    assert math.isnan(nan_inf.overhead_low_pct) and math.isnan(nan_inf.overhead_high_pct)

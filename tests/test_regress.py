@@ -226,6 +226,53 @@ def test_an_overhead_growth_within_measurement_noise_is_no_regression(runs, tmp_
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+# Two timings of the nightly's overheads at once, of the same code, on a 2-core machine: 5 rounds
+# each, (median, lowest, highest round) in percent.
+TIMED_TWICE = (
+    {"grad_stats": (0.639, -7.555, 36.008), "matmul_checksum": (19.3, 13.744, 40.683)},
+    {"grad_stats": (9.414, -6.711, 20.41), "matmul_checksum": (24.314, 19.149, 35.986)},
+)
+
+
+def _timed(spread: dict[str, tuple[float, float, float]]) -> list[dict[str, object]]:
+    return [
+        {"detector": name, "interval": "", "overhead_pct": pct, "floor_pct": "",
+         "overhead_low_pct": low, "overhead_high_pct": high}
+        for name, (pct, low, high) in spread.items()
+    ]  # fmt: skip
+
+
+def test_a_growth_within_the_rounds_spread_is_named_not_judged_a_regression(runs, tmp_path):
+    """The same code timed twice: grad_stats' median rose 8.8 points and matmul_checksum's 5.0,
+    each past 25% and 5 points, while their rounds overlap the other timing's. A growth with
+    every round above every baseline round is one."""
+    baseline = copy(runs["baseline"], tmp_path / "a")
+    again = copy(runs["baseline"], tmp_path / "b")
+    for folder, spread in zip((baseline, again), TIMED_TWICE, strict=True):
+        overhead.write(folder / schema.OVERHEAD_FILE, _timed(spread))
+    proc = sdc_regress(baseline, again)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (
+        "sdc-regress: 2 overheads grew past the thresholds within the noise of their rounds "
+        "(some current round at or below some baseline round), not judged a regression: "
+        "grad_stats, interval -: 0.64% -> 9.41% (rounds -6.71% to 20.41% against -7.55% to "
+        "36.01%); matmul_checksum, interval -: 19.30% -> 24.31% (rounds 19.15% to 35.99% "
+        "against 13.74% to 40.68%)"
+    ) in proc.stdout.splitlines()
+    grown = copy(runs["baseline"], tmp_path / "c")
+    steady = TIMED_TWICE[0]["matmul_checksum"]
+    overhead.write(
+        grown / schema.OVERHEAD_FILE,
+        _timed({"grad_stats": (45.0, 36.5, 60.0), "matmul_checksum": steady}),
+    )
+    proc = sdc_regress(baseline, grown)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert regression_rows(proc.stdout) == [
+        ["overhead grew", "grad_stats, interval -", "0.64%", "45.00%"]
+    ]
+    assert "within the noise" not in proc.stdout
+
+
 def test_a_sweeps_jobs_compare_trial_by_trial_within_their_job(runs, tmp_path):
     """A sweep's jobs repeat the same trial ids: a trial compares with the one of its own job."""
     sweeps = {}

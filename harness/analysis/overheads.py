@@ -23,7 +23,8 @@ RAN_ON = [Column.workload, Column.dtype, Column.precision]
 def load_overhead(dirs: list[Path]) -> pd.DataFrame | None:
     """Every overhead.csv under the given folders (a sweep holds one per job), one row per
     (workload, dtype, precision, detector, interval) with the medians over the runs that
-    measured it and their number; None when no run measured overhead. A run's workload, dtype
+    measured it, the lowest and highest round of any of them (NaN where a table predates
+    them) and their number; None when no run measured overhead. A run's workload, dtype
     and precision are those of its trials.csv; without one, the other runs' when they measured
     one workload, else blank."""
     files = [(d, f) for d in dirs for f in sorted(d.rglob(OVERHEAD_FILE))]
@@ -38,10 +39,11 @@ def load_overhead(dirs: list[Path]) -> pd.DataFrame | None:
         missing = [c for c in OVERHEAD_REQUIRED if c not in table.columns]
         if missing:
             raise ReportError(f"{f}: missing columns: {', '.join(missing)}")
-        if "overhead_vs_ddp_pct" not in table.columns:  # measured before plain DDP was
-            table["overhead_vs_ddp_pct"] = ""
+        for column in OVERHEAD_COLUMNS[len(OVERHEAD_REQUIRED) :]:  # measured before they were
+            if column not in table.columns:
+                table[column] = ""
         try:
-            for column in ("overhead_pct", "floor_pct", "overhead_vs_ddp_pct"):
+            for column in OVERHEAD_COLUMNS[2:]:
                 table[column] = pd.to_numeric(table[column].replace("", math.nan))
         except ValueError as exc:
             raise ReportError(f"{f}: unreadable: {exc}") from None
@@ -54,6 +56,8 @@ def load_overhead(dirs: list[Path]) -> pd.DataFrame | None:
         overhead_pct=("overhead_pct", "median"),
         floor_pct=("floor_pct", "median"),
         overhead_vs_ddp_pct=("overhead_vs_ddp_pct", "median"),
+        overhead_low_pct=("overhead_low_pct", lambda v: v.min(skipna=False)),
+        overhead_high_pct=("overhead_high_pct", lambda v: v.max(skipna=False)),
         runs=("overhead_pct", "size"),
     )
     merged["steps"] = pd.to_numeric(merged["interval"].replace("", math.nan))

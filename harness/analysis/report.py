@@ -51,6 +51,10 @@ def _pct(x: float) -> str:
     return "-" if math.isnan(x) else f"{x:.2f}%"
 
 
+def _spread(low: float, high: float) -> str:
+    return "-" if math.isnan(low) else f"{low:.2f}% to {high:.2f}%"
+
+
 def overhead_section(table: pd.DataFrame, folder: Path) -> str:
     """The overhead table and, for checks with an interval, overhead and floor against it; per
     workload, dtype and precision where the runs measured several (a share of another step
@@ -62,6 +66,7 @@ def overhead_section(table: pd.DataFrame, folder: Path) -> str:
             "detector": r.detector,
             "interval": r.interval or "-",
             "overhead (vs hook)": _pct(r.overhead_pct),
+            "rounds (vs hook)": _spread(r.overhead_low_pct, r.overhead_high_pct),
             "overhead (vs plain DDP)": _pct(r.overhead_vs_ddp_pct),
             "floor": _pct(r.floor_pct),
             "overhead / floor": "-"
@@ -80,8 +85,10 @@ def overhead_section(table: pd.DataFrame, folder: Path) -> str:
         "pays). The `hook` row is the hook's own cost against plain DDP. Floor: the least the "
         "check could cost; for replay one forward and backward of the audited micro-batches "
         "per interval, measured in the same world. "
-        "With several runs, the median over them. A tiny model on a loaded machine makes these "
-        "noisy: read the trend, not the digits.\n\n" + markdown_table(rows)
+        "With several runs, the median over them. Rounds: the lowest and the highest round's "
+        "overhead, over every run; a growth within them is noise to sdc-regress. A tiny model "
+        "on a loaded machine makes these noisy: read the trend, not the digits.\n\n"
+        + markdown_table(rows)
     )
     path = figures.overhead_vs_interval(table, folder / "overhead.png")
     if path is not None:

@@ -13,7 +13,8 @@ positions are averaged, so the cost is amortized over the interval (k = 1: the p
 
 The load of a shared machine drifts over seconds, so each detector's run sits between two runs
 without detectors and is compared with their mean (a sandwich); with several rounds, the order
-alternates and the median ratio over rounds is kept.
+alternates and the median ratio over rounds is kept, with the lowest and the highest round's
+(`overhead_low_pct`, `overhead_high_pct`): the spread sdc-regress tells noise from growth by.
 
 floor = the least a check could cost. For replay, one forward and backward of the audited
 rank's micro-batches per interval: measured in the same world, as the extra step time of a run
@@ -112,9 +113,9 @@ def amortized_step(series: list[list[float]], cycle: int) -> float:
     return statistics.fmean(statistics.median(v) for v in at.values())
 
 
-def ratios(run: RunConfig, execute: Execute) -> dict[Any, float]:
-    """Each configuration's step time over that of the reference runs on either side of it, the
-    median over rounds."""
+def ratios(run: RunConfig, execute: Execute) -> dict[Any, list[float]]:
+    """Each configuration's step time over that of the reference runs on either side of it, one
+    per round."""
     runs = timed_runs(run)
     reference = runs.pop(REFERENCE)[0]
     rounds = run.overhead.rounds
@@ -140,22 +141,23 @@ def ratios(run: RunConfig, execute: Execute) -> dict[Any, float]:
                 before = after
     finally:
         bar.close()
-    return {name: statistics.median(values) for name, values in found.items()}
+    return found
 
 
-def rows(run: RunConfig, ratio: dict[Any, float]) -> list[dict[str, object]]:
+def _pct(ratio: float) -> float:
+    return round(100 * (ratio - 1), 3)
+
+
+def rows(run: RunConfig, rounds: dict[Any, list[float]]) -> list[dict[str, object]]:
     """overhead.csv's rows: the hook's own, then one per (check, interval) the trials ran, from
     `ratios` (each against the hook reference; plain DDP's ratio converts them)."""
+    ratio = {key: statistics.median(values) for key, values in rounds.items()}
     hook = 1 / ratio[PLAIN]
+    blank = dict.fromkeys(("overhead_pct", "overhead_low_pct", "overhead_high_pct"), "")
     out: list[dict[str, object]] = [
-        {
-            "detector": HOOK,
-            "interval": "",
-            "overhead_pct": "",
-            "floor_pct": "",
-            "overhead_vs_ddp_pct": round(100 * (hook - 1), 3),
-        }
-    ]
+        {"detector": HOOK, "interval": "", **blank, "floor_pct": "",
+         "overhead_vs_ddp_pct": _pct(hook)}
+    ]  # fmt: skip
     for name, k in timed_checks(run):
         floor: float | str = ""
         if detectors.detector_class(name).recomputes_batches and k is not None:
@@ -164,9 +166,11 @@ def rows(run: RunConfig, ratio: dict[Any, float]) -> list[dict[str, object]]:
             {
                 "detector": name,
                 "interval": "" if k is None else k,
-                "overhead_pct": round(100 * (ratio[(name, k)] - 1), 3),
+                "overhead_pct": _pct(ratio[(name, k)]),
                 "floor_pct": floor,
-                "overhead_vs_ddp_pct": round(100 * (ratio[(name, k)] * hook - 1), 3),
+                "overhead_vs_ddp_pct": _pct(ratio[(name, k)] * hook),
+                "overhead_low_pct": _pct(min(rounds[(name, k)])),
+                "overhead_high_pct": _pct(max(rounds[(name, k)])),
             }
         )
     return out
