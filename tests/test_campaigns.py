@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import itertools
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -164,6 +165,26 @@ def test_nightly_is_a_fixed_mix_against_every_detector():
     assert {f.site for f in run.scenarios if not f.clean} == set(injectors.SITES)
     # From 4 seeds on, n/n and 0/n have disjoint Wilson intervals: a lost catch shows.
     assert run.seeds >= 4
+
+
+@pytest.mark.parametrize("name", CAMPAIGNS)
+def test_scenarios_that_differ_beyond_their_bit_and_ranks_never_share_a_cell(name):
+    """A scenario cell (harness/analysis/tables.py) merges the trials of one site, model, bit
+    class and settings, across the bits of a class and the ranks struck: two scenarios that
+    differ in anything else (blind_spots' x1000 on a reduction's gradients and on its riders,
+    field_mix's defective unit at 1% and 10%) hold some column apart."""
+    run = compose_run(f"campaign={name}")
+    scenarios: dict[tuple, set] = {}
+    for trial in run.trials:
+        fault = trial.fault
+        if fault.clean:
+            continue
+        row = (fault.site, fault.model, fault.scope, fault.persistence, fault.factor,
+               fault.value, fault.steps, fault.phase, trial.mix and trial.mix.name,
+               fault.settings_text())  # fmt: skip
+        scenarios.setdefault(row, set()).add(replace(fault, bit=None, ranks=()))
+    merged = {row: found for row, found in scenarios.items() if len(found) > 1}
+    assert not merged
 
 
 def test_committed_baseline_is_a_run_of_nightly_as_it_stands():

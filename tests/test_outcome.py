@@ -188,6 +188,7 @@ def test_a_bit_is_classed_in_the_dtype_it_was_flipped_in(tmp_path):
     row = trial_row(run, TrialSpec("t", 0, fault), [part], None, Golden(0, 1.0, "g"), 0.1)[0]
     assert (row.dtype, row.bit, row.bit_dtype) == ("float32", 14, "bfloat16")
     assert (row.precision, row.fault_phase) == ("bf16-mixed", None)
+    assert row.fault_settings == "tensor=blocks.0.fc"  # a setting with no column of its own
     write_trials(tmp_path / "trials.csv", [row])
     assert load_trials([tmp_path])["bit_class"].tolist() == ["exponent_msb"]
 

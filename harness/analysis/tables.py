@@ -184,7 +184,9 @@ def catch_rates(df: pd.DataFrame) -> list[dict[str, object]]:
 
 # A fault's own settings beyond site, model and bit: scenarios that differ in one are caught
 # differently (x10 and x1e6, a NaN and a random value, a transient and a permanent fault, a
-# step replay audits and one between its audits, a field mix's classes).
+# step replay audits and one between its audits, a field mix's classes, a defective unit that
+# strikes 1% of the products and one that strikes 10%, a scaled reduction of the gradients and
+# one of the sketch's riders).
 SETTINGS = (
     Column.scope,
     Column.persistence,
@@ -193,6 +195,7 @@ SETTINGS = (
     Column.fault_steps,
     Column.fault_phase,
     Column.fault_class,
+    Column.fault_settings,
 )
 # What a sweep varies between its jobs that changes what a scenario is.
 SWEPT = (Column.workload, Column.dtype, Column.precision)
@@ -210,11 +213,14 @@ def sweep_columns(df: pd.DataFrame) -> list[str]:
 
 
 def setting_columns(df: pd.DataFrame, always: tuple[str, ...] = ()) -> list[str]:
-    """The settings (SETTINGS) that tell scenarios apart: those `always` names, and each the
-    fired trials hold more than one value of, a blank being none (a clean trial has no steps).
-    A campaign of one value keeps its tables as they were."""
-    fired = df[df[Column.fired] == True]  # noqa: E712
-    return [c for c in SETTINGS if c in always or fired[c].mask(fired[c] == "").nunique() > 1]
+    """The settings (SETTINGS) that tell scenarios apart: those `always` names, and each that
+    the fired trials of one site and model hold more than one value of, a blank counting (a
+    defective unit at its default rate beside one at 10%). A clean trial, which has no steps,
+    adds none, nor do models that differ in what they set (a bit flip's blank factor beside a
+    scaling's x10): a campaign of one value per site and model keeps its tables as they were."""
+    fired = as_text(df[df[Column.fired] == True], SETTINGS)  # noqa: E712
+    told = fired.groupby([Column.site, Column.model])[list(SETTINGS)].nunique(dropna=False)
+    return [c for c in SETTINGS if c in always or bool((told[c] > 1).any())]
 
 
 def _text(value: object) -> str:
@@ -283,6 +289,7 @@ class Cell:
     fault_steps: str
     fault_phase: str
     fault_class: str
+    fault_settings: str
 
     @property
     def key(self) -> tuple[str, ...]:

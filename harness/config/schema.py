@@ -156,6 +156,15 @@ class TopologyConfig:
         return self.threads_per_rank[rank]
 
 
+# A fault's settings that trials.csv holds in no column of their own (site, model, bit, factor,
+# value, scope, persistence, ranks, steps, phase and schedule have theirs, or their steps'):
+# `FaultConfig.settings_text` writes them into `fault_settings`.
+OWN_SETTINGS = (
+    "probability", "tensor", "index", "elements", "select", "nbits", "adjacent", "stuck_at",
+    "ber", "bucket", "follows", "burst_model", "stride", "product",
+)  # fmt: skip
+
+
 @dataclass(frozen=True)
 class FaultConfig:
     site: str = "none"
@@ -234,10 +243,28 @@ class FaultConfig:
         elif self.persistence != "transient":
             parts.append(self.persistence)
         # A model's settings away from their defaults, as `factor` is: `delta1e+06`.
-        defaults = type(self.settings)().params()
         parts += [f"{k}{v:g}" if isinstance(v, float) else f"{k}{v}"
-                  for k, v in self.settings.params().items() if v != defaults[k]]  # fmt: skip
+                  for k, v in self.model_settings().items()]  # fmt: skip
         return "-".join(parts)
+
+    def model_settings(self) -> dict[str, Any]:
+        """The model's own settings that are away from their defaults."""
+        defaults = type(self.settings)().params()
+        return {k: v for k, v in self.settings.params().items() if v != defaults[k]}
+
+    def settings_text(self) -> str:
+        """Every setting away from its default that no trials.csv column of its own holds
+        (`OWN_SETTINGS`, then the model's): what else tells two scenarios of one site, model
+        and bit class apart ("nbits=2 tensor=blocks.0.mlp"); blank for a clean trial."""
+        if self.clean:
+            return ""
+        plain = FaultConfig()
+        changed = {
+            k: getattr(self, k) for k in OWN_SETTINGS if getattr(self, k) != getattr(plain, k)
+        }
+        changed |= self.model_settings()
+        return " ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
+                        for k, v in changed.items())  # fmt: skip
 
 
 @dataclass(frozen=True)

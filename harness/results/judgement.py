@@ -223,6 +223,7 @@ def trial_row(
         bit_class=_bit_class(fault.bit, bit, bit_dtype or run.workload.dtype),
         precision=run.workload.precision,
         fault_phase=fault.phase if fault.site == Site.MATMUL else None,
+        fault_settings=fault.settings_text() or None,
         **(recovery.fields() if recovery else {}),
     )
     if crash:

@@ -115,6 +115,10 @@ class TrialRow:
     precision: str | None = _extra()
     # A matmul fault's product: forward, or the gradients' products in backward.
     fault_phase: str | None = _extra()
+    # The fault's other settings away from their defaults, that no column of their own holds
+    # ("rate=0.1", "tensor=riders"; FaultConfig.settings_text; blank: none, or a table written
+    # before the column).
+    fault_settings: str | None = _extra()
 
     def cells(self) -> dict[str, str]:
         """The row as trials.csv's cells, by column."""

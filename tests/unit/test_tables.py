@@ -527,6 +527,24 @@ def test_a_precision_sweep_and_a_products_phase_each_keep_a_cell():
     ]
 
 
+def test_a_defective_units_rates_and_a_reductions_riders_each_keep_a_cell():
+    """field_mix's defective unit striking 1% and 10% of the products, and blind_spots' x1000
+    on a reduction of the gradients and on one of the sketch's riders, differ only in settings
+    that no column of their own holds: each pair read as one cell."""
+    unit = {"site": "matmul", "model": "defective_unit", "factor": ""}
+    rare = [dict(r, **unit) for r in X10_MISSED]
+    often = [dict(r, **unit, fault_settings="rate=0.1") for r in X1E6_CAUGHT]
+    rows = cells(classed(*rare, *often))
+    assert [(r["fault settings"], r["blind spot"]) for r in rows] == [
+        ("-", "**yes**"),
+        ("rate=0.1", "no"),
+    ]
+    assert {c.name for c in cell_stats(classed(*rare, *often))} == {
+        "matmul / defective_unit / mlp / float32",
+        "matmul / defective_unit / mlp / float32 / rate=0.1",
+    }
+
+
 def test_clean_trials_add_no_setting_column():
     """A clean trial has no steps (a blank cell): the default campaign's faults, all at step
     10, keep a table without a `fault steps` column."""
