@@ -10,7 +10,12 @@ from statistics import NormalDist
 import pandas as pd
 import pytest
 
-from harness.analysis.intervals import INTERVAL_COLUMNS, interval_outcomes, pairs
+from harness.analysis.intervals import (
+    INTERVAL_COLUMNS,
+    audit_intervals,
+    interval_outcomes,
+    pairs,
+)
 from harness.analysis.regress import cell_drops, new_blind_spots, uncompared_cells
 from harness.analysis.tables import (
     ANY,
@@ -279,11 +284,33 @@ def test_interval_outcomes_one_row_per_fired_trial_and_periodic_check():
     got = interval_outcomes(table)
     assert list(got.columns) == INTERVAL_COLUMNS
     rows = [tuple(r) for r in got.itertuples(index=False)]
-    assert rows[0] == ("replay", 5, "transient", True, 2)
-    assert rows[1][:4] == ("weight_consensus", 10, "transient", False)
-    assert math.isnan(rows[1][4])
-    assert rows[2] == ("replay", 2, "permanent", True, 2)
+    assert {r[:3] for r in rows} == {("mlp", "float32", "")}  # what each trial ran on
+    assert rows[0][3:] == ("replay", 5, "transient", True, 2)
+    assert rows[1][3:7] == ("weight_consensus", 10, "transient", False)
+    assert math.isnan(rows[1][7])
+    assert rows[2][3:] == ("replay", 2, "permanent", True, 2)
     assert len(rows) == 3
+
+
+def test_an_audit_interval_sweep_over_workloads_keeps_each_workloads_rate():
+    """replay every 5 steps catches the mlp's faults and none of the gpt's: over both, 2/4
+    at each interval would be neither workload's."""
+    audited = {"fired": True, "inject_step": 10, "persistence": "transient"}
+    table = trials(*(
+        dict(audited, workload=workload, check_intervals=f"replay={k}",
+             detect_steps="replay=10" if workload == "mlp" else "")
+        for workload in ("mlp", "gpt") for k in (5, 10) for _ in range(2)
+    ))  # fmt: skip
+    rows = audit_intervals(table)
+    assert [(r["workload"], r["interval"], r["caught"]) for r in rows] == [
+        ("gpt", 5, rate_text(0, 2)),
+        ("gpt", 10, rate_text(0, 2)),
+        ("mlp", 5, rate_text(2, 2)),
+        ("mlp", 10, rate_text(2, 2)),
+    ]
+    assert list(rows[0])[:2] == ["workload", "check"]
+    # One workload's table keeps its shape.
+    assert list(audit_intervals(table[table["workload"] == "mlp"])[0])[0] == "check"
 
 
 def test_markdown_table_escapes_a_bar_inside_a_cell():
