@@ -195,6 +195,8 @@ def test_committed_baseline_is_a_run_of_nightly_as_it_stands():
     assert [r["trial_id"] for r in table] == [t.trial_id for t in run.trials]
     assert {r["campaign"] for r in table} == {"nightly"}
     assert {r["detectors"] for r in table} == {";".join(sorted(run.detectors))}
+    # Its cells are nightly's: each trial's settings as the campaign sets them now.
+    assert [r["fault_settings"] for r in table] == [t.fault.settings_text() for t in run.trials]
 
 
 @pytest.fixture(scope="module")
