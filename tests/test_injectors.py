@@ -324,6 +324,37 @@ def test_a_persistent_fault_with_extra_bits_flips_the_same_set_every_time():
     assert len(struck) == 4 and len({tuple(e.bits) for e in struck}) == 1
 
 
+def test_a_persisting_fault_of_values_strikes_carried_over_state_again_at_each_step():
+    """Not a fault of bits, nothing to hold: at weight, whose state carries over, a permanent
+    x10 strikes what the last strike left (x100 after two steps, as a faulty read-modify-write
+    would make it), and a permanent swap exchanges the same pair again, so alternate strikes
+    restore the order (docs/configuration.md)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    flat = model.weight.detach().view(-1)
+    start = flat.clone()
+    for kind, settings in (("scale", {"factor": 10.0}), ("swap", {})):
+        with torch.no_grad():
+            flat.copy_(start)
+        fault = FaultConfig(site="weight", model=kind, persistence="permanent", ranks=(0,),
+                            steps=(1,), tensor="weight", index=3, **settings)  # fmt: skip
+        log = EventLog(0, 0)
+        injector = FaultInjector(fault, 0, RankInfo(0, 1, 1), log, model)
+        seen = []
+        for step in range(1, 4):
+            injector.on_update(step, model)
+            seen.append(flat.clone())
+        if kind == "scale":
+            assert [float(w[3] / start[3]) for w in seen] == pytest.approx([10, 100, 1000])
+        else:
+            other = next(e.index for e in log.events if e.index != 3)
+            assert [(float(w[3]), float(w[other])) for w in seen] == [
+                (float(start[other]), float(start[3])),
+                (float(start[3]), float(start[other])),
+                (float(start[other]), float(start[3])),
+            ]
+
+
 @pytest.mark.parametrize(("site", "persistence"), [
     ("weight", "permanent"), ("optimizer", "intermittent"),
 ])  # fmt: skip
