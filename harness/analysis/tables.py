@@ -213,14 +213,18 @@ def sweep_columns(df: pd.DataFrame) -> list[str]:
 
 
 def setting_columns(df: pd.DataFrame, always: tuple[str, ...] = ()) -> list[str]:
-    """The settings (SETTINGS) that tell scenarios apart: those `always` names, and each that
-    the fired trials of one site and model hold more than one value of, a blank counting (a
-    defective unit at its default rate beside one at 10%). A clean trial, which has no steps,
-    adds none, nor do models that differ in what they set (a bit flip's blank factor beside a
-    scaling's x10): a campaign of one value per site and model keeps its tables as they were."""
+    """The settings (SETTINGS) that tell scenarios apart: those `always` names, each that the
+    fired trials hold more than one value of, a blank being none (nightly's x10 at the loss
+    and x1000 at the gradients), and each that the fired trials of one site and model hold
+    more than one value of, a blank counting (a defective unit at its default rate beside one
+    at 10%). A clean trial, which has no steps, adds none, nor does a bit flip's blank factor
+    beside one scaling's x10."""
     fired = as_text(df[df[Column.fired] == True], SETTINGS)  # noqa: E712
     told = fired.groupby([Column.site, Column.model])[list(SETTINGS)].nunique(dropna=False)
-    return [c for c in SETTINGS if c in always or bool((told[c] > 1).any())]
+    return [
+        c for c in SETTINGS
+        if c in always or fired[c].mask(fired[c] == "").nunique() > 1 or (told[c] > 1).any()
+    ]  # fmt: skip
 
 
 def _text(value: object) -> str:

@@ -572,6 +572,15 @@ def test_a_defective_units_rates_and_a_reductions_riders_each_keep_a_cell():
     }
 
 
+def test_a_setting_that_differs_between_sites_keeps_its_column():
+    """nightly's x10 at the loss and x1000 at the gradients: one value per site and model, two
+    in the table, whose cells then say which factor each is."""
+    loss = [dict(r, site="loss", factor=10.0) for r in X10_MISSED]
+    grad = [dict(r, factor=1000.0) for r in X1E6_CAUGHT]
+    rows = cells(classed(*loss, *grad))
+    assert [(r["site"], r["factor"]) for r in rows] == [("grad", "1000"), ("loss", "10")]
+
+
 def test_clean_trials_add_no_setting_column():
     """A clean trial has no steps (a blank cell): the default campaign's faults, all at step
     10, keep a table without a `fault steps` column."""
