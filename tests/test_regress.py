@@ -273,6 +273,25 @@ def test_a_growth_within_the_rounds_spread_is_named_not_judged_a_regression(runs
     assert "within the noise" not in proc.stdout
 
 
+def test_a_sweeps_growth_in_one_job_is_judged_on_the_medians_not_hidden_by_another_job(
+    runs, tmp_path
+):
+    """Rounds pooled over a sweep's jobs would spread from one job's 2% to another's 35% and
+    call any growth noise: over several jobs the medians are judged on the sizes alone."""
+    sweeps = {}
+    for name, first in (("a", (2.0, 1.0, 3.0)), ("b", (22.0, 20.0, 25.0))):
+        (tmp_path / name).mkdir()
+        for job, spread in (("0", first), ("1", (35.0, 30.0, 40.0))):
+            folder = copy(runs["baseline"], tmp_path / name / job)
+            overhead.write(folder / schema.OVERHEAD_FILE, _timed({"grad_stats": spread}))
+        sweeps[name] = tmp_path / name
+    proc = sdc_regress(sweeps["a"], sweeps["b"])
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert regression_rows(proc.stdout) == [
+        ["overhead grew", "grad_stats, interval -", "18.50%", "28.50%"]
+    ]
+
+
 def test_a_sweeps_jobs_compare_trial_by_trial_within_their_job(runs, tmp_path):
     """A sweep's jobs repeat the same trial ids: a trial compares with the one of its own job."""
     sweeps = {}
@@ -294,15 +313,37 @@ def test_a_sweeps_jobs_compare_trial_by_trial_within_their_job(runs, tmp_path):
     ) in proc.stdout.splitlines()
 
 
-def test_runs_that_share_no_scenario_cell_exit_2_with_one_line(runs, tmp_path, capsys):
-    """A baseline written before the precision column: none of its cells has a match, so no
-    catch rate could compare, and 'no regression' would say what was never checked."""
+def test_a_table_written_before_a_cells_column_compares_without_it_on_both_sides(runs, tmp_path):
+    """A baseline written before `fault_settings` and `precision`: left in the keys, no cell
+    would match, and a blind spot the baseline knew would read as a new one. Left out of both
+    sides, the cells compare, and sdc-regress says why."""
     older = tmp_path / "older"
     older.mkdir()
     _, kept = read_trials(runs["baseline"] / "trials.csv")
-    write_trials(older / "trials.csv", kept, [c for c in COLUMNS if c != "precision"])
+    later = ("precision", "fault_settings")
+    write_trials(older / "trials.csv", kept, [c for c in COLUMNS if c not in later])
+    current = copy(runs["baseline"], tmp_path / "current")
+    edit_rows(current, lambda table: [r.update(fault_settings="tensor=fc1.weight")
+                                      for r in table if r["site"] != "none"])  # fmt: skip
+    proc = sdc_regress(older, current)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (
+        "sdc-regress: a table was written before the columns fault_settings, precision: both "
+        "runs' cells compare without them (the scenarios they tell apart merge, as that table "
+        "merged them)"
+    ) in proc.stdout.splitlines()
+    assert "not compared" not in proc.stdout
+    # Left in the keys, the baseline's one fault cell had no match and read as uncompared.
+    assert regress.uncompared_cells(load(older).trials, load(current).trials)
+
+
+def test_runs_that_share_no_scenario_cell_exit_2_with_one_line(runs, tmp_path, capsys):
+    """Another campaign's faults: none of the baseline's cells has a match, so no catch rate
+    could compare, and 'no regression' would say what was never checked."""
+    other = copy(runs["baseline"], tmp_path / "other")
+    edit_rows(other, lambda table: [r.update(site="loss") for r in table if r["site"] != "none"])
     with pytest.raises(SystemExit) as stop:
-        regress.main([str(older), str(runs["baseline"])])
+        regress.main([str(runs["baseline"]), str(other)])
     assert stop.value.code == 2
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err.count("\n") == 1

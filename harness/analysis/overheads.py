@@ -23,10 +23,10 @@ RAN_ON = [Column.workload, Column.dtype, Column.precision]
 def load_overhead(dirs: list[Path]) -> pd.DataFrame | None:
     """Every overhead.csv under the given folders (a sweep holds one per job), one row per
     (workload, dtype, precision, detector, interval) with the medians over the runs that
-    measured it, the lowest and highest round of any of them (NaN where a table predates
-    them) and their number; None when no run measured overhead. A run's workload, dtype
-    and precision are those of its trials.csv; without one, the other runs' when they measured
-    one workload, else blank."""
+    measured it and their number, and one run's lowest and highest round (NaN where several
+    runs measured it, or its table predates them); None when no run measured overhead. A run's
+    workload, dtype and precision are those of its trials.csv; without one, the other runs'
+    when they measured one workload, else blank."""
     files = [(d, f) for d in dirs for f in sorted(d.rglob(OVERHEAD_FILE))]
     if not files:
         return None
@@ -56,10 +56,14 @@ def load_overhead(dirs: list[Path]) -> pd.DataFrame | None:
         overhead_pct=("overhead_pct", "median"),
         floor_pct=("floor_pct", "median"),
         overhead_vs_ddp_pct=("overhead_vs_ddp_pct", "median"),
-        overhead_low_pct=("overhead_low_pct", lambda v: v.min(skipna=False)),
-        overhead_high_pct=("overhead_high_pct", lambda v: v.max(skipna=False)),
+        overhead_low_pct=("overhead_low_pct", "first"),
+        overhead_high_pct=("overhead_high_pct", "first"),
         runs=("overhead_pct", "size"),
     )
+    # Rounds spread over one run's noise; several runs (a sweep's jobs, which may differ in
+    # more than these columns) spread over their differences too, which no round measures.
+    several = merged["runs"] > 1
+    merged.loc[several, ["overhead_low_pct", "overhead_high_pct"]] = math.nan
     merged["steps"] = pd.to_numeric(merged["interval"].replace("", math.nan))
     return merged.sort_values([*RAN_ON, "detector", "steps"], ignore_index=True)
 

@@ -17,9 +17,11 @@ compared. A regression is:
   with `campaign.overhead` writes, when both folders have them;
 - a new blind spot (docs/design.md, section 5): a cell that is one now and was not in the baseline.
 
-Before the verdict it names the baseline's scenario cells and overheads that the current run has
-none of (they cannot compare: a scenario or check dropped, or a table written before a column the
-key holds, such as `precision`), and says whether both runs computed in the same environment
+A column of the cells' keys that either run's tables were written without (`precision`,
+`fault_settings` before they existed) is left out of both runs' cells, and said so: each run's
+scenarios then merge as the older table merged them. Before the verdict it names the baseline's
+scenario cells and overheads that the current run has none of (they cannot compare: a scenario
+or check dropped), and says whether both runs computed in the same environment
 (campaign.json, harness.runtime.environment). Only then can rows compare bit for bit: golden
 losses, `golden_match` and which trials are masked (bit-identical to their golden run). It reports
 how many shared trials (a trial: its job's folder in a sweep, and its id) kept their effect and
@@ -34,9 +36,10 @@ judged on exactly the numbers the report shows.
 from __future__ import annotations
 
 import argparse
+import csv
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pandas as pd
@@ -44,6 +47,7 @@ import pandas as pd
 from harness.analysis.overheads import RAN_ON, load_overhead, ran_label, ran_on
 from harness.analysis.tables import (
     ANY,
+    APART,
     Cell,
     Counts,
     ReportError,
@@ -56,6 +60,7 @@ from harness.analysis.tables import (
     wilson,
 )
 from harness.results import machine
+from harness.results.folder import TRIALS_FILE
 from harness.results.trial_row import Column
 
 # A trial's place in its run or sweep: a sweep's jobs repeat the same trial ids, so a trial is
@@ -74,6 +79,8 @@ class Run:
     trials: pd.DataFrame  # with JOB
     overhead: pd.DataFrame | None
     environment: dict[str, str] | None  # None: not recorded, or differing within a sweep
+    # The columns that tell cells apart (APART) that some trials.csv of it was written without.
+    unwritten: frozenset[str] = frozenset()
 
 
 def load(folder: Path) -> Run:
@@ -81,7 +88,31 @@ def load(folder: Path) -> Run:
     trials = _trials(folder)
     trials[JOB] = [str(Path(r).relative_to(folder)) for r in trials["run"]]
     runs = [Path(r) for r in sorted(trials["run"].unique())]
-    return Run(trials, load_overhead([folder]), machine.of_runs(runs))
+    unwritten = frozenset(c for run in runs for c in APART if c not in _header(run / TRIALS_FILE))
+    return Run(trials, load_overhead([folder]), machine.of_runs(runs), unwritten)
+
+
+def _header(path: Path) -> list[str]:
+    with open(path, newline="") as f:
+        return next(csv.reader(f), [])
+
+
+def aligned(base: Run, cur: Run) -> tuple[Run, Run, list[str]]:
+    """Both runs as their cells can compare: a column of the cells' keys that a table was
+    written without (`precision` before it existed) is blank in both, so that each run's
+    scenarios merge as that table merged them, rather than every cell read as not in the
+    baseline (a known blind spot as a new one); and the columns so blanked."""
+    missing = sorted(base.unwritten | cur.unwritten)
+    if not missing:
+        return base, cur, []
+
+    def blanked(run: Run) -> Run:
+        overhead = run.overhead
+        if overhead is not None:
+            overhead = overhead.assign(**{c: "" for c in missing if c in RAN_ON})
+        return replace(run, trials=run.trials.assign(**dict.fromkeys(missing)), overhead=overhead)
+
+    return blanked(base), blanked(cur), missing
 
 
 def _trials(folder: Path) -> pd.DataFrame:
@@ -213,7 +244,8 @@ def overhead_growths(base: pd.DataFrame | None, cur: pd.DataFrame | None) -> lis
     when every current round is above every baseline round: for two runs of the same code,
     whose rounds are exchangeable, that happens by chance with probability 1/C(2n, n), 1/252
     for the nightly's five rounds each (1/20 for three). A table written before the rounds'
-    spread was recorded is judged on the sizes alone."""
+    spread was recorded, and a check measured by several runs (a sweep's jobs), are judged on
+    the sizes alone."""
     if base is None or cur is None:
         return []
     joined = base.merge(cur, on=[*RAN_ON, "detector", "interval"], suffixes=("_base", "_cur"))
@@ -309,6 +341,7 @@ def main(argv: list[str] | None = None) -> None:
     except ReportError as exc:
         print(f"sdc-regress: {exc}", file=sys.stderr)
         sys.exit(2)
+    base, cur, blanked = aligned(base, cur)
     missing = uncompared_cells(base.trials, cur.trials)
     if missing and len(missing) == len(cell_stats(base.trials)):
         print(
@@ -320,6 +353,12 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     for line in environment_lines(base, cur):
         print(f"sdc-regress: {line}")
+    if blanked:
+        print(
+            f"sdc-regress: a table was written before the columns {', '.join(blanked)}: both "
+            "runs' cells compare without them (the scenarios they tell apart merge, as that "
+            "table merged them)"
+        )
     if missing:
         print(
             f"sdc-regress: {len(missing)} baseline scenario cells have none in the current run "

@@ -85,10 +85,10 @@ def overhead_section(table: pd.DataFrame, folder: Path) -> str:
         "pays). The `hook` row is the hook's own cost against plain DDP. Floor: the least the "
         "check could cost; for replay one forward and backward of the audited micro-batches "
         "per interval, measured in the same world. "
-        "With several runs, the median over them. Rounds: the lowest and the highest round's "
-        "overhead, over every run; a growth within them is noise to sdc-regress. A tiny model "
-        "on a loaded machine makes these noisy: read the trend, not the digits.\n\n"
-        + markdown_table(rows)
+        "With several runs, the median over them. Rounds: one run's lowest and highest round "
+        "(a dash over several runs, whose rounds would spread over their differences too); "
+        "a growth within them is noise to sdc-regress. A tiny model on a loaded machine makes "
+        "these noisy: read the trend, not the digits.\n\n" + markdown_table(rows)
     )
     path = figures.overhead_vs_interval(table, folder / "overhead.png")
     if path is not None:
