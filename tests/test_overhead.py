@@ -59,8 +59,9 @@ def test_one_row_per_detector_with_its_interval_and_replays_floor(measured):
     hook, *checks = table
     # The hook is the reference of overhead_pct; its own cost is against plain DDP only.
     assert hook["overhead_pct"] == hook["floor_pct"] == ""
-    assert hook["overhead_low_pct"] == hook["overhead_high_pct"] == ""
-    assert math.isfinite(float(hook["overhead_vs_ddp_pct"]))
+    # Its rounds are against plain DDP, as its cost is.
+    low, high = float(hook["overhead_low_pct"]), float(hook["overhead_high_pct"])
+    assert low <= float(hook["overhead_vs_ddp_pct"]) <= high
     for row in checks:
         assert math.isfinite(float(row["overhead_pct"]))
         # The median of two rounds lies halfway between the lowest and the highest.
@@ -90,15 +91,15 @@ def test_the_report_shows_each_check_against_the_hook_and_plain_ddp(measured, tm
     }
     assert set(by_name) == {"hook", "nan_inf", "replay", "weight_consensus"}
     hook = by_name.pop("hook")
-    assert hook["overhead (vs hook)"] == hook["rounds (vs hook)"] == "-"
-    assert hook["overhead (vs plain DDP)"].endswith("%")
+    assert hook["overhead (vs hook)"] == "-"
+    assert hook["overhead (vs plain DDP)"].endswith("%") and " to " in hook["rounds"]
     with open(measured / schema.OVERHEAD_FILE, newline="") as f:
         table = list(csv.DictReader(f))
     for row in table[1:]:
         cells = by_name[row["detector"]]
         assert cells["overhead (vs plain DDP)"].endswith("%")
         low, high = float(row["overhead_low_pct"]), float(row["overhead_high_pct"])
-        assert cells["rounds (vs hook)"] == f"{low:.2f}% to {high:.2f}%"
+        assert cells["rounds"] == f"{low:.2f}% to {high:.2f}%"
 
 
 def test_a_resumed_campaign_keeps_its_table_and_one_without_overhead_times_nothing(

@@ -273,6 +273,30 @@ def test_a_growth_within_the_rounds_spread_is_named_not_judged_a_regression(runs
     assert "within the noise" not in proc.stdout
 
 
+def test_the_hooks_own_cost_regresses_against_plain_ddp(runs, tmp_path):
+    """The harness's hook is a cost every job pays: its row holds it against plain DDP (its
+    overhead against itself is blank), and that grows like any check's."""
+    tables = {}
+    for name, (pct, low, high) in (("a", (1.0, 0.0, 2.0)), ("b", (30.0, 28.0, 33.0))):
+        folder = copy(runs["baseline"], tmp_path / name)
+        hook = {
+            "detector": "hook",
+            "interval": "",
+            "overhead_pct": "",
+            "floor_pct": "",
+            "overhead_vs_ddp_pct": pct,
+            "overhead_low_pct": low,
+            "overhead_high_pct": high,
+        }
+        overhead.write(folder / schema.OVERHEAD_FILE, [hook])
+        tables[name] = folder
+    proc = sdc_regress(tables["a"], tables["b"])
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert regression_rows(proc.stdout) == [
+        ["overhead grew", "hook, interval -", "1.00%", "30.00%"]
+    ]
+
+
 def test_a_sweeps_growth_in_one_job_is_judged_on_the_medians_not_hidden_by_another_job(
     runs, tmp_path
 ):

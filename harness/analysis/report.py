@@ -66,7 +66,7 @@ def overhead_section(table: pd.DataFrame, folder: Path) -> str:
             "detector": r.detector,
             "interval": r.interval or "-",
             "overhead (vs hook)": _pct(r.overhead_pct),
-            "rounds (vs hook)": _spread(r.overhead_low_pct, r.overhead_high_pct),
+            "rounds": _spread(r.overhead_low_pct, r.overhead_high_pct),
             "overhead (vs plain DDP)": _pct(r.overhead_vs_ddp_pct),
             "floor": _pct(r.floor_pct),
             "overhead / floor": "-"
@@ -86,7 +86,8 @@ def overhead_section(table: pd.DataFrame, folder: Path) -> str:
         "check could cost; for replay one forward and backward of the audited micro-batches "
         "per interval, measured in the same world. "
         "With several runs, the median over them. Rounds: one run's lowest and highest round "
-        "(a dash over several runs, whose rounds would spread over their differences too); "
+        "against the hook (the hook's own against plain DDP; a dash over several runs, whose "
+        "rounds would spread over their differences too); "
         "a growth within them is noise to sdc-regress. A tiny model on a loaded machine makes "
         "these noisy: read the trend, not the digits.\n\n" + markdown_table(rows)
     )
