@@ -79,7 +79,9 @@ def effects_by_scenario(df: pd.DataFrame, path: Path) -> Path:
     named = as_text(faulty, columns)
     cells = named[columns].apply(lambda row: cell_label(row.to_dict()), axis=1)
     table = pd.crosstab(cells.rename("cell"), named[Column.effect], normalize="index")
-    fig, ax = plt.subplots(figsize=(7, 0.35 * len(table) + 1.5))
+    # Wide enough for the longest cell's name beside the bars (about 0.075 in a character).
+    longest = max((len(name) for name in table.index), default=0)
+    fig, ax = plt.subplots(figsize=(max(7.0, 4.5 + 0.075 * longest), 0.35 * len(table) + 1.5))
     left = np.zeros(len(table))
     for effect in (Effect.MASKED, Effect.BENIGN, Effect.LATENT, Effect.HARMFUL, Effect.CRASH):
         if effect in table:
