@@ -134,6 +134,24 @@ CASES = [
         "not an element; allowed: random",
     ),  # fmt: skip
     (["fault=grad_bitflip", "fault.nbits=40"], "fault.nbits", "1..32"),
+    # Keys only some faults read: ignored, they would still split the trials' scenario cells.
+    (["fault=grad_scale", "fault.nbits=2"], "fault.nbits", "only model bitflip"),
+    (["fault=grad_bitflip", "fault.adjacent=false"], "fault.adjacent", "nbits > 1"),
+    (["fault=grad_bitflip", "fault.stuck_at=1"], "fault.stuck_at", "only model stuck"),
+    (
+        ["fault=grad_scale", "fault.persistence=permanent", "fault.probability=0.2"],
+        "fault.probability",
+        "only an intermittent fault",
+    ),
+    (
+        [
+            "fault=weight_bitflip",
+            "fault.index=3",
+            "fault.schedule=[{step:1,rank:0,tensor:fc1.weight,index:0}]",
+        ],
+        "fault.index",
+        "a schedule names each strike's element",
+    ),
     (["fault=activation_nan", "fault.tensor=conv*"], "fault.tensor", "nothing at site activation"),
     (["fault=weight_bitflip", "fault.bucket=0"], "fault.bucket", "allowed: grad, allreduce"),
     (

@@ -174,6 +174,7 @@ def fault_config(
         )  # fmt: skip
     _largest(key, values, model)
     _bit_error_rate(key, values)
+    _read_by_the_fault(key, values, model)
     _changes_a_value(key, values, site, model, workload)
     _index_placed(key, values, site, model, topology)
     values["settings"] = injectors.model_class(model).Config.parse(key, settings)
@@ -215,6 +216,29 @@ def _bit_error_rate(key: str, values: dict[str, Any]) -> None:
                 f"{key}.{name}",
                 f"a bit error rate draws its own bits and elements; leave it {default}",
             )
+
+
+def _read_by_the_fault(key: str, values: dict[str, Any], model: str) -> None:
+    """Keys that only some faults read must keep their defaults in the others, where they would
+    be ignored, and yet tell the trials' scenarios apart (trials.csv's `fault_settings`)."""
+    ignored = [
+        ("nbits", values["nbits"] != 1 and model != "bitflip", "only model bitflip flips "
+         "several bits (a burst flips one bit of each element); leave it 1"),
+        ("adjacent", values["adjacent"] is False and values["nbits"] == 1,
+         "it places the extra bits of nbits > 1; leave it true"),
+        ("stuck_at", values["stuck_at"] is not None and model != "stuck",
+         "only model stuck holds a bit at a value; leave it unset"),
+        ("probability", values["probability"] != FaultConfig.probability
+         and (values["persistence"] != "intermittent" or bool(values["schedule"])),
+         "only an intermittent fault draws its steps with it; leave it 0.5"),
+        ("index", values["index"] is not None and bool(values["schedule"]),
+         "a schedule names each strike's element; leave it unset"),
+        ("elements", values["elements"] != 1 and bool(values["schedule"]),
+         "a schedule names each strike's element; leave it 1"),
+    ]  # fmt: skip
+    for name, refused, why in ignored:
+        if refused:
+            raise ConfigError(f"{key}.{name}", why)
 
 
 # The sites whose tensors hold the workload's dtype, or, under a mixed precision, float32 or

@@ -255,18 +255,17 @@ class FaultConfig:
         return {k: v for k, v in self.settings.params().items() if v != defaults[k]}
 
     def settings_text(self) -> str:
-        """Every setting away from its default that no trials.csv column of its own holds and
-        the fault reads (`OWN_SETTINGS`, then the model's), numbers in their exact shortest
-        form: what else tells two scenarios of one site, model and bit class apart
-        ("tensor=blocks.0.fc nbits=2"); blank for a clean trial. A schedule reads as its
-        number of strikes and a checksum of its entries ("schedule=3@5e1f0a2c")."""
+        """Every setting away from its default that no trials.csv column of its own holds
+        (`OWN_SETTINGS`, then the model's; a campaign's faults hold none that they would
+        ignore, harness/config/faults.py), numbers in their exact shortest form: what else
+        tells two scenarios of one site, model and bit class apart ("tensor=blocks.0.fc
+        nbits=2"); blank for a clean trial. A schedule reads as its number of strikes and a
+        checksum of its entries ("schedule=3@5e1f0a2c")."""
         if self.clean:
             return ""
         plain = FaultConfig()
         changed = {
-            k: getattr(self, k)
-            for k in OWN_SETTINGS
-            if getattr(self, k) != getattr(plain, k) and self._reads(k)
+            k: getattr(self, k) for k in OWN_SETTINGS if getattr(self, k) != getattr(plain, k)
         }
         changed |= self.model_settings()
         words = [f"{k}={v}" for k, v in changed.items()]  # a float's str is its shortest repr
@@ -274,15 +273,6 @@ class FaultConfig:
             entries = json.dumps(self.schedule, sort_keys=True).encode()
             words.append(f"schedule={len(self.schedule)}@{zlib.crc32(entries):08x}")
         return " ".join(words)
-
-    def _reads(self, setting: str) -> bool:
-        """Whether the fault reads this setting: an intermittent fault alone draws its steps
-        with `probability`, and a flip of several bits alone places them by `adjacent`."""
-        if setting == "probability":
-            return self.persistence == "intermittent"
-        if setting == "adjacent":
-            return self.nbits > 1
-        return True
 
 
 @dataclass(frozen=True)

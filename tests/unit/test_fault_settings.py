@@ -1,6 +1,6 @@
 """`FaultConfig.settings_text`, trials.csv's `fault_settings`: the settings that tell two
 scenarios of one site, model and bit class apart where no column of their own does, written
-exactly and only where the fault reads them."""
+exactly."""
 
 from __future__ import annotations
 
@@ -24,12 +24,13 @@ def test_numbers_keep_their_exact_shortest_form():
     assert FaultConfig(**GRAD, ber=1e-07).settings_text() == "ber=1e-07"
 
 
-def test_a_setting_the_fault_does_not_read_is_not_written():
-    """A permanent fault strikes every step whatever its probability, and one flipped bit has
-    no neighbours to place: the same scenario as at the defaults."""
-    assert FaultConfig(**GRAD, persistence="permanent", probability=0.2).settings_text() == ""
-    assert FaultConfig(**GRAD, adjacent=False).settings_text() == ""
-    assert FaultConfig(**GRAD, nbits=2, adjacent=False).settings_text() == "nbits=2 adjacent=False"
+def test_a_setting_the_fault_reads_is_written():
+    """A campaign's faults hold no setting they would ignore (tests/test_config_errors.py):
+    each that differs from its default tells a scenario apart."""
+    several = FaultConfig(**GRAD, nbits=2, adjacent=False)
+    assert several.settings_text() == "nbits=2 adjacent=False"
+    stuck = FaultConfig(site="grad", model="stuck", stuck_at=1, bit=7)
+    assert stuck.settings_text() == "stuck_at=1"
 
 
 def test_settings_follow_one_order_and_a_models_own_come_last():
