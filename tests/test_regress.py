@@ -361,6 +361,37 @@ def test_a_table_written_before_a_cells_column_compares_without_it_on_both_sides
     assert regress.uncompared_cells(load(older).trials, load(current).trials)
 
 
+def test_an_older_tables_overheads_compare_with_one_precision_and_not_with_a_sweep(runs, tmp_path):
+    """Blank in both runs, one precision's overheads compare as the older table's did; a
+    sweep's 32-true and bf16-mixed overheads pooled would compare a median of two steps'
+    shares, which is neither's: they are listed as not compared, once each."""
+    older = tmp_path / "older"
+    older.mkdir()
+    _, kept = read_trials(runs["baseline"] / "trials.csv")
+    write_trials(older / "trials.csv", kept, [c for c in COLUMNS if c != "precision"])
+    overhead.write(older / schema.OVERHEAD_FILE, _timed({"matmul_checksum": (20.0, 18.0, 22.0)}))
+    one = copy(runs["baseline"], tmp_path / "one")
+    overhead.write(one / schema.OVERHEAD_FILE, _timed({"matmul_checksum": (60.0, 55.0, 70.0)}))
+    proc = sdc_regress(older, one)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert regression_rows(proc.stdout) == [
+        ["overhead grew", "matmul_checksum, interval -", "20.00%", "60.00%"]
+    ]
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    for job, precision, spread in (("0", "32-true", (20.0, 18.0, 22.0)),
+                                   ("1", "bf16-mixed", (60.0, 55.0, 70.0))):  # fmt: skip
+        folder = copy(runs["baseline"], sweep / job)
+        edit_rows(folder, lambda table, p=precision: [r.update(precision=p) for r in table])
+        overhead.write(folder / schema.OVERHEAD_FILE, _timed({"matmul_checksum": spread}))
+    proc = sdc_regress(older, sweep)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (
+        "sdc-regress: 1 baseline overheads have none in the current run and were not compared: "
+        "matmul_checksum, interval -, mlp in float32 (precision not recorded)"
+    ) in proc.stdout.splitlines()
+
+
 def test_runs_that_share_no_scenario_cell_exit_2_with_one_line(runs, tmp_path, capsys):
     """Another campaign's faults: none of the baseline's cells has a match, so no catch rate
     could compare, and 'no regression' would say what was never checked."""

@@ -20,13 +20,14 @@ from harness.results.trial_row import Column
 RAN_ON = [Column.workload, Column.dtype, Column.precision]
 
 
-def load_overhead(dirs: list[Path]) -> pd.DataFrame | None:
+def load_overhead(dirs: list[Path], blank: tuple[str, ...] = ()) -> pd.DataFrame | None:
     """Every overhead.csv under the given folders (a sweep holds one per job), one row per
     (workload, dtype, precision, detector, interval) with the medians over the runs that
     measured it and their number, and one run's lowest and highest round (NaN where several
     runs measured it, or its table predates them); None when no run measured overhead. A run's
     workload, dtype and precision are those of its trials.csv; without one, the other runs'
-    when they measured one workload, else blank."""
+    when they measured one workload, else blank; the RAN_ON columns in `blank` blank in every
+    run (what sdc-regress compares with a table written without them)."""
     files = [(d, f) for d in dirs for f in sorted(d.rglob(OVERHEAD_FILE))]
     if not files:
         return None
@@ -52,6 +53,7 @@ def load_overhead(dirs: list[Path]) -> pd.DataFrame | None:
     known = table.loc[table[Column.workload] != "", RAN_ON].drop_duplicates()
     if len(known) == 1:  # a file without trials beside it is of the one workload measured
         table[RAN_ON] = known.to_numpy()[0]
+    table[list(blank)] = ""
     merged = table.groupby([*RAN_ON, "detector", "interval"], as_index=False).agg(
         overhead_pct=("overhead_pct", "median"),
         floor_pct=("floor_pct", "median"),

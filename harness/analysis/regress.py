@@ -81,6 +81,7 @@ class Run:
     trials: pd.DataFrame  # with JOB
     overhead: pd.DataFrame | None
     environment: dict[str, str] | None  # None: not recorded, or differing within a sweep
+    folder: Path
     # The columns that tell cells apart (APART) that some trials.csv of it was written without.
     unwritten: frozenset[str] = frozenset()
 
@@ -91,7 +92,7 @@ def load(folder: Path) -> Run:
     trials[JOB] = [str(Path(r).relative_to(folder)) for r in trials["run"]]
     runs = [Path(r) for r in sorted(trials["run"].unique())]
     unwritten = frozenset(c for run in runs for c in APART if c not in _header(run / TRIALS_FILE))
-    return Run(trials, load_overhead([folder]), machine.of_runs(runs), unwritten)
+    return Run(trials, load_overhead([folder]), machine.of_runs(runs), folder, unwritten)
 
 
 def _header(path: Path) -> list[str]:
@@ -103,15 +104,21 @@ def aligned(base: Run, cur: Run) -> tuple[Run, Run, list[str]]:
     """Both runs as their cells can compare: a column of the cells' keys that a table was
     written without (`precision` before it existed) is blank in both, so that each run's
     scenarios merge as that table merged them, rather than every cell read as not in the
-    baseline (a known blind spot as a new one); and the columns so blanked."""
+    baseline (a known blind spot as a new one); and the columns so blanked. Overheads pool
+    anew without them, but for a run that measured several of a blanked column's values
+    (a precision sweep): those stay apart, match nothing and are listed as not compared."""
     missing = sorted(base.unwritten | cur.unwritten)
     if not missing:
         return base, cur, []
 
+    ran = tuple(c for c in missing if c in RAN_ON)
+
     def blanked(run: Run) -> Run:
         overhead = run.overhead
-        if overhead is not None:
-            overhead = overhead.assign(**{c: "" for c in missing if c in RAN_ON})
+        if overhead is not None and ran and all(overhead[c].nunique() == 1 for c in ran):
+            overhead = load_overhead([run.folder], ran)
+        # Overheads of several precisions cost shares of different steps, and a median over
+        # them is none of them: kept apart, they match nothing and are listed as not compared.
         return replace(run, trials=run.trials.assign(**dict.fromkeys(missing)), overhead=overhead)
 
     return blanked(base), blanked(cur), missing
