@@ -174,12 +174,12 @@ def fault_config(
         )  # fmt: skip
     _largest(key, values, model)
     _bit_error_rate(key, values)
-    _read_by_the_fault(key, values, model)
     _changes_a_value(key, values, site, model, workload)
     _index_placed(key, values, site, model, topology)
     values["settings"] = injectors.model_class(model).Config.parse(key, settings)
     fault = FaultConfig(**values)
-    injectors.model_class(model).validate(key, fault)
+    injectors.model_class(model).validate(key, fault)  # a model's own reasons first
+    _read_by_the_fault(key, fault)
     return fault
 
 
@@ -218,22 +218,22 @@ def _bit_error_rate(key: str, values: dict[str, Any]) -> None:
             )
 
 
-def _read_by_the_fault(key: str, values: dict[str, Any], model: str) -> None:
+def _read_by_the_fault(key: str, fault: FaultConfig) -> None:
     """Keys that only some faults read must keep their defaults in the others, where they would
     be ignored, and yet tell the trials' scenarios apart (trials.csv's `fault_settings`)."""
     ignored = [
-        ("nbits", values["nbits"] != 1 and model != "bitflip", "only model bitflip flips "
+        ("nbits", fault.nbits != 1 and fault.model != "bitflip", "only model bitflip flips "
          "several bits (a burst flips one bit of each element); leave it 1"),
-        ("adjacent", values["adjacent"] is False and values["nbits"] == 1,
+        ("adjacent", not fault.adjacent and fault.nbits == 1,
          "it places the extra bits of nbits > 1; leave it true"),
-        ("stuck_at", values["stuck_at"] is not None and model != "stuck",
+        ("stuck_at", fault.stuck_at is not None and fault.model != "stuck",
          "only model stuck holds a bit at a value; leave it unset"),
-        ("probability", values["probability"] != FaultConfig.probability
-         and (values["persistence"] != "intermittent" or bool(values["schedule"])),
+        ("probability", fault.probability != FaultConfig.probability
+         and (fault.persistence != "intermittent" or bool(fault.schedule)),
          "only an intermittent fault draws its steps with it; leave it 0.5"),
-        ("index", values["index"] is not None and bool(values["schedule"]),
+        ("index", fault.index is not None and bool(fault.schedule),
          "a schedule names each strike's element; leave it unset"),
-        ("elements", values["elements"] != 1 and bool(values["schedule"]),
+        ("elements", fault.elements != 1 and bool(fault.schedule),
          "a schedule names each strike's element; leave it 1"),
     ]  # fmt: skip
     for name, refused, why in ignored:
