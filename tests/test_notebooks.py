@@ -4,6 +4,8 @@ finite reduction fault that no check sees), so that they cannot rot."""
 
 from __future__ import annotations
 
+import csv
+import shutil
 from pathlib import Path
 
 import nbformat
@@ -67,3 +69,27 @@ def test_coverage_notebook_draws_a_heatmap_per_dtype_and_finds_the_blind_spot(tm
     assert len(outputs(notebook, "image/png")) == 2  # float32 and bfloat16
     blind = outputs(notebook, "text/plain")
     assert any("allreduce" in text and "**yes**" in text for text in blind)
+
+
+def test_overhead_notebook_keeps_a_sweeps_workloads_apart(tmp_path, monkeypatch):
+    """The fixture with its third job relabelled gpt: each workload's catch rates meet its own
+    overheads, and each gets its own plan (a plan over both would price one job's checks on
+    another's step)."""
+    sweep = tmp_path / "sweep"
+    shutil.copytree(FIXTURE, sweep)
+    trials = sweep / "2" / "trials.csv"
+    table = list(csv.DictReader(trials.open(newline="")))
+    for row in table:
+        row["workload"] = "gpt"
+    with trials.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(table[0]))
+        writer.writeheader()
+        writer.writerows(table)
+    monkeypatch.setenv("SDC_RESULTS", str(sweep))
+    notebook = execute("overhead_vs_audit_frequency.ipynb", tmp_path)
+    texts = outputs(notebook, "text/plain")
+    shown = texts[0].splitlines()
+    assert shown[0].split()[:3] == ["workload", "dtype", "detector"]
+    assert any(line.split()[1:4] == ["gpt", "bfloat16", "replay"] for line in shown[1:])
+    printed = "".join(o.get("text", "") for c in notebook.cells for o in c.get("outputs", []))
+    assert printed.count("gpt: ") == 1 and printed.count("mlp: ") == 1
