@@ -136,6 +136,30 @@ CASES = [
     (["fault=grad_bitflip", "fault.nbits=40"], "fault.nbits", "1..32"),
     # Keys only some faults read: ignored, they would still split the trials' scenario cells.
     (["fault=grad_scale", "fault.nbits=2"], "fault.nbits", "only model bitflip"),
+    (["fault=grad_scale", "fault.bit=3"], "fault.bit", "model scale changes no chosen bit"),
+    (["fault=grad_bitflip", "fault.factor=10.0"], "fault.factor", "only model scale"),
+    (["fault=grad_scale", "fault.value=nan"], "fault.value", "only models value and crash"),
+    (["fault=allreduce_reduction", "fault.follows=data"], "fault.follows", "one node's hardware"),
+    (
+        [
+            "fault=weight_bitflip",
+            "fault.bit=null",
+            "fault.schedule=[{step:1,rank:0,tensor:fc1.weight,index:0,bit:3}]",
+            "fault.nbits=2",
+        ],
+        "fault.nbits",
+        "a schedule's entry its bit",
+    ),
+    (
+        [
+            "fault=grad_bitflip",
+            "fault.bit=null",
+            "fault.tensor=fc1.weight",
+            "fault.schedule=[{step:1,rank:0,tensor:fc1.weight,index:0}]",
+        ],
+        "fault.tensor",
+        "a schedule names each strike's tensor",
+    ),
     (["fault=grad_bitflip", "fault.adjacent=false"], "fault.adjacent", "nbits > 1"),
     (["fault=grad_bitflip", "fault.stuck_at=1"], "fault.stuck_at", "only model stuck"),
     (

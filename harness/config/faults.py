@@ -221,20 +221,39 @@ def _bit_error_rate(key: str, values: dict[str, Any]) -> None:
 def _read_by_the_fault(key: str, fault: FaultConfig) -> None:
     """Keys that only some faults read must keep their defaults in the others, where they would
     be ignored, and yet tell the trials' scenarios apart (trials.csv's `fault_settings`)."""
+    inner = fault.burst_model if fault.model == "burst" else fault.model  # what corrupts
+    named = bool(fault.schedule) and all(e.get("bit") is not None for e in fault.schedule)
     ignored = [
-        ("nbits", fault.nbits != 1 and fault.model != "bitflip", "only model bitflip flips "
-         "several bits (a burst flips one bit of each element); leave it 1"),
+        ("bit", fault.bit is not None and inner not in ("bitflip", "stuck", "defective_unit"),
+         f"model {inner} changes no chosen bit; leave it unset"),
+        ("bit", fault.bit is not None and named,
+         "each of the schedule's entries names its bit; leave it unset"),
+        ("factor", fault.factor is not None and inner != "scale",
+         f"only model scale multiplies (this is {inner}); leave it unset"),
+        ("value", fault.value is not None and inner not in ("value", "crash"),
+         f"only models value and crash take a value (this is {inner}); leave it unset"),
+        ("nbits", fault.nbits != 1 and (fault.model != "bitflip" or named), "only model "
+         "bitflip flips several bits, where it draws them (a burst flips one bit of each "
+         "element, a schedule's entry its bit); leave it 1"),
         ("adjacent", not fault.adjacent and fault.nbits == 1,
          "it places the extra bits of nbits > 1; leave it true"),
         ("stuck_at", fault.stuck_at is not None and fault.model != "stuck",
          "only model stuck holds a bit at a value; leave it unset"),
         ("probability", fault.probability != FaultConfig.probability
-         and (fault.persistence != "intermittent" or bool(fault.schedule)),
+         and fault.persistence != "intermittent" and not fault.schedule,
          "only an intermittent fault draws its steps with it; leave it 0.5"),
         ("index", fault.index is not None and bool(fault.schedule),
          "a schedule names each strike's element; leave it unset"),
         ("elements", fault.elements != 1 and bool(fault.schedule),
          "a schedule names each strike's element; leave it 1"),
+        ("tensor", fault.tensor != "*" and bool(fault.schedule)
+         and fault.site in ("grad", "weight", "optimizer"),
+         "a schedule names each strike's tensor; leave it '*'"),
+        ("follows", fault.follows != "hardware" and fault.scope == "reduction"
+         and not fault.schedule,
+         "a broken reduction is one node's hardware, whatever data it sums; leave it hardware"),
+        ("probability", fault.probability != FaultConfig.probability and bool(fault.schedule),
+         "a schedule names each strike's step; leave it 0.5"),
     ]  # fmt: skip
     for name, refused, why in ignored:
         if refused:
