@@ -390,6 +390,17 @@ def test_an_older_tables_overheads_compare_with_one_precision_and_not_with_a_swe
         "sdc-regress: 1 baseline overheads have none in the current run and were not compared: "
         "matmul_checksum, interval -, mlp in float32 (precision not recorded)"
     ) in proc.stdout.splitlines()
+    # A job written without the column beside one with 32-true is one precision, not two:
+    # pooled, their median (40%) compares, where kept apart the 60% went unmentioned.
+    partly = tmp_path / "partly"
+    shutil.copytree(sweep, partly)
+    write_trials(partly / "0" / "trials.csv", kept, [c for c in COLUMNS if c != "precision"])
+    edit_rows(partly / "1", lambda table: [r.update(precision="32-true") for r in table])
+    proc = sdc_regress(older, partly)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert regression_rows(proc.stdout) == [
+        ["overhead grew", "matmul_checksum, interval -", "20.00%", "40.00%"]
+    ]
 
 
 def test_runs_that_share_no_scenario_cell_exit_2_with_one_line(runs, tmp_path, capsys):

@@ -100,6 +100,10 @@ def _header(path: Path) -> list[str]:
         return next(csv.reader(f), [])
 
 
+def _values(column: pd.Series) -> int:
+    return column[column != ""].nunique()
+
+
 def aligned(base: Run, cur: Run) -> tuple[Run, Run, list[str]]:
     """Both runs as their cells can compare: a column of the cells' keys that a table was
     written without (`precision` before it existed) is blank in both, so that each run's
@@ -115,7 +119,8 @@ def aligned(base: Run, cur: Run) -> tuple[Run, Run, list[str]]:
 
     def blanked(run: Run) -> Run:
         overhead = run.overhead
-        if overhead is not None and ran and all(overhead[c].nunique() == 1 for c in ran):
+        # A blank (a job written without the column) is no value of its own.
+        if overhead is not None and ran and all(_values(overhead[c]) <= 1 for c in ran):
             overhead = load_overhead([run.folder], ran)
         # Overheads of several precisions cost shares of different steps, and a median over
         # them is none of them: kept apart, they match nothing and are listed as not compared.
