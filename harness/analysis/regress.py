@@ -114,7 +114,6 @@ def aligned(base: Run, cur: Run) -> tuple[Run, Run, list[str]]:
     missing = sorted(base.unwritten | cur.unwritten)
     if not missing:
         return base, cur, []
-
     ran = tuple(c for c in missing if c in RAN_ON)
 
     def blanked(run: Run) -> Run:
@@ -238,7 +237,7 @@ def new_false_positives(base: pd.DataFrame, cur: pd.DataFrame) -> list[dict[str,
 @dataclass(frozen=True)
 class Growth:
     """An overhead the current run measured higher than the baseline by more than the sizes
-    `overhead_growth` asks, and whether its rounds stand clear of the baseline's."""
+    `overhead_growths` asks, and whether its rounds stand clear of the baseline's."""
 
     where: str  # the check, its interval and, among several, what it ran on
     was: float
