@@ -79,7 +79,9 @@ class Matmul(Site):
         self.struck: tuple[int, str] | None = None
 
     def watches_module(self, name: str) -> bool:
-        return self.injector.active and name in self.injector.positions
+        # The module drawn, or one that a schedule's entry names (a schedule draws none).
+        scheduled = any(e["tensor"] == name for e in self.injector.schedule)
+        return self.injector.active and (name in self.injector.positions or scheduled)
 
     def watches_matmuls(self) -> bool:
         return self.injector.active

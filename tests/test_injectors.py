@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from harness.config.schema import FaultConfig
 from harness.core.bus import PluginBus
+from harness.core.events import ElementInject
 from harness.core.plugins import EventLog, RankInfo
 from harness.errors import ConfigError
 from harness.launch.world import shutdown
@@ -27,6 +28,7 @@ from injectors import bits
 from injectors.crash import InjectedCrash
 from injectors.injector import FaultInjector
 from tests.conftest import compose_run, events, forked_ranks, rows, run_here, sdc_bench
+from tests.test_matmul_checksum import Rank
 
 SITES = "[grad,allreduce,weight,optimizer,activation,loss]"
 ONE = "ranks:[1],steps:[3],grid:{site:" + SITES + "}"
@@ -719,3 +721,21 @@ def test_each_new_fault_is_caught_in_its_step_naming_the_right_rank(new_models):
         assert all(a["evidence"]["tags"] == {"2": verdict} for a in sketch), name
     riders = [a for a in alerts["riders"] if a["detector"] == "allreduce_sketch"]
     assert {a["rank"] for a in riders} == {0, 1, 2, 3} and {a["step"] for a in riders} == {3}
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_a_scheduled_product_strikes_at_its_step_and_module(phase):
+    """A schedule draws no module, and the products' site watched only the one drawn: a
+    scheduled matmul fault was accepted and never struck (fired False)."""
+    run = compose_run(
+        "campaign=single", "workload=mlp", "topology.nodes=1", "fault.site=matmul",
+        "fault.model=bitflip", "fault.bit=null", f"fault.phase={phase}",
+        "fault.schedule=[{step:1,rank:0,tensor:fc1,index:0,bit:30}]",
+    )  # fmt: skip
+    rank = Rank(run, run.scenarios[0], seed=0)
+    for step in range(3):
+        rank.train(step)
+    struck = [e for e in rank.log.events if isinstance(e, ElementInject)]
+    assert [(e.step, e.tensor, e.index, e.bit, e.fired) for e in struck] == [
+        (1, "fc1", 0, 30, True)
+    ]
