@@ -160,6 +160,17 @@ CASES = [
         "fault.tensor",
         "a schedule names each strike's tensor",
     ),
+    (
+        [
+            "fault=grad_bitflip",
+            "fault.site=matmul",
+            "fault.bit=null",
+            "fault.tensor=fc1",
+            "fault.schedule=[{step:1,rank:0,tensor:fc1,index:0}]",
+        ],
+        "fault.tensor",
+        "a schedule names each strike's tensor",
+    ),
     (["fault=grad_bitflip", "fault.adjacent=false"], "fault.adjacent", "nbits > 1"),
     (["fault=grad_bitflip", "fault.stuck_at=1"], "fault.stuck_at", "only model stuck"),
     (
