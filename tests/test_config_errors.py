@@ -163,9 +163,9 @@ CASES = [
     (
         [
             "fault=grad_bitflip",
-            "fault.site=matmul",
+            "fault.site=activation",
             "fault.bit=null",
-            "fault.tensor=fc1",
+            "fault.tensor=fc2",
             "fault.schedule=[{step:1,rank:0,tensor:fc1,index:0}]",
         ],
         "fault.tensor",

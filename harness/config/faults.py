@@ -247,7 +247,7 @@ def _read_by_the_fault(key: str, fault: FaultConfig) -> None:
         ("elements", fault.elements != 1 and bool(fault.schedule),
          "a schedule names each strike's element; leave it 1"),
         ("tensor", fault.tensor != "*" and bool(fault.schedule)
-         and fault.site in ("grad", "weight", "optimizer", "matmul"),
+         and fault.site in ("grad", "weight", "optimizer", "matmul", "activation"),
          "a schedule names each strike's tensor; leave it '*'"),
         ("follows", fault.follows != "hardware" and fault.scope == "reduction"
          and not fault.schedule,
