@@ -71,6 +71,14 @@ def copy(run: Path, to: Path) -> Path:
     return to
 
 
+def written_without(run: Path, to: Path, *columns: str) -> Path:
+    """`run`'s trials as a harness before `columns` existed wrote them, into `to`."""
+    to.mkdir(exist_ok=True)
+    _, kept = read_trials(run / "trials.csv")
+    write_trials(to / "trials.csv", kept, [c for c in COLUMNS if c not in columns])
+    return to
+
+
 def edit_rows(folder: Path, change) -> None:
     with open(folder / "trials.csv", newline="") as f:
         table = list(csv.DictReader(f))
@@ -341,11 +349,7 @@ def test_a_table_written_before_a_cells_column_compares_without_it_on_both_sides
     """A baseline written before `fault_settings` and `precision`: left in the keys, no cell
     would match, and a blind spot the baseline knew would read as a new one. Left out of both
     sides, the cells compare, and sdc-regress says why."""
-    older = tmp_path / "older"
-    older.mkdir()
-    _, kept = read_trials(runs["baseline"] / "trials.csv")
-    later = ("precision", "fault_settings")
-    write_trials(older / "trials.csv", kept, [c for c in COLUMNS if c not in later])
+    older = written_without(runs["baseline"], tmp_path / "older", "precision", "fault_settings")
     current = copy(runs["baseline"], tmp_path / "current")
     edit_rows(current, lambda table: [r.update(fault_settings="tensor=fc1.weight")
                                       for r in table if r["site"] != "none"])  # fmt: skip
@@ -365,10 +369,7 @@ def test_an_older_tables_overheads_compare_with_one_precision_and_not_with_a_swe
     """Blank in both runs, one precision's overheads compare as the older table's did; a
     sweep's 32-true and bf16-mixed overheads pooled would compare a median of two steps'
     shares, which is neither's: they are listed as not compared, once each."""
-    older = tmp_path / "older"
-    older.mkdir()
-    _, kept = read_trials(runs["baseline"] / "trials.csv")
-    write_trials(older / "trials.csv", kept, [c for c in COLUMNS if c != "precision"])
+    older = written_without(runs["baseline"], tmp_path / "older", "precision")
     overhead.write(older / schema.OVERHEAD_FILE, _timed({"matmul_checksum": (20.0, 18.0, 22.0)}))
     one = copy(runs["baseline"], tmp_path / "one")
     overhead.write(one / schema.OVERHEAD_FILE, _timed({"matmul_checksum": (60.0, 55.0, 70.0)}))
@@ -394,7 +395,7 @@ def test_an_older_tables_overheads_compare_with_one_precision_and_not_with_a_swe
     # pooled, their median (40%) compares, where kept apart the 60% went unmentioned.
     partly = tmp_path / "partly"
     shutil.copytree(sweep, partly)
-    write_trials(partly / "0" / "trials.csv", kept, [c for c in COLUMNS if c != "precision"])
+    written_without(runs["baseline"], partly / "0", "precision")
     edit_rows(partly / "1", lambda table: [r.update(precision="32-true") for r in table])
     proc = sdc_regress(older, partly)
     assert proc.returncode == 1, proc.stdout + proc.stderr

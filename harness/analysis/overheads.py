@@ -97,6 +97,12 @@ def ran_on(table: pd.DataFrame) -> list[str]:
     return [ran_label(w, d, p) if w else "an unknown workload" for w, d, p in ran]
 
 
+def rounds_text(low: float, high: float) -> str:
+    """A check's lowest and highest round as the report and sdc-regress show them; a dash where
+    none were recorded."""
+    return "-" if math.isnan(low) else f"{low:.2f}% to {high:.2f}%"
+
+
 def ran_label(workload: str, dtype: str, precision: object) -> str:
     """`workload in dtype`, and the precision where it is a mixed one or was not recorded (a
     table written before the column)."""

@@ -45,7 +45,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.analysis.overheads import RAN_ON, load_overhead, ran_label, ran_on
+from harness.analysis.overheads import RAN_ON, load_overhead, ran_label, ran_on, rounds_text
 from harness.analysis.tables import (
     ANY,
     APART,
@@ -246,10 +246,6 @@ class Growth:
     rounds: str  # both runs' lowest and highest rounds, where recorded
 
 
-def _rounds(low: float, high: float) -> str:
-    return f"{low:.2f}% to {high:.2f}%"
-
-
 def overhead_growths(base: pd.DataFrame | None, cur: pd.DataFrame | None) -> list[Growth]:
     """Overheads more than 25% above the baseline's (relative to its size; the hook's own
     against plain DDP) and more than
@@ -281,7 +277,9 @@ def overhead_growths(base: pd.DataFrame | None, cur: pd.DataFrame | None) -> lis
             found.append(Growth(where, was, now, True, ""))
             continue
         base_low, base_high, cur_low, cur_high = spread
-        rounds = f"rounds {_rounds(cur_low, cur_high)} against {_rounds(base_low, base_high)}"
+        rounds = (
+            f"rounds {rounds_text(cur_low, cur_high)} against {rounds_text(base_low, base_high)}"
+        )
         found.append(Growth(where, was, now, cur_low > base_high, rounds))
     return found
 

@@ -18,7 +18,7 @@ from markdown_it import MarkdownIt
 
 from harness.analysis import figures, mix
 from harness.analysis.intervals import audit_intervals
-from harness.analysis.overheads import load_overhead
+from harness.analysis.overheads import load_overhead, rounds_text
 from harness.analysis.tables import (
     ReportError,
     bit_dtypes,
@@ -51,10 +51,6 @@ def _pct(x: float) -> str:
     return "-" if math.isnan(x) else f"{x:.2f}%"
 
 
-def _spread(low: float, high: float) -> str:
-    return "-" if math.isnan(low) else f"{low:.2f}% to {high:.2f}%"
-
-
 def overhead_section(table: pd.DataFrame, folder: Path) -> str:
     """The overhead table and, for checks with an interval, overhead and floor against it; per
     workload, dtype and precision where the runs measured several (a share of another step
@@ -66,7 +62,7 @@ def overhead_section(table: pd.DataFrame, folder: Path) -> str:
             "detector": r.detector,
             "interval": r.interval or "-",
             "overhead (vs hook)": _pct(r.overhead_pct),
-            "rounds": _spread(r.overhead_low_pct, r.overhead_high_pct),
+            "rounds": rounds_text(r.overhead_low_pct, r.overhead_high_pct),
             "overhead (vs plain DDP)": _pct(r.overhead_vs_ddp_pct),
             "floor": _pct(r.floor_pct),
             "overhead / floor": "-"
