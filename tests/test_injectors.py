@@ -723,19 +723,29 @@ def test_each_new_fault_is_caught_in_its_step_naming_the_right_rank(new_models):
     assert {a["rank"] for a in riders} == {0, 1, 2, 3} and {a["step"] for a in riders} == {3}
 
 
-@pytest.mark.parametrize("phase", ["forward", "backward"])
-def test_a_scheduled_product_strikes_at_its_step_and_module(phase):
+@pytest.mark.parametrize(
+    ("workload", "module", "phase"),
+    [
+        (["workload=mlp"], "fc1", "forward"),
+        (["workload=mlp"], "fc1", "backward"),
+        # 1.7 MB of gradients, its products in bfloat16 under autocast.
+        (["workload=gpt", "workload.precision=bf16-mixed"], "blocks.0.fc", "forward"),
+        # The transformers Llama with the LLM recipe (dropout, clipping, bf16-mixed).
+        (["workload=llama"], "model.layers.0.mlp.up_proj", "backward"),
+    ],
+)
+def test_a_scheduled_product_strikes_at_its_step_and_module(workload, module, phase):
     """A schedule draws no module, and the products' site watched only the one drawn: a
     scheduled matmul fault was accepted and never struck (fired False)."""
     run = compose_run(
-        "campaign=single", "workload=mlp", "topology.nodes=1", "fault.site=matmul",
+        "campaign=single", *workload, "topology.nodes=1", "fault.site=matmul",
         "fault.model=bitflip", "fault.bit=null", f"fault.phase={phase}",
-        "fault.schedule=[{step:1,rank:0,tensor:fc1,index:0,bit:30}]",
+        f"fault.schedule=[{{step:1,rank:0,tensor:{module},index:0,bit:14}}]",
     )  # fmt: skip
     rank = Rank(run, run.scenarios[0], seed=0)
     for step in range(3):
         rank.train(step)
     struck = [e for e in rank.log.events if isinstance(e, ElementInject)]
     assert [(e.step, e.tensor, e.index, e.bit, e.fired) for e in struck] == [
-        (1, "fc1", 0, 30, True)
+        (1, module, 0, 14, True)
     ]
