@@ -27,3 +27,8 @@ def validate_reduction(key: str, fault, name: str) -> None:
             f"{key}.tensor", f"'{name}' takes the rank's whole contribution (every chunk, or "
             "the one fault.bucket names); leave tensor, index and elements unset"
         )  # fmt: skip
+    if fault.schedule:
+        raise ConfigError(
+            f"{key}.schedule", f"'{name}' takes the rank's whole contribution, and a schedule's "
+            "entries name elements; give the ranks and steps as fault.ranks and fault.steps"
+        )  # fmt: skip

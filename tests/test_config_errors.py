@@ -171,6 +171,57 @@ CASES = [
         "fault.tensor",
         "a schedule names each strike's tensor",
     ),
+    # At allreduce, gather and loss a schedule's entries name their tensors as well: there
+    # `tensor` was ignored, and `riders` made the fault never strike.
+    *[
+        (
+            [
+                "fault=allreduce_rank",
+                f"fault.tensor={tensor}",
+                "fault.schedule=[{step:1,rank:0,tensor:fc1.weight,index:0}]",
+            ],
+            "fault.tensor",
+            "a schedule names each strike's tensor",
+        )
+        for tensor in ("riders", "fc*")
+    ],
+    (
+        [
+            "fault=loss_scale",
+            "fault.tensor=lo*",
+            "fault.schedule=[{step:1,rank:0,tensor:loss,index:0}]",
+        ],
+        "fault.tensor",
+        "a schedule names each strike's tensor",
+    ),
+    (
+        [
+            *FSDP,
+            "fault=grad_scale",
+            "fault.site=gather",
+            "fault.tensor=fc*",
+            "fault.schedule=[{step:1,rank:0,tensor:fc1.weight,index:0}]",
+        ],
+        "fault.tensor",
+        "a schedule names each strike's tensor",
+    ),
+    # A broken reduction gives every receiver the same wrong sum from one node's hardware; a
+    # schedule's entries strike the copies of the ranks they name, a fault of scope rank.
+    (
+        ["fault=allreduce_reduction", "fault.schedule=[{step:1,rank:1,tensor:fc1.weight,index:0}]"],
+        "fault.schedule",
+        "scope rank",
+    ),
+    (
+        [
+            "fault=allreduce_reduction",
+            "fault.model=drop",
+            "fault.factor=null",
+            "fault.schedule=[{step:1,rank:1,tensor:fc1.weight,index:0}]",
+        ],
+        "fault.schedule",
+        "whole contribution",
+    ),
     (["fault=grad_bitflip", "fault.adjacent=false"], "fault.adjacent", "nbits > 1"),
     (["fault=grad_bitflip", "fault.stuck_at=1"], "fault.stuck_at", "only model stuck"),
     (

@@ -161,11 +161,16 @@ def fault_config(
     if values["ber"] is not None and model != "bitflip":
         raise ConfigError(f"{key}.ber", "a bit error rate needs model bitflip")
     _shape(key, values, site, model)
-    if (
-        values["scope"] == "reduction"
-        and not injectors.model_class(model).contribution
-        and len(values["ranks"]) > 1
-    ):
+    broken_reduction = (
+        values["scope"] == "reduction" and not injectors.model_class(model).contribution
+    )
+    if broken_reduction and values["schedule"]:
+        # Each receiver's injector strikes the entries naming its own rank: a copy, not the sum.
+        raise ConfigError(
+            f"{key}.schedule", "a broken reduction gives every receiver the same wrong sum, and a "
+            "schedule strikes only the ranks its entries name; use scope rank with a schedule"
+        )  # fmt: skip
+    if broken_reduction and len(values["ranks"]) > 1:
         # The reduction's result is wrong on every receiver; fault.ranks says which node's
         # hardware computes it wrong (what recovery locates and quarantines).
         raise ConfigError(
@@ -246,11 +251,9 @@ def _read_by_the_fault(key: str, fault: FaultConfig) -> None:
          "a schedule names each strike's element; leave it unset"),
         ("elements", fault.elements != 1 and bool(fault.schedule),
          "a schedule names each strike's element; leave it 1"),
-        ("tensor", fault.tensor != "*" and bool(fault.schedule)
-         and fault.site in ("grad", "weight", "optimizer", "matmul", "activation"),
+        ("tensor", fault.tensor != "*" and bool(fault.schedule),
          "a schedule names each strike's tensor; leave it '*'"),
-        ("follows", fault.follows != "hardware" and fault.scope == "reduction"
-         and not fault.schedule,
+        ("follows", fault.follows != "hardware" and fault.scope == "reduction",
          "a broken reduction is one node's hardware, whatever data it sums; leave it hardware"),
         ("probability", fault.probability != FaultConfig.probability and bool(fault.schedule),
          "a schedule names each strike's step; leave it 0.5"),
