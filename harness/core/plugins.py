@@ -277,6 +277,15 @@ class Detector(Plugin):
         those it saw. `checkpointed(s)`: whether a checkpoint followed step s."""
         return alarm_step
 
+    @classmethod
+    def ran_every(
+        cls, config: CheckConfig, steps: int, checkpointed: Callable[[int], bool]
+    ) -> int | None:
+        """Its audit interval as a run of `steps` steps makes it look (the record's
+        `check_intervals`): the most steps between two of its looks; None for a check that looks
+        every step. One that looks every k steps and at no other: k."""
+        return config.every
+
     def state_dict(self) -> dict[str, Any]:
         """What this check carries from one step to the next (plain numbers and lists)."""
         return {}
