@@ -384,6 +384,32 @@ def test_a_trainers_own_checkpoints_of_the_suspect_interval_are_set_aside(tmp_pa
     assert record["first_suspect_step"] == 1 and record["suspect_ranks"] == [1]
 
 
+def _checkpointing_rank(rank: int, store: str, results) -> None:
+    """Consensus every 4 steps in a loop that checkpoints every 2: the costs' interval."""
+    _joined(rank, store)
+    model = DDP(nn.Linear(4, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = Guard(model, {"nan_inf": {}, "weight_consensus": {"interval": 4}}, ranks_per_node=1)
+    try:
+        for step in range(8):
+            _guarded_step(guard, model, optimizer, step, rank)
+            if step % 2 == 1:
+                assert guard.before_checkpoint()
+        checks = guard.costs().checks
+        results.put((rank, {name: cost.interval for name, cost in checks.items()}))
+    finally:
+        guard.close()
+        dist.destroy_process_group()
+
+
+def test_the_costs_state_the_interval_consensus_looked_at(tmp_path):
+    """Consensus also looks before every checkpoint: in a job checkpointing every 2 steps it
+    looked every 2, which its costs file states (sdc-plan prices one look as the measured share
+    times that interval; at 4 it priced each look at twice what it cost)."""
+    got = _forked_world(tmp_path, _checkpointing_rank)
+    assert got == {r: {"nan_inf": None, "weight_consensus": 2} for r in range(FROZEN_WORLD)}
+
+
 @pytest.fixture
 def one_shard(tmp_path):
     """A one-rank world and its device mesh, for fully_shard in this process."""
