@@ -24,6 +24,7 @@ from harness.analysis.plan import (
     Overheads,
     amortized,
     load,
+    over_dtypes,
     overheads,
     plan,
 )
@@ -200,16 +201,27 @@ def test_a_check_timed_at_several_intervals_costs_its_fitted_run_over_k():
             "interval": ["1", "5", "20", ""],
             "overhead_pct": [40.0, 30.0, -1.0, -3.0],
             "floor_pct": [10.0, 2.0, 0.5, float("nan")],
+            "overhead_low_pct": [30.0, 20.0, -5.0, float("nan")],
+            "overhead_high_pct": [50.0, 40.0, 3.0, float("nan")],
             "steps": [1.0, 5.0, 20.0, float("nan")],
         }
     )
-    c = (40 + 30 / 5 - 1 / 20) / (1 + 1 / 25 + 1 / 400)
+    weights = 1 + 1 / 25 + 1 / 400
+    c = (40 + 30 / 5 - 1 / 20) / weights
+    low, high = (30 + 20 / 5 - 5 / 20) / weights, (50 + 40 / 5 + 3 / 20) / weights
     found = overheads(table)
     assert found.per_run == pytest.approx({"replay": c})
     assert found.at == pytest.approx(
         {("replay", "1"): c, ("replay", "5"): c / 5, ("replay", "20"): c / 20, ("nan_inf", ""): 0}
     )
     assert found.noise == ["nan_inf@- -3.00%", "replay@20 -1.00%"]
+    # Its lowest and highest rounds fitted alike, never below its floor; none for nan_inf,
+    # whose row holds no rounds.
+    expected = {("replay", "1"): (low, high), ("replay", "5"): (low / 5, high / 5),
+                ("replay", "20"): (max(0.5, low / 20), high / 20)}  # fmt: skip
+    assert found.rounds.keys() == expected.keys()
+    for key, spread in expected.items():
+        assert found.rounds[key] == pytest.approx(spread)
 
 
 def test_the_range_is_the_wilson_bounds_carried_through(tmp_path):
@@ -220,6 +232,58 @@ def test_the_range_is_the_wilson_bounds_carried_through(tmp_path):
     assert found.low == pytest.approx(24 * 0.05 + caught_lo * 2)
     assert found.high == pytest.approx(24 * 0.05 + caught_hi * 2 + escaped_hi * 20)
     assert found.low < found.expected < found.high
+
+
+def test_the_range_carries_each_checks_lowest_and_highest_round(tmp_path):
+    """overhead.csv's rounds (overhead_low_pct, overhead_high_pct), the hook's against plain
+    DDP: the range puts each overhead at its extremes as it puts each rate at its bounds. On a
+    2-core machine a check's rounds spread over tens of points: a plan that read the median
+    alone called options apart that the timings could not tell apart."""
+    folder = every_step_run(tmp_path / "run")
+    timed = [
+        {"detector": "hook", "overhead_vs_ddp_pct": 1.0, "overhead_low_pct": -0.5,
+         "overhead_high_pct": 1.5},
+        {"detector": "nan_inf", "overhead_pct": 1.0, "overhead_low_pct": 0.5,
+         "overhead_high_pct": 2.0},
+        {"detector": "allreduce_sketch", "overhead_pct": 5.0, "overhead_low_pct": 3.0,
+         "overhead_high_pct": 9.0},
+    ]  # fmt: skip
+    overhead.write(folder / schema.OVERHEAD_FILE, timed)
+    result = plan(*load([folder]), HAND)
+    assert result.overheads.hook_rounds == (0.0, 1.5), "never below nothing"
+    option, found = result.best
+    assert option.name == "allreduce_sketch"
+    assert option.overhead_pct == pytest.approx(6.0)
+    assert option.overhead_range == pytest.approx((3.0, 10.5))
+    table = {row["checks"]: row["overhead"] for row in plan_report.rows(result)}
+    assert table["allreduce_sketch"] == "6.00% [3.00%, 10.50%]"
+    assert table["no checks"] == "0.00%"
+    caught_lo, caught_hi = tables.wilson(4, 4)
+    _, escaped_hi = tables.wilson(0, 4)
+    assert found.expected == pytest.approx(24 * 0.06 + 2)
+    assert found.low == pytest.approx(24 * 0.03 + caught_lo * 2)
+    assert found.high == pytest.approx(24 * 0.105 + caught_hi * 2 + escaped_hi * 20)
+    # No checks costs nothing at either extreme: a catch its bounds allow comes at step 1.
+    nothing = next(f for o, f in result.ranked if o.name == "no checks")
+    caught_none_hi = tables.wilson(0, 4)[1]
+    assert (nothing.low, nothing.high) == pytest.approx(
+        (tables.wilson(4, 4)[0] * 20, caught_none_hi * (1 + 2) + 20)
+    )
+
+
+def test_the_rounds_of_overheads_pooled_over_dtypes_are_left_out():
+    """One run's rounds span its own noise, not the median over another dtype's run too."""
+    table = pd.DataFrame(
+        {
+            "detector": ["nan_inf", "nan_inf", "replay"], "interval": ["", "", "5"],
+            "overhead_pct": [1.0, 3.0, 8.0], "floor_pct": [float("nan")] * 3,
+            "overhead_vs_ddp_pct": [float("nan")] * 3, "overhead_low_pct": [0.5, 2.0, 6.0],
+            "overhead_high_pct": [2.0, 4.0, 9.0], "steps": [float("nan"), float("nan"), 5.0],
+        }
+    )  # fmt: skip
+    found = overheads(over_dtypes(table))
+    assert found.at == {("nan_inf", ""): 2.0, ("replay", "5"): 8.0}
+    assert found.rounds == {("replay", "5"): (6.0, 9.0)}
 
 
 def test_the_range_widens_with_fewer_seeds(tmp_path):

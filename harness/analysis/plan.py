@@ -16,15 +16,16 @@ other means find it. A fired trial of the run stands for one event; under a weig
 (harness/analysis/mix.py), for its class's weight spread over the class's fired trials. Damaged:
 its effect is harmful or latent (docs/design.md, section 5), or its replicas no longer agree at
 the end (a fault the loss does not show yet). The range (low, high) puts each probability at its
-95% Wilson bounds and the time to detection at the least and most seen, each term at its own
-extreme: the loss at any mix of those bounds lies inside it.
+95% Wilson bounds, the time to detection at the least and most seen, and each check's overhead
+(and the hook's) at its lowest and highest timed round where overhead.csv holds one run's
+rounds, each term at its own extreme: the loss at any mix of those bounds lies inside it.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pandas as pd
@@ -122,6 +123,7 @@ class Option:
     # Against plain DDP, as the job pays it: the harness's hook once (riders, fixed layout),
     # plus the members' overheads against the hook (`overheads`); 0 for no checks at all.
     overhead_pct: float
+    overhead_range: tuple[float, float]  # the same at its members' lowest and highest rounds
     caught: Counts  # fired faults that any member caught
     escaped: Counts  # fired faults that did damage and that no member caught
     ttd: tuple[float, float, float]  # steps to detection: mean, least, most (NaN: none caught)
@@ -158,7 +160,6 @@ class Loss:
 
 def loss(option: Option, job: Job) -> Loss:
     """The model of the module docstring, at the point estimates and at either extreme."""
-    overhead = option.overhead_pct / 100 * 24 * job.gpus
     per_event = job.events_per_day * job.gpus  # GPU-hours per wall hour lost, per day
     (kc, nc), (ke, ne) = option.caught, option.escaped
     caught_lo, caught_hi = wilson(kc, nc)
@@ -167,14 +168,15 @@ def loss(option: Option, job: Job) -> Loss:
     if math.isnan(mean):  # nothing caught: a catch that the bounds allow comes at the next audit
         mean, least, most = 0.0, 0.0, float(max((k for _, k in option.intervals), default=1))
 
-    def total(caught: float, ttd: float, escaped: float) -> float:
+    def total(overhead_pct: float, caught: float, ttd: float, escaped: float) -> float:
         hours = caught * job.detected_hours(ttd) + escaped * job.escape_hours
-        return overhead + per_event * hours
+        return overhead_pct / 100 * 24 * job.gpus + per_event * hours
 
+    cheapest, dearest = option.overhead_range
     return Loss(
-        expected=total(kc / nc, mean, ke / ne),
-        low=total(caught_lo, least, escaped_lo),
-        high=total(caught_hi, most, escaped_hi),
+        expected=total(option.overhead_pct, kc / nc, mean, ke / ne),
+        low=total(cheapest, caught_lo, least, escaped_lo),
+        high=total(dearest, caught_hi, most, escaped_hi),
     )
 
 
@@ -205,9 +207,13 @@ def measured(fired: pd.DataFrame, checks: tuple[str, ...], cost: Overheads) -> l
     fired["key"] = fired["every"].map(lambda e: tuple((c, e[c]) for c in checks if c in e))
     options = []
     for key, group in fired.groupby("key", sort=True):
-        costs = [cost.at.get((c, str(dict(key).get(c, "")))) for c in checks]
+        at = [(c, str(dict(key).get(c, ""))) for c in checks]
+        costs = [cost.at.get(a) for a in at]
         if any(c is None for c in costs):
             continue
+        hook = (cost.hook or 0.0) if checks else 0.0
+        hook_range = (cost.hook_rounds or (hook, hook)) if checks else (0.0, 0.0)
+        spreads = [cost.rounds.get(a, (c, c)) for a, c in zip(at, costs, strict=True)]
         # The same fault at intervals of checks outside the set is one trial for this set.
         group = group.drop_duplicates(subset=[*FAULT_COLUMNS, "fault"])
         first = group["found"].map(lambda f: min((f[c] for c in checks if c in f), default=None))
@@ -219,7 +225,11 @@ def measured(fired: pd.DataFrame, checks: tuple[str, ...], cost: Overheads) -> l
             Option(
                 checks=checks,
                 intervals=key,
-                overhead_pct=sum(costs) + ((cost.hook or 0.0) if checks else 0.0),
+                overhead_pct=sum(costs) + hook,
+                overhead_range=(
+                    sum(low for low, _ in spreads) + hook_range[0],
+                    sum(high for _, high in spreads) + hook_range[1],
+                ),
                 caught=_counts(w, hit),
                 escaped=_counts(w, group["damaged"] & ~hit),
                 ttd=(float((w[hit] * ttd).sum() / w[hit].sum()), ttd.min(), ttd.max())
@@ -254,6 +264,10 @@ class Overheads:
     job: JobCosts | None = None
     source: str = ""
     estimate: JobShape | None = None
+    # (lowest, highest) round of `at`'s figures and of the hook's, where overhead.csv holds one
+    # run's rounds (none for a table written before them, a pool of runs, or the job's figures).
+    rounds: dict[tuple[str, str], tuple[float, float]] = field(default_factory=dict)
+    hook_rounds: tuple[float, float] | None = None
 
 
 def amortized(intervals: list[int], measured: list[float]) -> float:
@@ -269,27 +283,42 @@ def amortized(intervals: list[int], measured: list[float]) -> float:
 def overheads(table: pd.DataFrame) -> Overheads:
     """Each (check, interval)'s overhead: for a check timed at several intervals, its amortized
     fit over all of them; otherwise its measurement. Never below zero or the check's floor (the
-    least it can cost): one timing on a loaded machine can be off by ten points either way."""
+    least it can cost): one timing on a loaded machine can be off by ten points either way. The
+    same of its lowest and of its highest rounds, where every row of the check holds them."""
     at, per_run, noise, hook = {}, {}, [], None
+    rounds: dict[tuple[str, str], tuple[float, float]] = {}
+    hook_rounds = None
     for detector, rows in table.groupby("detector"):
+        spread = ("overhead_low_pct", "overhead_high_pct")
+        timed_rounds = bool(rows[list(spread)].notna().all(axis=None))
         if detector == HOOK:
             measured = rows["overhead_vs_ddp_pct"].dropna()
             if len(measured):
                 hook = max(0.0, float(measured.median()))
                 if measured.median() < 0:
                     noise.append(f"hook vs plain DDP {measured.median():.2f}%")
+                if timed_rounds and len(rows) == 1:
+                    low, high = rows[list(spread)].iloc[0]
+                    hook_rounds = (max(0.0, low), max(0.0, high))
             continue
         timed = rows[rows["steps"].notna()]
+        fits = {}
         if timed["steps"].nunique() > 1:
             ks = timed["steps"].astype(int).tolist()
-            per_run[detector] = amortized(ks, timed["overhead_pct"].tolist())
+            fits = {c: amortized(ks, timed[c].tolist()) for c in ("overhead_pct", *spread)}
+            per_run[detector] = fits["overhead_pct"]
         for r in rows.itertuples(index=False):
             least = 0.0 if math.isnan(r.floor_pct) else max(0.0, r.floor_pct)
-            value = per_run[detector] / r.steps if detector in per_run else r.overhead_pct
-            at[(detector, r.interval)] = max(least, value)
+            share = {
+                c: max(least, fits[c] / r.steps if fits else getattr(r, c))
+                for c in ("overhead_pct", *spread)
+            }
+            at[(detector, r.interval)] = share["overhead_pct"]
+            if timed_rounds:
+                rounds[(detector, r.interval)] = (share[spread[0]], share[spread[1]])
             if r.overhead_pct < least:
                 noise.append(f"{r.detector}@{r.interval or '-'} {r.overhead_pct:.2f}%")
-    return Overheads(at, per_run, noise, hook)
+    return Overheads(at, per_run, noise, hook, rounds=rounds, hook_rounds=hook_rounds)
 
 
 def job_overheads(costs: JobCosts, source: str, trials: pd.DataFrame) -> Overheads:
@@ -404,14 +433,18 @@ def plan(
 def over_dtypes(table: pd.DataFrame) -> pd.DataFrame:
     """One workload's overheads in several dtypes or precisions as one row per (check,
     interval), the median over them: the plan pools their trials too, and its source names
-    them."""
+    them. Rounds only where one row stands alone: one run's noise spans no other's median."""
     pooled = table.groupby(["detector", "interval"], as_index=False).agg(
         overhead_pct=("overhead_pct", "median"),
         floor_pct=("floor_pct", "median"),
         overhead_vs_ddp_pct=("overhead_vs_ddp_pct", "median"),
+        overhead_low_pct=("overhead_low_pct", "first"),
+        overhead_high_pct=("overhead_high_pct", "first"),
+        rows=("detector", "size"),
         steps=("steps", "first"),
     )
-    return pooled.sort_values(["detector", "steps"], ignore_index=True)
+    pooled.loc[pooled["rows"] > 1, ["overhead_low_pct", "overhead_high_pct"]] = math.nan
+    return pooled.drop(columns="rows").sort_values(["detector", "steps"], ignore_index=True)
 
 
 def several_workloads(measured_on: list[str]) -> str:

@@ -63,7 +63,9 @@ MODEL = (
     "of a set is the sum of its members' (each timed alone; checks that share a collective "
     "could cost less together); a check timed at several intervals k costs c/k, c fitted to "
     "all of its timings; never less than zero or the check's floor. Range: each share at its "
-    "95% Wilson bounds and the time to detection at the least and most seen. False alarms are "
+    "95% Wilson bounds, the time to detection at the least and most seen, and each overhead "
+    "(the hook's too) at its lowest and highest timed round where overhead.csv holds one run's "
+    "rounds. False alarms are "
     "not in the model. The shares are those of the run's fault mix: a fault the run did not "
     "inject is not planned for."
 )
@@ -147,6 +149,13 @@ def _gpu_hours(x: float) -> str:
     return f"{x:,.0f}"
 
 
+def _overhead(option: Option) -> str:
+    """The set's overhead, and its lowest and highest rounds' where they were timed."""
+    low, high = option.overhead_range
+    text = f"{option.overhead_pct:.2f}%"
+    return text if low == high == option.overhead_pct else f"{text} [{low:.2f}%, {high:.2f}%]"
+
+
 def _range(found: Loss) -> str:
     return f"[{_gpu_hours(found.low)}, {_gpu_hours(found.high)}]"
 
@@ -158,7 +167,7 @@ def rows(result: Plan, limit: int | None = None) -> list[dict[str, object]]:
             "rank": i + 1,
             "checks": option.name,
             "interval": option.interval,
-            "overhead": f"{option.overhead_pct:.2f}%",
+            "overhead": _overhead(option),
             "caught": rate_text(*option.caught),
             "damaged, not caught": rate_text(*option.escaped),
             "ttd steps": "-" if math.isnan(option.ttd[0]) else f"{option.ttd[0]:.3g}",
