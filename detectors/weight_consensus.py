@@ -70,23 +70,23 @@ class WeightConsensus(Detector):
     ) -> int:
         """The step after the last consensus before the alarm: every `interval` steps and before
         every checkpoint, the replicas were seen to agree."""
-        checked = cls._looks(config, alarm_step, checkpointed)
+        checked = cls._looks(config, range(alarm_step), checkpointed)
         return max(checked) + 1 if checked else 0
 
     @classmethod
-    def ran_every(cls, config: Config, steps: int, checkpointed: Callable[[int], bool]) -> int:
-        """Checkpoints closer than its interval leave shorter stretches unseen: the record then
-        states those. With no look in the run at all, its interval."""
+    def ran_every(cls, config: Config, steps: range, checkpointed: Callable[[int], bool]) -> int:
+        """Checkpoints that do not fall on its own looks leave shorter stretches unseen. With no
+        look in the run at all, its interval."""
         looked = cls._looks(config, steps, checkpointed)
         if not looked:
             return config.interval
-        return max(b - a for a, b in itertools.pairwise([-1, *looked]))
+        return max(b - a for a, b in itertools.pairwise([steps.start - 1, *looked]))
 
     @staticmethod
-    def _looks(config: Config, steps: int, checkpointed: Callable[[int], bool]) -> list[int]:
-        """The steps before `steps` after which it compares the replicas: every `interval`-th,
-        and each one a checkpoint follows."""
-        return [s for s in range(steps) if (s + 1) % config.interval == 0 or checkpointed(s)]
+    def _looks(config: Config, steps: range, checkpointed: Callable[[int], bool]) -> list[int]:
+        """The steps in `steps` after which it compares the replicas: every `interval`-th, and
+        each one a checkpoint follows."""
+        return [s for s in steps if (s + 1) % config.interval == 0 or checkpointed(s)]
 
     def __init__(self, config: Config, ctx: DetectorContext, log: EventLog):
         super().__init__(config, ctx, log)

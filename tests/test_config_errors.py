@@ -223,6 +223,16 @@ CASES = [
         "whole contribution",
     ),
     (["fault=grad_bitflip", "fault.adjacent=false"], "fault.adjacent", "nbits > 1"),
+    # Consensus also looks before every checkpoint: every 5 steps here, whatever its interval.
+    (
+        [
+            "detectors=[weight_consensus]",
+            "detectors.weight_consensus.interval=50",
+            "checkpoint.interval=5",
+        ],
+        "detectors.weight_consensus.interval",
+        "allowed: 5, or a checkpoint.interval that is a multiple of 50",
+    ),
     (["fault=grad_bitflip", "fault.stuck_at=1"], "fault.stuck_at", "only model stuck"),
     (
         ["fault=grad_scale", "fault.persistence=permanent", "fault.probability=0.2"],

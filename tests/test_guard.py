@@ -384,14 +384,16 @@ def test_a_trainers_own_checkpoints_of_the_suspect_interval_are_set_aside(tmp_pa
     assert record["first_suspect_step"] == 1 and record["suspect_ranks"] == [1]
 
 
-def _checkpointing_rank(rank: int, store: str, results) -> None:
-    """Consensus every 4 steps in a loop that checkpoints every 2: the costs' interval."""
+def _checkpointing_rank(rank: int, store: str, start: int, results) -> None:
+    """Consensus every 4 steps in a loop from step `start` that checkpoints every 2: the costs'
+    interval."""
     _joined(rank, store)
     model = DDP(nn.Linear(4, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    guard = Guard(model, {"nan_inf": {}, "weight_consensus": {"interval": 4}}, ranks_per_node=1)
+    checks = {"nan_inf": {}, "weight_consensus": {"interval": 4}}
+    guard = Guard(model, checks, ranks_per_node=1, start_step=start)
     try:
-        for step in range(8):
+        for step in range(start, start + 8):
             _guarded_step(guard, model, optimizer, step, rank)
             if step % 2 == 1:
                 assert guard.before_checkpoint()
@@ -402,11 +404,13 @@ def _checkpointing_rank(rank: int, store: str, results) -> None:
         dist.destroy_process_group()
 
 
-def test_the_costs_state_the_interval_consensus_looked_at(tmp_path):
+@pytest.mark.parametrize("start", [0, 100])
+def test_the_costs_state_the_interval_consensus_looked_at(tmp_path, start):
     """Consensus also looks before every checkpoint: in a job checkpointing every 2 steps it
     looked every 2, which its costs file states (sdc-plan prices one look as the measured share
-    times that interval; at 4 it priced each look at twice what it cost)."""
-    got = _forked_world(tmp_path, _checkpointing_rank)
+    times that interval; at 4 it priced each look at twice what it cost), counted from the step
+    a resumed job began at."""
+    got = _forked_world(tmp_path, _checkpointing_rank, start)
     assert got == {r: {"nan_inf": None, "weight_consensus": 2} for r in range(FROZEN_WORLD)}
 
 

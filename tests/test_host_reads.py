@@ -20,9 +20,10 @@ from harness.runtime.workloads import Workload
 from tests.conftest import compose_run
 
 CHECKS = "detectors=[nan_inf,grad_stats,allreduce_sketch,weight_consensus,spiky_loss]"
-# Checkpoints after steps 2 and 5.
+# Checkpoints after steps 2 and 5, consensus at each (its own looks).
 BASE = ("campaign=single", "topology.nodes=3", CHECKS, "workload.steps=6",
-        "checkpoint.interval=3", "workload.micro_batches=2")  # fmt: skip
+        "checkpoint.interval=3", "detectors.weight_consensus.interval=3",
+        "workload.micro_batches=2")  # fmt: skip
 CHECKPOINT_STEPS = {2, 5}
 
 

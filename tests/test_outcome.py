@@ -48,7 +48,7 @@ def _alert(rank, step, phase, suspects, t=11.0, detector="d"):
 
 def _row(fault, parts, crash=None, band=0.1):
     spec = TrialSpec("t", 0, fault)
-    return trial_row(compose_run(), spec, parts, crash, Golden(0, 1.0, "g"), band, {})[0]
+    return trial_row(compose_run(), spec, parts, crash, Golden(0, 1.0, "g"), band)[0]
 
 
 def test_caught_in_its_step_before_the_optimizer_is_contained_and_attributed():
@@ -185,7 +185,7 @@ def test_a_bit_is_classed_in_the_dtype_it_was_flipped_in(tmp_path):
     struck = [e for e in rank.log.events if isinstance(e, ElementInject) and e.fired]
     assert [(e.bit, e.dtype) for e in struck] == [(14, "bfloat16")]
     part = RankResult("t", 0, rank.log.events, [1.0], [0.01], 1.0, "x", True)
-    row = trial_row(run, TrialSpec("t", 0, fault), [part], None, Golden(0, 1.0, "g"), 0.1, {})[0]
+    row = trial_row(run, TrialSpec("t", 0, fault), [part], None, Golden(0, 1.0, "g"), 0.1)[0]
     assert (row.dtype, row.bit, row.bit_dtype) == ("float32", 14, "bfloat16")
     assert (row.precision, row.fault_phase) == ("bf16-mixed", None)
     assert row.fault_settings == "tensor=blocks.0.fc"  # a setting with no column of its own

@@ -116,7 +116,7 @@ def test_torchrun_recovers_in_a_shrunk_world_and_times_overhead_as_the_spawned_w
         "checkpoint.interval=2",
         "detectors=[replay,weight_consensus]",
         "detectors.replay.interval=5",
-        "detectors.weight_consensus.interval=4",
+        "detectors.weight_consensus.interval=2",
         "campaign.scenarios=[{site:grad,model:scale,factor:1000,ranks:[1],steps:[5]}]",
         "campaign.seeds=1",
         "++campaign.overhead={steps:3,rounds:1}",

@@ -22,7 +22,6 @@ from pathlib import Path
 
 import detectors
 from harness.config.schema import RunConfig, Segment, TrialSpec
-from harness.core.checks import CheckConfig
 from harness.core.events import CorruptCheckpoint, Event, Locate, Retry, TrialAlert
 from harness.results.folder import RunFolder
 from harness.results.judgement import merge_alerts
@@ -77,26 +76,8 @@ def first_suspect_step(run: RunConfig, spec: TrialSpec, detector: str, stop_step
     """The earliest step the fault could have entered, given when the alarming check last
     looked (`Detector.first_suspect_step`); consensus also runs before every checkpoint."""
     return detectors.detector_class(detector).first_suspect_step(
-        run.checks(spec)[detector], stop_step, _checkpointed(run)
+        run.checks(spec)[detector], stop_step, run.checkpoint.after
     )
-
-
-def check_intervals(run: RunConfig, checks: dict[str, CheckConfig]) -> dict[str, int]:
-    """Each periodic check's audit interval as a trial of `run` makes it look
-    (`Detector.ran_every`): consensus also looks before every checkpoint."""
-    after = _checkpointed(run)
-    intervals = {}
-    for name, config in checks.items():
-        every = detectors.detector_class(name).ran_every(config, run.workload.steps, after)
-        if every is not None:
-            intervals[name] = every
-    return intervals
-
-
-def _checkpointed(run: RunConfig) -> Callable[[int], bool]:
-    """Whether the trainer writes a checkpoint after step s (harness/runtime/trainer.py)."""
-    every = run.checkpoint.interval
-    return lambda s: (s + 1) % every == 0
 
 
 def restore_point(store: Path, before: int, log: list[Event]) -> tuple[int, str]:

@@ -23,7 +23,7 @@ from harness.campaign.fastforward import (
     has_snapshots,
 )
 from harness.campaign.golden_store import GoldenMismatch, GoldenStore
-from harness.campaign.recovery import check_intervals, run_with_recovery, scratch_folders
+from harness.campaign.recovery import run_with_recovery, scratch_folders
 from harness.config.schema import RunConfig, TopologyConfig, TrialSpec
 from harness.config.workload import release_probes
 from harness.core.vocabulary import Effect, EffectSource
@@ -331,10 +331,9 @@ class Campaign:
         band = noise_band([self.goldens[s] for s in self.run.reference_seeds])
         golden = self.goldens[spec.seed]
         judged = None if twin is None else Judged(twin.parts, twin.crash, EffectSource.OBSERVE_TWIN)
-        intervals = check_intervals(self.run, self.run.checks(spec))
         row, events = trial_row(
-            self.run, spec, outcome.parts, outcome.crash, golden, band, intervals,
-            outcome.recovery, judged, kept,
+            self.run, spec, outcome.parts, outcome.crash, golden, band, outcome.recovery, judged,
+            kept,
         )  # fmt: skip
         self.records.add_trial(row, events)
         return row

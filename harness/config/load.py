@@ -219,6 +219,24 @@ def scenario_checks(
     return checks
 
 
+def _looks_as_set(
+    key: str, checks: dict[str, CheckConfig], steps: int, checkpoint: CheckpointConfig
+) -> None:
+    """Each periodic check looks at the interval it is set to (what trials.csv's
+    `check_intervals`, the report's interval table, overhead.csv and sdc-plan credit its catches
+    to): weight_consensus also looks before every checkpoint, and checkpoints off its own looks
+    made it look more often than its interval said."""
+    for name, config in checks.items():
+        every = detectors.detector_class(name).ran_every(config, range(steps), checkpoint.after)
+        if every != config.every:
+            raise ConfigError(
+                f"{key}.{name}.interval", f"{name} also looks before every checkpoint: with "
+                f"checkpoint.interval={checkpoint.interval} it looks every {every} steps of this "
+                f"{steps}-step run, not every {config.every}; allowed: {every}, or a "
+                f"checkpoint.interval that is a multiple of {config.every}"
+            )  # fmt: skip
+
+
 # Where `campaign.golden_cache: true` keeps goldens: $SDC_BENCH_CACHE/goldens, else this.
 DEFAULT_CACHE = "results/cache"
 
@@ -273,6 +291,7 @@ def run_config(raw: dict[str, Any]) -> RunConfig:
         # Recovery acts on alerts: every check stops the step that it alarms on.
         checks = {name: config.in_mode("act") for name, config in checks.items()}
     _applicable(topology, checks)
+    _looks_as_set("detectors", checks, workload.steps, checkpoint_cfg)
     if topology.sharded:
         _sharded_recovery(topology, recovery)
     seeds = integer("campaign.seeds", campaign.get("seeds"), 1)
@@ -310,6 +329,8 @@ def run_config(raw: dict[str, Any]) -> RunConfig:
         trial_checks = scenario_checks(
             f"{key}.checks", scenario.pop("checks", None), checks, topology
         )
+        if trial_checks is not None:
+            _looks_as_set(f"{key}.checks", trial_checks, workload.steps, checkpoint_cfg)
         mix = scenario_class(key, scenario)
         fault = fault_config(key, scenario, workload, topology)
         check_target(key, fault, model, forward, topology.shard_group)

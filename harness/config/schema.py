@@ -280,6 +280,10 @@ class CheckpointConfig:
     interval: int
     keep: bool
 
+    def after(self, step: int) -> bool:
+        """Whether a trial writes a checkpoint after `step` (harness/runtime/trainer.py)."""
+        return (step + 1) % self.interval == 0
+
 
 @dataclass(frozen=True)
 class Segment:

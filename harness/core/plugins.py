@@ -279,11 +279,11 @@ class Detector(Plugin):
 
     @classmethod
     def ran_every(
-        cls, config: CheckConfig, steps: int, checkpointed: Callable[[int], bool]
+        cls, config: CheckConfig, steps: range, checkpointed: Callable[[int], bool]
     ) -> int | None:
-        """Its audit interval as a run of `steps` steps makes it look (the record's
-        `check_intervals`): the most steps between two of its looks; None for a check that looks
-        every step. One that looks every k steps and at no other: k."""
+        """Its audit interval as a run over `steps` makes it look: the most steps between two of
+        its looks; None for a check that looks every step. One that looks every k steps and at
+        no other: k. `checkpointed(s)`: whether a checkpoint followed step s."""
         return config.every
 
     def state_dict(self) -> dict[str, Any]:

@@ -127,6 +127,7 @@ class Guard:
             for handle in self._hooks:
                 handle.remove()
             raise
+        self.start_step = start_step
         self._set_step(start_step)
         self._loss_step = -1
         self._seen = 0  # events already considered for an alarm
@@ -233,7 +234,7 @@ class Guard:
         """The check's audit interval as this job made it look: consensus also looks before each
         checkpoint, so a job checkpointing more often than its interval looks more often."""
         return registry.detector_class(name).ran_every(
-            self.checks[name], self.step, self.checkpointed.__contains__
+            self.checks[name], range(self.start_step, self.step), self.checkpointed.__contains__
         )
 
     @staticmethod

@@ -120,16 +120,13 @@ def trial_row(
     crash: str | None,
     golden: Golden,
     band: float,
-    intervals: dict[str, int],
     recovery: RecoveryRecord | None = None,
     judged: Judged | None = None,
     kept: list[Event] | None = None,
 ) -> tuple[TrialRow, list[Event]]:
-    """The trial's row for trials.csv and its events for events.jsonl; `intervals` each periodic
-    check's audit interval as the trial made it look (harness.campaign.recovery.check_intervals);
-    `recovery` holds what harness.campaign.recovery did (None: recovery was off); `judged` the
-    observe twin's result when a check stopped this trial; `kept` what crashed ranks kept before
-    they went down."""
+    """The trial's row for trials.csv and its events for events.jsonl; `recovery` holds what
+    harness.campaign.recovery did (None: recovery was off); `judged` the observe twin's result when
+    a check stopped this trial; `kept` what crashed ranks kept before they went down."""
     judged = judged or Judged(parts, crash)
     fault: FaultConfig = spec.fault
     events: list[Event] = [e for p in parts or [] for e in p.events] + (kept or [])
@@ -203,9 +200,14 @@ def trial_row(
         # Each check's own first alert at or after the injection: its time to detection even
         # when another check alerted first.
         detect_steps=_by_entry(_first_alert_by_check(caught)),
-        # Each periodic check's audit interval as it looked in this trial (a scenario may set
-        # them; consensus also looks before each checkpoint).
-        check_intervals=_by_entry(intervals),
+        # The audit interval of each periodic check in this trial (a scenario may set them).
+        check_intervals=_by_entry(
+            {
+                name: every
+                for name, config in run.checks(spec).items()
+                if (every := config.every) is not None
+            }
+        ),
         # What a check could not judge (replay: "not deterministic"), never counted as alerts;
         # `;` separates the cell's entries, so a text's own becomes `,`.
         warnings=_sorted(

@@ -269,7 +269,7 @@ def _step(rank: _Rank, step: int, store: Path) -> torch.Tensor:
     optimizer.step()
     bus.optimizer_state(step, optimizer)
     bus.update(step, model)
-    if (step + 1) % rank.run.checkpoint.interval == 0:
+    if rank.run.checkpoint.after(step):
         # Observe mode reads its verdicts here, with the checks' approval.
         approved = bus.checkpoint_approved(step, model)
         (approved,) = rank.stop_point.reached(step, extra=approved)

@@ -1,43 +1,71 @@
-"""The audit interval a trial's row records for each periodic check (`check_intervals`): the
-most steps between two of its looks as the trial ran them, not only as configured. Consensus
-also looks before every checkpoint, so checkpoints closer than its interval shorten it."""
+"""A periodic check looks at the interval it is set to: that is what trials.csv's
+`check_intervals`, the report's interval table, overhead.csv and sdc-plan credit its catches to.
+Consensus also looks before every checkpoint, so a checkpoint off its own looks is refused."""
 
 from __future__ import annotations
 
 import pytest
 
-from harness.campaign.recovery import check_intervals
+from detectors.weight_consensus import WeightConsensus
+from harness.errors import ConfigError
 from tests.conftest import compose_run
 
 
-def _recorded(*overrides: str) -> dict[str, int]:
-    run = compose_run("detectors=[weight_consensus,replay]", *overrides)
-    return check_intervals(run, run.detectors)
+def _composed(consensus: int, checkpoint: int, steps: int):
+    return compose_run(
+        "detectors=[weight_consensus,replay]", "detectors.replay.interval=3",
+        f"detectors.weight_consensus.interval={consensus}", f"checkpoint.interval={checkpoint}",
+        f"workload.steps={steps}",
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize(
-    ("consensus", "checkpoint", "steps", "recorded"),
+    ("consensus", "checkpoint", "steps", "looks_every"),
     [
         (50, 5, 30, 5),  # a checkpoint every 5 steps: consensus every 5, never at 50
-        (4, 2, 12, 2),  # every checkpoint falls between two of its own looks
-        (10, 10, 30, 10),  # the published setting: its looks are the checkpoints'
-        (50, 60, 60, 50),  # audit_frequency: the checkpoint at 59 comes after the look at 49
-        (10, 15, 30, 10),  # looks at 9, 14, 19, 29: 10 steps from 19 to 29
-        (20, 15, 60, 15),  # looks at 14, 19, 29, 39, 44, 59: at most 15 apart
+        (4, 2, 12, 2),  # every other checkpoint falls between two of its own looks
+        (20, 15, 60, 15),  # looks after steps 14, 19, 29, 39, 44, 59: at most 15 apart
+        (100, 60, 60, 60),  # its one look is the checkpoint's, after step 59
     ],
 )
-def test_consensus_is_recorded_at_the_most_steps_between_its_looks(
-    consensus, checkpoint, steps, recorded
-):
-    got = _recorded(
-        f"detectors.weight_consensus.interval={consensus}",
-        f"checkpoint.interval={checkpoint}",
-        f"workload.steps={steps}",
-        "detectors.replay.interval=5",
+def test_checkpoints_off_consensus_looks_are_refused(consensus, checkpoint, steps, looks_every):
+    with pytest.raises(ConfigError) as refused:
+        _composed(consensus, checkpoint, steps)
+    assert refused.value.key == "detectors.weight_consensus.interval"
+    assert f"looks every {looks_every} steps of this {steps}-step run" in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("consensus", "checkpoint", "steps"),
+    [
+        (10, 10, 30),  # the published setting: the checkpoints' looks are its own
+        (5, 20, 30),  # a multiple of its interval
+        (50, 60, 60),  # audit_frequency: the look after step 59 leaves 50 the longest stretch
+        (10, 15, 30),  # looks after 9, 14, 19, 29: never more than 10 apart
+    ],
+)
+def test_checkpoints_that_leave_its_interval_are_accepted(consensus, checkpoint, steps):
+    run = _composed(consensus, checkpoint, steps)
+    assert run.detectors["weight_consensus"].every == consensus
+
+
+def test_a_scenarios_interval_is_held_to_the_same():
+    scenario = (
+        "{site:weight,model:scale,factor:10.0,ranks:[1],steps:[2],"
+        "checks:{weight_consensus:{interval:20}}}"
     )
-    assert got == {"weight_consensus": recorded, "replay": 5}, "replay never looks off its own"
+    with pytest.raises(ConfigError) as refused:
+        compose_run(
+            "detectors=[weight_consensus]", "checkpoint.interval=10", "workload.steps=30",
+            f"campaign.scenarios=[{scenario}]",
+        )  # fmt: skip
+    assert refused.value.key == "campaign.scenarios[0].checks.weight_consensus.interval"
 
 
-def test_a_check_that_looks_every_step_has_no_interval_recorded():
-    run = compose_run("detectors=[nan_inf,matmul_checksum]", "checkpoint.interval=3")
-    assert check_intervals(run, run.detectors) == {}
+def test_a_resumed_run_counts_its_stretches_from_where_it_began():
+    """The guard of a job resumed at step 100 measures from there: its first look after 101."""
+    config = WeightConsensus.Config(interval=4)
+    after = {101, 103, 105, 107}.__contains__
+    assert WeightConsensus.ran_every(config, range(100, 108), after) == 2
+    assert WeightConsensus.ran_every(config, range(0, 8), {1, 3, 5, 7}.__contains__) == 2
+    assert WeightConsensus.ran_every(config, range(0, 3), lambda s: False) == 4, "no look: 4"
