@@ -100,6 +100,7 @@ class Replay(Detector):
 
     @dataclass(frozen=True)
     class Config(CheckConfig):
+        alternatives = (("interval", "steps"),)
         interval: int | None = None  # audit every N steps (step % N == 0; None: 5) ...
         steps: tuple[int, ...] | None = None  # ... or exactly these steps, in its place
         compare: str = "tolerant"  # exact: bit patterns (needs deterministic compute)
@@ -121,11 +122,21 @@ class Replay(Detector):
             choice("compare", self.compare, COMPARES)
             if self.rtol is not None:
                 fraction("rtol", self.rtol, ", or null for the dtype's default")
+                if self.compare == "exact":
+                    raise ConfigError("rtol", "only compare=tolerant reads it; leave it null")
             choice("verdict", self.verdict, VERDICTS)
 
         @property
         def every(self) -> int | None:
             return self.interval if self.steps is None else None
+
+    @classmethod
+    def check_steps(cls, key: str, config: Config, steps: int) -> None:
+        past = [s for s in config.steps or () if s >= steps]
+        if past:
+            raise ConfigError(
+                f"{key}.steps", f"{past[0]} is past the run's last step; allowed: 0..{steps - 1}"
+            )
 
     @classmethod
     def check_topology(cls, config: Config, topology: Any) -> None:

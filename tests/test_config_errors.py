@@ -223,6 +223,40 @@ CASES = [
         "whole contribution",
     ),
     (["fault=grad_bitflip", "fault.adjacent=false"], "fault.adjacent", "nbits > 1"),
+    # Values the run would never read.
+    (
+        [
+            "campaign=single",
+            "fault=grad_scale",
+            "+campaign.scenarios=[{site:weight,model:scale,factor:5.0,ranks:[1],steps:[2]}]",
+        ],
+        "campaign.scenarios",
+        "would ignore them",
+    ),
+    (["campaign=default", "campaign.name=single"], "campaign.scenarios", "would ignore them"),
+    (["recovery.max_recoveries=7"], "recovery.max_recoveries", "recovery.enabled=true"),
+    (["topology.spares=1"], "topology.spares", "recovery.enabled=true"),
+    (["workload.min_lr_ratio=0.5"], "workload.min_lr_ratio", "lr_schedule=warmup_cosine"),
+    (
+        ["detectors=[replay]", "detectors.replay.compare=exact", "detectors.replay.rtol=0.01"],
+        "detectors.replay.rtol",
+        "only compare=tolerant",
+    ),
+    (
+        ["detectors=[replay]", "detectors.replay.interval=null", "detectors.replay.steps=[3,30]"],
+        "detectors.replay.steps",
+        "allowed: 0..29",
+    ),
+    (
+        [
+            "detectors=[replay]",
+            "++campaign.overhead={steps:3,rounds:1}",
+            "campaign.scenarios=[{site:grad,model:scale,factor:10.0,ranks:[1],steps:[2],"
+            "checks:{replay:{rtol:0.1}}},{site:grad,model:scale,factor:10.0,ranks:[1],steps:[3]}]",
+        ],
+        "campaign.scenarios[1].checks.replay",
+        "campaign.overhead times one setting of replay",
+    ),
     # Consensus also looks before every checkpoint: every 5 steps here, whatever its interval.
     (
         [

@@ -180,6 +180,11 @@ def recovery_config(raw: dict[str, Any]) -> RecoveryConfig:
     if not isinstance(enabled, bool):
         raise ConfigError("recovery.enabled", f"'{enabled}' is not allowed; allowed: true, false")
     limit = integer("recovery.max_recoveries", raw.get("max_recoveries", 3), 1)
+    if not enabled and limit != RecoveryConfig.max_recoveries:
+        raise ConfigError(
+            "recovery.max_recoveries", "only recovery reads it; set recovery.enabled=true, or "
+            f"leave it {RecoveryConfig.max_recoveries}"
+        )  # fmt: skip
     return RecoveryConfig(enabled=enabled, max_recoveries=limit)
 
 
@@ -214,19 +219,26 @@ def scenario_checks(
             )
         if not isinstance(params, dict):
             raise ConfigError(f"{key}.{name}", f"'{params}' must be a mapping {{param: value}}")
+        check = detectors.detector_class(name)
         merged = {**base[name].params(), **params}
-        checks[name] = detectors.detector_class(name).configure(f"{key}.{name}", merged, topology)
+        defaults = {f.name: f.default for f in fields(check.Config)}
+        for group in check.Config.alternatives:
+            if any(f in params for f in group):
+                merged.update({f: defaults[f] for f in group if f not in params})
+        checks[name] = check.configure(f"{key}.{name}", merged, topology)
     return checks
 
 
-def _looks_as_set(
+def _checks_in_run(
     key: str, checks: dict[str, CheckConfig], steps: int, checkpoint: CheckpointConfig
 ) -> None:
-    """Each periodic check looks at the interval it is set to (what trials.csv's
-    `check_intervals`, the report's interval table, overhead.csv and sdc-plan credit its catches
-    to): weight_consensus also looks before every checkpoint, and checkpoints off its own looks
-    made it look more often than its interval said."""
+    """What each check needs of the run (`Detector.check_steps`: a step it lists is in it), and
+    each periodic check looks at the interval it is set to (what trials.csv's `check_intervals`,
+    the report's interval table, overhead.csv and sdc-plan credit its catches to):
+    weight_consensus also looks before every checkpoint, and checkpoints off its own looks made
+    it look more often than its interval said."""
     for name, config in checks.items():
+        detectors.detector_class(name).check_steps(f"{key}.{name}", config, steps)
         every = detectors.detector_class(name).ran_every(config, range(steps), checkpoint.after)
         if every != config.every:
             raise ConfigError(
@@ -234,6 +246,24 @@ def _looks_as_set(
                 f"checkpoint.interval={checkpoint.interval} it looks every {every} steps of this "
                 f"{steps}-step run, not every {config.every}; allowed: {every}, or a "
                 f"checkpoint.interval that is a multiple of {config.every}"
+            )  # fmt: skip
+
+
+def _timed_alike(
+    timed: dict[tuple[str, int | None], tuple[str, CheckConfig]],
+    key: str,
+    checks: dict[str, CheckConfig],
+) -> None:
+    """overhead.csv times one setting of each check at each interval (harness/campaign/overhead.py):
+    scenarios that set one otherwise at the same interval would have the other's cost
+    reported as theirs. `timed`: the first scenario's (key, config) of each, filled here."""
+    for name, config in checks.items():
+        first, timed_config = timed.setdefault((name, config.every), (key, config))
+        if timed_config != config:
+            raise ConfigError(
+                f"{key}.checks.{name}", f"campaign.overhead times one setting of {name} at each "
+                f"interval, and {first} sets it otherwise; give them the same settings, or "
+                "campaign.overhead=null"
             )  # fmt: skip
 
 
@@ -291,7 +321,12 @@ def run_config(raw: dict[str, Any]) -> RunConfig:
         # Recovery acts on alerts: every check stops the step that it alarms on.
         checks = {name: config.in_mode("act") for name, config in checks.items()}
     _applicable(topology, checks)
-    _looks_as_set("detectors", checks, workload.steps, checkpoint_cfg)
+    _checks_in_run("detectors", checks, workload.steps, checkpoint_cfg)
+    if topology.spares and not recovery.enabled:
+        raise ConfigError(
+            "topology.spares", "spares take a quarantined node's place, which only recovery "
+            "does; set recovery.enabled=true, or leave it 0"
+        )  # fmt: skip
     if topology.sharded:
         _sharded_recovery(topology, recovery)
     seeds = integer("campaign.seeds", campaign.get("seeds"), 1)
@@ -306,6 +341,12 @@ def run_config(raw: dict[str, Any]) -> RunConfig:
         detectors.detector_class(name).fast_forward for name in checks
     )
     if campaign.get("name") == "single":
+        if campaign.get("scenarios"):
+            raise ConfigError(
+                "campaign.scenarios", "campaign single runs the one fault fault.* describes and "
+                "would ignore them; leave them out, or run a campaign of scenarios (campaign.name "
+                "other than single)"
+            )  # fmt: skip
         scenario_raw = [(0, dict(raw["fault"]))]
     else:
         unused_fault(str(campaign.get("name")), dict(raw.get("fault") or {}), workload, topology)
@@ -322,6 +363,8 @@ def run_config(raw: dict[str, Any]) -> RunConfig:
         model = Workload(workload, device="meta").build_model()
     module_sites = {str(s.get("site")) for _, s in scenario_raw} & set(MODULE_SITES)
     forward = forward_modules(workload) if module_sites else None
+    overhead = overhead_config(campaign.get("overhead"))
+    timed: dict[tuple[str, int | None], tuple[str, CheckConfig]] = {}
     scenarios, trials, classes = [], [], []
     for n, (i, scenario) in enumerate(scenario_raw):
         key = "fault" if campaign.get("name") == "single" else f"campaign.scenarios[{i}]"
@@ -330,7 +373,9 @@ def run_config(raw: dict[str, Any]) -> RunConfig:
             f"{key}.checks", scenario.pop("checks", None), checks, topology
         )
         if trial_checks is not None:
-            _looks_as_set(f"{key}.checks", trial_checks, workload.steps, checkpoint_cfg)
+            _checks_in_run(f"{key}.checks", trial_checks, workload.steps, checkpoint_cfg)
+        if overhead is not None:
+            _timed_alike(timed, key, checks if trial_checks is None else trial_checks)
         mix = scenario_class(key, scenario)
         fault = fault_config(key, scenario, workload, topology)
         check_target(key, fault, model, forward, topology.shard_group)
@@ -357,6 +402,6 @@ def run_config(raw: dict[str, Any]) -> RunConfig:
         trials=tuple(trials),
         fast_forward=fast_forward,
         forward=forward,
-        overhead=overhead_config(campaign.get("overhead")),
+        overhead=overhead,
         golden_cache=golden_cache(campaign.get("golden_cache", True)),
     )

@@ -87,9 +87,14 @@ def _recipe(raw: dict[str, Any]) -> dict[str, Any]:
     warmup = integer("workload.warmup_steps", raw.get("warmup_steps", 0), 0)
     if raw.get("lr_schedule") != "warmup_cosine" and warmup:
         raise ConfigError("workload.warmup_steps", "needs workload.lr_schedule=warmup_cosine")
-    ratio = raw.get("min_lr_ratio", 0.1)
+    ratio = raw.get("min_lr_ratio", WorkloadConfig.min_lr_ratio)
     if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 0 <= ratio <= 1:
         raise ConfigError("workload.min_lr_ratio", f"'{ratio}' must be a number in [0, 1]")
+    if raw.get("lr_schedule") != "warmup_cosine" and ratio != WorkloadConfig.min_lr_ratio:
+        raise ConfigError(
+            "workload.min_lr_ratio", "only the cosine ends at it: needs "
+            f"workload.lr_schedule=warmup_cosine, or leave it {WorkloadConfig.min_lr_ratio}"
+        )  # fmt: skip
     for key in ("betas", "weight_decay"):
         if raw.get(key) is not None and raw["name"] == "custom":
             raise ConfigError(

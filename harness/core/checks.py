@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Self
+from typing import Any, ClassVar, Self
 
 from harness.core.settings import Settings
 from harness.core.values import choice, integer
@@ -22,6 +22,9 @@ MODES = ("observe", "act")
 class CheckConfig(Settings):
     """The settings every check has; a detector's `Config` adds its own fields after `mode`."""
 
+    # Groups of fields of which one is given in place of the others (replay's interval or its
+    # listed steps): a scenario that sets one leaves the run's others unset.
+    alternatives: ClassVar[tuple[tuple[str, ...], ...]] = ()
     mode: str = "observe"
 
     def __post_init__(self) -> None:

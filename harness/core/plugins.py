@@ -259,6 +259,10 @@ class Detector(Plugin):
         return config
 
     @classmethod
+    def check_steps(cls, key: str, config: CheckConfig, steps: int) -> None:
+        """What the check needs of a run of `steps` steps (raise ConfigError under `key`)."""
+
+    @classmethod
     def check_topology(cls, config: CheckConfig, topology: Any) -> None:
         """What the check needs of the world (raise ConfigError)."""
 

@@ -69,3 +69,24 @@ def test_a_resumed_run_counts_its_stretches_from_where_it_began():
     assert WeightConsensus.ran_every(config, range(100, 108), after) == 2
     assert WeightConsensus.ran_every(config, range(0, 8), {1, 3, 5, 7}.__contains__) == 2
     assert WeightConsensus.ran_every(config, range(0, 3), lambda s: False) == 4, "no look: 4"
+
+
+def test_a_scenario_may_give_replay_listed_steps_in_place_of_the_runs_interval():
+    """The run's replay looks every 5 steps; a scenario that lists its steps replaces the
+    interval (it was refused: the run's normalised interval came along with them), and the
+    other way round."""
+    fault = "site:grad,model:scale,factor:10.0,ranks:[1],steps:[2]"
+    listed = f"{{{fault},checks:{{replay:{{steps:[3]}}}}}}"
+    run = compose_run("detectors=[replay]", f"campaign.scenarios=[{listed}]")
+    assert {(t.checks["replay"].steps, t.checks["replay"].every) for t in run.trials} == {
+        ((3,), None)
+    }
+    every = f"{{{fault},checks:{{replay:{{interval:2}}}}}}"
+    run = compose_run(
+        "detectors=[replay]", "detectors.replay.interval=null", "detectors.replay.steps=[4]",
+        f"campaign.scenarios=[{every}]",
+    )  # fmt: skip
+    assert {(t.checks["replay"].steps, t.checks["replay"].every) for t in run.trials} == {(None, 2)}
+    both = listed.replace("{steps:[3]}", "{interval:2,steps:[3]}")
+    with pytest.raises(ConfigError, match="give one of interval and steps"):
+        compose_run("detectors=[replay]", f"campaign.scenarios=[{both}]")

@@ -170,8 +170,15 @@ def test_replay_bad_values_are_named_under_detectors_replay(params, key, message
 
 
 def test_replay_accepts_a_tolerance_and_the_other_verdict():
-    config = parse("replay", rtol=1e-3, compare="exact", verdict="megatron")
-    assert (config.rtol, config.compare, config.verdict) == (1e-3, "exact", "megatron")
+    config = parse("replay", rtol=1e-3, verdict="megatron")
+    assert (config.rtol, config.compare, config.verdict) == (1e-3, "tolerant", "megatron")
+    config = parse("replay", compare="exact", verdict="megatron")
+    assert (config.rtol, config.compare, config.verdict) == (None, "exact", "megatron")
+
+
+def test_replay_refuses_a_tolerance_that_an_exact_comparison_never_reads():
+    error = parse_error("replay", rtol=1e-3, compare="exact")
+    assert error.key == "detectors.replay.rtol" and "only compare=tolerant" in str(error)
 
 
 # the other checks' own settings
