@@ -20,6 +20,7 @@ import torch
 from harness.core.checks import CheckConfig
 from harness.core.plugins import Bucket, Detector, DetectorContext, EventLog
 from harness.core.values import above
+from harness.errors import ConfigError
 
 
 class GradStats(Detector):
@@ -35,6 +36,18 @@ class GradStats(Detector):
             super().__post_init__()
             for name in ("threshold", "min_ratio", "spike"):
                 above(name, getattr(self, name), 1)
+
+    @classmethod
+    def check_topology(cls, config: Config, topology: Any) -> None:
+        # The median absolute deviation of two log norms is 0 (torch's median of two is the
+        # lower), so the band is min_ratio's alone; one rank is its own median.
+        world = topology.world_size
+        for name, ranks in (("threshold", 3), ("min_ratio", 2)):
+            if world < ranks and getattr(config, name) != getattr(cls.Config, name):
+                raise ConfigError(
+                    f"detectors.grad_stats.{name}", f"a world of {world} rank(s) never reads it "
+                    f"(it needs {ranks} or more ranks); leave it {getattr(cls.Config, name)}"
+                )  # fmt: skip
 
     def __init__(self, config: Config, ctx: DetectorContext, log: EventLog):
         super().__init__(config, ctx, log)

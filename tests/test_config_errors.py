@@ -236,6 +236,11 @@ CASES = [
     (["campaign=default", "campaign.name=single"], "campaign.scenarios", "would ignore them"),
     (["recovery.max_recoveries=7"], "recovery.max_recoveries", "recovery.enabled=true"),
     (["topology.spares=1"], "topology.spares", "recovery.enabled=true"),
+    (
+        ["topology.nodes=2", "detectors=[grad_stats]", "detectors.grad_stats.threshold=3.0"],
+        "detectors.grad_stats.threshold",
+        "needs 3 or more ranks",
+    ),
     (["workload.min_lr_ratio=0.5"], "workload.min_lr_ratio", "lr_schedule=warmup_cosine"),
     (
         ["detectors=[replay]", "detectors.replay.compare=exact", "detectors.replay.rtol=0.01"],
