@@ -236,6 +236,8 @@ CASES = [
     (["campaign=default", "campaign.name=single"], "campaign.scenarios", "would ignore them"),
     (["recovery.max_recoveries=7"], "recovery.max_recoveries", "recovery.enabled=true"),
     (["topology.spares=1"], "topology.spares", "recovery.enabled=true"),
+    (["workload=gpt", "+workload.kv_heads=2"], "workload.kv_heads", "never reads it (only llama)"),
+    (["workload=mlp", "+workload.vocab=64"], "workload.vocab", "(only gpt and llama)"),
     (
         ["topology.nodes=2", "detectors=[grad_stats]", "detectors.grad_stats.threshold=3.0"],
         "detectors.grad_stats.threshold",

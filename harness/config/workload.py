@@ -27,10 +27,25 @@ from harness.core.values import choice, integer, known_keys, positive
 from harness.errors import ConfigError
 from harness.runtime.workloads import DTYPES, Workload
 
+# The keys that describe one workload's model or data, by the workloads that read them: another
+# workload never does (a `+workload.kv_heads=2` under gpt changed nothing).
+SHAPE_KEYS = {
+    "in_dim": ("mlp",), "hidden": ("mlp",), "classes": ("mlp",),
+    **dict.fromkeys(("vocab", "context", "d_model", "layers", "heads"), ("gpt", "llama")),
+    "kv_heads": ("llama",), "intermediate": ("llama",),
+    **dict.fromkeys(("model", "data", "loss", "optimizer"), ("custom",)),
+}  # fmt: skip
+
 
 def workload_config(raw: dict[str, Any]) -> WorkloadConfig:
     known_keys("workload.", raw, [f.name for f in fields(WorkloadConfig)])
     choice("workload.name", raw.get("name"), WORKLOADS)
+    for key, readers in SHAPE_KEYS.items():
+        if key in raw and raw["name"] not in readers:
+            raise ConfigError(
+                f"workload.{key}", f"workload {raw['name']} never reads it (only "
+                f"{' and '.join(readers)}); leave it out"
+            )  # fmt: skip
     choice("workload.dtype", raw.get("dtype"), tuple(DTYPES))
     integer("workload.steps", raw.get("steps"), 1)
     integer("workload.seed", raw.get("seed"), 0)
