@@ -11,13 +11,15 @@ reference: the two agree within the float32 projection's rounding
 
 The kernel is built once per source, compiler and CPU, and loaded once per process
 (detectors/native_build.py); where it cannot be built (no compiler), the first failure says so
-once in the process's log and every later call runs eagerly.
+once in the process's log and every later call runs eagerly. A bucket it does not apply to is
+said once per dtype, device and layout.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,6 +30,9 @@ from detectors import native_build
 SOURCE = Path(__file__).with_name("projection.c")
 WHO = "allreduce_sketch: native projection"
 DTYPES = {torch.float32: "project_float32", torch.bfloat16: "project_bfloat16"}
+logger = logging.getLogger(__name__)
+# The kinds of bucket the kernel did not apply to that this process has said (`_kernel`).
+said: set[str] = set()
 
 
 def applies(bucket: torch.Tensor) -> bool:
@@ -36,8 +41,19 @@ def applies(bucket: torch.Tensor) -> bool:
 
 
 def _kernel(bucket: torch.Tensor) -> Callable[..., None] | None:
-    kernels = load() if bucket.device.type == "cpu" and bucket.is_contiguous() else None
-    return kernels.get(bucket.dtype) if kernels is not None else None
+    kernels = load()
+    if kernels is None:  # not built: said by the build
+        return None
+    placed = bucket.device.type == "cpu" and bucket.is_contiguous()
+    kernel = kernels.get(bucket.dtype) if placed else None
+    if kernel is None:
+        layout = "" if bucket.is_contiguous() else "non-contiguous "
+        what = f"{layout}{bucket.dtype} bucket on {bucket.device.type}"
+        if what not in said:
+            said.add(what)
+            logger.warning("%s does not apply to a %s; the eager path runs instead, with the "
+                           "same verdicts", WHO, what)  # fmt: skip
+    return kernel
 
 
 def project(bucket: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> tuple[float, float] | None:

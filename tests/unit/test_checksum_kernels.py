@@ -343,6 +343,31 @@ def test_a_kept_native_description_reads_each_call_s_own_tensors(merged: bool) -
             assert bool(not ratios[1] <= 1.0) == (case == "fault"), f"{case} {what}"
 
 
+def test_a_product_the_kernels_do_not_read_runs_eagerly_said_once(caplog) -> None:
+    """A float16 product is not the kernels' (float32 and bfloat16 on the CPU): the eager checks
+    run with the same verdicts, and the log says so once per kind of matrix, as
+    docs/configuration.md promises (it said nothing)."""
+    native_checksum.said.clear()
+    built = native_checksum.load() is not None  # if not, the build's failure said it
+    gen = torch.Generator().manual_seed(5)
+    with caplog.at_level(logging.WARNING, logger=native_checksum.__name__):
+        for dtype in (torch.float16, torch.float16):
+            left, right = _operand((6, 8), dtype, gen), _operand((8, 5), dtype, gen)
+            output = _output(left, right, None, 1.0, 1.0, dtype)
+            rounding = _rounding(dtype)
+            args = (left, right, output, None, dtype, 1.0, 1.0, False, bound_of(rounding, 8, 5),
+                    not rounding.fine, False)  # fmt: skip
+            assert native_checksum.output_figures(*args) is None
+            native, eager = Kernels("native").output(*args), EAGER.output(*args)
+            assert torch.equal(native[0], eager[0]) and bool(native[0] <= 1.0)
+    said = [r.getMessage() for r in caplog.records]
+    once = (
+        f"{native_checksum.WHO} do not read a torch.float16 matrix read as torch.float16 on cpu; "
+        "the eager checks run instead, with the same verdicts"
+    )
+    assert said == ([once] if built else []), said
+
+
 def test_a_call_whose_sizes_disagree_is_not_handed_to_the_kernel() -> None:
     """The kernels trust the sizes they are given: a Linear's weight gradient handed over the
     wrong way round (its transpose, 384 x 256 read as 256 x 384), or an output one column short

@@ -83,12 +83,24 @@ def test_nan_and_infinity_reach_both_paths_alike(dtype, special):
     assert torch.isinf(eager[1]) == torch.isinf(native[1])
 
 
-def test_a_float16_bucket_is_projected_eagerly():
-    """The kernel reads float32 and bfloat16; a float16 bucket takes the eager path, bit for bit."""
+def test_a_float16_bucket_is_projected_eagerly_said_once(caplog):
+    """The kernel reads float32 and bfloat16; a float16 bucket takes the eager path, bit for bit,
+    and the log says so once, as docs/configuration.md promises (it said nothing)."""
     x = _values(437_760, torch.float16, "")
     weights = sketch.step_weights(3, 0, x.numel())
-    assert native_projection.project(x, weights) is None
-    assert torch.equal(*_eager_and_native(x))
+    native_projection.said.clear()
+    built = native_projection.load() is not None  # if not, the build's failure said it
+    with caplog.at_level(logging.WARNING, logger=native_projection.__name__):
+        assert native_projection.project(x, weights) is None
+        assert torch.equal(*_eager_and_native(x))
+        assert torch.equal(*_eager_and_native(x[::2]))  # not contiguous: said apart
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [
+        f"{native_projection.WHO} does not apply to a {what} bucket on cpu; the eager path "
+        "runs instead, with the same verdicts"
+        for what in ("torch.float16", "non-contiguous torch.float16")
+        if built
+    ], said
 
 
 def test_weights_that_do_not_cover_the_bucket_are_refused_before_the_kernel_reads():
