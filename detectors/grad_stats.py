@@ -38,16 +38,20 @@ class GradStats(Detector):
                 above(name, getattr(self, name), 1)
 
     @classmethod
-    def check_topology(cls, config: Config, topology: Any) -> None:
-        # The median absolute deviation of two log norms is 0 (torch's median of two is the
-        # lower), so the band is min_ratio's alone; one rank is its own median.
-        world = topology.world_size
+    def configure(cls, key: str, params: dict[str, Any], topology: Any) -> Config:
+        """The median absolute deviation of two log norms is 0 (torch's median of two is the
+        lower), so the band is min_ratio's alone; one rank is its own median: a world too small
+        to read `threshold` or `min_ratio` refuses one set otherwise."""
+        config = super().configure(key, params, topology)
+        world = None if topology is None else topology.world_size
         for name, ranks in (("threshold", 3), ("min_ratio", 2)):
-            if world < ranks and getattr(config, name) != getattr(cls.Config, name):
+            default = getattr(cls.Config, name)
+            if world is not None and world < ranks and getattr(config, name) != default:
                 raise ConfigError(
-                    f"detectors.grad_stats.{name}", f"a world of {world} rank(s) never reads it "
-                    f"(it needs {ranks} or more ranks); leave it {getattr(cls.Config, name)}"
+                    f"{key}.{name}", f"a world of {world} rank(s) never reads it (it needs "
+                    f"{ranks} or more ranks); leave it {default}"
                 )  # fmt: skip
+        return config
 
     def __init__(self, config: Config, ctx: DetectorContext, log: EventLog):
         super().__init__(config, ctx, log)

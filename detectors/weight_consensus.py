@@ -75,12 +75,14 @@ class WeightConsensus(Detector):
 
     @classmethod
     def ran_every(cls, config: Config, steps: range, checkpointed: Callable[[int], bool]) -> int:
-        """Checkpoints that do not fall on its own looks leave shorter stretches unseen. With no
-        look in the run at all, its interval."""
+        """Checkpoints that do not fall on its own looks leave shorter stretches unseen. The
+        first stretch from its last own look before `steps` (a run resumed mid-interval); with
+        no look in the run at all, its interval."""
         looked = cls._looks(config, steps, checkpointed)
         if not looked:
             return config.interval
-        return max(b - a for a, b in itertools.pairwise([steps.start - 1, *looked]))
+        before = steps.start // config.interval * config.interval - 1
+        return max(b - a for a, b in itertools.pairwise([before, *looked]))
 
     @staticmethod
     def _looks(config: Config, steps: range, checkpointed: Callable[[int], bool]) -> list[int]:

@@ -243,6 +243,15 @@ CASES = [
         "detectors.grad_stats.threshold",
         "needs 3 or more ranks",
     ),
+    (
+        [
+            "topology.nodes=1",
+            "detectors=[grad_stats]",
+            "campaign.scenarios=[{site:none,checks:{grad_stats:{min_ratio:2.0}}}]",
+        ],
+        "campaign.scenarios[0].checks.grad_stats.min_ratio",
+        "needs 2 or more ranks",
+    ),
     (["workload.min_lr_ratio=0.5"], "workload.min_lr_ratio", "lr_schedule=warmup_cosine"),
     (
         ["detectors=[replay]", "detectors.replay.compare=exact", "detectors.replay.rtol=0.01"],
@@ -272,7 +281,7 @@ CASES = [
             "checkpoint.interval=5",
         ],
         "detectors.weight_consensus.interval",
-        "allowed: 5, or a checkpoint.interval that is a multiple of 50",
+        "set it to 5, or checkpoint.interval to a multiple of 50",
     ),
     (["fault=grad_bitflip", "fault.stuck_at=1"], "fault.stuck_at", "only model stuck"),
     (

@@ -30,6 +30,7 @@ from harness.analysis.plan import (
 )
 from harness.campaign import overhead
 from harness.results import schema
+from tests.conftest import compose_run
 from tests.rows import write as write_cells
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "sweep"
@@ -186,6 +187,21 @@ def test_an_overhead_below_its_floor_counts_as_the_floor_and_is_named(tmp_path):
     }
     assert result.overheads.noise == ["replay@10 1.00%", "weight_consensus@10 -2.50%"]
     assert "Timing noise: 2 overhead measurements" in plan_report.recommendation(result)
+
+
+def test_a_consensus_option_is_set_with_checkpoints_at_its_interval(tmp_path):
+    """Consensus also looks before every checkpoint, and sdc-bench refuses checkpoints that
+    would make it look more often than its interval: the overrides the plan prints for consensus
+    every 50 (sdc-bench checkpoints every 10 by default) exited 2 as printed."""
+    trials = [trial(20, 0, True, "weight_consensus", "weight_consensus=50", "weight_consensus=49")]
+    folder = write_run(tmp_path / "run", trials, [("weight_consensus", 50, 0.5, "")])
+    option = next(o for o, _ in plan(*load([folder]), HAND).ranked if o.checks)
+    printed = option.overrides()
+    assert printed == (
+        "detectors=[weight_consensus] detectors.weight_consensus.interval=50 checkpoint.interval=50"
+    )
+    run = compose_run(*printed.split())
+    assert (run.detectors["weight_consensus"].every, run.checkpoint.interval) == (50, 50)
 
 
 def test_a_check_timed_at_several_intervals_costs_its_fitted_run_over_k():

@@ -59,6 +59,8 @@ LLAMA3_SOURCE = (
     "attributed to silent data corruption (Llama Team, The Llama 3 Herd of Models, 2024, "
     "section 3.3.4, table 5)"
 )
+# The check that also looks before every checkpoint (detectors/weight_consensus.py).
+CONSENSUS = "weight_consensus"
 # Sets drawn against the interval (every single check is drawn too).
 NAMED_SETS = {
     frozenset(s)
@@ -143,9 +145,12 @@ class Option:
         return ", ".join(f"{c}={k}" for c, k in self.intervals)
 
     def overrides(self) -> str:
-        """The Hydra overrides (sdc-bench, or your training config) that set this option."""
+        """The Hydra overrides (sdc-bench, or your training config) that set this option.
+        Consensus also looks before every checkpoint: checkpoints at its interval keep its
+        looks its own (sdc-bench refuses checkpoints that would make it look more often)."""
         parts = [f"detectors=[{','.join(self.checks)}]"]
         parts += [f"detectors.{c}.interval={k}" for c, k in self.intervals]
+        parts += [f"checkpoint.interval={k}" for c, k in self.intervals if c == CONSENSUS]
         return " ".join(parts)
 
 

@@ -244,8 +244,8 @@ def _checks_in_run(
             raise ConfigError(
                 f"{key}.{name}.interval", f"{name} also looks before every checkpoint: with "
                 f"checkpoint.interval={checkpoint.interval} it looks every {every} steps of this "
-                f"{steps}-step run, not every {config.every}; allowed: {every}, or a "
-                f"checkpoint.interval that is a multiple of {config.every}"
+                f"{steps}-step run, not every {config.every}; set it to {every}, or "
+                f"checkpoint.interval to a multiple of {config.every}"
             )  # fmt: skip
 
 

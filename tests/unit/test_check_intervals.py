@@ -69,6 +69,9 @@ def test_a_resumed_run_counts_its_stretches_from_where_it_began():
     assert WeightConsensus.ran_every(config, range(100, 108), after) == 2
     assert WeightConsensus.ran_every(config, range(0, 8), {1, 3, 5, 7}.__contains__) == 2
     assert WeightConsensus.ran_every(config, range(0, 3), lambda s: False) == 4, "no look: 4"
+    # Resumed at 105 with consensus every 20: from its own look after 99 to the next after 119.
+    every_20 = WeightConsensus.Config(interval=20)
+    assert WeightConsensus.ran_every(every_20, range(105, 125), lambda s: False) == 20
 
 
 def test_a_scenario_may_give_replay_listed_steps_in_place_of_the_runs_interval():
