@@ -100,7 +100,7 @@ class Replay(Detector):
 
     @dataclass(frozen=True)
     class Config(CheckConfig):
-        alternatives = (("interval", "steps"),)
+        resets = {"steps": ("interval",), "interval": ("steps",), "compare": ("rtol",)}
         interval: int | None = None  # audit every N steps (step % N == 0; None: 5) ...
         steps: tuple[int, ...] | None = None  # ... or exactly these steps, in its place
         compare: str = "tolerant"  # exact: bit patterns (needs deterministic compute)

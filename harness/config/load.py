@@ -222,9 +222,9 @@ def scenario_checks(
         check = detectors.detector_class(name)
         merged = {**base[name].params(), **params}
         defaults = {f.name: f.default for f in fields(check.Config)}
-        for group in check.Config.alternatives:
-            if any(f in params for f in group):
-                merged.update({f: defaults[f] for f in group if f not in params})
+        for given in params:
+            reset = check.Config.resets.get(given, ())
+            merged.update({f: defaults[f] for f in reset if f not in params})
         checks[name] = check.configure(f"{key}.{name}", merged, topology)
     return checks
 

@@ -22,9 +22,10 @@ MODES = ("observe", "act")
 class CheckConfig(Settings):
     """The settings every check has; a detector's `Config` adds its own fields after `mode`."""
 
-    # Groups of fields of which one is given in place of the others (replay's interval or its
-    # listed steps): a scenario that sets one leaves the run's others unset.
-    alternatives: ClassVar[tuple[tuple[str, ...], ...]] = ()
+    # The run's settings that a scenario's own setting of a field resets to their defaults,
+    # unless it sets them too: replay's listed steps stand in place of its interval, and its
+    # comparison decides whether a tolerance is read.
+    resets: ClassVar[dict[str, tuple[str, ...]]] = {}
     mode: str = "observe"
 
     def __post_init__(self) -> None:

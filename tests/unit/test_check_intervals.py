@@ -93,3 +93,18 @@ def test_a_scenario_may_give_replay_listed_steps_in_place_of_the_runs_interval()
     both = listed.replace("{steps:[3]}", "{interval:2,steps:[3]}")
     with pytest.raises(ConfigError, match="give one of interval and steps"):
         compose_run("detectors=[replay]", f"campaign.scenarios=[{both}]")
+
+
+def test_a_scenario_that_compares_exactly_leaves_the_runs_tolerance_behind():
+    """The run's rtol is read only by a tolerant comparison: a scenario that compares exactly
+    was refused for the tolerance it inherited; one that sets its own keeps it."""
+    fault = "site:grad,model:scale,factor:10.0,ranks:[1],steps:[2]"
+    exact = f"{{{fault},checks:{{replay:{{compare:exact}}}}}}"
+    tolerant = f"{{{fault},checks:{{replay:{{compare:tolerant,rtol:0.01}}}}}}"
+    run = compose_run(
+        "detectors=[replay]",
+        "detectors.replay.rtol=0.001",
+        f"campaign.scenarios=[{exact},{tolerant}]",
+    )
+    settings = {(t.checks["replay"].compare, t.checks["replay"].rtol) for t in run.trials}
+    assert settings == {("exact", None), ("tolerant", 0.01)}
