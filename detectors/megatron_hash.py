@@ -25,6 +25,7 @@ and SHA-1 hashed there every k steps (the symbols: harness/analysis/estimates.py
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +54,10 @@ class MegatronHash(Detector):
     @dataclass(frozen=True)
     class Config(IntervalConfig):
         interval: int = 10  # steps between comparisons
+
+    @classmethod
+    def looks_in(cls, config: Config, steps: range, checkpointed: Callable[[int], bool]) -> bool:
+        return any((s + 1) % config.interval == 0 for s in steps)
 
     def on_update(self, step: int, model: nn.Module) -> None:
         if (step + 1) % self.config.interval:

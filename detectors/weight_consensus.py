@@ -84,6 +84,10 @@ class WeightConsensus(Detector):
         before = steps.start // config.interval * config.interval - 1
         return max(b - a for a, b in itertools.pairwise([before, *looked]))
 
+    @classmethod
+    def looks_in(cls, config: Config, steps: range, checkpointed: Callable[[int], bool]) -> bool:
+        return bool(cls._looks(config, steps, checkpointed))
+
     @staticmethod
     def _looks(config: Config, steps: range, checkpointed: Callable[[int], bool]) -> list[int]:
         """The steps in `steps` after which it compares the replicas: every `interval`-th, and

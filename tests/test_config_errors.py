@@ -273,6 +273,17 @@ CASES = [
         "campaign.scenarios[1].checks.replay",
         "campaign.overhead times one setting of replay",
     ),
+    # A check that never looks in the run would be recorded as running and catching nothing.
+    (
+        ["detectors=[megatron_hash]", "workload.steps=8"],
+        "detectors.megatron_hash.interval",
+        "never looks in this 8-step run (every 10 steps, its first after step 9)",
+    ),
+    (
+        ["detectors=[weight_consensus]", "workload.steps=8"],
+        "detectors.weight_consensus.interval",
+        "allowed: 1..8, or more workload.steps",
+    ),
     # Consensus also looks before every checkpoint: every 5 steps here, whatever its interval.
     (
         [

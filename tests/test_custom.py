@@ -20,6 +20,7 @@ def test_a_custom_conv_net_runs_campaigns_detectors_and_reports_unchanged(tmp_pa
     out = tmp_path / "run"
     run_ok("workload=custom", "workload.steps=8", "campaign.seeds=2", "campaign.noise_seeds=2",
            SCENARIOS, "detectors=[nan_inf,replay,allreduce_sketch,weight_consensus,grad_stats]",
+           "detectors.weight_consensus.interval=4",  # it looks after steps 3 and 7
            f"out={out}", cwd=tmp_path)  # fmt: skip
     table = rows(out)
     assert [r["workload"] for r in table] == ["custom"] * 6

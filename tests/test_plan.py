@@ -200,7 +200,7 @@ def test_a_consensus_option_is_set_with_checkpoints_at_its_interval(tmp_path):
     assert printed == (
         "detectors=[weight_consensus] detectors.weight_consensus.interval=50 checkpoint.interval=50"
     )
-    run = compose_run(*printed.split())
+    run = compose_run(*printed.split(), "workload.steps=60")  # 30 would see no look
     assert (run.detectors["weight_consensus"].every, run.checkpoint.interval) == (50, 50)
 
 

@@ -20,7 +20,11 @@ from tests.test_config_errors import refused_in_process
 GPT2 = ["workload=gpt2", "workload.steps=5", "campaign.noise_seeds=2",
         "workload.micro_batch_size=4", "workload.data.context=16",
         "workload.model.config.n_embd=64"]  # fmt: skip
-EVERY_CHECK = "detectors=[nan_inf,replay,allreduce_sketch,weight_consensus,grad_stats]"
+# Consensus every 5 steps: it looks once in the 5-step run (at its default 10 it never would).
+EVERY_CHECK = (
+    "detectors=[nan_inf,replay,allreduce_sketch,weight_consensus,grad_stats]",
+    "detectors.weight_consensus.interval=5",
+)
 EXACT_EVERY_STEP = ["detectors.replay.interval=1", "detectors.replay.compare=exact"]
 CLEAN_AND_X4 = (
     "campaign.scenarios=[{site:none},"
@@ -75,7 +79,7 @@ def test_a_plain_gpt2_with_dropout_trains_with_every_check_and_exact_replay_name
     set runs one micro-batch too, and ten clean trials each way)."""
     out = tmp_path / "run"
     run_ok(*GPT2, "workload.micro_batches=2", "campaign.seeds=2", CLEAN_AND_X4,
-           EVERY_CHECK, *EXACT_EVERY_STEP, f"out={out}", cwd=tmp_path)  # fmt: skip
+           *EVERY_CHECK, *EXACT_EVERY_STEP, f"out={out}", cwd=tmp_path)  # fmt: skip
     table = rows(out)
     clean, scaled = table[:2], table[2:]
     assert all(r["alerts"] == "0" and r["warnings"] == "" for r in clean), clean
@@ -94,7 +98,7 @@ def test_ten_clean_gpt2_trials_with_dropout_raise_no_alert_and_x4_is_named(
     """The default run's test at the acceptance count: ten clean trials, each accumulation."""
     out = tmp_path / "run"
     run_ok(*GPT2, f"workload.micro_batches={micro_batches}", "campaign.seeds=10", CLEAN_AND_X4,
-           EVERY_CHECK, *EXACT_EVERY_STEP, f"out={out}", cwd=tmp_path)  # fmt: skip
+           *EVERY_CHECK, *EXACT_EVERY_STEP, f"out={out}", cwd=tmp_path)  # fmt: skip
     table = rows(out)
     clean, scaled = table[:10], table[10:]
     assert len(clean) == 10 and all(r["alerts"] == "0" for r in clean)

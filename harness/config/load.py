@@ -238,8 +238,16 @@ def _checks_in_run(
     weight_consensus also looks before every checkpoint, and checkpoints off its own looks made
     it look more often than its interval said."""
     for name, config in checks.items():
-        detectors.detector_class(name).check_steps(f"{key}.{name}", config, steps)
-        every = detectors.detector_class(name).ran_every(config, range(steps), checkpoint.after)
+        check = detectors.detector_class(name)
+        check.check_steps(f"{key}.{name}", config, steps)
+        if not check.looks_in(config, range(steps), checkpoint.after):
+            raise ConfigError(
+                f"{key}.{name}.interval", f"{name} never looks in this {steps}-step run "
+                f"(every {config.every} steps, its first after step {config.every - 1}), so it "
+                f"would be recorded as running and catching nothing; allowed: 1..{steps}, or "
+                "more workload.steps"
+            )  # fmt: skip
+        every = check.ran_every(config, range(steps), checkpoint.after)
         if every != config.every:
             raise ConfigError(
                 f"{key}.{name}.interval", f"{name} also looks before every checkpoint: with "

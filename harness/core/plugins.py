@@ -282,6 +282,14 @@ class Detector(Plugin):
         return alarm_step
 
     @classmethod
+    def looks_in(
+        cls, config: CheckConfig, steps: range, checkpointed: Callable[[int], bool]
+    ) -> bool:
+        """Whether it looks at all in a run over `steps` (one that never does would be recorded
+        as having run and caught nothing). One that looks from the first step: always."""
+        return True
+
+    @classmethod
     def ran_every(
         cls, config: CheckConfig, steps: range, checkpointed: Callable[[int], bool]
     ) -> int | None:
