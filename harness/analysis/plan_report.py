@@ -212,7 +212,10 @@ def recommendation(result: Plan) -> str:
             "Time the checks on a quiet machine (more `campaign.overhead` steps and rounds), or "
             "on your own workload."
         )
-    return text + f"\n\nSet it with:\n\n    {option.overrides()}"
+    # sdc-bench refuses a periodic check that would never look in its run.
+    longest = max((k for _, k in option.intervals), default=None)
+    run = f" (in sdc-bench, with workload.steps of at least {longest})" if longest else ""
+    return text + f"\n\nSet it with{run}:\n\n    {option.overrides()}"
 
 
 def _drawn(result: Plan) -> list[tuple[str, ...]]:
