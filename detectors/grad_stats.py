@@ -43,10 +43,12 @@ class GradStats(Detector):
         lower), so the band is min_ratio's alone; one rank is its own median: a world too small
         to read `threshold` or `min_ratio` refuses one set otherwise."""
         config = super().configure(key, params, topology)
-        world = None if topology is None else topology.world_size
+        if topology is None:  # no world planned (the benchmarks)
+            return config
+        world = topology.world_size
         for name, ranks in (("threshold", 3), ("min_ratio", 2)):
             default = getattr(cls.Config, name)
-            if world is not None and world < ranks and getattr(config, name) != default:
+            if world < ranks and getattr(config, name) != default:
                 raise ConfigError(
                     f"{key}.{name}", f"a world of {world} rank(s) never reads it (it needs "
                     f"{ranks} or more ranks); leave it {default}"

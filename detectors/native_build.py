@@ -36,6 +36,18 @@ EAGER_INSTEAD = "native kernels not built on this machine: checked eagerly, the 
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-shared", "-fPIC")
 
 
+# What this process has said a kernel does not apply to (`say_once`).
+said: set[tuple] = set()
+
+
+def say_once(kind: tuple, message: str, *args: object) -> None:
+    """`message % args` in the log the first time this process meets `kind` (a kernel's name
+    and what it did not apply to): the eager path runs there instead, with the same verdicts."""
+    if kind not in said:
+        said.add(kind)
+        logger.warning(message, *args)
+
+
 def library(source: Path, who: str) -> ctypes.CDLL | None:
     """`source`'s kernel, built unless cached (module docstring); None if it cannot be built,
     said as `who`'s."""

@@ -22,7 +22,6 @@ from __future__ import annotations
 import array
 import ctypes
 import functools
-import logging
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -34,9 +33,6 @@ from detectors.product_bounds import F32, Bound, Kept, OperandCheck
 
 SOURCE = Path(__file__).with_name("checksum.c")
 WHO = "matmul_checksum: native checks"
-logger = logging.getLogger(__name__)
-# The kinds of matrix the kernels did not read that this process has said (`_Call.matrix`).
-said: set[str] = set()
 BF16 = torch.bfloat16
 # (the tensor's dtype, the dtype it is read as): how the kernel reads it (checksum.c's enum).
 READS = {(F32, F32): 0, (BF16, BF16): 1, (BF16, F32): 1, (F32, BF16): 2}
@@ -90,11 +86,11 @@ class _Call:
         kind = READS.get((t.dtype, read_as))
         if kind is None or t.device.type != "cpu":
             self.applies = False
-            what = f"{t.dtype} matrix read as {read_as} on {t.device.type}"
-            if what not in said:
-                said.add(what)
-                logger.warning("%s do not read a %s; the eager checks run instead, with the "
-                               "same verdicts", WHO, what)  # fmt: skip
+            native_build.say_once(
+                (WHO, t.dtype, read_as, t.device.type),
+                "%s do not read a %s matrix read as %s on %s; the eager checks run instead, "
+                "with the same verdicts", WHO, t.dtype, read_as, t.device.type,
+            )  # fmt: skip
             return
         if t.shape[:-2] != batch:
             t = t.expand(*batch, *t.shape[-2:])

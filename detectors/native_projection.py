@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -30,10 +29,6 @@ from detectors import native_build
 SOURCE = Path(__file__).with_name("projection.c")
 WHO = "allreduce_sketch: native projection"
 DTYPES = {torch.float32: "project_float32", torch.bfloat16: "project_bfloat16"}
-logger = logging.getLogger(__name__)
-# The kinds of bucket (dtype, device, contiguous) the kernel did not apply to that this process
-# has said (`_kernel`).
-said: set[tuple[torch.dtype, str, bool]] = set()
 
 
 def applies(bucket: torch.Tensor) -> bool:
@@ -48,12 +43,12 @@ def _kernel(bucket: torch.Tensor) -> Callable[..., None] | None:
     placed = bucket.device.type == "cpu" and bucket.is_contiguous()
     kernel = kernels.get(bucket.dtype) if placed else None
     if kernel is None:
-        kind = (bucket.dtype, bucket.device.type, bucket.is_contiguous())
-        if kind not in said:
-            said.add(kind)
-            layout = "" if kind[2] else "non-contiguous "
-            logger.warning("%s does not apply to a %s%s bucket on %s; the eager path runs "
-                           "instead, with the same verdicts", WHO, layout, *kind[:2])  # fmt: skip
+        layout = "" if bucket.is_contiguous() else "non-contiguous "
+        native_build.say_once(
+            (WHO, bucket.dtype, bucket.device.type, layout),
+            "%s does not apply to a %s%s bucket on %s; the eager path runs instead, with the "
+            "same verdicts", WHO, layout, bucket.dtype, bucket.device.type,
+        )  # fmt: skip
     return kernel
 
 

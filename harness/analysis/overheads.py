@@ -62,12 +62,21 @@ def load_overhead(dirs: list[Path], blank: tuple[str, ...] = ()) -> pd.DataFrame
         overhead_high_pct=("overhead_high_pct", "first"),
         runs=("overhead_pct", "size"),
     )
-    # Rounds spread over one run's noise; several runs (a sweep's jobs, which may differ in
-    # more than these columns) spread over their differences too, which no round measures.
-    several = merged["runs"] > 1
-    merged.loc[several, ["overhead_low_pct", "overhead_high_pct"]] = math.nan
+    # Several runs (a sweep's jobs, which may differ in more than these columns) spread over
+    # their differences too, which no round measures.
+    without_pooled_rounds(merged, merged["runs"])
     merged["steps"] = pd.to_numeric(merged["interval"].replace("", math.nan))
     return merged.sort_values([*RAN_ON, "detector", "steps"], ignore_index=True)
+
+
+# A check's lowest and highest timed round in one run (overhead.csv).
+ROUNDS = ["overhead_low_pct", "overhead_high_pct"]
+
+
+def without_pooled_rounds(table: pd.DataFrame, pooled: pd.Series) -> None:
+    """Blank, in place, the rounds of the rows that pool `pooled` > 1 rows: one run's rounds
+    spread over its own noise, not around a median over others."""
+    table.loc[pooled > 1, ROUNDS] = math.nan
 
 
 def _ran_on(top: Path, folder: Path) -> dict[str, str]:

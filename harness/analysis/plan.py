@@ -33,7 +33,13 @@ import pandas as pd
 from harness.analysis.estimates import FORMULAS, JobShape
 from harness.analysis.intervals import pairs
 from harness.analysis.mix import conflicts, covered, kish, trial_weights, weighed
-from harness.analysis.overheads import load_overhead, ran_label, ran_on
+from harness.analysis.overheads import (
+    ROUNDS,
+    load_overhead,
+    ran_label,
+    ran_on,
+    without_pooled_rounds,
+)
 from harness.analysis.tables import (
     PUBLISHED,
     Counts,
@@ -294,8 +300,7 @@ def overheads(table: pd.DataFrame) -> Overheads:
     rounds: dict[tuple[str, str], tuple[float, float]] = {}
     hook_rounds = None
     for detector, rows in table.groupby("detector"):
-        spread = ("overhead_low_pct", "overhead_high_pct")
-        timed_rounds = bool(rows[list(spread)].notna().all(axis=None))
+        timed_rounds = bool(rows[ROUNDS].notna().all(axis=None))
         if detector == HOOK:
             measured = rows["overhead_vs_ddp_pct"].dropna()
             if len(measured):
@@ -303,24 +308,24 @@ def overheads(table: pd.DataFrame) -> Overheads:
                 if measured.median() < 0:
                     noise.append(f"hook vs plain DDP {measured.median():.2f}%")
                 if timed_rounds and len(rows) == 1:
-                    low, high = rows[list(spread)].iloc[0]
+                    low, high = rows[ROUNDS].iloc[0]
                     hook_rounds = (max(0.0, low), max(0.0, high))
             continue
         timed = rows[rows["steps"].notna()]
         fits = {}
         if timed["steps"].nunique() > 1:
             ks = timed["steps"].astype(int).tolist()
-            fits = {c: amortized(ks, timed[c].tolist()) for c in ("overhead_pct", *spread)}
+            fits = {c: amortized(ks, timed[c].tolist()) for c in ("overhead_pct", *ROUNDS)}
             per_run[detector] = fits["overhead_pct"]
         for r in rows.itertuples(index=False):
             least = 0.0 if math.isnan(r.floor_pct) else max(0.0, r.floor_pct)
             share = {
                 c: max(least, fits[c] / r.steps if fits else getattr(r, c))
-                for c in ("overhead_pct", *spread)
+                for c in ("overhead_pct", *ROUNDS)
             }
             at[(detector, r.interval)] = share["overhead_pct"]
             if timed_rounds:
-                rounds[(detector, r.interval)] = (share[spread[0]], share[spread[1]])
+                rounds[(detector, r.interval)] = (share[ROUNDS[0]], share[ROUNDS[1]])
             if r.overhead_pct < least:
                 noise.append(f"{r.detector}@{r.interval or '-'} {r.overhead_pct:.2f}%")
     return Overheads(at, per_run, noise, hook, rounds=rounds, hook_rounds=hook_rounds)
@@ -448,7 +453,7 @@ def over_dtypes(table: pd.DataFrame) -> pd.DataFrame:
         rows=("detector", "size"),
         steps=("steps", "first"),
     )
-    pooled.loc[pooled["rows"] > 1, ["overhead_low_pct", "overhead_high_pct"]] = math.nan
+    without_pooled_rounds(pooled, pooled["rows"])
     return pooled.drop(columns="rows").sort_values(["detector", "steps"], ignore_index=True)
 
 

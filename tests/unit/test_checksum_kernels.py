@@ -20,7 +20,7 @@ import torch._inductor.config
 import torch.nn.functional as F
 
 from benchmarks.common import detector
-from detectors import checksum_kernels, native_checksum
+from detectors import checksum_kernels, native_build, native_checksum
 from detectors.checksum_kernels import Kernels
 from detectors.native_build import EAGER_INSTEAD
 from detectors.product_bounds import (
@@ -347,10 +347,10 @@ def test_a_product_the_kernels_do_not_read_runs_eagerly_said_once(caplog) -> Non
     """A float16 product is not the kernels' (float32 and bfloat16 on the CPU): the eager checks
     run with the same verdicts, and the log says so once per kind of matrix, as
     docs/configuration.md promises (it said nothing)."""
-    native_checksum.said.clear()
+    native_build.said.clear()
     built = native_checksum.load() is not None  # if not, the build's failure said it
     gen = torch.Generator().manual_seed(5)
-    with caplog.at_level(logging.WARNING, logger=native_checksum.__name__):
+    with caplog.at_level(logging.WARNING, logger=native_build.__name__):
         for dtype in (torch.float16, torch.float16):
             left, right = _operand((6, 8), dtype, gen), _operand((8, 5), dtype, gen)
             output = _output(left, right, None, 1.0, 1.0, dtype)

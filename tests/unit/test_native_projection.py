@@ -18,7 +18,7 @@ from torch import nn
 from benchmarks.common import bucket, detector
 from benchmarks.kernels import sketch_work
 from detectors import allreduce_sketch as sketch
-from detectors import native_projection
+from detectors import native_build, native_projection
 from detectors.native_build import EAGER_INSTEAD
 from harness.core.events import CheckWarning
 from harness.core.plugins import Bucket, DetectorContext, EventLog, RankInfo
@@ -88,9 +88,9 @@ def test_a_float16_bucket_is_projected_eagerly_said_once(caplog):
     and the log says so once, as docs/configuration.md promises (it said nothing)."""
     x = _values(437_760, torch.float16, "")
     weights = sketch.step_weights(3, 0, x.numel())
-    native_projection.said.clear()
+    native_build.said.clear()
     built = native_projection.load() is not None  # if not, the build's failure said it
-    with caplog.at_level(logging.WARNING, logger=native_projection.__name__):
+    with caplog.at_level(logging.WARNING, logger=native_build.__name__):
         assert native_projection.project(x, weights) is None
         assert torch.equal(*_eager_and_native(x))
         assert torch.equal(*_eager_and_native(x[::2]))  # not contiguous: said apart
