@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.hooks import RemovableHandle
 
 from harness.config.schema import RunConfig, TrialSpec
 from harness.core import inflight
@@ -171,6 +172,7 @@ class _Rank:
     bus: PluginBus
     built: list[Detector]
     state: HookState
+    hooks: list[RemovableHandle]  # the plug-ins' forward hooks on the model
     acting: bool
     result: RankResult
     stop_point: StopPoint
@@ -216,7 +218,7 @@ def _set_up(run: RunConfig, spec: TrialSpec, info: RankInfo, store: Path) -> _Ra
     return _Rank(
         run=run, spec=spec, info=info, workload=workload, model=model, trained=trained,
         optimizer=optimizer, shards=shards, log=log, ctx=ctx, bus=rank.bus, built=rank.checks,
-        state=rank.state, acting=acting, result=result, first_step=first_step,
+        state=rank.state, hooks=rank.hooks, acting=acting, result=result, first_step=first_step,
         stop_point=StopPoint(rank.bus, acting, result, rank.state, log, info),
     )  # fmt: skip
 
@@ -308,8 +310,19 @@ def _finished(rank: _Rank, losses: list[torch.Tensor]) -> RankResult:
         for t in state.values()
         if torch.is_tensor(t) and t.is_floating_point()
     )
+    _detach(rank)
     result.final_loss = rank.workload.eval_loss(model)
     return result
+
+
+def _detach(rank: _Rank) -> None:
+    """The plug-ins off the model: the final evaluation measures the weights the trial left, so
+    no fault strikes it (a broken unit is due at every forward from its step on) and no check
+    reads it."""
+    for handle in rank.hooks:
+        handle.remove()
+    if rank.shards is not None:
+        rank.shards.bind(PluginBus([], device=rank.info.device))
 
 
 def _sharded(model: nn.Module, run: RunConfig, info: RankInfo, sites: bool) -> "ShardedBuckets":
