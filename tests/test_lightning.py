@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -25,7 +26,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from harness.errors import ConfigError
 from harness.guard import EXIT_SUSPECT_HARDWARE
 from harness.integrations.lightning import SDCGuard
-from tests.conftest import example_ranks, one_forked_rank
+from tests.conftest import example_ranks, forked_ranks, one_forked_rank
 
 EXAMPLE = Path(__file__).parents[1] / "examples" / "train_lightning.py"
 RANKS = 4
@@ -194,6 +195,53 @@ def test_after_an_alarm_the_guard_refuses_a_new_fit_and_a_new_guard_takes_the_sa
     assert third is None, third
     assert written == [(2, "step=3.ckpt"), (3, "step=4.ckpt")]
     assert files == [*before, "step=3.ckpt", "step=4.ckpt"], files
+
+
+def _observed_fit(rank: int, port: int, folder: str, results) -> None:
+    """One of three DDP ranks, observe mode, weight consensus before each checkpoint and
+    ModelCheckpoint's default rotation (save_top_k=1: each save removes the one before), x3 on
+    rank 1's largest weight after step 2: the checkpoints' folder after the fit, and the steps
+    consensus alerted at."""
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="3", LOCAL_WORLD_SIZE="3",
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_RUN_ID="forked",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    inject = {"site": "weight", "model": "scale", "factor": 3.0, "ranks": [1], "steps": [2],
+              "select": "largest"}  # fmt: skip
+    guard = SDCGuard({"weight_consensus": {"interval": 100}}, mode="observe", inject=inject)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=3, strategy="ddp", max_steps=5, logger=False,
+        enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[guard, ModelCheckpoint(folder, "{step}", every_n_train_steps=1)],
+    )  # fmt: skip
+    data = torch.utils.data.TensorDataset(torch.randn(32, 4))
+    try:
+        trainer.fit(Tiny(), torch.utils.data.DataLoader(data, batch_size=2))
+    except Exception as error:  # said at once, not after the test's wait
+        results.put((rank, repr(error), []))
+        raise
+    results.put((rank, sorted(os.listdir(folder)), sorted({a.step for a in guard.guard.alerts})))
+
+
+def test_in_observe_mode_a_refused_save_leaves_the_checkpoint_it_was_to_replace(tmp_path):
+    """ModelCheckpoint removes the checkpoint a save replaces whether or not the save was
+    written: the refused saves of steps 2 to 4 removed step 1's, the last approved one, and
+    left the folder empty."""
+    ctx = forked_ranks(tmp_path)
+    results = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    folder = str(tmp_path / "checkpoints")
+    procs = [ctx.Process(target=_observed_fit, args=(r, port, folder, results)) for r in range(3)]
+    for proc in procs:
+        proc.start()
+    found = sorted(results.get(timeout=120) for _ in procs)
+    for proc in procs:
+        proc.join(timeout=30)
+    # Lightning names a checkpoint by the steps done: step=2.ckpt is step 1's.
+    assert found == [(r, ["step=2.ckpt"], [2, 3, 4]) for r in range(3)], found
 
 
 @pytest.mark.parametrize(

@@ -28,7 +28,10 @@ hooks:
 - `on_train_batch_end` after an optimizer step: `after_step`, the checks on the updated weights.
 - Checkpoints: the strategy's `save_checkpoint` is gated (every rank calls it for each
   `ModelCheckpoint` save): the checks that approve a checkpoint run first, and a checkpoint they
-  do not approve, or any after an alarm, is not written.
+  do not approve, or any after an alarm, is not written. Its `remove_checkpoint` is gated too:
+  `ModelCheckpoint` removes the checkpoint a save replaces (`save_top_k`, `save_last`) whether
+  or not the save was written, so while the latest save was refused nothing is removed, and a
+  job in observe mode keeps its last approved checkpoint.
 
 An alarm in act mode raises `SDCAlarm` out of `trainer.fit` on every rank; the script ends with
 `sys.exit(alarm.exit_code)` (86: suspect hardware, 87: not attributed), and the checkpoints
@@ -59,9 +62,11 @@ from harness.guard.selection import Chosen
 
 # Precisions whose backward sees the loss itself: float16's GradScaler multiplies it by a scale
 # that changes between steps and overflows on purpose (an inf gradient that is not corruption).
+# Float16 without it (16-true) has not been tried under the callback.
 PRECISIONS = ("32-true", "64-true", "bf16-mixed", "bf16-true")
-# The gates SDCGuards put on strategies' save_checkpoint (_gated_save).
+# The gates SDCGuards put on strategies' save_checkpoint and remove_checkpoint.
 _GATES: weakref.WeakSet[Callable] = weakref.WeakSet()
+GATED = ("save_checkpoint", "remove_checkpoint")
 
 
 class SDCGuard(pl.Callback):
@@ -89,6 +94,7 @@ class SDCGuard(pl.Callback):
         self._module: pl.LightningModule | None = None
         self._strategy: pl.strategies.Strategy | None = None
         self._stepped = 0
+        self._refused = False  # the latest save was not written
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.guard is not None and self.guard.alarm is not None:
@@ -119,7 +125,10 @@ class SDCGuard(pl.Callback):
         self._stepped = trainer.global_step
         self._module, self._strategy = pl_module, trainer.strategy
         pl_module.training_step = self._guarded_step(pl_module.training_step)
-        trainer.strategy.save_checkpoint = self._gated_save(_ungated(trainer.strategy))
+        trainer.strategy.save_checkpoint = self._gated_save(_ungated(trainer.strategy, GATED[0]))
+        trainer.strategy.remove_checkpoint = self._gated_remove(
+            _ungated(trainer.strategy, GATED[1])
+        )
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
@@ -169,17 +178,34 @@ class SDCGuard(pl.Callback):
         @functools.wraps(save)
         def gated(checkpoint: dict[str, Any], filepath: str | Path, *args: Any, **kw: Any) -> None:
             guard = self._attached()
+            self._refused = True
             if guard.alarm is not None:
                 rank_zero_warn(f"SDCGuard: not saving {filepath} after an alarm: {guard.alarm}")
                 return
             if guard.closed:
                 save(checkpoint, filepath, *args, **kw)
+                self._refused = False
                 return
             if not guard.before_checkpoint():
                 rank_zero_warn(f"SDCGuard: not saving {filepath}: the checks did not approve it")
                 return
             save(checkpoint, filepath, *args, **kw)
+            self._refused = False
             guard.checkpoint_written(filepath)
+
+        _GATES.add(gated)
+        return gated
+
+    def _gated_remove(self, remove: Callable) -> Callable:
+        """The strategy's remove_checkpoint, run only where the latest save was written: the
+        checkpoint ModelCheckpoint removes is the one that save was to replace."""
+
+        @functools.wraps(remove)
+        def gated(filepath: str | Path, *args: Any, **kw: Any) -> None:
+            if self._refused:
+                rank_zero_warn(f"SDCGuard: keeping {filepath}: the save to replace it was refused")
+                return
+            remove(filepath, *args, **kw)
 
         _GATES.add(gated)
         return gated
@@ -192,17 +218,18 @@ class SDCGuard(pl.Callback):
         # be written.
         alarmed = self.guard is not None and self.guard.alarm is not None
         if self._strategy is not None and not alarmed:
-            vars(self._strategy).pop("save_checkpoint", None)
+            for name in GATED:
+                vars(self._strategy).pop(name, None)
         if self.guard is not None:
             self.guard.close()
 
 
-def _ungated(strategy: pl.strategies.Strategy) -> Callable:
-    """The strategy's save_checkpoint without the gate an alarmed SDCGuard left on it: a new
+def _ungated(strategy: pl.strategies.Strategy, name: str) -> Callable:
+    """The strategy's method `name` without the gate an alarmed SDCGuard left on it: a new
     guard in its place decides the saves alone (under both gates the alarmed one refused every
     checkpoint the new one approved)."""
-    save = strategy.save_checkpoint
-    return save.__wrapped__ if save in _GATES else save
+    method = getattr(strategy, name)
+    return method.__wrapped__ if method in _GATES else method
 
 
 def _refuse_accumulation(trainer: pl.Trainer) -> None:
@@ -237,7 +264,8 @@ def _refuse_unservable(trainer: pl.Trainer, pl_module: pl.LightningModule) -> No
     if trainer.precision not in PRECISIONS:
         raise ValueError(
             f"precision: {', '.join(PRECISIONS)} are allowed; got '{trainer.precision}' "
-            "(float16's loss scaling overflows to inf on purpose)"
+            "(16-mixed's loss scaling overflows to inf on purpose; 16-true, float16 without "
+            "it, is not guarded yet)"
         )
     if not pl_module.automatic_optimization:
         raise ValueError(
