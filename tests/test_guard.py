@@ -369,16 +369,17 @@ def _trainer_checkpoints_rank(rank: int, store: str, folder: str, results) -> No
 
 def test_a_trainers_own_checkpoints_of_the_suspect_interval_are_set_aside(tmp_path):
     """Without a folder of the guard's, the checkpoints the trainer wrote after the last step the
-    checks vouch for are renamed *.suspect, and quarantine.json is written beside them (they
-    were left as they were: a resume from "last" took weights the alarm had put in doubt)."""
+    checks vouch for are moved into suspect/ beside them, and quarantine.json is written there
+    too (they were left as they were: a resume from "last" took weights the alarm had put in
+    doubt)."""
     folder = tmp_path / "checkpoints"
     folder.mkdir()
     got = _forked_world(tmp_path, _trainer_checkpoints_rank, str(folder))
     # Replay vouched for step 0; the fault's step 3 is where it looked next.
     assert got == {rank: (3, 1) for rank in range(FROZEN_WORLD)}, got
     names = sorted(p.name for p in folder.iterdir())
-    assert names == ["quarantine.json", "step=0.ckpt", "step=1.ckpt.suspect",
-                     "step=2.ckpt.suspect"], names  # fmt: skip
+    assert names == ["quarantine.json", "step=0.ckpt", "suspect"], names
+    assert sorted(p.name for p in (folder / "suspect").iterdir()) == ["step=1.ckpt", "step=2.ckpt"]
     record = json.loads((folder / "quarantine.json").read_text())
     assert record["set_aside"] == ["step=1.ckpt", "step=2.ckpt"]
     assert record["first_suspect_step"] == 1 and record["suspect_ranks"] == [1]

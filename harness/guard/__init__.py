@@ -42,7 +42,8 @@ A forward that does not reproduce even so (a non-deterministic op) is reported a
 
 Recovery (act mode, `checkpoints=FOLDER`): an alarm writes FOLDER/quarantine.json (suspect
 machines, ranks, step, first suspect step, detector, evidence, exit code), sets aside the
-checkpoints of the suspect interval (renamed `*.suspect`), and `save` refuses from then on.
+checkpoints of the suspect interval (moved into `suspect/` beside them), and `save` refuses
+from then on.
 EXIT_SUSPECT_HARDWARE (86) when the alarm names machines (restart without them),
 EXIT_UNATTRIBUTED (87) when it names none or all of them. On restart, `Guard.restore_point(FOLDER)`
 gives the newest checkpoint the checks approved before the suspect interval

@@ -18,6 +18,8 @@ MEANING = {
     EXIT_UNATTRIBUTED: "could not attribute: restart from the restore point, on any machines",
 }
 QUARANTINE = "quarantine.json"
+# Where the checkpoints of a suspect interval go, beside them.
+SUSPECT = "suspect"
 
 
 class SDCAlarm(RuntimeError):
@@ -63,12 +65,20 @@ class SDCAlarm(RuntimeError):
 
 def quarantine(folder: Path, alarm: SDCAlarm, written: list[tuple[int, Path]]) -> None:
     """quarantine.json for the scheduler, and the suspect interval's checkpoints set aside: the
-    guard's own in `folder`, and those a trainer wrote elsewhere (`written`: step, path)."""
+    guard's own in `folder`, and those a trainer wrote elsewhere (`written`: step, path), each
+    moved into `SUSPECT` beside it with its checksum, under its own name. Moved, not renamed in
+    place: a trainer's rotation matches its checkpoints by their names' prefix (the HF
+    Trainer's `checkpoint-*`) and would count a renamed one among them, and delete it or keep
+    it in place of one the checks vouch for."""
     folder.mkdir(parents=True, exist_ok=True)
     set_aside = []
     for step, path in [*checkpoint.saved(folder), *written]:
         if step >= alarm.first_suspect_step and path.exists():
-            path.rename(path.with_name(path.name + ".suspect"))
+            aside = path.parent / SUSPECT
+            aside.mkdir(exist_ok=True)
+            for part in (path, path.with_name(path.name + ".sha256")):
+                if part.exists():
+                    part.rename(aside / part.name)
             set_aside.append(path.name)
     record = dict(alarm.record(), set_aside=set_aside)
     tmp = folder / f".{QUARANTINE}.tmp"

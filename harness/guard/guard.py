@@ -226,7 +226,7 @@ class Guard:
 
     def checkpoint_written(self, path: str | Path) -> None:
         """A checkpoint of the step just finished that the loop's trainer wrote itself, once
-        `before_checkpoint` approved it: an alarm sets it aside (`*.suspect`) with the guard's
+        `before_checkpoint` approved it: an alarm sets it aside (into `suspect/`) with the guard's
         own when it falls in the suspect interval."""
         self.written.append((self.step - 1, Path(path)))
 

@@ -35,7 +35,7 @@ hooks:
 
 An alarm in act mode raises `SDCAlarm` out of `trainer.fit` on every rank; the script ends with
 `sys.exit(alarm.exit_code)` (86: suspect hardware, 87: not attributed), and the checkpoints
-written from the first suspect step on are set aside (`*.suspect`), listed in quarantine.json
+written from the first suspect step on are set aside (into `suspect/`), listed in quarantine.json
 (in `checkpoints`, else beside them). The gate stays on the strategy: nothing the Trainer saves
 afterwards is written, and the callback refuses a new fit (RuntimeError naming the alarm). A new
 SDCGuard in its place takes the gate off and puts its own on.

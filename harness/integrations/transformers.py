@@ -35,9 +35,10 @@ events (transformers/trainer.py, `_inner_training_loop` and `_run_epoch`):
 An alarm in act mode raises `SDCAlarm` out of `trainer.train()` on every rank, before anything
 of that step is saved; the script ends with `sys.exit(alarm.exit_code)` (86: suspect hardware,
 87: not attributed). `checkpoints` (default: the Trainer's `output_dir`) receives
-quarantine.json, and the Trainer's `checkpoint-N` folders of the suspect interval are renamed
-`*.suspect`, so `trainer.train(resume_from_checkpoint=True)` resumes from one the checks vouch
-for. Put the callback after any callback of yours that sets `control.should_save`.
+quarantine.json, and the Trainer's `checkpoint-N` folders of the suspect interval are moved
+into `suspect/` beside them, out of the sight of its rotation (`save_total_limit`), so
+`trainer.train(resume_from_checkpoint=True)` resumes from one the checks vouch for. Put the
+callback after any callback of yours that sets `control.should_save`.
 """
 
 from __future__ import annotations
