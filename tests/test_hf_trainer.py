@@ -235,3 +235,23 @@ def test_a_wrong_mode_or_check_name_is_refused_where_the_callback_is_written():
         SDCGuardCallback(mode="fix")
     with pytest.raises(ValueError, match="detectors: 'replays' is not allowed; allowed: "):
         SDCGuardCallback(detectors=["nan_inf", "replays"])
+
+
+class PlainOutput(torch.nn.Module):
+    """A model the Trainer trains that returns a plain dict, not a ModelOutput."""
+
+    def __init__(self):
+        super().__init__()
+        self.line = torch.nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"loss": (self.line(x).squeeze(-1) - labels).square().mean()}
+
+
+def test_replay_recomputes_the_loss_of_a_model_that_returns_a_plain_dict():
+    """As the fit's forward hook reads it: a mapping with "loss" (replay read `.loss`, and every
+    rank raised AttributeError at the first audit)."""
+    model = PlainOutput()
+    batch = {"x": torch.randn(3, 4), "labels": torch.randn(3)}
+    replayed = SDCGuardCallback()._replay(model, batch)
+    assert torch.equal(replayed, model(**batch)["loss"])

@@ -216,7 +216,7 @@ class SDCGuardCallback(transformers.TrainerCallback):
         autocast is in the model's forward), without the hooks that keep and check the fit's."""
         self._replaying = True
         try:
-            return model(**batch).loss
+            return model(**batch)["loss"]  # a ModelOutput or a plain mapping, as in the fit
         finally:
             self._replaying = False
 
