@@ -113,6 +113,21 @@ CASES = [
     ),
     (["campaign.fast_forward=sometimes"], "campaign.fast_forward", "allowed: true, false"),
     (["fault=grad_scale", "fault.ber=0.001"], "fault.ber", "needs model bitflip"),
+    (
+        ["fault.site=matmul", "fault.model=bitflip", "fault.bit=null", "fault.ber=0.01"],
+        "fault.ber",
+        "site matmul strikes one product's elements",
+    ),
+    (
+        [
+            "fault.site=matmul",
+            "fault.model=bitflip",
+            "fault.product=9",
+            "fault.schedule=[{step:3,rank:1,tensor:fc1,index:5,bit:30}]",
+        ],
+        "fault.product",
+        "9 is never reached: 'fc1' makes 1 product",
+    ),  # fmt: skip
     (["fault=grad_bitflip", "fault.select=smallest"], "fault.select", "allowed: random, largest"),
     (["fault=grad_scale", "fault.select=largest", "fault.index=3"], "fault.index", "picks the"),
     (

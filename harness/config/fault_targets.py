@@ -50,6 +50,8 @@ def check_target(
             message = f"{entry['index']} is out of range; allowed: 0..{size - 1}"
             raise ConfigError(f"{at}.index", message)
     if fault.schedule:
+        if fault.site == "matmul" and forward is not None:
+            _reaches_product(key, fault, [entry["tensor"] for entry in fault.schedule], forward)
         return
     matched = sites.matching(fault, model, forward)
     if not matched:

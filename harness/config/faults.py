@@ -160,6 +160,13 @@ def fault_config(
     _parallel_fault(key, values, site, topology)
     if values["ber"] is not None and model != "bitflip":
         raise ConfigError(f"{key}.ber", "a bit error rate needs model bitflip")
+    if values["ber"] is not None and site == "matmul":
+        # A matmul fault strikes one module's product, drawn with the elements: a rate draws
+        # none, and no product would ever be struck.
+        raise ConfigError(
+            f"{key}.ber", "site matmul strikes one product's elements; leave it unset (allowed "
+            "there: elements, index, select, or model defective_unit for a unit's rate)"
+        )  # fmt: skip
     _shape(key, values, site, model)
     broken_reduction = (
         values["scope"] == "reduction" and not injectors.model_class(model).contribution
