@@ -113,6 +113,38 @@ CASES = [
     ),
     (["campaign.fast_forward=sometimes"], "campaign.fast_forward", "allowed: true, false"),
     (["fault=grad_scale", "fault.ber=0.001"], "fault.ber", "needs model bitflip"),
+    # Past what the forward trace saw the fault's target make: the rank raised IndexError, and
+    # the trial was recorded as a crash; a unit's lane past every product never struck.
+    (
+        [
+            "fault.site=matmul",
+            "fault.model=bitflip",
+            "fault.phase=backward",
+            "fault.schedule=[{step:3,rank:1,tensor:fc1,index:16384,bit:30}]",
+        ],
+        "fault.schedule[0].index",
+        "16384 is out of range: the product's second operand struck in 'fc1' has 16384",
+    ),
+    (
+        [
+            "fault.site=activation",
+            "fault.model=bitflip",
+            "fault.schedule=[{step:3,rank:1,tensor:fc1,index:999999999,bit:30}]",
+        ],
+        "fault.schedule[0].index",
+        "the output struck in 'fc1' has 8192 elements; allowed: 0..8191",
+    ),
+    (
+        [
+            "fault.site=matmul",
+            "fault.model=defective_unit",
+            "fault.persistence=permanent",
+            "fault.lanes=1024",
+            "fault.lane=1000",
+        ],
+        "fault.lane",
+        "1000 is past every product '*' names, the widest 256 columns",
+    ),
     (
         ["fault.site=matmul", "fault.model=bitflip", "fault.bit=null", "fault.ber=0.01"],
         "fault.ber",

@@ -50,8 +50,13 @@ def check_target(
             message = f"{entry['index']} is out of range; allowed: 0..{size - 1}"
             raise ConfigError(f"{at}.index", message)
     if fault.schedule:
-        if fault.site == "matmul" and forward is not None:
-            _reaches_product(key, fault, [entry["tensor"] for entry in fault.schedule], forward)
+        if fault.site in sites.MODULE_SITES and forward is not None:
+            named = [entry["tensor"] for entry in fault.schedule]
+            if fault.site == "matmul":
+                _reaches_product(key, fault, named, forward)
+            for i, entry in enumerate(fault.schedule):
+                _within(f"{key}.schedule[{i}].index", fault, entry["tensor"], entry["index"],
+                        forward)  # fmt: skip
         return
     matched = sites.matching(fault, model, forward)
     if not matched:
@@ -62,6 +67,8 @@ def check_target(
         _reaches_product(key, fault, [name for name, _ in matched], forward)
     if fault.site in sites.MODULE_SITES and forward is not None:
         targets = [name for name, _ in matched]
+        if fault.model == "defective_unit":
+            _lane_in_a_product(key, fault, targets, forward)
         if isinstance(fault.bit, int):
             _bit_in_struck_dtype(key, fault, targets, forward)
         if fault.factor is not None and "scale" in (fault.model, fault.burst_model):
@@ -93,6 +100,37 @@ def check_bucket(key: str, fault: FaultConfig, model: torch.nn.Module) -> None:
         raise ConfigError(
             f"{key}.tensor", f"'{fault.tensor}' matches nothing in bucket {fault.bucket}; "
             f"allowed: {', '.join(held)}"
+        )  # fmt: skip
+
+
+def _within(key: str, fault: FaultConfig, name: str, index: int, forward: ForwardModules) -> None:
+    """A schedule's element `index` within what it strikes in module `name`: its output
+    (activation), or its product's output or, in backward, the second operand's gradient
+    (matmul). Past it, the rank raised IndexError, recorded as a crash."""
+    if fault.site == "activation":
+        what, size = "output", forward.output_sizes.get(name, 0)
+    else:
+        backward = fault.phase == "backward"
+        what = "product's second operand" if backward else "product"
+        found = forward.operand_sizes if backward else forward.product_sizes
+        size = found[name][fault.product - 1]
+    if index >= size:
+        raise ConfigError(
+            key, f"{index} is out of range: the {what} struck in '{name}' has {size} elements; "
+            f"allowed: 0..{size - 1}"
+        )  # fmt: skip
+
+
+def _lane_in_a_product(
+    key: str, fault: FaultConfig, targets: list[str], forward: ForwardModules
+) -> None:
+    """A defective unit's lane (columns j % lanes == lane) within some product it strikes."""
+    lane = fault.settings.lane
+    widest = max(forward.widths[n] for n in targets)
+    if lane >= widest:
+        raise ConfigError(
+            f"{key}.lane", f"{lane} is past every product '{fault.tensor}' names, the widest "
+            f"{widest} columns: the unit could never strike; allowed: 0..{widest - 1}"
         )  # fmt: skip
 
 

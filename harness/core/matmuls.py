@@ -170,6 +170,13 @@ class ForwardModules:
     # the products its forward makes (matmul). Under autocast, 16-bit where the weights are not.
     outputs: dict[str, tuple[str, ...]]  # dtype names ("bfloat16"): the record is JSON
     made: dict[str, tuple[str, ...]]
+    # How many elements a fault can strike there (the fewest over a module's runs): its output,
+    # and by K (1-based, as `fault.product` counts) the K-th product's output and the second
+    # operand whose gradient a backward fault corrupts.
+    output_sizes: dict[str, int]
+    product_sizes: dict[str, tuple[int, ...]]
+    operand_sizes: dict[str, tuple[int, ...]]
+    widths: dict[str, int]  # the widest product's columns (a convolution's: its channels)
 
 
 def _never(_stack: tuple[str, ...]) -> bool:
@@ -198,6 +205,10 @@ class Watch(TorchFunctionMode):
         self.most: dict[str, int] = {}
         self.outputs: dict[str, set[torch.dtype]] = {}  # traced: each module's output dtypes
         self.made: dict[str, set[torch.dtype]] = {}  # traced: its products' dtypes
+        self.output_sizes: dict[str, int] = {}  # traced: ForwardModules's
+        self.product_sizes: dict[str, dict[int, int]] = {}
+        self.operand_sizes: dict[str, dict[int, int]] = {}
+        self.widths: dict[str, int] = {}
         self.depth = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -221,10 +232,25 @@ class Watch(TorchFunctionMode):
         for name in stack if self.traces else ():
             self.counts[name] += 1
             self.most[name] = max(self.most.get(name, 0), self.counts[name])
-        output = self.on_call(MatmulCall(func, args, kwargs, stack, role))
-        for name in stack if self.traces and isinstance(output, torch.Tensor) else ():
-            self.made.setdefault(name, set()).add(output.dtype)
+        call = MatmulCall(func, args, kwargs, stack, role)
+        output = self.on_call(call)
+        if self.traces and isinstance(output, torch.Tensor):
+            self._sized(call, output)
         return output
+
+    def _sized(self, call: MatmulCall, output: torch.Tensor) -> None:
+        """A traced product's dtype, sizes and width, for every running module."""
+        operand = call.args[call.second] if len(call.args) > call.second else None
+        operand_size = operand.numel() if isinstance(operand, torch.Tensor) else 0
+        width = output.shape[1 if call.func in CONVOLUTIONS else -1] if output.dim() else 1
+        for name in call.stack:
+            k = self.counts[name]
+            self.made.setdefault(name, set()).add(output.dtype)
+            for sizes, size in ((self.product_sizes, output.numel()),
+                                (self.operand_sizes, operand_size)):  # fmt: skip
+                by_product = sizes.setdefault(name, {})
+                by_product[k] = min(by_product.get(k, size), size)
+            self.widths[name] = max(self.widths.get(name, 0), width)
 
     def install(self, model: nn.Module) -> list[Any]:
         """Hooks that keep `stack` and open the mode for the root's forward; their handles."""
@@ -249,6 +275,8 @@ class Watch(TorchFunctionMode):
         name = self.stack.pop()
         if self.traces and isinstance(output, torch.Tensor) and output.is_floating_point():
             self.outputs.setdefault(name, set()).add(output.dtype)
+            self.output_sizes[name] = min(self.output_sizes.get(name, output.numel()),
+                                          output.numel())  # fmt: skip
 
     # A forward that calls the root again from inside (none known) opens the mode once.
     def _open(self, _module, _inputs):
@@ -283,8 +311,14 @@ def traced(model: nn.Module, forward: Callable[[], Any]) -> ForwardModules:
     with watching(model, Watch(MatmulCall.compute, expands=lambda _: True, traces=True)) as watch:
         forward()
     ran = tuple(watch.ran)
+
+    def by_k(sizes: dict[str, dict[int, int]]) -> dict[str, tuple[int, ...]]:
+        return {n: tuple(found[k] for k in sorted(found)) for n, found in sizes.items()}
+
     return ForwardModules(
         ran, tuple(n for n in ran if n in watch.most), dict(watch.most),
         {n: _names(d) for n, d in watch.outputs.items()},
         {n: _names(d) for n, d in watch.made.items()},
+        dict(watch.output_sizes), by_k(watch.product_sizes), by_k(watch.operand_sizes),
+        dict(watch.widths),
     )  # fmt: skip
