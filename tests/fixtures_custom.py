@@ -25,6 +25,18 @@ class RaisingNet(torch.nn.Module):
         return self.head(x)  # (n, 1, 28, 28) against 784 inputs: a shape error
 
 
+class FrozenNet(torch.nn.Module):
+    """A fine-tuning model's stand-in: its first layer frozen (requires_grad False)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Linear(28 * 28, 64).requires_grad_(False)
+        self.head = torch.nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.body(x.flatten(1))))
+
+
 class IrreproducibleNet(torch.nn.Module):
     """Dropout drawn from a generator of its own seeded by the OS: no seeding of torch's
     generators makes two computations of a micro-batch agree (a non-deterministic op's

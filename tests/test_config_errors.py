@@ -417,6 +417,32 @@ CASES = [
         "fault.bit",
         "20 is outside bfloat16, the dtype of the output of",
     ),  # fmt: skip
+    # A matmul fault's bits in what it strikes: the product it names (bfloat16 under autocast),
+    # a frozen weight's gradient (none ever made).
+    (
+        [
+            "workload.precision=bf16-mixed",
+            "fault.site=matmul",
+            "fault.model=bitflip",
+            "fault.bit=31",
+            "fault.tensor=fc1",
+        ],
+        "fault.bit",
+        "31 is outside bfloat16, the dtype of the product 1 of 'fc1'",
+    ),
+    (
+        [
+            "workload=custom",
+            "workload.model._target_=tests.fixtures_custom.FrozenNet",
+            "fault.site=matmul",
+            "fault.model=scale",
+            "fault.factor=1000",
+            "fault.phase=backward",
+            "fault.tensor=body",
+        ],
+        "fault.phase",
+        "backward: product 1 of 'body' multiplies a frozen weight, which no gradient reaches",
+    ),
     ([*FSDP, "fault=weight_bitflip", "fault.index=0"], "fault.index", "in the rank's own shard"),
     (["fault=grad_scale", "fault.bucket=1"], "fault.bucket", "reduce in 1 bucket; allowed: 0..0"),
     (
@@ -613,3 +639,18 @@ def test_a_clean_scenario_in_a_campaign_and_the_default_fault_are_accepted():
     run = compose_run("campaign=default")
     assert run.scenarios[0].clean and len(run.scenarios) == 8
     assert compose_run("campaign=single").scenarios[0].clean
+
+
+def test_a_matmul_faults_bits_are_those_of_the_value_it_strikes():
+    """Under bf16-mixed a Linear's product is bfloat16 but its weight's gradient, which a
+    backward fault corrupts, is float32 as the weight is; mixtral's attention scores (its
+    attention's 4th product) are float32 beside bfloat16 projections. Each takes the bits of
+    its own dtype: they were checked against every dtype of the module's products."""
+    backward = compose_run("campaign=single", "workload.precision=bf16-mixed",
+                           "fault.site=matmul", "fault.model=bitflip", "fault.bit=31",
+                           "fault.tensor=fc1", "fault.phase=backward")  # fmt: skip
+    assert backward.scenarios[0].bit == 31
+    scores = compose_run("campaign=single", "workload=mixtral", "workload.precision=bf16-mixed",
+                         "fault.site=matmul", "fault.model=bitflip", "fault.bit=20",
+                         "fault.tensor=model.layers.0.self_attn", "fault.product=4")  # fmt: skip
+    assert scores.scenarios[0].bit == 20

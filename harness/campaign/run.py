@@ -47,6 +47,9 @@ class CampaignError(RuntimeError):
 
 # RunConfig's fields that never change a row, so a campaign resumes with other values of them.
 NOT_IDENTITY = ("golden_cache",)
+# What the forward trace records beyond what campaigns first recorded of it, derived from the
+# same trace (harness/core/matmuls.py): left out of the comparison on both sides.
+TRACE_ADDITIONS = ("output_sizes", "product_traces")
 
 
 def _identity(run: RunConfig) -> str:
@@ -65,13 +68,18 @@ def _without_empty_additions(content: dict[str, Any]) -> dict[str, Any]:
     they hold the value that means what a record without them meant: a fault's `settings` when
     its model has none, a trial's `mix` in an unweighed campaign. Applied to both sides of the
     comparison, so a campaign.json written before those fields existed resumes as the campaign
-    it holds; only those places, so a user's own keys (a custom model's `settings`) still count."""
+    it holds; only those places, so a user's own keys (a custom model's `settings`) still count.
+    The forward trace's additions (`TRACE_ADDITIONS`) are left out whatever they hold."""
     content = dict(content)
     content["scenarios"] = [_without(f, "settings", {}) for f in content.get("scenarios", [])]
     content["trials"] = [
         _without({**t, "fault": _without(t["fault"], "settings", {})}, "mix", None)
         for t in content.get("trials", [])
     ]
+    if content.get("forward"):
+        content["forward"] = {
+            k: v for k, v in content["forward"].items() if k not in TRACE_ADDITIONS
+        }
     return content
 
 

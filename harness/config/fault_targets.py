@@ -54,6 +54,8 @@ def check_target(
             named = [entry["tensor"] for entry in fault.schedule]
             if fault.site == "matmul":
                 _reaches_product(key, fault, named, forward)
+                if fault.phase == "backward":
+                    _backward_reaches(key, fault, named, forward)
             for i, entry in enumerate(fault.schedule):
                 _within(f"{key}.schedule[{i}].index", fault, entry["tensor"], entry["index"],
                         forward)  # fmt: skip
@@ -65,6 +67,8 @@ def check_target(
         raise ConfigError(f"{key}.tensor", message)
     if fault.site == "matmul" and forward is not None:
         _reaches_product(key, fault, [name for name, _ in matched], forward)
+        if fault.phase == "backward":
+            _backward_reaches(key, fault, [name for name, _ in matched], forward)
     if fault.site in sites.MODULE_SITES and forward is not None:
         targets = [name for name, _ in matched]
         if fault.model == "defective_unit":
@@ -112,8 +116,8 @@ def _within(key: str, fault: FaultConfig, name: str, index: int, forward: Forwar
     else:
         backward = fault.phase == "backward"
         what = "product's second operand" if backward else "product"
-        found = forward.operand_sizes if backward else forward.product_sizes
-        size = found[name][fault.product - 1]
+        traced = forward.product_traces[name][fault.product - 1]
+        size = traced.operand_size if backward else traced.size
     if index >= size:
         raise ConfigError(
             key, f"{index} is out of range: the {what} struck in '{name}' has {size} elements; "
@@ -126,7 +130,7 @@ def _lane_in_a_product(
 ) -> None:
     """A defective unit's lane (columns j % lanes == lane) within some product it strikes."""
     lane = fault.settings.lane
-    widest = max(forward.widths[n] for n in targets)
+    widest = max(p.width for n in targets for p in forward.product_traces[n])
     if lane >= widest:
         raise ConfigError(
             f"{key}.lane", f"{lane} is past every product '{fault.tensor}' names, the widest "
@@ -134,11 +138,32 @@ def _lane_in_a_product(
         )  # fmt: skip
 
 
-def _struck_dtypes(fault: FaultConfig, forward: ForwardModules, name: str) -> tuple[str, ...]:
-    """The dtypes a module fault strikes in `name`: its output's (activation), its products'
-    (matmul), as the forward trace recorded them."""
-    struck = forward.outputs if fault.site == "activation" else forward.made
-    return tuple(struck.get(name, ()))
+def _struck(fault: FaultConfig, forward: ForwardModules, name: str) -> tuple[str, tuple[str, ...]]:
+    """What a module fault strikes in `name`, and its dtypes as the forward trace recorded them:
+    its output (activation); the `fault.product`-th product's output, or in backward the
+    gradient of its second operand, which has the operand's dtype (a float32 weight's under
+    autocast, where the product is 16-bit); every product, for a defective unit."""
+    if fault.site == "activation":
+        return "output", tuple(forward.outputs.get(name, ()))
+    if fault.model == "defective_unit":
+        return "products", tuple(forward.made.get(name, ()))
+    traced = forward.product_traces[name][fault.product - 1]
+    if fault.phase == "backward":
+        return f"product {fault.product}'s second operand", traced.operand_dtypes
+    return f"product {fault.product}", traced.dtypes
+
+
+def _backward_reaches(
+    key: str, fault: FaultConfig, targets: list[str], forward: ForwardModules
+) -> None:
+    """A backward matmul fault corrupts the gradient of the product's second operand: a frozen
+    weight (requires_grad False) gets none, and the fault could never strike."""
+    for name in targets:
+        if forward.product_traces[name][fault.product - 1].operand_frozen:
+            raise ConfigError(
+                f"{key}.phase", f"backward: product {fault.product} of '{name}' multiplies a "
+                "frozen weight, which no gradient reaches; allowed: forward"
+            )  # fmt: skip
 
 
 def _bit_in_struck_dtype(
@@ -147,9 +172,9 @@ def _bit_in_struck_dtype(
     """A bit index within every dtype the fault may strike: under a mixed precision a module's
     output or products are 16-bit (autocast) where the workload's dtype is float32, and a bit
     past their width could never strike (the rank would raise)."""
-    what = "output" if fault.site == "activation" else "products"
     for name in targets:
-        for dtype in _struck_dtypes(fault, forward, name):
+        what, dtypes = _struck(fault, forward, name)
+        for dtype in dtypes:
             width = bits.width(getattr(torch, dtype))
             if fault.bit >= width:
                 raise ConfigError(
@@ -165,7 +190,7 @@ def _scale_in_struck_dtype(
     """A scale factor that changes an element of the widest dtype the fault may strike: the
     workload's (checked in harness/config/faults.py) may be float32 where every target's
     output or products are bfloat16 (autocast), which round away a factor float32 keeps."""
-    dtypes = {dtype for name in targets for dtype in _struck_dtypes(fault, forward, name)}
+    dtypes = {dtype for name in targets for dtype in _struck(fault, forward, name)[1]}
     if not dtypes:
         return
     widest = max(dtypes, key=lambda dtype: FLOAT_FORMATS[dtype][1])

@@ -160,6 +160,29 @@ class _Gathered:
 
 
 @dataclass(frozen=True)
+class TracedProduct:
+    """The K-th product of a module's forward as a matmul fault strikes it, over the module's
+    runs: the fewest elements, every dtype, the widest."""
+
+    size: int  # its output's elements
+    dtypes: tuple[str, ...]  # its output's
+    width: int  # its columns (a convolution's: its output channels): a defective unit's lanes
+    # Its second operand, whose gradient a backward fault corrupts (the gradient has the
+    # operand's dtype and elements), and whether it is a frozen parameter: no gradient reaches it.
+    operand_size: int
+    operand_dtypes: tuple[str, ...]
+    operand_frozen: bool
+
+    def merged(self, other: TracedProduct) -> TracedProduct:
+        return TracedProduct(
+            min(self.size, other.size), tuple(sorted({*self.dtypes, *other.dtypes})),
+            max(self.width, other.width), min(self.operand_size, other.operand_size),
+            tuple(sorted({*self.operand_dtypes, *other.operand_dtypes})),
+            self.operand_frozen and other.operand_frozen,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
 class ForwardModules:
     """What one forward of a workload's model runs, in the order modules first ran."""
 
@@ -170,13 +193,11 @@ class ForwardModules:
     # the products its forward makes (matmul). Under autocast, 16-bit where the weights are not.
     outputs: dict[str, tuple[str, ...]]  # dtype names ("bfloat16"): the record is JSON
     made: dict[str, tuple[str, ...]]
-    # How many elements a fault can strike there (the fewest over a module's runs): its output,
-    # and by K (1-based, as `fault.product` counts) the K-th product's output and the second
-    # operand whose gradient a backward fault corrupts.
+    # Each module's output elements, the fewest over its runs (what a schedule's index may
+    # reach at site activation), and each product one run of its forward makes, by K - 1 (as
+    # `fault.product` counts, from 1).
     output_sizes: dict[str, int]
-    product_sizes: dict[str, tuple[int, ...]]
-    operand_sizes: dict[str, tuple[int, ...]]
-    widths: dict[str, int]  # the widest product's columns (a convolution's: its channels)
+    product_traces: dict[str, tuple[TracedProduct, ...]]
 
 
 def _never(_stack: tuple[str, ...]) -> bool:
@@ -206,9 +227,7 @@ class Watch(TorchFunctionMode):
         self.outputs: dict[str, set[torch.dtype]] = {}  # traced: each module's output dtypes
         self.made: dict[str, set[torch.dtype]] = {}  # traced: its products' dtypes
         self.output_sizes: dict[str, int] = {}  # traced: ForwardModules's
-        self.product_sizes: dict[str, dict[int, int]] = {}
-        self.operand_sizes: dict[str, dict[int, int]] = {}
-        self.widths: dict[str, int] = {}
+        self.product_traces: dict[str, dict[int, TracedProduct]] = {}
         self.depth = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -235,22 +254,24 @@ class Watch(TorchFunctionMode):
         call = MatmulCall(func, args, kwargs, stack, role)
         output = self.on_call(call)
         if self.traces and isinstance(output, torch.Tensor):
-            self._sized(call, output)
+            self._trace(call, output)
         return output
 
-    def _sized(self, call: MatmulCall, output: torch.Tensor) -> None:
-        """A traced product's dtype, sizes and width, for every running module."""
+    def _trace(self, call: MatmulCall, output: torch.Tensor) -> None:
+        """A product made, in every running module's record."""
         operand = call.args[call.second] if len(call.args) > call.second else None
-        operand_size = operand.numel() if isinstance(operand, torch.Tensor) else 0
-        width = output.shape[1 if call.func in CONVOLUTIONS else -1] if output.dim() else 1
+        held = isinstance(operand, torch.Tensor)
+        made = TracedProduct(
+            output.numel(), _names({output.dtype}),
+            output.shape[1 if call.func in CONVOLUTIONS else -1] if output.dim() else 1,
+            operand.numel() if held else 0, _names({operand.dtype} if held else set()),
+            isinstance(operand, nn.Parameter) and not operand.requires_grad,
+        )  # fmt: skip
         for name in call.stack:
-            k = self.counts[name]
             self.made.setdefault(name, set()).add(output.dtype)
-            for sizes, size in ((self.product_sizes, output.numel()),
-                                (self.operand_sizes, operand_size)):  # fmt: skip
-                by_product = sizes.setdefault(name, {})
-                by_product[k] = min(by_product.get(k, size), size)
-            self.widths[name] = max(self.widths.get(name, 0), width)
+            found = self.product_traces.setdefault(name, {})
+            k = self.counts[name]
+            found[k] = found[k].merged(made) if k in found else made
 
     def install(self, model: nn.Module) -> list[Any]:
         """Hooks that keep `stack` and open the mode for the root's forward; their handles."""
@@ -312,13 +333,9 @@ def traced(model: nn.Module, forward: Callable[[], Any]) -> ForwardModules:
         forward()
     ran = tuple(watch.ran)
 
-    def by_k(sizes: dict[str, dict[int, int]]) -> dict[str, tuple[int, ...]]:
-        return {n: tuple(found[k] for k in sorted(found)) for n, found in sizes.items()}
-
     return ForwardModules(
         ran, tuple(n for n in ran if n in watch.most), dict(watch.most),
         {n: _names(d) for n, d in watch.outputs.items()},
-        {n: _names(d) for n, d in watch.made.items()},
-        dict(watch.output_sizes), by_k(watch.product_sizes), by_k(watch.operand_sizes),
-        dict(watch.widths),
+        {n: _names(d) for n, d in watch.made.items()}, dict(watch.output_sizes),
+        {n: tuple(found[k] for k in sorted(found)) for n, found in watch.product_traces.items()},
     )  # fmt: skip
