@@ -303,6 +303,7 @@ class FaultInjector(Plugin):
                 new_bits=new_bits,
                 fired=fatal or old_bits != new_bits,
                 phase=self.site.phase,
+                product=self.fault.product if self.fault.site == "matmul" else None,
                 group=None if self.group is None else list(self.group),
                 dtype=bits.format_name(flat.dtype),
             )

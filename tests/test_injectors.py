@@ -554,10 +554,11 @@ def test_contribution_faults_record_what_the_rank_sent(new_models):
 def test_matmul_faults_strike_the_chosen_module_in_the_chosen_pass(new_models):
     table, injected, _ = new_models
     (forward,) = injected["matmul"]
-    assert forward["tensor"] == "fc1" and forward["phase"] == "forward"
+    # Each names its product (fault.product, 1 here): what a schedule needs to strike it again.
+    assert (forward["tensor"], forward["phase"], forward["product"]) == ("fc1", "forward", 1)
     assert math.isclose(forward["new"], forward["old"] * 1000, rel_tol=1e-6)
     (backward,) = injected["matmul_backward"]
-    assert backward["tensor"] == "fc2" and backward["phase"] == "backward"
+    assert (backward["tensor"], backward["phase"], backward["product"]) == ("fc2", "backward", 1)
     assert backward["new_bits"] == "0x7f7fffff"
     # fc2's weight gradient (256 x 256) is what the backward matmul computed.
     assert 0 <= backward["index"] < 256 * 256

@@ -112,7 +112,10 @@ class ElementInject(Inject):
     old_bits: str
     new_bits: str
     fired: bool
-    phase: str | None = optional()  # matmul faults: which product
+    phase: str | None = optional()  # matmul faults: which pass
+    # matmul faults: the `fault.product`-th product the module made (a schedule needs it to
+    # strike the same one again)
+    product: int | None = optional()
     group: list[int] | None = optional()  # a diagnostic sub-group reduction's members
     dtype: str | None = optional()  # the struck tensor's: under autocast, not the workload's
 
