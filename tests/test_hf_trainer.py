@@ -10,6 +10,7 @@ every rank's exit code. The documented torchrun command runs the same main()
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -228,6 +229,37 @@ def test_a_fit_that_raised_leaves_the_next_train_a_fresh_one(tmp_path):
     assert first == "the collator broke"
     assert second == (True, 1, []), second
     assert seen == [left] and after == 0, (left, seen, after)
+
+
+def _retry_with_a_new_trainer(port: int, out: str, results) -> None:
+    """One rank: a fit whose collator raised, then a new Trainer given the same callback (the
+    raised one still `is_in_train`, as the Trainer leaves it): the retry's outcome."""
+    os.environ.update(
+        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+    )  # fmt: skip
+    raised = tiny_trainer(Path(out), ddp_backend="gloo", save_strategy="no",
+                          data_collator=BrokenOnce())  # fmt: skip
+    with contextlib.suppress(RuntimeError):
+        raised.train()
+    (callback,) = [c for c in raised.callback_handler.callbacks if isinstance(c, SDCGuardCallback)]
+    retry = tiny_trainer(Path(out), ddp_backend="gloo", save_strategy="no")
+    handler = retry.callback_handler
+    handler.callbacks = [
+        callback if isinstance(c, SDCGuardCallback) else c for c in handler.callbacks
+    ]
+    try:
+        retry.train()
+        results.put((raised.is_in_train, retry.state.global_step, callback.guard.alerts))
+    except Exception as error:  # the test reports it, not a rank's traceback
+        results.put(f"{type(error).__name__}: {error}")
+
+
+def test_a_new_trainer_given_the_callback_of_one_that_raised_trains_guarded(tmp_path):
+    """The callback finds the Trainer calling it; it was refused as held by two Trainers in
+    train(), the one that raised counted."""
+    got = one_forked_rank(tmp_path, _retry_with_a_new_trainer, str(tmp_path))
+    assert got == (True, 1, []), got
 
 
 def test_a_wrong_mode_or_check_name_is_refused_where_the_callback_is_written():

@@ -43,7 +43,7 @@ callback after any callback of yours that sets `control.should_save`.
 
 from __future__ import annotations
 
-import gc
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -239,18 +239,17 @@ class SDCGuardCallback(transformers.TrainerCallback):
 
 
 def _trainer_of(callback: SDCGuardCallback) -> transformers.Trainer:
-    """The Trainer in train() whose callbacks hold `callback` (callbacks get no Trainer)."""
-    found = [
-        o for o in gc.get_objects()
-        if issubclass(type(o), transformers.Trainer) and o.is_in_train
-        and callback in o.callback_handler.callbacks
-    ]  # fmt: skip
-    if len(found) != 1:
-        raise ValueError(
-            f"callbacks: one SDCGuardCallback per Trainer is allowed; {len(found)} Trainers in "
-            "train() hold this one"
-        )
-    return found[0]
+    """The Trainer whose train() is calling `callback` now (callbacks get no Trainer): the
+    nearest caller that is one and holds it. Not any Trainer in train() that holds it: one
+    whose train() raised stays `is_in_train`, and a new Trainer given the same callback to
+    retry was refused as a second holder."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, transformers.Trainer) and callback in owner.callback_handler.callbacks:
+            return owner
+        frame = frame.f_back
+    raise ValueError("callbacks: SDCGuardCallback runs in a Trainer's callbacks, from its train()")
 
 
 def _refuse_unservable(trainer: transformers.Trainer) -> None:
