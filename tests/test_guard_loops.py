@@ -99,6 +99,14 @@ def test_the_costs_measured_in_the_job_price_the_plan(fsdp, tmp_path, capsys):
         plan_report.main([str(SWEEP), "--costs", str(tmp_path / "lacking.json")])
     assert exited.value.code == 2
     assert "no figure for 'replay'" in capsys.readouterr().err
+    # A figure of 2 steps for a check that looks every 5: it priced replay at 5 from the steps
+    # between its looks.
+    sparse = replace(costs.checks["replay"], interval=5)
+    replace(costs, checks={**costs.checks, "replay": sparse}).write(tmp_path / "short.json")
+    with pytest.raises(SystemExit) as exited:
+        plan_report.main([str(SWEEP), "--costs", str(tmp_path / "short.json")])
+    assert exited.value.code == 2
+    assert "'replay' looks every 5 steps and the guard measured 2" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -335,8 +335,8 @@ def job_overheads(costs: JobCosts, source: str, trials: pd.DataFrame) -> Overhea
     """The overheads the guard measured in the job itself (`guard.write_costs`), at each interval
     the run's trials ran a check at: a check measured running every k_f steps at f percent of
     the job's step costs f k_f / k at interval k (one run's cost, over k), f itself at k_f;
-    the hook its own entry, once for any set. A check the run's trials ran and the file lacks is
-    a PlanError naming it."""
+    the hook its own entry, once for any set. A check the run's trials ran and the file lacks,
+    or measured over fewer steps than its interval, is a PlanError naming it."""
     ran = detector_names(trials)
     missing = [name for name in ran if name not in costs.checks]
     if missing:
@@ -344,6 +344,14 @@ def job_overheads(costs: JobCosts, source: str, trials: pd.DataFrame) -> Overhea
             f"--costs {source}: no figure for '{missing[0]}', which the run's trials ran; "
             f"the file has {', '.join(sorted(costs.checks)) or 'none'} (run the guard in the job "
             f"with '{missing[0]}' among its detectors)"
+        )
+    short = [name for name in ran if (costs.checks[name].interval or 1) > costs.steps]
+    if short:
+        k = costs.checks[short[0]].interval
+        raise PlanError(
+            f"--costs {source}: '{short[0]}' looks every {k} steps and the guard measured "
+            f"{costs.steps}, which may hold none of its looks; measure at least {k} steps after "
+            "the guard's warm-up (several of its intervals for a steady figure)"
         )
     every = fired_faults(trials)["every"]
     at, per_run = {}, {}
