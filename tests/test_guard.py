@@ -20,7 +20,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import detectors
 from detectors import allreduce_sketch as sketch
 from harness.core import inflight
+from harness.core.events import Alert
 from harness.guard import Guard, SDCAlarm
+from harness.guard.alarm import quarantine
+from harness.runtime import checkpoint
 from harness.runtime.replica import unsharded_copy
 from tests.conftest import BIN, forked_ranks
 
@@ -487,3 +490,31 @@ def test_the_sketch_bounds_a_compressed_reduction_from_the_wire_dtypes_rounding(
         assert error <= sketch.tolerance(norms, n, 1e-6, rho, alpha), step
         beyond_float32 += error > 4 * 1e-6 * n**0.5 * norms
     assert beyond_float32 > 0
+
+
+def _alarm(step: int, first_suspect: int) -> SDCAlarm:
+    alert = Alert(step=step, detector="replay", phase="pre_allreduce", suspect_ranks=[1],
+                  suspect_nodes=[1], evidence={}, rank=0, node=0)  # fmt: skip
+    return SDCAlarm([alert], ["host0", "host1"], first_suspect)
+
+
+def test_a_second_incident_sets_aside_a_checkpoint_of_the_same_step_beside_the_first(tmp_path):
+    """A job restarted from the restore point alarms again on a checkpoint of the same step: it
+    is moved beside the first incident's (with its checksum), not over it, and the restore
+    point stays before both (the move raised on a sharded folder, leaving the new suspect
+    checkpoint where restore_point took it)."""
+    state = {"w": torch.ones(2)}
+    for incident in (1, 2):
+        for step in (3, 5):
+            checkpoint.save(checkpoint.step_path(tmp_path, step), {**state, "incident": incident})
+        quarantine(tmp_path, _alarm(6, 4), [])
+        assert Guard.restore_point(tmp_path) == (3, str(checkpoint.step_path(tmp_path, 3)))
+    aside = tmp_path / "suspect"
+    assert sorted(p.name for p in aside.iterdir()) == [
+        "step_000005.pt",
+        "step_000005.pt.2",
+        "step_000005.pt.2.sha256",
+        "step_000005.pt.sha256",
+    ]
+    assert checkpoint.load(aside / "step_000005.pt")["incident"] == 1
+    assert json.loads((tmp_path / "quarantine.json").read_text())["set_aside"] == ["step_000005.pt"]

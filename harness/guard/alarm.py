@@ -66,21 +66,35 @@ class SDCAlarm(RuntimeError):
 def quarantine(folder: Path, alarm: SDCAlarm, written: list[tuple[int, Path]]) -> None:
     """quarantine.json for the scheduler, and the suspect interval's checkpoints set aside: the
     guard's own in `folder`, and those a trainer wrote elsewhere (`written`: step, path), each
-    moved into `SUSPECT` beside it with its checksum, under its own name. Moved, not renamed in
-    place: a trainer's rotation matches its checkpoints by their names' prefix (the HF
-    Trainer's `checkpoint-*`) and would count a renamed one among them, and delete it or keep
-    it in place of one the checks vouch for."""
+    moved into `SUSPECT` beside it with its checksum, under its own name (`NAME.2`, `.3`, ...
+    where an earlier incident's is there: a job restarted from the restore point can alarm on
+    a checkpoint of the same step again). Moved, not renamed in place: a trainer's rotation
+    matches its checkpoints by their names' prefix (the HF Trainer's `checkpoint-*`) and would
+    count a renamed one among them, and delete it or keep it in place of one the checks vouch
+    for."""
     folder.mkdir(parents=True, exist_ok=True)
     set_aside = []
     for step, path in [*checkpoint.saved(folder), *written]:
         if step >= alarm.first_suspect_step and path.exists():
             aside = path.parent / SUSPECT
             aside.mkdir(exist_ok=True)
-            for part in (path, path.with_name(path.name + ".sha256")):
-                if part.exists():
-                    part.rename(aside / part.name)
+            into = _free(aside / path.name)
+            digest = path.with_name(path.name + ".sha256")
+            path.rename(into)
+            if digest.exists():
+                digest.rename(into.with_name(into.name + ".sha256"))
             set_aside.append(path.name)
     record = dict(alarm.record(), set_aside=set_aside)
     tmp = folder / f".{QUARANTINE}.tmp"
     tmp.write_text(json.dumps(record, indent=1, default=str))
     os.replace(tmp, folder / QUARANTINE)
+
+
+def _free(path: Path) -> Path:
+    """`path`, or the first of `path.2`, `path.3`, ... that nothing holds yet (nor its
+    checksum)."""
+    found, n = path, 1
+    while found.exists() or found.with_name(found.name + ".sha256").exists():
+        n += 1
+        found = path.with_name(f"{path.name}.{n}")
+    return found

@@ -339,10 +339,12 @@ class Guard:
         # Without a folder of the guard's, quarantine.json goes beside the checkpoints the
         # trainer wrote (Lightning's ModelCheckpoint under SDCGuard's default).
         folder = self.folder or (self.written[-1][1].parent if self.written else None)
-        if folder is not None and self.info.rank == 0:
-            quarantine(folder, alarm, self.written)
-        # Training ends here: nothing the guard did may still be in flight when it does.
-        self.close()
+        try:
+            if folder is not None and self.info.rank == 0:
+                quarantine(folder, alarm, self.written)
+        finally:
+            # Training ends here: nothing the guard did may still be in flight when it does.
+            self.close()
         raise alarm.again()
 
     def _agreed_alarm(self) -> SDCAlarm | None:
