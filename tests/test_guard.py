@@ -230,6 +230,34 @@ def test_a_ddp_module_whose_guard_closed_takes_a_new_one(one_rank):
     guard.close()
 
 
+def test_a_loop_that_skips_before_step_or_saves_mid_step_is_refused(one_rank, tmp_path):
+    """after_step without before_step (replay never audited, and an act-mode alarm came after
+    the update it should have stopped), and a checkpoint before the first step ended or before
+    after_step (it was labelled the step before: step_-00001.pt held step 0's weights):
+    RuntimeError naming the call to make."""
+    optimizer = torch.optim.SGD(one_rank.parameters(), lr=0.1)
+    guard = Guard(one_rank, ["nan_inf"], checkpoints=tmp_path / "ckpt")
+    with pytest.raises(RuntimeError, match="^checkpoint: after guard.after_step"):
+        guard.save({"model": one_rank.module.state_dict()})
+    one_rank(torch.ones(2, 4)).sum().backward()
+    with pytest.raises(RuntimeError, match=r"^after_step: guard.before_step\(\) was not called"):
+        guard.after_step(optimizer)
+    guard.before_step()
+    optimizer.step()
+    with pytest.raises(RuntimeError, match="^checkpoint: after guard.after_step"):
+        guard.save({"model": one_rank.module.state_dict()})
+    guard.after_step(optimizer)
+    assert guard.save({"model": one_rank.module.state_dict()}).name == "step_000000.pt"
+    guard.close()
+
+
+@pytest.mark.parametrize("start_step", ["3", 2.5, -2])
+def test_a_start_step_that_is_no_step_is_refused(one_rank, start_step):
+    with pytest.raises(ValueError, match="^start_step: "):
+        Guard(one_rank, start_step=start_step)
+    assert not one_rank._comm_hooks
+
+
 def test_the_costs_are_refused_until_the_warmup_is_over(one_rank):
     guard = Guard(one_rank, ["nan_inf"], warmup_steps=2)
     with pytest.raises(RuntimeError, match="the first 2 steps are a warm-up"):

@@ -73,6 +73,7 @@ class Guard:
         slot = _released_slot(model)
         self.parallel, shard_size = _parallelism(model, comm_hook, slot is not None)
         self.warmup_steps = integer("warmup_steps", warmup_steps, 1)
+        integer("start_step", start_step, 0)
         rank, world = dist.get_rank(), dist.get_world_size()
         per_node = _ranks_per_node(ranks_per_node, world)
         self.model = model.module if isinstance(model, DDP) else model
@@ -130,6 +131,7 @@ class Guard:
         self.start_step = start_step
         self._set_step(start_step)
         self._loss_step = -1
+        self._audited = -1  # the last step before_step ran at
         self._seen = 0  # events already considered for an alarm
         self._ended = 0  # steps ended, warm-up included
         self._measured = 0  # steps measured since the warm-up
@@ -181,11 +183,19 @@ class Guard:
         """After backward, before clipping and optimizer.step(): raises SDCAlarm in act mode."""
         if self.shipped is not None and self._loss_step != self.step:
             raise RuntimeError("replay: pass every step's loss through guard.loss(loss)")
+        self._audited = self.step
         self.bus.audit(self.step)
         self._raise_if_alarmed()
 
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:
         """After optimizer.step(): checks on the updated weights; then the next step begins."""
+        if self._audited != self.step:
+            # Replay audits there, and act mode stops before the update: without it replay
+            # never looked and a check's alarm came after the update it should have stopped.
+            raise RuntimeError(
+                f"after_step: guard.before_step() was not called in step {self.step}; call it "
+                "every step after backward, before clipping and optimizer.step()"
+            )
         self.bus.optimizer_state(self.step, optimizer)
         self.bus.update(self.step, self.model)
         self._raise_if_alarmed()
@@ -195,6 +205,12 @@ class Guard:
     def before_checkpoint(self) -> bool:
         """Run the checks that gate a checkpoint of the step just finished (weight consensus):
         whether they approve; act mode raises SDCAlarm instead of disapproving."""
+        if self.step == self.start_step or self._audited == self.step:
+            raise RuntimeError(
+                "checkpoint: after guard.after_step(), which ends the step it saves (a "
+                f"checkpoint now would be labelled step {self.step - 1}, whose update "
+                f"{'never ran here' if self.step == self.start_step else 'is not the last'})"
+            )
         step = self.step - 1
         self.checkpointed.add(step)
         approval = self.bus.checkpoint_approved(step, self.model)
@@ -414,8 +430,9 @@ def _parallelism(
     if isinstance(model, DDP):
         if model._comm_hooks and not released:
             raise ValueError(
-                "model: this DDP module has a comm hook already (another Guard's, or your own: "
-                "pass yours as Guard(..., comm_hook=(state, hook)) and the guard wraps it)"
+                "model: this DDP module has a comm hook already: an open Guard's (close() it "
+                "first) or your own (pass yours as Guard(..., comm_hook=(state, hook)) and the "
+                "guard wraps it)"
             )
         return "ddp", None
     fsdp = sys.modules.get("torch.distributed.fsdp")  # not loaded: no module was sharded
