@@ -3,22 +3,27 @@
     from harness.guard import Guard, SDCAlarm
 
     model = DDP(model)                  # or fully_shard(...) on the blocks, then on the root
+    code = 0
     with Guard(model, detectors="all", mode="act", replay_fn=loss_of,
                checkpoints="ckpt/") as guard:
         try:
             for step, batch in enumerate(loader):
+                optimizer.zero_grad()
                 guard.audit_batch(batch)                  # before the forward: what replay ships
                 loss = guard.loss(loss_of(model, batch))  # checks see the loss; use what it returns
                 loss.backward()                           # checks around the reduction
-                guard.before_step()                       # act mode raises SDCAlarm here
+                guard.before_step()                       # every step; act mode raises SDCAlarm
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 optimizer.step()
                 guard.after_step(optimizer)               # checks on the updated weights
-                if step % 100 == 99:
-                    guard.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+                if step % 100 == 99:                      # after after_step: the step ended
+                    guard.save({"model": model.module.state_dict(),
+                                "optimizer": optimizer.state_dict()})
         except SDCAlarm as alarm:
             code = alarm.exit_code                        # 86 suspect hardware, 87 not attributed
-    guard.write_costs("costs.json")                       # what each check cost this job
+        else:
+            guard.write_costs("costs.json")               # what each check cost this job
+    sys.exit(code)
 
 `detectors="all"` runs every check that applies to the model's parallelism, the comm hook, the
 world and the arguments given (`guard.checks`; `guard.left_out` says why the others do not);
