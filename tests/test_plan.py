@@ -393,6 +393,7 @@ ESTIMATE = ["--gpu", "h100", "--params", "7e10", "--tokens-per-step", "4e6"]
         (["{fixture}", *ESTIMATE, "--costs", "{fixture}/costs.json"], "take precedence"),
         (["{fixture}", *ESTIMATE, "--gpus", "64"], "--replicas: 128 replicas need as many --gpus"),
         (["{fixture}", "--replicas", "64"], "--replicas: only an estimate reads it"),
+        (["{fixture}", "--equal-weights"], "--equal-weights: the runs weigh no fault by a mix"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(tmp_path, capsys, args, says):

@@ -25,6 +25,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 
 from harness.analysis.estimates import GPUS, MFU, REPLICAS, EstimateError, JobShape
+from harness.analysis.mix import weighed
 
 # harness.analysis.plan imports harness.analysis.report, whose figures module picks the Agg backend
 # on its first import (a batch job has no display) and leaves a notebook's backend alone after that.
@@ -405,6 +406,11 @@ def main(argv: list[str] | None = None) -> None:
         args = parse(argv)
         trials, table = load(args.dirs, need_overhead=args.costs is None and args.shape is None)
         if args.equal_weights:
+            if not weighed(trials):
+                raise PlanError(
+                    "--equal-weights: the runs weigh no fault by a mix; every trial already "
+                    "counts once (leave it out)"
+                )
             trials = trials.assign(**{Column.weight: math.nan})
         costs = None
         if args.costs is not None:
