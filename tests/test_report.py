@@ -238,3 +238,16 @@ def test_a_crashed_trial_is_a_crash_not_a_fault_that_never_struck():
     assert report.never_struck(table) == 0
     line = report.effects_line(table)
     assert "crash 2" in line and "never struck" not in line, line
+
+
+def test_product_coverage_is_said_of_runs_with_compute_faults_alone(tmp_path):
+    """The share of a step's products matmul_checksum checks speaks of faults at site matmul:
+    a run without any said 'checks 0.0%' of a product count no fault of it struck."""
+    folder = escaped_trials(tmp_path / "run")
+    (folder / "campaign.json").write_text('{"product_coverage": {"checked": 0.0, "flops": 1e7}}')
+    df = pd.read_csv(folder / "trials.csv", keep_default_na=False).assign(run=str(folder))
+    assert report.coverage_line(df[df["site"] != "matmul"]) == ""
+    computing = df.assign(site="matmul")
+    assert report.coverage_line(computing).startswith(
+        "Product coverage: matmul_checksum checks 0.0% of 0.01 GFLOP"
+    )

@@ -226,9 +226,10 @@ def numerics_line(df: pd.DataFrame) -> str:
 def coverage_line(df: pd.DataFrame) -> str:
     """The share of a step's product FLOPs that matmul_checksum checks (campaign.json's
     `product_coverage`), for the compute-fault rows (site matmul), one line; '' when no run
-    records it."""
+    with such rows records it (a run without compute faults has nothing the share speaks of)."""
     parts = []
-    for run in sorted(df["run"].unique()):
+    computing = df[df[Column.site] == "matmul"]
+    for run in sorted(computing["run"].unique()):
         held = (RunFolder(Path(run)).campaign_record() or {}).get("product_coverage")
         if held:
             workload = ", ".join(sorted(df.loc[df["run"] == run, Column.workload].unique()))
