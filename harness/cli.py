@@ -68,9 +68,19 @@ def check_group_choices(argv: list[str]) -> None:
 def preflight(argv: list[str]) -> None:
     """Compose and validate the config before Hydra creates or writes anything in `out`.
 
-    A sweep's jobs are validated one by one as they start instead.
+    A sweep's jobs are validated one by one as they start instead; a sweep of several jobs
+    refuses one `out` for all of them (each would write into it, the second refused as another
+    campaign's).
     """
     if "-m" in argv or "--multirun" in argv:
+        pairs = [a.split("=", 1) for a in argv if "=" in a and not a.startswith("-")]
+        outs = [value for key, value in pairs if key.lstrip("+") == "out"]
+        several = any(_swept(value) for key, value in pairs if key.lstrip("+") != "out")
+        if several and any(not _swept(value) for value in outs):
+            fail(
+                "out: a sweep's jobs each write into their own folder under hydra.sweep.dir; "
+                "leave out unset (or sweep it: one folder per job)"
+            )
         return
     overrides = [a for a in argv if not a.startswith("-") and not a.startswith("hydra")]
     try:
@@ -83,6 +93,11 @@ def preflight(argv: list[str]) -> None:
         check_out(Path(cfg.out), run)
     except ConfigError as exc:
         fail(str(exc))
+
+
+def _swept(value: str) -> bool:
+    """Whether an override's value is a sweep of several (Hydra's a,b and its functions)."""
+    return "," in value or value.startswith(("range(", "choice(", "glob("))
 
 
 def _composition_error(message: str, overrides: list[str]) -> str:

@@ -533,6 +533,19 @@ def test_the_command_itself_exits_2_with_one_line_and_no_traceback(tmp_path, cas
     assert not out.exists(), "nothing may be created before the config is valid"
 
 
+def test_a_sweep_of_several_jobs_into_one_out_is_refused_before_any_job_runs(tmp_path):
+    """Each job wrote into `out`: the first ran, the second was refused as another campaign's,
+    and the merged report found no job's trials."""
+    out, sweep = tmp_path / "out", tmp_path / "sweep"
+    proc = sdc_bench("-m", "fault=grad_scale", "fault.factor=10,1000", f"out={out}",
+                     f"hydra.sweep.dir={sweep}", cwd=tmp_path, timeout=60)  # fmt: skip
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        "sdc-bench: error: out: a sweep's jobs each write into their own folder under "
+        "hydra.sweep.dir; leave out unset (or sweep it: one folder per job)"
+    )
+    assert not out.exists() and not sweep.exists()
+
+
 def test_an_out_that_cannot_be_created_is_refused_before_anything_runs(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("the user's data\n")
