@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -216,6 +217,37 @@ def test_a_step_that_changes_its_batch_replays_the_batch_it_was_handed(one_rank)
         optimizer.step()
         guard.after_step(optimizer)
     assert guard.alerts == [] and guard.warnings == []
+
+
+def test_accumulation_that_reduces_every_micro_batch_is_refused_where_a_check_recomputes(
+    one_rank,
+):
+    """Two micro-batches a step: reduced once (no_sync on the first) titan_replay finds the step
+    clean; reduced twice, the step's gradient is no sum a recomputation knows, and a clean loop
+    alarmed (exit 87): RuntimeError naming the way to reduce once."""
+
+    def loss_of(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        return model(batch).square().mean()
+
+    optimizer = torch.optim.SGD(one_rank.parameters(), lr=0.1)
+    guard = Guard(one_rank, {"titan_replay": {"num_steps": -1}}, replay_fn=loss_of)
+    for once in (True, False):
+        optimizer.zero_grad()
+        for micro in range(2):
+            batch = torch.randn(3, 4, generator=torch.Generator().manual_seed(micro))
+            guard.audit_batch(batch)
+            synced = contextlib.nullcontext() if micro == 1 or not once else one_rank.no_sync()
+            with synced:
+                (guard.loss(loss_of(one_rank, batch)) / 2).backward()
+        if once:
+            guard.before_step()
+            optimizer.step()
+            guard.after_step(optimizer)
+            assert guard.alerts == [], guard.alerts
+        else:
+            with pytest.raises(RuntimeError, match="^accumulation: step 1 reduced a gradient bu"):
+                guard.before_step()
+    guard.close()
 
 
 def test_a_ddp_module_whose_guard_closed_takes_a_new_one(one_rank):

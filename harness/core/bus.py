@@ -36,6 +36,11 @@ class PluginBus:
         self.verdicts = verdicts if verdicts is not None else Verdicts()
         self.device = torch.device(device)
         self.stopwatch = stopwatch
+        # The buckets reduced in the step under way, and the first step that reduced one twice
+        # (a loop that reduces every micro-batch of an accumulation: a step's gradient is then
+        # no sum a check recomputing the step knows).
+        self.reduced: tuple[int, set[int]] = (-1, set())
+        self.reduced_twice: int | None = None
 
     def charged(self, part: str) -> AbstractContextManager:
         """The harness's own work at a site, timed as `part` where the bus keeps a stopwatch."""
@@ -137,6 +142,13 @@ class PluginBus:
         return loss
 
     def local_grad(self, step: int, bucket: Bucket) -> None:
+        at, seen = self.reduced
+        if at != step:
+            self.reduced = (step, {bucket.index})
+        elif bucket.index in seen:
+            self.reduced_twice = step if self.reduced_twice is None else self.reduced_twice
+        else:
+            seen.add(bucket.index)
         for plugin in self._each():
             plugin.on_local_grad(step, bucket)
 

@@ -47,6 +47,8 @@ if TYPE_CHECKING:
     from harness.runtime.shard_sites import ShardedBuckets
 
 STEP = "step"
+# The checks that recompute a step's gradient and compare it with the one reduced.
+RECOMPUTING = frozenset({"replay", "titan_replay"})
 # The guard on each module, as a weak reference (the guard holds its module).
 _GUARDS: weakref.WeakKeyDictionary[nn.Module, weakref.ref[Guard]] = weakref.WeakKeyDictionary()
 
@@ -183,6 +185,14 @@ class Guard:
         """After backward, before clipping and optimizer.step(): raises SDCAlarm in act mode."""
         if self.shipped is not None and self._loss_step != self.step:
             raise RuntimeError("replay: pass every step's loss through guard.loss(loss)")
+        recomputing = sorted(RECOMPUTING & set(self.checks))
+        if recomputing and self.bus.reduced_twice is not None:
+            raise RuntimeError(
+                f"accumulation: step {self.bus.reduced_twice} reduced a gradient bucket more "
+                f"than once, and {', '.join(recomputing)} recomputes a step's gradient reduced "
+                "once: reduce the last micro-batch only (DDP: model.no_sync() around the others; "
+                "FSDP2: model.set_requires_gradient_sync(False))"
+            )
         self._audited = self.step
         self.bus.audit(self.step)
         self._raise_if_alarmed()
