@@ -11,6 +11,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 
@@ -21,6 +22,7 @@ from harness.results import machine, schema
 from harness.results.trial_row import COLUMNS, read_trials, write_trials
 from harness.runtime import environment
 from tests.conftest import BIN, run_here
+from tests.rows import frame
 
 # Clean trials and a NaN in rank 3's local gradient, 4 seeds each: the fewest for which a catch
 # rate of 4/4 and one of 0/4 have disjoint Wilson intervals (and 0/4 is a blind spot).
@@ -415,3 +417,21 @@ def test_runs_that_share_no_scenario_cell_exit_2_with_one_line(runs, tmp_path, c
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err.count("\n") == 1
     assert "shares no scenario cell" in captured.err
+
+
+def test_a_blind_spot_by_more_seeds_alone_is_no_new_one():
+    """0/3 harmful trials caught is no blind spot (its upper bound 56%), 0/5 is (43%): more
+    seeds of the same code, nothing fell. A cell whose catch rate fell into a blind spot is
+    one; so is a blind cell new to the run."""
+    cell = dict(site="grad", model="scale", factor="1000", bit_class="-", fired="True",
+                effect="harmful")  # fmt: skip
+
+    def run(caught: int, n: int, **extra: object) -> pd.DataFrame:
+        trials = [dict(cell, **extra, trial_id=f"t{i}", detected=str(i < caught)) for i in range(n)]
+        return frame(*trials)
+
+    assert regress.new_blind_spots(run(0, 3), run(0, 5)) == []
+    (fell,) = regress.new_blind_spots(run(4, 4), run(0, 5))
+    assert (fell["regression"], fell["baseline"][:3]) == ("new blind spot", "4/4")
+    (new,) = regress.new_blind_spots(run(0, 3), run(0, 5, factor="10"))
+    assert new["baseline"] == "not in baseline"

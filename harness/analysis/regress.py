@@ -16,7 +16,9 @@ compared. A regression is:
   within the rounds' spread is named before the verdict and not judged one; per
   (workload, dtype, precision, detector, interval) in the overhead.csv files that a campaign
   with `campaign.overhead` writes, when both folders have them;
-- a new blind spot (docs/design.md, section 5): a cell that is one now and was not in the baseline.
+- a new blind spot (docs/design.md, section 5): a cell that is one now and was not in the baseline
+  (a cell new to the run, or one whose catch rate fell as above: 0/3 then 0/5 caught is one
+  now by its narrower interval alone, and the same code's).
 
 A column of the cells' keys that either run's tables were written without (`precision`,
 `fault_settings` before they existed) is left out of both runs' cells, and said so: each run's
@@ -216,7 +218,7 @@ def new_blind_spots(base: pd.DataFrame, cur: pd.DataFrame) -> list[dict[str, str
     before = _cells(base)
     for key, cell in _cells(cur).items():
         was = before.get(key)
-        if cell.blind and not (was is not None and was.blind):
+        if cell.blind and (was is None or (not was.blind and fell(was.harmful, cell.harmful))):
             text = rate_text(*was.harmful) if was is not None else "not in baseline"
             where = f"{cell.name}, harmful or latent trials"
             found.append(_finding("new blind spot", where, text, rate_text(*cell.harmful)))
