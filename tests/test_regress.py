@@ -435,3 +435,21 @@ def test_a_blind_spot_by_more_seeds_alone_is_no_new_one():
     assert (fell["regression"], fell["baseline"][:3]) == ("new blind spot", "4/4")
     (new,) = regress.new_blind_spots(run(0, 3), run(0, 5, factor="10"))
     assert new["baseline"] == "not in baseline"
+
+
+def test_runs_of_other_workloads_do_not_compare_trial_by_trial(tmp_path):
+    """Two campaigns whose trial ids coincide but whose workloads differ (nightly's 20 steps, the
+    default's 30), in one environment: '0/25 shared trials kept their effect and golden loss'
+    read as if the code had changed every row."""
+    env = {"commit": "a" * 40}
+    runs = []
+    for name, steps in (("base", 20), ("cur", 30)):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "campaign.json").write_text(json.dumps({"workload": {"steps": steps}}))
+        trials = frame(dict(trial_id="t0")).assign(**{regress.JOB: "."})
+        runs.append(regress.Run(trials, None, env, folder))
+    assert regress.environment_lines(*runs) == [
+        "same environment, other workloads (workload.steps 20 -> 30): a trial id of one run is "
+        "not the other's trial, and their rows do not compare trial by trial"
+    ]
