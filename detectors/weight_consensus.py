@@ -53,11 +53,18 @@ class WeightConsensus(Detector):
 
     @classmethod
     def check_topology(cls, config: Config, topology: Any) -> None:
-        if topology.parallel == "hsdp" and topology.world_size // topology.shard_size < 3:
+        groups = topology.world_size // (topology.shard_size or 1)
+        if topology.parallel == "hsdp" and groups < 3:
+            # A shard group of one rank is no sharding: HSDP's groups hold two ranks or more.
+            most = topology.world_size // 3
+            allowed = (
+                f"shard groups of at most {most} ranks" if most >= 2
+                else f"a world of at least {3 * topology.shard_size} ranks at this shard size"
+            )  # fmt: skip
             raise ConfigError(
                 "topology.shard_size",
-                "weight_consensus needs at least 3 replica groups for a majority; allowed: "
-                f"at most {topology.world_size // 3} ranks per shard group",
+                "weight_consensus needs at least 3 replica groups for a majority, and this world "
+                f"of {topology.world_size} has {groups}; allowed: {allowed}",
             )
         if topology.world_size < 3:
             raise ConfigError(

@@ -113,6 +113,11 @@ CASES = [
     ),
     (["campaign.fast_forward=sometimes"], "campaign.fast_forward", "allowed: true, false"),
     (["fault=grad_scale", "fault.ber=0.001"], "fault.ber", "needs model bitflip"),
+    (
+        ["topology.parallel=hsdp", "topology.shard_size=2", "detectors=[weight_consensus]"],
+        "topology.shard_size",
+        "this world of 4 has 2; allowed: a world of at least 6 ranks at this shard size",
+    ),
     # Past what the forward trace saw the fault's target make: the rank raised IndexError, and
     # the trial was recorded as a crash; a unit's lane past every product never struck.
     (
