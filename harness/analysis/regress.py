@@ -63,7 +63,7 @@ from harness.analysis.tables import (
     wilson,
 )
 from harness.results import machine
-from harness.results.folder import TRIALS_FILE, RunFolder
+from harness.results.folder import TRIALS_FILE
 from harness.results.schema import HOOK
 from harness.results.trial_row import Column
 
@@ -317,7 +317,7 @@ def regressions(base: Run, cur: Run) -> list[dict[str, str]]:
 def environment_lines(base: Run, cur: Run) -> list[str]:
     """Whether the two runs' rows can compare bit for bit, and what compares either way."""
     before, after = base.environment, cur.environment
-    differ = _workloads_differ(base.folder, cur.folder)
+    differ = machine.workload_differences(base.folder, cur.folder)
     if machine.same_numbers(before, after) and differ:
         return [
             f"same environment, other workloads ({differ}): a trial id of one run is not the "
@@ -351,17 +351,6 @@ def environment_lines(base: Run, cur: Run) -> list[str]:
         "compare; golden losses, bit-identity (golden_match) and masked counts do not (a "
         "masked trial may turn benign from rounding alone), and are not judged",
     ]
-
-
-def _workloads_differ(base: Path, cur: Path) -> str:
-    """The workload keys two run folders' campaign.json set otherwise, as `key a -> b` (''
-    where they agree, or either folder records none: a sweep's jobs record their own)."""
-    held = [(RunFolder(f).campaign_record() or {}).get("workload") for f in (base, cur)]
-    if not all(held):
-        return ""
-    before, after = held
-    keys = sorted(k for k in {*before, *after} if before.get(k) != after.get(k))
-    return "; ".join(f"workload.{k} {before.get(k)} -> {after.get(k)}" for k in keys)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,7 +1,8 @@
 """What a run recorded about the machine it computed on (campaign.json's `environment`, built by
 harness/runtime/environment.py's `record` from the ranks' reports): read back, summarized for
 the report, and compared between runs, which tells `sdc-regress` whether two runs' numbers may
-differ."""
+differ; and whether two runs trained the same workload, without which their trial ids name other
+trials."""
 
 from __future__ import annotations
 
@@ -21,6 +22,17 @@ def recorded(folder: Path) -> dict[str, str] | None:
     """The environment a run folder's campaign.json records (None when it records none)."""
     env = (RunFolder(folder).campaign_record() or {}).get("environment")
     return {**BEFORE_NUMERICS, **env} if env else None
+
+
+def workload_differences(base: Path, cur: Path) -> str:
+    """The workload keys two run folders' campaign.json set otherwise, as `workload.key a -> b`
+    ('' where they agree, or either folder records none: a sweep's jobs record their own)."""
+    held = [(RunFolder(f).campaign_record() or {}).get("workload") for f in (base, cur)]
+    if not all(held):
+        return ""
+    before, after = held
+    keys = sorted(k for k in {*before, *after} if before.get(k) != after.get(k))
+    return "; ".join(f"workload.{k} {before.get(k)} -> {after.get(k)}" for k in keys)
 
 
 def of_runs(folders: list[Path]) -> dict[str, str] | None:
