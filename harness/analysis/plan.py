@@ -173,7 +173,8 @@ def loss(option: Option, job: Job) -> Loss:
     """The model of the module docstring, at the point estimates and at either extreme."""
     per_event = job.events_per_day * job.gpus  # GPU-hours per wall hour lost, per day
     (kc, nc), (ke, ne) = option.caught, option.escaped
-    caught_lo, caught_hi = wilson(kc, nc)
+    # No checks catch nothing: 0 at either extreme, not the interval 0 of n leaves open.
+    caught_lo, caught_hi = wilson(kc, nc) if option.checks else (0.0, 0.0)
     escaped_lo, escaped_hi = wilson(ke, ne)
     mean, least, most = option.ttd
     if math.isnan(mean):  # nothing caught: a catch that the bounds allow comes at the next audit
