@@ -354,7 +354,7 @@ def environment_lines(base: Run, cur: Run) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="sdc-regress", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="sdc-regress", description=__doc__.split("\n\n")[0])
     parser.add_argument("baseline", type=Path, help="the baseline run folder (results/baseline)")
     parser.add_argument("current", type=Path, help="the run to judge against it")
     args = parser.parse_args(argv)

@@ -398,7 +398,7 @@ def to_html(markdown: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="sdc-report", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="sdc-report", description=__doc__.split("\n\n")[0])
     parser.add_argument("dirs", nargs="+", type=Path, help="run folders or sweep folders")
     parser.add_argument("--out", type=Path, help="where to write (default: the first folder)")
     args = parser.parse_args(argv)
