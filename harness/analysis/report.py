@@ -119,7 +119,8 @@ def effects_line(df: pd.DataFrame) -> str:
     effects = df[Column.effect].value_counts()
     line = ", ".join(f"{e} {effects[e]}" for e in sorted(effects.index))
     unfired = never_struck(df)
-    return line + (f"; {unfired} planned faults never struck (effect none)" if unfired else "")
+    faults = "fault" if unfired == 1 else "faults"
+    return line + (f"; {unfired} planned {faults} never struck (effect none)" if unfired else "")
 
 
 def summary(df: pd.DataFrame) -> str:
