@@ -264,8 +264,8 @@ def test_a_ddp_module_whose_guard_closed_takes_a_new_one(one_rank):
 
 def test_a_loop_that_skips_before_step_or_saves_mid_step_is_refused(one_rank, tmp_path):
     """after_step without before_step (replay never audited, and an act-mode alarm came after
-    the update it should have stopped), and a checkpoint before the first step ended or before
-    after_step (it was labelled the step before: step_-00001.pt held step 0's weights):
+    the update it should have stopped), and a checkpoint before a job's first step ended or
+    before after_step (it was labelled the step before: step_-00001.pt held step 0's weights):
     RuntimeError naming the call to make."""
     optimizer = torch.optim.SGD(one_rank.parameters(), lr=0.1)
     guard = Guard(one_rank, ["nan_inf"], checkpoints=tmp_path / "ckpt")
@@ -281,6 +281,11 @@ def test_a_loop_that_skips_before_step_or_saves_mid_step_is_refused(one_rank, tm
     guard.after_step(optimizer)
     assert guard.save({"model": one_rank.module.state_dict()}).name == "step_000000.pt"
     guard.close()
+    # Resumed after step 4, the weights are step 4's: a trainer may save them again at once
+    # (Lightning's ModelCheckpoint does, mid-accumulation, after a resume).
+    resumed = Guard(one_rank, ["nan_inf"], checkpoints=tmp_path / "ckpt", start_step=5)
+    assert resumed.save({"model": one_rank.module.state_dict()}).name == "step_000004.pt"
+    resumed.close()
 
 
 @pytest.mark.parametrize("start_step", ["3", 2.5, -2])

@@ -199,6 +199,37 @@ def test_after_an_alarm_the_guard_refuses_a_new_fit_and_a_new_guard_takes_the_sa
     assert files == [*before, "step=3.ckpt", "step=4.ckpt"], files
 
 
+def _resumed_fit(port: int, folder: str, results) -> None:
+    """One DDP rank, accumulating 2 micro-batches, a checkpoint every 2 steps: a fit of 2 steps,
+    then one resumed from its checkpoint to 4. ModelCheckpoint saves again on the resumed fit's
+    first micro-batch (its last saved step is not restored), before any step ends there."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    data = torch.utils.data.TensorDataset(torch.randn(16, 4))
+    steps = []
+    for max_steps, resume in ((2, None), (4, os.path.join(folder, "step=2.ckpt"))):
+        torch.manual_seed(0)
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=1, strategy="ddp", max_steps=max_steps, logger=False,
+            enable_progress_bar=False, enable_model_summary=False, accumulate_grad_batches=2,
+            callbacks=[SDCGuard(["nan_inf"], mode="act"),
+                       ModelCheckpoint(folder, "{step}", every_n_train_steps=2, save_top_k=-1)],
+        )  # fmt: skip
+        try:
+            trainer.fit(Tiny(), torch.utils.data.DataLoader(data, batch_size=2), ckpt_path=resume)
+        except RuntimeError as error:  # said, not a rank's traceback
+            results.put(str(error))
+            return
+        steps.append(trainer.global_step)
+    results.put((steps, sorted(os.listdir(folder))))
+
+
+def test_a_fit_resumed_mid_accumulation_saves_the_restored_step_again(tmp_path):
+    """The save at the resumed fit's start holds the restored weights, step 1's (it was refused
+    as a checkpoint before any step had ended)."""
+    got = one_forked_rank(tmp_path, _resumed_fit, str(tmp_path / "checkpoints"))
+    assert got == ([2, 4], ["step=2.ckpt", "step=4.ckpt"]), got
+
+
 def _observed_fit(rank: int, port: int, folder: str, results) -> None:
     """One of three DDP ranks, observe mode, weight consensus before each checkpoint and
     ModelCheckpoint's default rotation (save_top_k=1: each save removes the one before), x3 on

@@ -188,10 +188,11 @@ class Guard:
         recomputing = sorted(RECOMPUTING & set(self.checks))
         if recomputing and self.bus.reduced_twice is not None:
             raise RuntimeError(
-                f"accumulation: step {self.bus.reduced_twice} reduced a gradient bucket more "
-                f"than once, and {', '.join(recomputing)} recomputes a step's gradient reduced "
-                "once: reduce the last micro-batch only (DDP: model.no_sync() around the others; "
-                "FSDP2: model.set_requires_gradient_sync(False))"
+                f"accumulation: step {self.bus.reduced_twice} reduced a gradient bucket twice, "
+                f"and {', '.join(recomputing)} recomputes a step's gradient reduced once: "
+                "reduce the last micro-batch of an accumulation only (DDP: model.no_sync() "
+                "around the others; FSDP2: model.set_requires_gradient_sync(False); HSDP also "
+                "set_requires_all_reduce(False)), and backward once per step"
             )
         self._audited = self.step
         self.bus.audit(self.step)
@@ -215,11 +216,14 @@ class Guard:
     def before_checkpoint(self) -> bool:
         """Run the checks that gate a checkpoint of the step just finished (weight consensus):
         whether they approve; act mode raises SDCAlarm instead of disapproving."""
-        if self.step == self.start_step or self._audited == self.step:
+        # At a resumed job's start (start_step > 0) the weights are those of step
+        # start_step - 1, restored: a trainer may checkpoint them again (Lightning's
+        # ModelCheckpoint does, mid-accumulation, after a resume).
+        if self.step == 0 or self._audited == self.step:
             raise RuntimeError(
                 "checkpoint: after guard.after_step(), which ends the step it saves (a "
                 f"checkpoint now would be labelled step {self.step - 1}, whose update "
-                f"{'never ran here' if self.step == self.start_step else 'is not the last'})"
+                f"{'never ran' if self.step == 0 else 'is not the last'})"
             )
         step = self.step - 1
         self.checkpointed.add(step)
@@ -368,6 +372,10 @@ class Guard:
         try:
             if folder is not None and self.info.rank == 0:
                 quarantine(folder, alarm, self.written)
+        except OSError as error:
+            # The alarm, and its exit code, are what the job ends with: said, not replaced.
+            print(f"SDCGuard: setting the suspect checkpoints aside failed: {error}",
+                  file=sys.stderr)  # fmt: skip
         finally:
             # Training ends here: nothing the guard did may still be in flight when it does.
             self.close()
