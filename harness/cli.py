@@ -14,6 +14,8 @@ import hydra
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Override
 from hydra.errors import HydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
@@ -73,10 +75,15 @@ def preflight(argv: list[str]) -> None:
     campaign's).
     """
     if "-m" in argv or "--multirun" in argv:
-        pairs = [a.split("=", 1) for a in argv if "=" in a and not a.startswith("-")]
-        outs = [value for key, value in pairs if key.lstrip("+") == "out"]
-        several = any(_swept(value) for key, value in pairs if key.lstrip("+") != "out")
-        if several and any(not _swept(value) for value in outs):
+        try:
+            parsed = OverridesParser.create().parse_overrides(
+                [a for a in argv if "=" in a and not a.startswith(("-", "hydra"))]
+            )
+        except HydraException as exc:
+            fail(str(exc).strip().splitlines()[0])
+        outs = [o for o in parsed if o.key_or_group == "out"]
+        several = any(o.is_sweep_override() for o in parsed if o.key_or_group != "out")
+        if several and any(not _per_job(o) for o in outs):
             fail(
                 "out: a sweep's jobs each write into their own folder under hydra.sweep.dir; "
                 "leave out unset (or sweep it: one folder per job)"
@@ -95,9 +102,9 @@ def preflight(argv: list[str]) -> None:
         fail(str(exc))
 
 
-def _swept(value: str) -> bool:
-    """Whether an override's value is a sweep of several (Hydra's a,b and its functions)."""
-    return "," in value or value.startswith(("range(", "choice(", "glob("))
+def _per_job(out: Override) -> bool:
+    """Whether an `out` override names a folder per job: swept, or through the job's number."""
+    return out.is_sweep_override() or "hydra:job.num" in out.input_line
 
 
 def _composition_error(message: str, overrides: list[str]) -> str:

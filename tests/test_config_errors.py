@@ -551,6 +551,19 @@ def test_a_sweep_of_several_jobs_into_one_out_is_refused_before_any_job_runs(tmp
     assert not out.exists() and not sweep.exists()
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["-m", "detectors=[nan_inf,replay]", "out=one"],  # a list, not a sweep: one job
+        ["-m", "fault.factor=10,1000", "out=runs/${hydra:job.num}"],  # a folder per job
+        ["-m", "fault.factor=10,1000", "out=a,b"],
+        ["-m", "fault.factor=10,1000"],
+    ],
+)
+def test_a_sweep_whose_jobs_write_apart_is_accepted(argv):
+    assert cli.preflight(argv) is None
+
+
 def test_an_out_that_cannot_be_created_is_refused_before_anything_runs(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("the user's data\n")
