@@ -24,10 +24,10 @@ where an LLM recipe clips.
 run in this loop, at its defaults); `--inject` takes the keys of `fault.*` to rehearse a fault;
 `--guard-off` trains the same loop without the guard (the reference for its overhead);
 `--resume` restarts from the guard's restore point in DIR/checkpoints. `--ranks-per-node`
-defaults to 1 and SDC_NODE_NAME to "host{node}": every rank its own simulated node and
+defaults to 1, and then SDC_NODE_NAME to "host{node}": every rank its own simulated node and
 machine, so that replay has the three nodes it needs under `--standalone` and an alarm names
 the machine (one host's name for every rank made it name all of them: exit 87); on a real
-cluster give the ranks per host and leave SDC_NODE_NAME unset.
+cluster give the ranks per host, and each machine keeps its own name.
 
 Writes DIR/summary.json: {"steps", "checks", "left_out", "alarm", "alerts", "warnings",
 "exit_code", "digest", "losses", "step_time_s", "replay_bytes", "replay_transfer_s"}, and
@@ -217,7 +217,8 @@ def main() -> None:
     parser.add_argument("--clip", type=float, default=None)
     parser.add_argument("--cpu-numerics", choices=numerics.NUMERICS, default="emulated")
     args = parser.parse_args()
-    os.environ.setdefault("SDC_NODE_NAME", "host{node}")
+    if args.ranks_per_node == 1:  # simulated nodes on one host: a machine each
+        os.environ.setdefault("SDC_NODE_NAME", "host{node}")
     if args.model == "gpt" and args.dropout:
         parser.error("--dropout: the harness's gpt has no dropout; use --model gpt2 or llama")
     if args.accumulate < 1:

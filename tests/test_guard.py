@@ -582,4 +582,6 @@ def test_a_second_incident_sets_aside_a_checkpoint_of_the_same_step_beside_the_f
         "step_000005.pt.sha256",
     ]
     assert checkpoint.load(aside / "step_000005.pt")["incident"] == 1
-    assert json.loads((tmp_path / "quarantine.json").read_text())["set_aside"] == ["step_000005.pt"]
+    record = json.loads((tmp_path / "quarantine.json").read_text())
+    assert record["set_aside"] == ["step_000005.pt"]
+    assert record["moved_to"] == ["suspect/step_000005.pt.2"]

@@ -118,7 +118,7 @@ def _within(key: str, fault: FaultConfig, name: str, index: int, forward: Forwar
         what = "product's second operand" if backward else "product"
         traced = forward.product_traces[name][fault.product - 1]
         size = traced.operand_size if backward else traced.size
-    if index >= size:
+    if size and index >= size:  # 0: not traced (an operand passed by keyword)
         raise ConfigError(
             key, f"{index} is out of range: the {what} struck in '{name}' has {size} elements; "
             f"allowed: 0..{size - 1}"

@@ -17,7 +17,7 @@
                 optimizer.step()
                 guard.after_step(optimizer)               # checks on the updated weights
                 if step % 100 == 99:                      # after after_step: the step ended
-                    guard.save({"model": model.module.state_dict(),
+                    guard.save({"model": model.module.state_dict(),  # FSDP2: get_state_dict
                                 "optimizer": optimizer.state_dict()})
         except SDCAlarm as alarm:
             code = alarm.exit_code                        # 86 suspect hardware, 87 not attributed

@@ -73,7 +73,7 @@ def quarantine(folder: Path, alarm: SDCAlarm, written: list[tuple[int, Path]]) -
     count a renamed one among them, and delete it or keep it in place of one the checks vouch
     for."""
     folder.mkdir(parents=True, exist_ok=True)
-    set_aside = []
+    set_aside, moved = [], []
     for step, path in [*checkpoint.saved(folder), *written]:
         if step >= alarm.first_suspect_step and path.exists():
             aside = path.parent / SUSPECT
@@ -84,7 +84,10 @@ def quarantine(folder: Path, alarm: SDCAlarm, written: list[tuple[int, Path]]) -
             if digest.exists():
                 digest.rename(into.with_name(into.name + ".sha256"))
             set_aside.append(path.name)
-    record = dict(alarm.record(), set_aside=set_aside)
+            moved.append(str(into.relative_to(folder) if into.is_relative_to(folder) else into))
+    # set_aside: the checkpoints' names; moved_to: where each went (from quarantine.json's
+    # folder where it lies within it).
+    record = dict(alarm.record(), set_aside=set_aside, moved_to=moved)
     tmp = folder / f".{QUARANTINE}.tmp"
     tmp.write_text(json.dumps(record, indent=1, default=str))
     os.replace(tmp, folder / QUARANTINE)

@@ -3,7 +3,8 @@ detectors="all", mode="act", checkpoints=DIR)])` (docs/guard.md, "Hugging Face T
 
 Entry contract: a plain `transformers.Trainer` (its own `compute_loss` and `training_step`) under
 torchrun, one process per device, which accelerate wraps in DistributedDataParallel; a model that
-returns its loss as `outputs.loss` from the batch it is called with; bfloat16 or float32 (no
+returns its loss under "loss" (a ModelOutput's `outputs.loss`, or a plain mapping's) from the
+batch it is called with; bfloat16 or float32 (no
 float16 loss scaling); no `compute_loss_func`, no label smoothing. Every rank builds the same
 callback. Anything else is refused when training begins, in one ValueError line naming the
 setting and what is allowed (`_refuse_unservable`).
@@ -13,12 +14,12 @@ events (transformers/trainer.py, `_inner_training_loop` and `_run_epoch`):
 - `on_train_begin` (accelerate has wrapped the model in DDP; a resumed fit has its step): the
   Guard attaches to the Trainer's `model_wrapped`, counting steps from `state.global_step`.
   Callbacks are handed the unwrapped model, never the Trainer, so the Trainer is found as the
-  one in train() whose callbacks hold this one (`_trainer_of`).
+  caller whose train() is calling this one (`_trainer_of`).
 - Every forward of a training step (between `on_step_begin` and `on_step_end`, the module in
   train mode): a forward pre-hook keeps the keyword arguments the model is called with for
   replay (`num_items_in_batch` included, which compute_loss merges in), with the random state
-  of the moment; a forward hook passes `outputs.loss` through the checks (a rehearsed loss fault
-  strikes there). Replay recomputes `model(**batch).loss` with the hooks bypassed, under the
+  of the moment; a forward hook passes the loss through the checks (a rehearsed loss fault
+  strikes there). Replay recomputes `model(**batch)["loss"]` with the hooks bypassed, under the
   autocast accelerate patched into the model's forward, and scales it as the Trainer scaled the
   loss it backpropagated (`_backpropagated`).
 - `on_pre_optimizer_step` (after the Trainer clipped: the checks on the gradients ran in the
