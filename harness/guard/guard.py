@@ -377,6 +377,9 @@ class Guard:
             print(f"SDCGuard: setting the suspect checkpoints aside failed: {error}",
                   file=sys.stderr)  # fmt: skip
         finally:
+            # Every rank waits for rank 0's set-aside: a rank that exits at once lets torchrun's
+            # agent stop rank 0 mid-move, a suspect checkpoint left where restore_point takes it.
+            dist.barrier()
             # Training ends here: nothing the guard did may still be in flight when it does.
             self.close()
         raise alarm.again()
