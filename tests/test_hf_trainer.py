@@ -187,16 +187,22 @@ class HooksInStep(transformers.TrainerCallback):
         self.seen.append(forward_hooks(model))
 
 
-def _train_after_an_error(port: int, out: str, results) -> None:
-    """One rank as torchrun starts it (accelerate wraps the model in DDP): a fit that raised a
-    RuntimeError of the collator's, then train() again on the same Trainer. The forward hooks
-    the first left, the second's outcome, the hooks in its step and after it."""
+def _broken_rank(port: int, out: str) -> transformers.Trainer:
+    """This process as torchrun starts one rank (accelerate wraps the model in DDP), and a
+    Trainer whose collator raises on its first batch."""
     os.environ.update(
         RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port), OMP_NUM_THREADS="1",
     )  # fmt: skip
-    trainer = tiny_trainer(Path(out), ddp_backend="gloo", save_strategy="no",
-                           data_collator=BrokenOnce())  # fmt: skip
+    return tiny_trainer(Path(out), ddp_backend="gloo", save_strategy="no",
+                        data_collator=BrokenOnce())  # fmt: skip
+
+
+def _train_after_an_error(port: int, out: str, results) -> None:
+    """One rank as torchrun starts it (accelerate wraps the model in DDP): a fit that raised a
+    RuntimeError of the collator's, then train() again on the same Trainer. The forward hooks
+    the first left, the second's outcome, the hooks in its step and after it."""
+    trainer = _broken_rank(port, out)
     watch = HooksInStep()
     trainer.add_callback(watch)
     first, second = "no error", "not run"
@@ -234,12 +240,7 @@ def test_a_fit_that_raised_leaves_the_next_train_a_fresh_one(tmp_path):
 def _retry_with_a_new_trainer(port: int, out: str, results) -> None:
     """One rank: a fit whose collator raised, then a new Trainer given the same callback (the
     raised one still `is_in_train`, as the Trainer leaves it): the retry's outcome."""
-    os.environ.update(
-        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-    )  # fmt: skip
-    raised = tiny_trainer(Path(out), ddp_backend="gloo", save_strategy="no",
-                          data_collator=BrokenOnce())  # fmt: skip
+    raised = _broken_rank(port, out)
     with contextlib.suppress(RuntimeError):
         raised.train()
     (callback,) = [c for c in raised.callback_handler.callbacks if isinstance(c, SDCGuardCallback)]

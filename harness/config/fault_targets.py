@@ -116,7 +116,7 @@ def _within(key: str, fault: FaultConfig, name: str, index: int, forward: Forwar
     else:
         backward = fault.phase == "backward"
         what = "product's second operand" if backward else "product"
-        traced = forward.product_traces[name][fault.product - 1]
+        traced = forward.product(name, fault.product)
         size = traced.operand_size if backward else traced.size
     if size and index >= size:  # 0: not traced (an operand passed by keyword)
         raise ConfigError(
@@ -147,7 +147,7 @@ def _struck(fault: FaultConfig, forward: ForwardModules, name: str) -> tuple[str
         return "output", tuple(forward.outputs.get(name, ()))
     if fault.model == "defective_unit":
         return "products", tuple(forward.made.get(name, ()))
-    traced = forward.product_traces[name][fault.product - 1]
+    traced = forward.product(name, fault.product)
     if fault.phase == "backward":
         return f"product {fault.product}'s second operand", traced.operand_dtypes
     return f"product {fault.product}", traced.dtypes
@@ -159,7 +159,7 @@ def _backward_reaches(
     """A backward matmul fault corrupts the gradient of the product's second operand: a frozen
     weight (requires_grad False) gets none, and the fault could never strike."""
     for name in targets:
-        if forward.product_traces[name][fault.product - 1].operand_frozen:
+        if forward.product(name, fault.product).operand_frozen:
             raise ConfigError(
                 f"{key}.phase", f"backward: product {fault.product} of '{name}' multiplies a "
                 "frozen weight, which no gradient reaches; allowed: forward"

@@ -199,6 +199,10 @@ class ForwardModules:
     output_sizes: dict[str, int]
     product_traces: dict[str, tuple[TracedProduct, ...]]
 
+    def product(self, name: str, k: int) -> TracedProduct:
+        """The `k`-th product (from 1, as `fault.product` counts) of module `name`."""
+        return self.product_traces[name][k - 1]
+
 
 def _never(_stack: tuple[str, ...]) -> bool:
     return False
