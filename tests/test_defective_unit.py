@@ -19,7 +19,7 @@ from harness.core.events import LaneInject
 from harness.errors import ConfigError
 from injectors import bits
 from injectors.defective_unit import DefectiveUnit
-from tests.conftest import compose_run
+from tests.conftest import compose_run, events
 from tests.test_matmul_checksum import Rank
 
 
@@ -152,3 +152,30 @@ def test_the_label_names_the_units_settings():
     trial = next(t for t in run.trials if not t.fault.clean)
     assert trial.trial_id == f"000-matmul-defective_unit-permanent-lane2-rate0.1-s{trial.seed}"
     assert trial.fault.settings == DefectiveUnit.Config(lane=2, rate=0.1)
+
+
+@pytest.mark.parametrize(
+    ("workload", "head"),
+    [
+        # gpt's 1.7 MB of gradients, its products bfloat16 under autocast
+        (("workload=gpt", "workload.precision=bf16-mixed"), "head"),
+        # the transformers Llama with the LLM recipe (clipping, warmup and cosine)
+        (("workload=llama",), "lm_head"),
+    ],
+    ids=["gpt-bf16", "llama"],
+)
+def test_a_unit_strikes_the_training_forwards_and_not_the_final_evaluation(
+    tmp_path, run_ok, workload, head
+):
+    """A unit broken from the last step on strikes that step's forward on its rank, once per
+    product: its output head once. The final evaluation, which measures the weights the trial
+    left, ran with the unit still due and was struck too (the head twice), its loss judging the
+    trial."""
+    out = tmp_path / "run"
+    run_ok(*workload, "campaign=single", "workload.steps=3", "detectors=[]", "fault.site=matmul",
+           "fault.model=defective_unit", "fault.persistence=permanent", "fault.steps=[2]",
+           "fault.ranks=[1]", "fault.bit=exponent", "++fault.rate=1.0", "++fault.lanes=8",
+           f"out={out}", cwd=tmp_path)  # fmt: skip
+    struck = [e for e in events(out) if e["kind"] == "inject"]
+    assert struck and {(e["step"], e["rank"]) for e in struck} == {(2, 1)}
+    assert [e["tensor"] for e in struck].count(head) == 1, [e["tensor"] for e in struck]
