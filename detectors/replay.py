@@ -139,6 +139,11 @@ class Replay(Detector):
             )
 
     @classmethod
+    def looks(cls, config: Config, steps: range, checkpointed: Callable[[int], bool]) -> int | None:
+        """Listed steps: those of them in `steps`, counted (it has no interval to price by)."""
+        return None if config.steps is None else sum(s in steps for s in config.steps)
+
+    @classmethod
     def check_topology(cls, config: Config, topology: Any) -> None:
         if topology.nodes < 3:
             raise ConfigError(

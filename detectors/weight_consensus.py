@@ -92,6 +92,12 @@ class WeightConsensus(Detector):
         return max(b - a for a, b in itertools.pairwise([before, *looked]))
 
     @classmethod
+    def looks(cls, config: Config, steps: range, checkpointed: Callable[[int], bool]) -> int:
+        """Counted: checkpoints off its own looks make them irregular, and its longest stretch
+        unseen (`ran_every`) would price each look as if it came that seldom."""
+        return len(cls._looks(config, steps, checkpointed))
+
+    @classmethod
     def looks_in(cls, config: Config, steps: range, checkpointed: Callable[[int], bool]) -> bool:
         return bool(cls._looks(config, steps, checkpointed))
 

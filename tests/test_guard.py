@@ -454,20 +454,21 @@ def test_a_trainers_own_checkpoints_of_the_suspect_interval_are_set_aside(tmp_pa
 
 
 def _checkpointing_rank(rank: int, store: str, start: int, results) -> None:
-    """Consensus every 4 steps in a loop from step `start` that checkpoints every 2: the costs'
-    interval."""
+    """Consensus every 4 steps, and replay at two listed steps (one in the warm-up), in a loop
+    from step `start` that checkpoints every 2: the costs' interval and looks."""
     _joined(rank, store)
     model = DDP(nn.Linear(4, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    checks = {"nan_inf": {}, "weight_consensus": {"interval": 4}}
-    guard = Guard(model, checks, ranks_per_node=1, start_step=start)
+    checks = {"nan_inf": {}, "weight_consensus": {"interval": 4},
+              "replay": {"steps": [start + 1, start + 5]}}  # fmt: skip
+    guard = Guard(model, checks, ranks_per_node=1, start_step=start, replay_fn=_square_loss)
     try:
         for step in range(start, start + 8):
             _guarded_step(guard, model, optimizer, step, rank)
             if step % 2 == 1:
                 assert guard.before_checkpoint()
         checks = guard.costs().checks
-        results.put((rank, {name: cost.interval for name, cost in checks.items()}))
+        results.put((rank, {name: (cost.interval, cost.looks) for name, cost in checks.items()}))
     finally:
         guard.close()
         dist.destroy_process_group()
@@ -476,11 +477,14 @@ def _checkpointing_rank(rank: int, store: str, start: int, results) -> None:
 @pytest.mark.parametrize("start", [0, 100])
 def test_the_costs_state_the_interval_consensus_looked_at(tmp_path, start):
     """Consensus also looks before every checkpoint: in a job checkpointing every 2 steps it
-    looked every 2, which its costs file states (sdc-plan prices one look as the measured share
-    times that interval; at 4 it priced each look at twice what it cost), counted from the step
-    a resumed job began at."""
+    looked every 2, which its costs file states (at 4 sdc-plan priced each look at twice what it
+    cost), counted from the step a resumed job began at; and how many looks fell in the 5 steps
+    measured after the 3-step warm-up, where they are not one per interval: consensus's 3, and
+    replay's 1 of its listed steps (given no interval, it was priced as if it looked every
+    step: at 5 steps measured, 5 times low)."""
     got = _forked_world(tmp_path, _checkpointing_rank, start)
-    assert got == {r: {"nan_inf": None, "weight_consensus": 2} for r in range(FROZEN_WORLD)}
+    looked = {"nan_inf": (None, None), "weight_consensus": (2, 3), "replay": (None, 1)}
+    assert got == {r: looked for r in range(FROZEN_WORLD)}
 
 
 @pytest.fixture

@@ -77,8 +77,9 @@ def test_a_clean_fsdp_loop_with_every_check_trains_as_it_would_without_the_guard
 
 def test_the_costs_measured_in_the_job_price_the_plan(fsdp, tmp_path, capsys):
     """write_costs gives every check a positive cost; sdc-plan --costs uses the job's figure for
-    each check (at the job's interval, that figure; at k, c/k) and the job's hook, says so in
-    its header, and refuses a file that lacks a check the run ran."""
+    each check (at the job's interval, that figure; at k, c/k; looks counted, a look's cost
+    over k) and the job's hook, says so in its header, and refuses a file that lacks a check
+    the run ran or whose figure holds none of its looks."""
     out, _ = fsdp
     costs = JobCosts.read(out / "costs.json")
     assert set(costs.checks) == set(SHARDED) and costs.parallel == "fsdp"
@@ -107,6 +108,20 @@ def test_the_costs_measured_in_the_job_price_the_plan(fsdp, tmp_path, capsys):
         plan_report.main([str(SWEEP), "--costs", str(tmp_path / "short.json")])
     assert exited.value.code == 2
     assert "'replay' looks every 5 steps and the guard measured 2" in capsys.readouterr().err
+    # Replay at listed steps, one of them among the 2 measured: its figure is one look's cost
+    # spread over 2 steps, so one look costs twice it; a figure holding none is refused.
+    listed = replace(costs.checks["replay"], interval=None, looks=1)
+    once = replace(costs, checks={**costs.checks, "replay": listed})
+    per_look = 2 * costs.checks["replay"].overhead_pct
+    assert job_overheads(once, "once.json", trials).at[("replay", "20")] == pytest.approx(
+        per_look / 20
+    )
+    unseen = replace(costs, checks={**costs.checks, "replay": replace(listed, looks=0)})
+    unseen.write(tmp_path / "unseen.json")
+    with pytest.raises(SystemExit) as exited:
+        plan_report.main([str(SWEEP), "--costs", str(tmp_path / "unseen.json")])
+    assert exited.value.code == 2
+    assert "'replay' looked at none of the 2 steps the guard measured" in capsys.readouterr().err
 
 
 @pytest.mark.slow

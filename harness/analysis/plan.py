@@ -335,9 +335,11 @@ def overheads(table: pd.DataFrame) -> Overheads:
 def job_overheads(costs: JobCosts, source: str, trials: pd.DataFrame) -> Overheads:
     """The overheads the guard measured in the job itself (`guard.write_costs`), at each interval
     the run's trials ran a check at: a check measured running every k_f steps at f percent of
-    the job's step costs f k_f / k at interval k (one run's cost, over k), f itself at k_f;
-    the hook its own entry, once for any set. A check the run's trials ran and the file lacks,
-    or measured over fewer steps than its interval, is a PlanError naming it."""
+    the job's step costs f k_f / k at interval k (one run's cost, over k), f itself at k_f; one
+    whose looks were irregular (listed steps, extra looks before checkpoints), measured over n
+    steps holding l of them, costs f n / l per look, over k. The hook its own entry, once for any
+    set. A check the run's trials ran and the file lacks, or measured over fewer steps than its
+    interval or over none of its looks, is a PlanError naming it."""
     ran = detector_names(trials)
     missing = [name for name in ran if name not in costs.checks]
     if missing:
@@ -354,11 +356,20 @@ def job_overheads(costs: JobCosts, source: str, trials: pd.DataFrame) -> Overhea
             f"{costs.steps}, which may hold none of its looks; measure at least {k} steps after "
             "the guard's warm-up (several of its intervals for a steady figure)"
         )
+    unseen = [name for name in ran if costs.checks[name].looks == 0]
+    if unseen:
+        raise PlanError(
+            f"--costs {source}: '{unseen[0]}' looked at none of the {costs.steps} steps the guard "
+            "measured, so its figure holds no look's cost; measure over steps where it looks"
+        )
     every = fired_faults(trials)["every"]
     at, per_run = {}, {}
     for name in ran:
         measured = costs.checks[name]
-        per_run[name] = measured.overhead_pct * (measured.interval or 1)
+        if measured.looks is None:
+            per_run[name] = measured.overhead_pct * (measured.interval or 1)
+        else:
+            per_run[name] = measured.overhead_pct * costs.steps / measured.looks
         for k in {""} | {str(e[name]) for e in every if name in e}:
             at[(name, k)] = per_run[name] / (int(k) if k else 1)
     return Overheads(at, per_run, [], costs.hook.overhead_pct, costs, source)

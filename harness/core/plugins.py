@@ -298,6 +298,16 @@ class Detector(Plugin):
         no other: k. `checkpointed(s)`: whether a checkpoint followed step s."""
         return config.every
 
+    @classmethod
+    def looks(
+        cls, config: CheckConfig, steps: range, checkpointed: Callable[[int], bool]
+    ) -> int | None:
+        """How many of `steps` it looks at, where its looks are not one every `ran_every` steps
+        (listed steps, extra looks before checkpoints): a cost measured over `steps` is that
+        many looks' (the guard's costs, priced per look by sdc-plan). None: one look every
+        `ran_every` steps (every step for None), priced by that interval."""
+        return None
+
     def state_dict(self) -> dict[str, Any]:
         """What this check carries from one step to the next (plain numbers and lists)."""
         return {}

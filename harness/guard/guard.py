@@ -260,11 +260,17 @@ class Guard:
         own when it falls in the suspect interval."""
         self.written.append((self.step - 1, Path(path)))
 
-    def _ran_every(self, name: str) -> int | None:
-        """The check's audit interval as this job made it look: consensus also looks before each
-        checkpoint, so a job checkpointing more often than its interval looks more often."""
-        return registry.detector_class(name).ran_every(
-            self.checks[name], range(self.start_step, self.step), self.checkpointed.__contains__
+    def _looked(self, name: str) -> tuple[int | None, int | None]:
+        """The check's audit interval as this job made it look (consensus also looks before each
+        checkpoint, so a job checkpointing more often than its interval looks more often), and,
+        where its looks are irregular, how many fell in the steps measured."""
+        check, config = registry.detector_class(name), self.checks[name]
+        measured = range(self.step - self._measured, self.step)
+        return (
+            check.ran_every(
+                config, range(self.start_step, self.step), self.checkpointed.__contains__
+            ),
+            check.looks(config, measured, self.checkpointed.__contains__),
         )
 
     @staticmethod
@@ -284,8 +290,8 @@ class Guard:
             )
         spent, n = self.stopwatch.read(), self._measured
 
-        def part(name: str, interval: int | None = None) -> CheckCost:
-            return CheckCost(spent.get(name, 0.0) / n, math.nan, interval)
+        def part(name: str, interval: int | None = None, looks: int | None = None) -> CheckCost:
+            return CheckCost(spent.get(name, 0.0) / n, math.nan, interval, looks)
 
         return priced(
             JobCosts(
@@ -295,7 +301,7 @@ class Guard:
                 device=self.info.device,
                 parallel=self.parallel,
                 world_size=self.info.world_size,
-                checks={name: part(name, self._ran_every(name)) for name in self.checks},
+                checks={name: part(name, *self._looked(name)) for name in self.checks},
                 hook=part(HOOK),
                 injection=part("injection") if "injection" in spent else None,
             )

@@ -22,6 +22,9 @@ class CheckCost:
     seconds_per_step: float
     overhead_pct: float
     interval: int | None = None  # the check runs every `interval` steps; None: every step
+    # Its looks in the steps measured, where they are not one every `interval` steps (listed
+    # steps, extra looks before checkpoints): its figure is that many looks' cost; None: regular.
+    looks: int | None = None
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,7 @@ def _entry(data: dict[str, Any]) -> CheckCost:
         seconds_per_step=float(data["seconds_per_step"]),
         overhead_pct=float(data["overhead_pct"]),
         interval=None if data.get("interval") is None else int(data["interval"]),
+        looks=None if data.get("looks") is None else int(data["looks"]),
     )
     if not math.isfinite(cost.overhead_pct):
         raise ValueError("an overhead that is not a number")
@@ -94,7 +98,7 @@ def combined(per_rank: list[JobCosts]) -> JobCosts:
         if not found:
             return None
         seconds = sum(p.seconds_per_step for p in found) / len(per_rank)
-        return CheckCost(seconds, math.nan, found[0].interval)
+        return CheckCost(seconds, math.nan, found[0].interval, found[0].looks)
 
     return priced(
         replace(
@@ -113,7 +117,7 @@ def priced(raw: JobCosts) -> JobCosts:
 
     def pct(part: CheckCost) -> CheckCost:
         share = 100 * part.seconds_per_step / base if base > 0 else math.inf
-        return CheckCost(part.seconds_per_step, share, part.interval)
+        return replace(part, overhead_pct=share)
 
     return replace(
         raw,

@@ -42,6 +42,11 @@ def test_the_file_reads_back_what_was_written_and_a_bad_one_is_named(tmp_path):
     costs = priced(rank_costs(step=1.0, nan_inf=0.1, replay=0.2, hook=0.2))
     costs.write(tmp_path / "costs.json")
     assert JobCosts.read(tmp_path / "costs.json") == costs
+    irregular = CheckCost(0.05, math.nan, interval=2, looks=3)  # consensus, checkpoints between
+    with_looks = priced(replace(costs, checks={**costs.checks, "weight_consensus": irregular}))
+    with_looks.write(tmp_path / "looks.json")
+    assert JobCosts.read(tmp_path / "looks.json").checks["weight_consensus"].looks == 3
+    assert combined([with_looks, with_looks]).checks["weight_consensus"].looks == 3
     (tmp_path / "bad.json").write_text('{"checks": {}}')
     with pytest.raises(ValueError, match="bad.json: not a costs file from guard.write_costs"):
         JobCosts.read(tmp_path / "bad.json")
