@@ -27,16 +27,20 @@ def sweep(*args: str, cwd) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow  # the default run's sweep is the one below; this is its error path
 def test_a_failed_job_ends_the_sweep_but_not_the_merged_report(tmp_path):
-    # Job 1 asks for bit 99 of a float32: sdc-bench exits 2 in that job, which ends the sweep.
-    proc = sweep("fault.bit=30,99", cwd=tmp_path)
+    # Job 1 asks for bit 99 of a float32: sdc-bench exits 2 in that job, which ends the sweep
+    # before job 2, which sweep.md names as not started.
+    proc = sweep("fault.bit=30,99,0", cwd=tmp_path)
     assert proc.returncode == 2
     assert "fault.bit: 99 is out of range" in proc.stderr
     assert "jobs without trials.csv: 1" in proc.stderr
+    assert "jobs not started after the failed one: 1" in proc.stderr
     top = tmp_path / "sweep"
     assert "Runs: sweep/0" in (top / "report.md").read_text()
+    assert not (top / "2").exists()
     jobs = (top / "sweep.md").read_text()
-    assert "1 trials from 1 of 2 jobs" in jobs
+    assert "1 trials from 1 of 3 jobs" in jobs
     assert "| 1 | `fault.bit=99` | 0 | **no trials.csv** |" in jobs
+    assert "| - | `fault.bit=0` | 0 | **not started** |" in jobs
 
 
 def test_a_sweep_writes_a_merged_report_that_sdc_report_rebuilds(tmp_path):

@@ -1,6 +1,7 @@
 """The merged report of a sweep (`sdc-bench -m ...`): one report over every job folder's
 trials.csv, written at the top of the sweep folder, plus sweep.md, which lists each job, what it
-varied and how many trials it wrote.
+varied and how many trials it wrote, and the jobs a failed one kept from starting (the sweeper
+launches them in order and stops at the first that fails).
 
 The report itself is exactly what `sdc-report SWEEP_DIR` writes (same call), so either can
 rebuild it; sweep.md is a separate file so that such a rebuild leaves it alone.
@@ -15,6 +16,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
@@ -37,21 +41,34 @@ def _natural(path: Path) -> list[object]:
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", str(path))]
 
 
-def _varied(jobs: list[Path]) -> dict[Path, str]:
+def planned_jobs(task: list[str]) -> list[list[str]] | None:
+    """The overrides of each job a sweep of these command-line overrides launches, in order, as
+    Hydra's basic sweeper splits them; None where they cannot be split here (a sweep that needs
+    the config to expand, such as glob)."""
+    try:
+        parsed = OverridesParser.create().parse_overrides(task)
+        return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+    except HydraException:
+        return None
+
+
+def _varied(overrides: dict[str, list[str]]) -> dict[str, str]:
     """Each job's overrides, less those that every job shares."""
-    overrides = {}
-    for job in jobs:
-        saved = job / ".hydra" / "overrides.yaml"
-        overrides[job] = list(OmegaConf.load(saved)) if saved.exists() else []
     shared = set.intersection(*(set(o) for o in overrides.values())) if overrides else set()
     return {job: " ".join(o for o in found if o not in shared) for job, found in overrides.items()}
 
 
-def write_merged_report(sweep_dir: Path) -> Path | None:
+def _saved_overrides(job: Path) -> list[str]:
+    saved = job / ".hydra" / "overrides.yaml"
+    return list(OmegaConf.load(saved)) if saved.exists() else []
+
+
+def write_merged_report(sweep_dir: Path, planned: list[list[str]] | None = None) -> Path | None:
     """report.md/html and figures/ over all jobs, and sweep.md; None when no job wrote trials.
 
-    A job without trials.csv (it failed, or only wrote a torchrun plan) is listed as missing.
-    Raises tables.ReportError for a trials.csv that cannot be read.
+    A job without trials.csv (it failed, or only wrote a torchrun plan) is listed as missing;
+    given the sweep's `planned` jobs (planned_jobs), those past the ones that started are
+    listed as not started. Raises tables.ReportError for a trials.csv that cannot be read.
     """
     jobs = job_dirs(sweep_dir)
     missing = [job for job in jobs if not RunFolder(job).trials.exists()]
@@ -61,24 +78,33 @@ def write_merged_report(sweep_dir: Path) -> Path | None:
     df = tables.load_trials([sweep_dir])
     path = report.write_report(df, sweep_dir, [sweep_dir])
     counts = df["run"].value_counts()
+    unstarted = planned[len(jobs) :] if planned else []
+    overrides = {str(job.relative_to(sweep_dir)): _saved_overrides(job) for job in jobs}
+    overrides |= {f"not started {i}": job for i, job in enumerate(unstarted)}
+    varied = _varied(overrides)
     lines = [
         f"# Sweep {sweep_dir}\n",
-        f"{len(df)} trials from {len(jobs) - len(missing)} of {len(jobs)} jobs; report.md merges "
-        "them.\n",
+        f"{len(df)} trials from {len(jobs) - len(missing)} of {len(jobs) + len(unstarted)} jobs; "
+        "report.md merges them.\n",
         "| job | overrides | trials | status |",
         "|---|---|---|---|",
     ]
-    for job, varied in _varied(jobs).items():
+    for job in jobs:
+        name = str(job.relative_to(sweep_dir))
         status = "**no trials.csv**" if job in missing else "ok"
         lines.append(
-            f"| {job.relative_to(sweep_dir)} | `{varied or '-'}` | "
-            f"{int(counts.get(str(job), 0))} | {status} |"
+            f"| {name} | `{varied[name] or '-'}` | {int(counts.get(str(job), 0))} | {status} |"
         )
+    for i in range(len(unstarted)):
+        lines.append(f"| - | `{varied[f'not started {i}'] or '-'}` | 0 | **not started** |")
     (sweep_dir / SWEEP_FILE).write_text("\n".join(lines) + "\n", encoding="utf-8")
     print(f"merged report: {path} ({len(df)} trials from {len(jobs) - len(missing)} jobs)")
     if missing:
         names = ", ".join(str(job.relative_to(sweep_dir)) for job in missing)
         logger.warning("jobs without trials.csv: %s", names)
+    if unstarted:
+        logger.warning("jobs not started after the failed one: %d (sweep.md lists them)",
+                       len(unstarted))  # fmt: skip
     return path
 
 
@@ -87,10 +113,12 @@ class MergedReport(Callback):
 
     def __init__(self) -> None:
         self.sweep_dir: Path | None = None
+        self.planned: list[list[str]] | None = None
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         # Resolved now, from the config the sweeper also uses: ${now:...} gives the same folder.
         self.sweep_dir = Path(str(config.hydra.sweep.dir))
+        self.planned = planned_jobs(list(config.hydra.overrides.task))
         # A job that exits (sdc-bench exits on a config error or a failed campaign) or fails
         # ends the whole multirun before on_multirun_end; the jobs that finished still get
         # their merged report.
@@ -105,7 +133,7 @@ class MergedReport(Callback):
         """False when a trials.csv could not be read."""
         assert self.sweep_dir is not None, "on_multirun_start sets it"
         try:
-            write_merged_report(self.sweep_dir)
+            write_merged_report(self.sweep_dir, self.planned)
         except tables.ReportError as exc:
             logger.error("merged report failed: %s", exc)
             return False
