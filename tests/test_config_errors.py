@@ -422,6 +422,58 @@ CASES = [
         "fault.bit",
         "20 is outside bfloat16, the dtype of the output of",
     ),  # fmt: skip
+    # What a module fault writes, in the dtype it strikes (bfloat16 under autocast, where the
+    # workload's is float32): its flipped bits, a schedule's bit, a finite value. Each ran,
+    # and the rank's own error was recorded as the fault's effect, a crash; the value as an
+    # infinity, recorded as a finite value caught.
+    (
+        [
+            "workload.precision=bf16-mixed",
+            "fault.site=matmul",
+            "fault.model=bitflip",
+            "fault.nbits=20",
+            "fault.tensor=fc1",
+        ],
+        "fault.nbits",
+        "20 bits do not fit in bfloat16, the dtype of the product 1 of 'fc1'; allowed: 1..16",
+    ),  # fmt: skip
+    (
+        [
+            "workload.precision=bf16-mixed",
+            "fault.site=matmul",
+            "fault.model=bitflip",
+            "fault.schedule=[{step:1,rank:1,tensor:fc1,index:0,bit:20}]",
+        ],
+        "fault.schedule[0].bit",
+        "20 is outside bfloat16, the dtype of the product 1 of 'fc1'",
+    ),  # fmt: skip
+    (
+        [
+            "workload.precision=bf16-mixed",
+            "fault.site=matmul",
+            "fault.model=value",
+            "fault.value=3.4e38",
+            "fault.tensor=fc1",
+        ],
+        "fault.value",
+        "3.4e+38 is stored as inf in bfloat16, the dtype of the product 1 of 'fc1'",
+    ),  # fmt: skip
+    # A schedule's index counts the rank's own shard: rank 0 holds 3 of head.bias's 10.
+    (
+        [
+            *FSDP,
+            "fault=weight_bitflip",
+            "fault.schedule=[{step:1,rank:0,tensor:head.bias,index:9}]",
+        ],
+        "fault.schedule[0].index",
+        "9 is out of range: rank 0 holds 3 elements of 'head.bias'",
+    ),
+    # The rider region holds zeros where no check rides on the reduction.
+    (
+        ["detectors=[nan_inf]", "fault=allreduce_rank", "fault.tensor=riders"],
+        "fault.tensor",
+        "riders: no check of this trial rides on the reduction",
+    ),  # fmt: skip
     # A matmul fault's bits in what it strikes: the product it names (bfloat16 under autocast),
     # a frozen weight's gradient (none ever made).
     (
@@ -685,3 +737,11 @@ def test_a_matmul_faults_bits_are_those_of_the_value_it_strikes():
                          "fault.site=matmul", "fault.model=bitflip", "fault.bit=20",
                          "fault.tensor=model.layers.0.self_attn", "fault.product=4")  # fmt: skip
     assert scores.scenarios[0].bit == 20
+
+
+def test_a_sharded_runs_rider_fault_is_accepted_where_a_check_rides():
+    """A rider region rides on FSDP's reduction as on DDP's; its fault named no parameter,
+    and the shard check looked one up by the name `riders` (KeyError)."""
+    run = compose_run("campaign=single", "topology.parallel=fsdp", "detectors=[allreduce_sketch]",
+                      "fault=allreduce_rank", "fault.tensor=riders")  # fmt: skip
+    assert run.scenarios[0].tensor == "riders"

@@ -57,8 +57,14 @@ def check_target(
                 if fault.phase == "backward":
                     _backward_reaches(key, fault, named, forward)
             for i, entry in enumerate(fault.schedule):
-                _within(f"{key}.schedule[{i}].index", fault, entry["tensor"], entry["index"],
-                        forward)  # fmt: skip
+                at = f"{key}.schedule[{i}]"
+                _within(f"{at}.index", fault, entry["tensor"], entry["index"], forward)
+                if entry.get("bit") is not None:
+                    _bit_in_struck_dtype(f"{at}.bit", entry["bit"], fault, [entry["tensor"]],
+                                         forward)  # fmt: skip
+        if shard_group is not None and fault.site in sites.SHARD_HELD:
+            for i, entry in enumerate(fault.schedule):
+                _in_shard(f"{key}.schedule[{i}]", fault, model, entry, shard_group)
         return
     matched = sites.matching(fault, model, forward)
     if not matched:
@@ -74,10 +80,14 @@ def check_target(
         if fault.model == "defective_unit":
             _lane_in_a_product(key, fault, targets, forward)
         if isinstance(fault.bit, int):
-            _bit_in_struck_dtype(key, fault, targets, forward)
+            _bit_in_struck_dtype(f"{key}.bit", fault.bit, fault, targets, forward)
+        if fault.nbits > 1:
+            _bits_in_struck_dtype(key, fault, targets, forward)
         if fault.factor is not None and "scale" in (fault.model, fault.burst_model):
             _scale_in_struck_dtype(key, fault, targets, forward)
-    if shard_group is not None and fault.site in sites.SHARD_HELD:
+        if "value" in (fault.model, fault.burst_model):
+            _value_in_struck_dtype(key, fault, targets, forward)
+    if shard_group is not None and fault.site in sites.SHARD_HELD and fault.tensor != sites.RIDERS:
         sizes = _held(key, fault, model, [name for name, _ in matched], shard_group)
     else:
         sizes = [size for _, size in matched]
@@ -167,20 +177,61 @@ def _backward_reaches(
 
 
 def _bit_in_struck_dtype(
-    key: str, fault: FaultConfig, targets: list[str], forward: ForwardModules
+    key: str, bit: int, fault: FaultConfig, targets: list[str], forward: ForwardModules
 ) -> None:
-    """A bit index within every dtype the fault may strike: under a mixed precision a module's
-    output or products are 16-bit (autocast) where the workload's dtype is float32, and a bit
-    past their width could never strike (the rank would raise)."""
+    """A bit index (`key`: the fault's, or a schedule entry's) within every dtype the fault may
+    strike: under a mixed precision a module's output or products are 16-bit (autocast) where
+    the workload's dtype is float32, and a bit past their width could never strike (the rank
+    would raise)."""
     for name in targets:
         what, dtypes = _struck(fault, forward, name)
         for dtype in dtypes:
             width = bits.width(getattr(torch, dtype))
-            if fault.bit >= width:
+            if bit >= width:
                 raise ConfigError(
-                    f"{key}.bit", f"{fault.bit} is outside {dtype}, the dtype of the {what} of "
-                    f"'{name}'; allowed: 0..{width - 1}, or a class (sign, exponent_msb, "
-                    "exponent, mantissa), drawn in the dtype struck"
+                    key, f"{bit} is outside {dtype}, the dtype of the {what} of '{name}'; "
+                    f"allowed: 0..{width - 1}, or a class (sign, exponent_msb, exponent, "
+                    "mantissa), drawn in the dtype struck"
+                )  # fmt: skip
+
+
+def _bits_in_struck_dtype(
+    key: str, fault: FaultConfig, targets: list[str], forward: ForwardModules
+) -> None:
+    """`nbits` flipped bits within every dtype the fault may strike (the rank would raise)."""
+    for name in targets:
+        what, dtypes = _struck(fault, forward, name)
+        for dtype in dtypes:
+            width = bits.width(getattr(torch, dtype))
+            if fault.nbits > width:
+                raise ConfigError(
+                    f"{key}.nbits", f"{fault.nbits} bits do not fit in {dtype}, the dtype of "
+                    f"the {what} of '{name}'; allowed: 1..{width}"
+                )  # fmt: skip
+
+
+def _value_in_struck_dtype(
+    key: str, fault: FaultConfig, targets: list[str], forward: ForwardModules
+) -> None:
+    """A finite value that every dtype the fault may strike stores as itself, not as an
+    infinity or zero (the workload's dtype is checked in harness/config/faults.py): the
+    record would say a finite wrong value where an infinity or a zero was written."""
+    try:
+        number = float(fault.value or "nan")
+    except ValueError:  # a name: nan, inf, max, zero, random
+        return
+    if number == 0 or not math.isfinite(number):
+        return
+    for name in targets:
+        what, dtypes = _struck(fault, forward, name)
+        for dtype in dtypes:
+            stored = torch.tensor(number, dtype=torch.float64).to(getattr(torch, dtype)).item()
+            if not math.isfinite(stored) or stored == 0:
+                limit = torch.finfo(getattr(torch, dtype))
+                raise ConfigError(
+                    f"{key}.value", f"{fault.value} is stored as {stored:g} in {dtype}, the "
+                    f"dtype of the {what} of '{name}'; allowed: {limit.tiny * limit.eps:g} <= "
+                    f"|value| <= {limit.max:g}, or inf, nan, max, zero"
                 )  # fmt: skip
 
 
@@ -244,6 +295,26 @@ def _held(
         if not held or sum(mine) < sum(held):
             held = mine
     return held
+
+
+def _in_shard(
+    key: str, fault: FaultConfig, model: torch.nn.Module, entry: dict, shard_group: int
+) -> None:
+    """A schedule entry's index within what its rank holds of its tensor: its index counts
+    the rank's own shard's elements (past them the rank raised IndexError, a crash)."""
+    params = dict(model.named_parameters())
+    name = entry["tensor"]
+    if fault.site == "optimizer":  # a moment, `NAME.exp_avg`, is shaped as its parameter
+        name = next((n for n in params if name in {f"{n}.{k}" for k in sites.MOMENTS}), name)
+    place = entry["rank"] % shard_group
+    held = _chunk(params[name].shape, place, shard_group)
+    if entry["index"] >= held:
+        allowed = f"0..{held - 1}" if held else "a rank whose shard holds some of it"
+        raise ConfigError(
+            f"{key}.index", f"{entry['index']} is out of range: rank {entry['rank']} holds "
+            f"{held} elements of '{entry['tensor']}' (its shard of dim 0, place {place} of "
+            f"{shard_group}); allowed: {allowed}"
+        )  # fmt: skip
 
 
 def _chunk(shape: torch.Size, place: int, group: int) -> int:

@@ -22,6 +22,7 @@ from harness.config.schema import (
     LAUNCHERS,
     PARALLEL,
     CheckpointConfig,
+    FaultConfig,
     OverheadConfig,
     RecoveryConfig,
     RunConfig,
@@ -35,6 +36,7 @@ from harness.errors import ConfigError
 from harness.runtime import determinism, devices, numerics
 from harness.runtime.environment import check_cpu_kernels
 from harness.runtime.workloads import DTYPES, Workload
+from injectors.sites import RIDERS
 
 TOP_KEYS = [
     "workload", "topology", "fault", "detectors", "campaign", "out", "launcher", "recovery",
@@ -257,6 +259,20 @@ def _checks_in_run(
             )  # fmt: skip
 
 
+def _riders_carried(key: str, fault: FaultConfig, checks: dict[str, CheckConfig]) -> None:
+    """A fault in the rider region needs a check that rides on the reduction: without one the
+    region holds only the zeros of its slots, which a scale or a bit flip leaves as they were."""
+    if fault.site != "allreduce" or fault.tensor != RIDERS:
+        return
+    riding = sorted(n for n in detectors.available() if detectors.detector_class(n).rides())
+    if not any(name in riding for name in checks):
+        raise ConfigError(
+            f"{key}.tensor", f"{RIDERS}: no check of this trial rides on the reduction, so its "
+            "rider region holds only zeros and the fault could never strike; run one of "
+            f"{', '.join(riding)}, or name gradients"
+        )  # fmt: skip
+
+
 def _timed_alike(
     timed: dict[tuple[str, int | None], tuple[str, CheckConfig]],
     key: str,
@@ -388,6 +404,7 @@ def run_config(raw: dict[str, Any]) -> RunConfig:
         fault = fault_config(key, scenario, workload, topology)
         check_target(key, fault, model, forward, topology.shard_group)
         check_bucket(key, fault, model)
+        _riders_carried(key, fault, checks if trial_checks is None else trial_checks)
         scenarios.append(fault)
         classes.append((key, not fault.clean, mix))
         for s in range(seeds):

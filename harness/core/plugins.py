@@ -250,6 +250,12 @@ class Detector(Plugin):
         self.reduction_only = True
 
     @classmethod
+    def rides(cls) -> bool:
+        """Whether it adds numbers to the reduction (`rider`): the rider region a reduction
+        fault may strike holds only zeros without such a check."""
+        return cls.rider is not Plugin.rider
+
+    @classmethod
     def configure(cls, key: str, params: dict[str, Any], topology: Any) -> CheckConfig:
         """The check's settings from `params` (defaults for the rest); a ConfigError names any
         bad key. `topology` is None where no world is planned (the benchmarks)."""
