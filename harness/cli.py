@@ -70,15 +70,15 @@ def check_group_choices(argv: list[str]) -> None:
 def preflight(argv: list[str]) -> None:
     """Compose and validate the config before Hydra creates or writes anything in `out`.
 
-    A sweep's jobs are validated one by one as they start instead; a sweep of several jobs
-    refuses one `out` for all of them (each would write into it, the second refused as another
-    campaign's).
+    A sweep validates every job it will launch, as Hydra's basic sweeper splits them, before
+    the first starts (where its values need the config to expand, such as glob, each job as it
+    starts); and refuses one `out` for all of its jobs (each would write into it, the second
+    refused as another campaign's).
     """
     if "-m" in argv or "--multirun" in argv:
+        task = [a for a in argv if "=" in a and not a.startswith(("-", "hydra"))]
         try:
-            parsed = OverridesParser.create().parse_overrides(
-                [a for a in argv if "=" in a and not a.startswith(("-", "hydra"))]
-            )
+            parsed = OverridesParser.create().parse_overrides(task)
         except HydraException as exc:
             fail(str(exc).strip().splitlines()[0])
         outs = [o for o in parsed if o.key_or_group == "out"]
@@ -88,18 +88,52 @@ def preflight(argv: list[str]) -> None:
                 "out: a sweep's jobs each write into their own folder under hydra.sweep.dir; "
                 "leave out unset (or sweep it: one folder per job)"
             )
+        from harness.analysis.sweep import planned_jobs  # here: a rank needs no pandas
+
+        jobs = planned_jobs(task) or []
+        shared = set.intersection(*map(set, jobs)) if jobs else set()
+        folder = _sweep_folder(argv)
+        # An out made from the job's own Hydra settings resolves only in the job.
+        in_job = any("${hydra:" in o.input_line for o in outs)
+        for number, job in enumerate(jobs):
+            where = f" (sweep job {number}: {' '.join(o for o in job if o not in shared)})"
+            cfg = _composed([o for o in job if not (in_job and o.startswith("out="))])
+            run = validated(cfg, where)
+            if outs:
+                out = None if in_job else Path(cfg.out)
+            else:
+                out = None if folder is None else folder / str(number)
+            if out is not None:
+                try:
+                    check_out(out, run)
+                except ConfigError as exc:
+                    fail(f"{exc}{where}")
         return
     overrides = [a for a in argv if not a.startswith("-") and not a.startswith("hydra")]
-    try:
-        with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-            cfg = compose(config_name="config", overrides=overrides)
-    except HydraException as exc:
-        fail(_composition_error(str(exc), overrides))
+    cfg = _composed(overrides)
     run = validated(cfg)
     try:
         check_out(Path(cfg.out), run)
     except ConfigError as exc:
         fail(str(exc))
+
+
+def _sweep_folder(argv: list[str]) -> Path | None:
+    """The sweep's folder where the command line names it and its jobs' folders are their
+    numbers (experiments/config.yaml); None where Hydra makes a new one (its default, dated)."""
+    given = dict(a.split("=", 1) for a in argv if a.startswith("hydra.sweep."))
+    if "hydra.sweep.dir" not in given or "hydra.sweep.subdir" in given:
+        return None
+    return Path(given["hydra.sweep.dir"])
+
+
+def _composed(overrides: list[str]) -> DictConfig:
+    try:
+        with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+            return compose(config_name="config", overrides=overrides)
+    except HydraException as exc:
+        fail(_composition_error(str(exc), overrides))
+        raise  # fail exits
 
 
 def _per_job(out: Override) -> bool:
@@ -137,23 +171,24 @@ def resolve_out(cfg: DictConfig) -> Path:
 
 
 class _Validated:
-    """The command's one validation: preflight's, which the run Hydra starts then reuses when it
-    composes the same config (`out` aside: its timestamp may have moved on). A sweep's jobs
-    differ from the preflight's and from each other, and each is validated as it starts."""
+    """The command's validations: preflight's, which the run Hydra starts then reuses when it
+    composes the same config (`out` aside: its timestamp may have moved on); a sweep's, one
+    per job, each reused as its job starts in this process."""
 
-    config: dict | None = None
-    run: RunConfig | None = None
+    runs: list[tuple[dict, RunConfig]] = []
 
 
-def validated(cfg: DictConfig) -> RunConfig:
+def validated(cfg: DictConfig, where: str = "") -> RunConfig:
+    """The run `cfg` describes; a config error exits 2 with its line (and `where`)."""
     config = {k: v for k, v in plain(cfg).items() if k != "out"}
-    if config == _Validated.config and _Validated.run is not None:
-        return _Validated.run
+    for seen, run in _Validated.runs:
+        if seen == config:
+            return run
     try:
         run = run_config(plain(cfg))
     except ConfigError as exc:
-        fail(str(exc))
-    _Validated.config, _Validated.run = config, run
+        fail(f"{exc}{where}")
+    _Validated.runs.append((config, run))
     return run
 
 

@@ -25,6 +25,23 @@ class RaisingNet(torch.nn.Module):
         return self.head(x)  # (n, 1, 28, 28) against 784 inputs: a shape error
 
 
+class BreaksWhileTraining(torch.nn.Module):
+    """Raises in its third forward, as a user's model whose bug shows after its first steps:
+    its config passes every check (the dry step runs one forward), and the job fails as it
+    trains."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.Linear(28 * 28, 10)
+        self.forwards = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.forwards += 1
+        if self.forwards > 2:
+            raise RuntimeError("a bug that shows at the third forward")
+        return self.head(x.flatten(1))
+
+
 class FrozenNet(torch.nn.Module):
     """A fine-tuning model's stand-in: its first layer frozen (requires_grad False)."""
 

@@ -603,17 +603,44 @@ def test_a_sweep_of_several_jobs_into_one_out_is_refused_before_any_job_runs(tmp
     assert not out.exists() and not sweep.exists()
 
 
+def test_a_sweep_with_a_bad_job_is_refused_before_any_job_runs(tmp_path):
+    """Job 1 asks for bit 40 of a float32: job 0 trained to the end before it was refused."""
+    sweep = tmp_path / "sweep"
+    proc = sdc_bench("-m", "fault=grad_bitflip", "fault.bit=3,40", f"hydra.sweep.dir={sweep}",
+                     cwd=tmp_path, timeout=60)  # fmt: skip
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        "sdc-bench: error: fault.bit: 40 is out of range; allowed: 0..31 (sweep job 1: "
+        "fault.bit=40)"
+    )
+    assert not sweep.exists()
+
+
+def test_an_out_that_is_a_sweeps_folder_is_refused(tmp_path, monkeypatch, capsys):
+    """A campaign there overwrote the sweep's merged report and left its trials.csv among the
+    jobs', which the sweep's reports then counted."""
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    (sweep / "multirun.yaml").write_text("hydra: {}\n")
+    monkeypatch.setattr(sys, "argv", ["sdc-bench", f"out={sweep}"])
+    with pytest.raises(SystemExit) as exited:
+        cli.main()
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.startswith(f"sdc-bench: error: out: {sweep} is a sweep's folder")
+    assert sorted(p.name for p in sweep.iterdir()) == ["multirun.yaml"]
+
+
 @pytest.mark.parametrize(
     "argv",
     [
         ["-m", "detectors=[nan_inf,replay]", "out=one"],  # a list, not a sweep: one job
-        ["-m", "fault.factor=10,1000", "out=runs/${hydra:job.num}"],  # a folder per job
-        ["-m", "fault.factor=10,1000", "out=a,b"],
-        ["-m", "fault.factor=10,1000"],
+        ["-m", "fault=grad_scale", "fault.factor=10,1000", "out=runs/${hydra:job.num}"],
+        ["-m", "fault=grad_scale", "fault.factor=10,1000", "out=a,b"],
+        ["-m", "fault=grad_scale", "fault.factor=10,1000"],
     ],
 )
-def test_a_sweep_whose_jobs_write_apart_is_accepted(argv):
-    assert cli.preflight(argv) is None
+def test_a_sweep_whose_jobs_write_apart_is_accepted(argv, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert cli.preflight(cli.implied_campaign(argv)) is None
 
 
 def test_an_out_that_cannot_be_created_is_refused_before_anything_runs(tmp_path):

@@ -3,7 +3,9 @@ merged report of every job sits at the top of the sweep folder (harness/analysis
 
 from __future__ import annotations
 
+import os
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -21,17 +23,20 @@ TINY = [
 ]
 
 
-def sweep(*args: str, cwd) -> subprocess.CompletedProcess:
-    return sdc_bench("-m", *TINY, *args, cwd=cwd)
+def sweep(*args: str, cwd, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return sdc_bench("-m", *TINY, *args, cwd=cwd, env=env)
 
 
 @pytest.mark.slow  # the default run's sweep is the one below; this is its error path
 def test_a_failed_job_ends_the_sweep_but_not_the_merged_report(tmp_path):
-    # Job 1 asks for bit 99 of a float32: sdc-bench exits 2 in that job, which ends the sweep
-    # before job 2, which sweep.md names as not started.
-    proc = sweep("fault.bit=30,99,0", cwd=tmp_path)
-    assert proc.returncode == 2
-    assert "fault.bit: 99 is out of range" in proc.stderr
+    # Job 1's model raises as it trains: its golden run crashes, the campaign fails (exit 1),
+    # which ends the sweep before job 2, which sweep.md names as not started.
+    nets = ["tests.fixtures_custom.FrozenNet", "tests.fixtures_custom.BreaksWhileTraining"]
+    importable = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+    proc = sweep("workload=custom", f"workload.model._target_={nets[0]},{nets[1]},{nets[0]}",
+                 cwd=tmp_path, env=importable)  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "a bug that shows at the third forward" in proc.stderr
     assert "jobs without trials.csv: 1" in proc.stderr
     assert "jobs not started after the failed one: 1" in proc.stderr
     top = tmp_path / "sweep"
@@ -39,8 +44,16 @@ def test_a_failed_job_ends_the_sweep_but_not_the_merged_report(tmp_path):
     assert not (top / "2").exists()
     jobs = (top / "sweep.md").read_text()
     assert "1 trials from 1 of 3 jobs" in jobs
-    assert "| 1 | `fault.bit=99` | 0 | **no trials.csv** |" in jobs
-    assert "| - | `fault.bit=0` | 0 | **not started** |" in jobs
+    assert f"| 1 | `workload.model._target_={nets[1]}` | 0 | **no trials.csv** |" in jobs
+    assert f"| - | `workload.model._target_={nets[0]}` | 0 | **not started** |" in jobs
+    # Another sweep into the same folder is refused before Hydra rewrites its multirun.yaml:
+    # job 0's folder holds the first sweep's campaign.
+    before = (top / "multirun.yaml").read_bytes()
+    again = sweep("workload=custom", f"workload.model._target_={nets[0]}", "workload.lr=0.5,1",
+                  cwd=tmp_path, env=importable)  # fmt: skip
+    assert again.returncode == 2
+    assert "holds a different campaign's trials" in again.stderr and "(sweep job 0:" in again.stderr
+    assert (top / "multirun.yaml").read_bytes() == before
 
 
 def test_a_sweep_writes_a_merged_report_that_sdc_report_rebuilds(tmp_path):

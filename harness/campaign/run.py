@@ -97,6 +97,10 @@ def _bound_to(out: Path) -> tuple[str, dict | None] | None:
     return json.dumps(held, sort_keys=True, indent=1), env
 
 
+# What Hydra's sweeper writes at the top of a sweep's folder.
+SWEEP_CONFIG = "multirun.yaml"
+
+
 def check_out(out: Path, run: RunConfig) -> None:
     """Refuse an `out` that cannot be written or that holds a different campaign's trials (before
     any process starts; whether the environment matches is the ranks' to say, `bind`)."""
@@ -105,6 +109,11 @@ def check_out(out: Path, run: RunConfig) -> None:
         raise ConfigError("out", f"{existing} is not a folder; choose an out that can be created")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError("out", f"{existing} is not writable; choose another out")
+    if (out / SWEEP_CONFIG).exists():
+        raise ConfigError(
+            "out", f"{out} is a sweep's folder ({SWEEP_CONFIG}), whose merged report a campaign "
+            "would overwrite and whose reports would count its trials; choose a new out"
+        )  # fmt: skip
     held = _bound_to(out)
     if held is not None and held[0] != _identity(run):
         raise ConfigError(
