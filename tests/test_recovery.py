@@ -105,7 +105,7 @@ def test_without_a_spare_the_world_shrinks_and_the_loss_stays_in_the_noise_band(
 
 
 def test_a_fault_that_follows_the_data_ends_with_the_verdict_not_a_loop(tmp_path, run_ok):
-    _, (row,) = _campaign(
+    out, (row,) = _campaign(
         tmp_path,
         run_ok,
         "topology.spares=4",
@@ -115,6 +115,28 @@ def test_a_fault_that_follows_the_data_ends_with_the_verdict_not_a_loop(tmp_path
     assert row["recovered"] == "False" and row["recoveries"] == "2"
     assert "step 5 alarms after every recovery" in row["recovery_verdict"]
     assert "data or the code" in row["recovery_verdict"]
+    # The verdict ended it on a stopped segment, whose events are written once, with its
+    # segment's number (they were written again without it, as the final run's).
+    written = [e for e in events(out) if e["kind"] in ("alert", "inject", "stop")]
+    once = {(e["kind"], e["step"], e.get("rank"), e["time"]) for e in written}
+    assert len(written) == len(once), "an event written twice"
+    assert {e.get("segment") for e in written} == {0, 1, 2}
+
+
+def test_a_nan_one_rank_contributed_quarantines_that_rank_not_those_the_sketch_names(
+    tmp_path, run_ok
+):
+    """nan_inf names rank 3 in its local gradient; the sketch, after the reduction, names every
+    rank (each received the NaN). Recovery took every alert's suspects: it quarantined nodes
+    0, 1 and 2, and with node 3 left alone ended with "no healthy node left to run on"."""
+    out = tmp_path / "run"
+    run_ok(*[a for a in BASE if not a.startswith("detectors")], "topology.spares=1",
+           "detectors=[nan_inf,allreduce_sketch]", "campaign=single", "fault=grad_nan",
+           "fault.ranks=[3]", "fault.steps=[6]", f"out={out}", cwd=tmp_path)  # fmt: skip
+    (row,) = rows(out)
+    assert row["first_detector"] == "nan_inf" and row["suspect_ranks"] == "3"
+    assert row["quarantined_nodes"] == "3" and row["recovered"] == "True", row
+    assert row["final_nodes"] == "4" and row["golden_match"] == "True"
 
 
 def test_a_corrupted_checkpoint_is_detected_and_an_older_verified_one_is_used(tmp_path):

@@ -158,6 +158,9 @@ def run_with_recovery(
         resume = Segment(restore + 1, path, machines.hardware(), tuple(machines.data))
         segment_spec = replace(spec, segment=resume)
     if outcome.parts:
+        if stop is not None:  # a verdict ended it: this segment's events are in extra_events
+            for part in outcome.parts:
+                part.events.clear()
         outcome.parts[0].events[:0] = extra_events
     record.completed = outcome.parts is not None
     record.quarantined = tuple(machines.quarantined)
@@ -175,7 +178,11 @@ def _retried(outcome: TrialResult, stop: int | None) -> list[int]:
 
 def _suspect_ranks(outcome: TrialResult, alerts: list[TrialAlert], stop: int) -> set[int]:
     """The ranks a stop at step `stop` suspects: the node that sub-group reductions located
-    when a repeated reduction fault named none (harness/runtime/locate.py), else every alert's."""
+    when a repeated reduction fault named none (harness/runtime/locate.py), else those the
+    first alert that names any names, as the row's attribution and the guard's alarm take them.
+    Not every alert's: a check after the reduction that cannot tell the ranks apart names
+    them all (the sketch, for a NaN a rank contributed), and their union quarantined every
+    healthy node and left the faulty one."""
     located = {
         r
         for p in outcome.parts
@@ -183,7 +190,7 @@ def _suspect_ranks(outcome: TrialResult, alerts: list[TrialAlert], stop: int) ->
         if isinstance(e, Locate) and e.step == stop
         for r in e.suspect_ranks
     }
-    return located or {r for a in alerts for r in a.suspect_ranks}
+    return located or set(next((a.suspect_ranks for a in alerts if a.suspect_ranks), []))
 
 
 def _verdict(history: list[tuple[int, tuple[int, ...]]]) -> str:
