@@ -422,7 +422,7 @@ def test_runs_that_share_no_scenario_cell_exit_2_with_one_line(runs, tmp_path, c
 def test_a_blind_spot_by_more_seeds_alone_is_no_new_one():
     """0/3 harmful trials caught is no blind spot (its upper bound 56%), 0/5 is (43%): more
     seeds of the same code, nothing fell. A cell whose catch rate fell into a blind spot is
-    one; so is a blind cell new to the run."""
+    one; so is a blind cell new to the run, or one that did no damage in the baseline."""
     cell = dict(site="grad", model="scale", factor="1000", bit_class="-", fired="True",
                 effect="harmful")  # fmt: skip
 
@@ -435,6 +435,10 @@ def test_a_blind_spot_by_more_seeds_alone_is_no_new_one():
     assert (fell["regression"], fell["baseline"][:3]) == ("new blind spot", "4/4")
     (new,) = regress.new_blind_spots(run(0, 3), run(0, 5, factor="10"))
     assert new["baseline"] == "not in baseline"
+    # A cell whose trials did no damage in the baseline (no catch rate to fall) that now
+    # lets 5 harmful trials through: "no regression" passed it.
+    (damaging,) = regress.new_blind_spots(run(0, 5, effect="benign"), run(0, 5))
+    assert (damaging["regression"], damaging["baseline"]) == ("new blind spot", "n=0")
 
 
 def test_runs_of_other_workloads_do_not_compare_trial_by_trial(tmp_path):

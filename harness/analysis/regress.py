@@ -218,7 +218,12 @@ def new_blind_spots(base: pd.DataFrame, cur: pd.DataFrame) -> list[dict[str, str
     before = _cells(base)
     for key, cell in _cells(cur).items():
         was = before.get(key)
-        if cell.blind and (was is None or (not was.blind and fell(was.harmful, cell.harmful))):
+        # Not blind before: new, where its damaging trials were none or its rate fell (more
+        # seeds alone can make a cell blind: 0/3 has an upper bound of 56%, 0/5 of 43%).
+        if cell.blind and (
+            was is None
+            or (not was.blind and (not was.harmful[1] or fell(was.harmful, cell.harmful)))
+        ):
             text = rate_text(*was.harmful) if was is not None else "not in baseline"
             where = f"{cell.name}, harmful or latent trials"
             found.append(_finding("new blind spot", where, text, rate_text(*cell.harmful)))
