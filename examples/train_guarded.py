@@ -54,6 +54,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from harness import losses
+from harness.errors import ConfigError
 from harness.guard import Guard, SDCAlarm
 from harness.runtime import checkpoint, numerics
 from harness.runtime.workloads import GPT, WorkloadConfig
@@ -305,6 +306,12 @@ def main() -> None:
             alarm = {"detector": exc.detector, "step": exc.step, "suspect_ranks": exc.suspect_ranks,
                      "suspect_machines": exc.suspect_machines}  # fmt: skip
             exit_code = exc.exit_code
+        except ConfigError as exc:  # a module fault's target, checked on the first forward
+            if rank == 0:
+                print(f"train_guarded.py: error: {exc}", file=sys.stderr)
+            guard.close()
+            dist.destroy_process_group()
+            sys.exit(2)
 
     if guard and done - start > guard.warmup_steps:
         guard.write_costs(args.out / "costs.json")

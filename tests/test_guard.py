@@ -147,6 +147,63 @@ def test_a_rehearsal_that_can_never_strike_is_refused(one_rank):
         Guard(one_rank, inject=fault)
 
 
+class Blocks(nn.Module):
+    """Layers in a container, whose own forward never runs, then a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.relu(block(x))
+        return self.head(x)
+
+
+@pytest.mark.parametrize(
+    ("fault", "bf16", "error"),
+    [
+        (
+            {"site": "matmul", "model": "bitflip", "bit": 25, "tensor": "blocks.0"},
+            True,
+            "^inject.bit: 25 is outside bfloat16, the dtype of the product 1 of 'blocks.0'",
+        ),
+        (
+            {"site": "activation", "model": "value", "value": "nan", "tensor": "blocks"},
+            False,
+            "^inject.tensor: 'blocks' matches nothing at site activation",
+        ),
+        (
+            {"site": "matmul", "model": "scale", "factor": 2.0, "tensor": "head", "product": 50},
+            False,
+            "^inject.product: 50 is never reached: 'head' makes 1 product per forward",
+        ),
+    ],
+    ids=["bit-past-autocast", "container", "product-past"],
+)
+def test_a_module_rehearsal_is_checked_on_the_loops_first_forward(one_rank, fault, bf16, error):
+    """What a module fault names only a forward shows: bit 25 of a bfloat16 product crashed the
+    rank at its step (an int16 overflow), and a container's output or a 50th product was never
+    struck, the loop training on as if the checks had missed them. The first forward raises,
+    before the fault's first step; a guard with nothing watching the products removes the
+    watch it traced with."""
+    model = DDP(Blocks())
+    hooks = _forward_hooks(model.module)
+    guard = Guard(model, inject={**fault, "ranks": [0], "steps": [1]})
+    try:
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
+        with autocast, pytest.raises(ValueError, match=error) as refused:
+            model(torch.randn(3, 4))
+        assert "\n" not in str(refused.value) and guard.injections == []
+    finally:
+        guard.close()
+    assert _forward_hooks(model.module) == hooks
+
+
+SCALED = {"model": "scale", "factor": 2.0, "ranks": [0]}
+
+
 @pytest.mark.parametrize(
     ("settings", "error"),
     [
@@ -160,9 +217,24 @@ def test_a_rehearsal_that_can_never_strike_is_refused(one_rank):
             {"comm_hook": powerSGD_hook.powerSGD_hook},
             "^comm_hook: a \\(state, hook\\) pair as DDP's register_comm_hook takes them",
         ),
+        # A rehearsal that could never strike: before a resumed loop's first step; at a module
+        # site on the first step, whose forward the guard traces to check what it names.
+        (
+            {"inject": {**SCALED, "site": "grad", "steps": [2]}, "start_step": 10},
+            "^inject.steps: 2 is before the guard's start_step 10: the fault could never strike",
+        ),
+        (
+            {"inject": {**SCALED, "site": "matmul", "steps": [0]}},
+            "^inject.steps: 0: a fault at site matmul strikes from the guard's second step on",
+        ),
+        # What a script parses from JSON: a traceback, or a message that named no key.
+        ({"inject": "grad"}, "^inject: 'grad' is not a fault: a mapping of fault keys"),
+        ({"detectors": {"nan_inf": 5}}, "^detectors.nan_inf: 5 is not a check's settings"),
+        ({"detectors": None}, "^detectors: None names no check"),
     ],
-    ids=["mode", "no-ranks-per-node", "ranks-per-node", "bare-comm-hook"],
-)
+    ids=["mode", "no-ranks-per-node", "ranks-per-node", "bare-comm-hook", "before-start",
+         "first-step-module", "inject-not-a-mapping", "settings-not-a-mapping", "no-checks"],
+)  # fmt: skip
 def test_a_setting_the_guard_would_ignore_or_trip_over_later_is_refused(one_rank, settings, error):
     """A check's own `mode` (the guard's decides), a node size that is no size or does not
     divide the world (nodes then name the wrong ranks), a comm hook without its state (it

@@ -41,6 +41,8 @@ class PluginBus:
         # no sum a check recomputing the step knows).
         self.reduced: tuple[int, set[int]] = (-1, set())
         self.reduced_twice: int | None = None
+        # The matrix products' watch, where a plug-in watches them (install_forward_hooks).
+        self.watch: Watch | None = None
 
     def charged(self, part: str) -> AbstractContextManager:
         """The harness's own work at a site, timed as `part` where the bus keeps a stopwatch."""
@@ -112,7 +114,8 @@ class PluginBus:
             def expands(stack: tuple[str, ...]) -> bool:
                 return any(p.expands_attention(step_of(), stack) for p in multipliers)
 
-            handles += Watch(multiply, expands).install(model)
+            self.watch = Watch(multiply, expands)
+            handles += self.watch.install(model)
         for name, module in model.named_modules():
             watchers = [p for p in self.plugins if name and p.watches_module(name)]
             if not watchers:

@@ -277,6 +277,16 @@ class Watch(TorchFunctionMode):
             k = self.counts[name]
             found[k] = found[k].merged(made) if k in found else made
 
+    def traced(self) -> ForwardModules:
+        """What the forwards it watched with `traces` on ran and multiplied."""
+        ran = tuple(self.ran)
+        return ForwardModules(
+            ran, tuple(n for n in ran if n in self.most), dict(self.most),
+            {n: _names(d) for n, d in self.outputs.items()},
+            {n: _names(d) for n, d in self.made.items()}, dict(self.output_sizes),
+            {n: tuple(found[k] for k in sorted(found)) for n, found in self.product_traces.items()},
+        )  # fmt: skip
+
     def install(self, model: nn.Module) -> list[Any]:
         """Hooks that keep `stack` and open the mode for the root's forward; their handles."""
         handles = []
@@ -335,11 +345,4 @@ def traced(model: nn.Module, forward: Callable[[], Any]) -> ForwardModules:
     how many products each makes."""
     with watching(model, Watch(MatmulCall.compute, expands=lambda _: True, traces=True)) as watch:
         forward()
-    ran = tuple(watch.ran)
-
-    return ForwardModules(
-        ran, tuple(n for n in ran if n in watch.most), dict(watch.most),
-        {n: _names(d) for n, d in watch.outputs.items()},
-        {n: _names(d) for n, d in watch.made.items()}, dict(watch.output_sizes),
-        {n: tuple(found[k] for k in sorted(found)) for n, found in watch.product_traces.items()},
-    )  # fmt: skip
+    return watch.traced()

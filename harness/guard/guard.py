@@ -25,12 +25,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.hooks import RemovableHandle
 
 import detectors as registry
 from harness.campaign import recovery
+from harness.config.fault_targets import check_target
 from harness.core import inflight
 from harness.core.bus import PluginBus
 from harness.core.events import Alert, CheckWarning, Inject, of
+from harness.core.matmuls import ForwardModules, MatmulCall, Watch
 from harness.core.phases import PHASE_ORDER
 from harness.core.plugins import DetectorContext, EventLog, RankInfo
 from harness.core.stopwatch import HOOK, Stopwatch
@@ -42,6 +45,7 @@ from harness.results.costs import CheckCost, JobCosts, combined, priced
 from harness.runtime import checkpoint, comm
 from harness.runtime.assembly import assemble
 from harness.runtime.batch_exchange import ShippedBatches
+from injectors.sites import MODULE_SITES
 
 if TYPE_CHECKING:
     from harness.runtime.shard_sites import ShardedBuckets
@@ -85,7 +89,9 @@ class Guard:
         job = selection.Job(world_topology, mode, replay_fn, comm_hook)
         chosen = selection.select(detectors, job)
         self.checks, self.left_out = chosen.checks, chosen.left_out
-        fault = None if inject is None else selection.rehearsal(inject, self.model, world_topology)
+        fault = None
+        if inject is not None:
+            fault = selection.rehearsal(inject, self.model, world_topology, start_step)
 
         name = os.environ.get("SDC_NODE_NAME", socket.gethostname())
         self.machines: list[str] = inflight.gather_objects(
@@ -114,6 +120,10 @@ class Guard:
         plugins = assemble(self.model, ctx, self.log, self.checks, fault, seed,
                            transparent=True, inner=comm_hook)  # fmt: skip
         self.bus, self._state, self._hooks = plugins.bus, plugins.state, plugins.hooks
+        if fault is not None and fault.site in MODULE_SITES:
+            checked = partial(check_target, "inject", fault, self.model,
+                                        shard_group=world_topology.shard_group)  # fmt: skip
+            self._hooks += _first_forward_traced(self.model, self.bus, checked)
         self._shards: ShardedBuckets | None = None
         self._slot: comm.HookSlot | None = None
         try:
@@ -412,6 +422,32 @@ class Guard:
             self.checks[first.detector], first.step, self.checkpointed.__contains__
         )
         return SDCAlarm(same, self.machines, since)
+
+
+def _first_forward_traced(
+    model: nn.Module, bus: PluginBus, checked: Callable[[ForwardModules], None]
+) -> list[RemovableHandle]:
+    """The loop's first forward traced through the products' watch (one of its own where no
+    plug-in watches them, removed after it), and handed to `checked` as it ends: what a module
+    fault names, the products each module makes and their dtypes, only a forward shows, and a
+    campaign traces its model before it runs. Its handles."""
+    watch = bus.watch
+    own: list[RemovableHandle] = []
+    if watch is None:
+        watch = Watch(MatmulCall.compute)
+        own = watch.install(model)
+    watch.traces = pending = True
+
+    def ended(_module: nn.Module, _inputs: Any, _output: Any) -> None:
+        nonlocal pending
+        if not pending:
+            return
+        pending = watch.traces = False
+        for handle in own:
+            handle.remove()
+        checked(watch.traced())
+
+    return [*own, model.register_forward_hook(ended)]
 
 
 def _released_slot(model: nn.Module) -> comm.HookSlot | None:

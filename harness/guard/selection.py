@@ -8,7 +8,7 @@ ones allowed; `"all"` leaves it out and says why in `left_out`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +25,7 @@ from harness.core.values import choice
 from harness.errors import ConfigError
 from harness.runtime import user_comm
 from harness.runtime.workloads import WorkloadConfig
+from injectors.sites import MODULE_SITES
 
 ALL = "all"
 Chosen = str | Iterable[str] | dict[str, dict[str, Any]]
@@ -53,6 +54,11 @@ def select(chosen: Chosen, job: Job) -> Selection:
     params = chosen if isinstance(chosen, dict) else {name: {} for name in names}
     checks, refused = {}, {}
     for name, p in params.items():
+        if p is not None and not isinstance(p, Mapping):
+            raise ConfigError(
+                f"detectors.{name}", f"{p!r:.40} is not a check's settings: a mapping of its "
+                "keys to values ({} for its defaults)"
+            )  # fmt: skip
         try:
             checks[name] = _configured(name, dict(p or {}), job)
         except _DoesNotApply as why:
@@ -69,6 +75,11 @@ def named(chosen: Chosen, mode: str) -> list[str]:
     choice("mode", mode, ("observe", "act"))
     if isinstance(chosen, str) and chosen != ALL:
         chosen = [chosen]
+    if not isinstance(chosen, Iterable):
+        raise ConfigError(
+            "detectors", f"{chosen!r:.40} names no check; allowed: 'all', a check's name, names, "
+            "or a mapping of names to their settings"
+        )  # fmt: skip
     names = registry.available() if chosen == ALL else list(chosen)
     for name in names:
         choice("detectors", name, registry.available())
@@ -150,15 +161,41 @@ def topology(world: int, per_node: int, parallel: str, shard_size: int | None) -
     )
 
 
-def rehearsal(inject: dict[str, Any], model: nn.Module, topology: TopologyConfig) -> FaultConfig:
+def rehearsal(
+    inject: dict[str, Any], model: nn.Module, topology: TopologyConfig, start_step: int
+) -> FaultConfig:
     """A rehearsal fault, validated like a campaign's, its target among `model`'s (steps are not
-    bounded: a loop has no end)."""
+    bounded: a loop has no end, but one before `start_step` is never reached). A fault at a
+    module site names what only a forward shows (the products a module makes, their dtypes):
+    the guard checks it on the loop's first forward, so it strikes from the second step on."""
     dtype = next(model.parameters()).dtype
     unbounded = WorkloadConfig(
         name="custom", steps=2**31, dtype=_dtype_name(dtype), seed=0, micro_batches=1,
         micro_batch_size=1, lr=1.0,
     )  # fmt: skip
+    if not isinstance(inject, Mapping):
+        raise ConfigError(
+            "inject", f"{inject!r:.60} is not a fault: a mapping of fault keys to values, "
+            "such as {'site': 'grad', 'model': 'scale', 'factor': 1000, 'steps': [5]}"
+        )  # fmt: skip
     fault = fault_config("inject", dict(inject), unbounded, topology)
+    if fault.schedule:
+        key, steps = "inject.schedule", [e["step"] for e in fault.schedule]
+    else:
+        key, steps = "inject.steps", list(fault.steps)
+    if (fault.schedule or fault.persistence == "transient") and max(steps) < start_step:
+        raise ConfigError(
+            key, f"{max(steps)} is before the guard's start_step {start_step}: the fault could "
+            f"never strike; allowed: {start_step} or later"
+        )  # fmt: skip
+    first = min(steps) if fault.schedule or fault.persistence == "transient" else steps[0]
+    if fault.site in MODULE_SITES and first <= start_step:
+        raise ConfigError(
+            key, f"{first}: a fault at site {fault.site} strikes from the guard's second step "
+            f"on, since its first forward shows what the fault names (the products each module "
+            f"makes, their dtypes), as a campaign traces its model before it runs; allowed: "
+            f"{start_step + 1} or later"
+        )  # fmt: skip
     check_target("inject", fault, model, shard_group=topology.shard_group)
     return fault
 
