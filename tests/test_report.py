@@ -6,13 +6,15 @@ from __future__ import annotations
 import csv
 import math
 import re
+import shutil
 import warnings
 from pathlib import Path
 
 import pandas as pd
+import pytest
 from matplotlib.container import BarContainer
 
-from harness.analysis import figures, intervals, overheads, report, tables
+from harness.analysis import figures, intervals, overheads, plan_report, report, tables
 from harness.campaign import overhead
 from harness.results import schema
 from tests.rows import frame
@@ -251,3 +253,29 @@ def test_product_coverage_is_said_of_runs_with_compute_faults_alone(tmp_path):
     assert report.coverage_line(computing).startswith(
         "Product coverage: matmul_checksum checks 0.0% of 0.01 GFLOP"
     )
+
+
+def test_a_run_named_twice_or_beside_its_sweep_and_another_runs_out_are_refused(tmp_path, capsys):
+    """`sdc-report R R` reported each trial twice (and so did a sweep beside one of its jobs,
+    and sdc-plan, whose n doubled); `--out` another run's folder replaced its report.md with
+    one of these trials; `--out` a file ended in a traceback."""
+    sweep = tmp_path / "sweep"
+    shutil.copytree(BASELINE, sweep / "0", ignore=shutil.ignore_patterns("README.md"))
+    other = tmp_path / "other"
+    shutil.copytree(BASELINE, other, ignore=shutil.ignore_patterns("README.md"))
+    (other / "report.md").write_text("the other run's own report\n")
+    (tmp_path / "a-file").write_text("the user's data\n")
+    cases = [
+        ([str(BASELINE), str(BASELINE)], "named with"),
+        ([str(sweep), str(sweep / "0")], "named with"),
+        ([str(sweep), "--out", str(other)], "another run's folder"),
+        ([str(sweep), "--out", str(tmp_path / "a-file")], "not a folder"),
+    ]
+    for argv, message in cases:
+        for tool, main in (("sdc-report", report.main), ("sdc-plan", plan_report.main)):
+            with pytest.raises(SystemExit) as exited:
+                main(argv)
+            err = capsys.readouterr().err
+            assert exited.value.code == 2 and message in err and err.count("\n") == 1, (tool, err)
+    assert (other / "report.md").read_text() == "the other run's own report\n"
+    assert not (sweep / "report.md").exists()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.analysis.tables import ReportError
+from harness.analysis.tables import ReportError, distinct
 from harness.results.folder import TRIALS_FILE
 from harness.results.schema import OVERHEAD_COLUMNS, OVERHEAD_FILE, OVERHEAD_REQUIRED
 from harness.results.trial_row import Column
@@ -28,6 +28,7 @@ def load_overhead(dirs: list[Path], blank: tuple[str, ...] = ()) -> pd.DataFrame
     workload, dtype and precision are those of its trials.csv; without one, the other runs'
     when they measured one workload, else blank; the RAN_ON columns in `blank` blank in every
     run (what sdc-regress compares with a table written without them)."""
+    distinct(dirs)
     files = [(d, f) for d in dirs for f in sorted(d.rglob(OVERHEAD_FILE))]
     if not files:
         return None

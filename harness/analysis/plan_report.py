@@ -45,7 +45,7 @@ from harness.analysis.plan import (
     load,
     plan,
 )
-from harness.analysis.tables import markdown_table, rate_text
+from harness.analysis.tables import ReportError, check_out, markdown_table, rate_text
 from harness.results.costs import JobCosts
 from harness.results.trial_row import Column
 
@@ -405,6 +405,10 @@ def main(argv: list[str] | None = None) -> None:
     try:
         args = parse(argv)
         trials, table = load(args.dirs, need_overhead=args.costs is None and args.shape is None)
+        try:
+            check_out("--out", args.out or args.dirs[0], args.dirs)
+        except ReportError as exc:
+            raise PlanError(str(exc)) from None
         if args.equal_weights:
             if not weighed(trials):
                 raise PlanError(

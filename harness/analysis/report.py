@@ -25,6 +25,7 @@ from harness.analysis.tables import (
     by_parallel,
     catch_rates,
     cells,
+    check_out,
     detection_times,
     detector_names,
     escape_cell,
@@ -405,6 +406,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         df = load_trials(args.dirs)
+        check_out("--out", args.out or args.dirs[0], args.dirs)
     except ReportError as exc:
         print(f"sdc-report: {exc}", file=sys.stderr)
         sys.exit(2)

@@ -80,10 +80,41 @@ def bit_dtypes(df: pd.DataFrame) -> pd.Series:
     return df[Column.bit_dtype].where(df[Column.bit_dtype].notna(), df[Column.dtype])
 
 
+def distinct(dirs: list[Path]) -> None:
+    """Folders whose tables are read together, none among another's: a folder named twice, or
+    a sweep's job beside the sweep, had every trial counted twice."""
+    for i, d in enumerate(dirs):
+        for other in dirs[:i]:
+            a, b = d.resolve(), other.resolve()
+            if a.is_relative_to(b) or b.is_relative_to(a):
+                raise ReportError(
+                    f"{d}: named with {other}, and one holds the other's tables (the same "
+                    "folder, or one inside the other): each trial would count twice; name each "
+                    "run or sweep once"
+                )
+
+
+def check_out(flag: str, out: Path, dirs: list[Path]) -> None:
+    """Where a tool writes what it made of `dirs`: a folder, and not another run's or sweep's
+    (what it writes there would replace that run's own report or plan)."""
+    if out.exists() and not out.is_dir():
+        raise ReportError(f"{flag} {out}: not a folder; name a folder to write into")
+    reported = out.resolve() in {d.resolve() for d in dirs}
+    holds = out.is_dir() and (
+        next(out.rglob(TRIALS_FILE), None) is not None or (out / "multirun.yaml").exists()
+    )
+    if holds and not reported:
+        raise ReportError(
+            f"{flag} {out}: another run's folder (it holds trials not reported here), whose "
+            "own files this would replace; name one of the folders reported, or a new one"
+        )
+
+
 def load_trials(dirs: list[Path]) -> pd.DataFrame:
     """Every trials.csv under the given folders (a sweep folder holds one per job), each read
     into TrialRows (harness/results/trial_row.py) and framed by `trials_frame`, with `run` (the
     file's folder) added and `bit_class` filled where an older table lacks it."""
+    distinct(dirs)
     files = []
     for d in dirs:
         if not d.is_dir():
