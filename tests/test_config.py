@@ -116,7 +116,7 @@ def test_the_parent_validates_a_command_once(tmp_path, monkeypatch, run_ok):
         return run_config(raw)
 
     monkeypatch.setattr(cli, "run_config", counted)
-    monkeypatch.setattr(cli._Validated, "config", None)  # no earlier command's, in this worker
+    monkeypatch.setattr(cli._Validated, "runs", [])  # no earlier command's, in this worker
     run_ok("workload=gpt", "launcher=torchrun", f"out={tmp_path / 'plan'}", cwd=tmp_path)
     assert len(calls) == 1
 

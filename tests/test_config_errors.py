@@ -458,6 +458,42 @@ CASES = [
         "fault.value",
         "3.4e+38 is stored as inf in bfloat16, the dtype of the product 1 of 'fc1'",
     ),  # fmt: skip
+    # Values a fault would ignore, and yet be recorded with: a permanent fault's later steps,
+    # a persistence or a bit beside a schedule that names its steps and whose model reads no
+    # bit, an entry listed twice (the bit flipped back), data to follow without recovery, a
+    # keep that is not a boolean (bool('no') kept every checkpoint).
+    (
+        ["fault=grad_bitflip", "fault.persistence=permanent", "fault.steps=[5,10]"],
+        "fault.steps",
+        "a permanent fault strikes from its first step on and reads no other",
+    ),
+    (
+        [
+            "fault=grad_bitflip",
+            "fault.persistence=permanent",
+            "fault.bit=null",
+            "fault.schedule=[{step:1,rank:1,tensor:fc1.weight,index:5,bit:30}]",
+        ],
+        "fault.persistence",
+        "a schedule names each strike's step; leave it transient",
+    ),  # fmt: skip
+    (
+        ["fault=grad_scale", "fault.schedule=[{step:1,rank:1,tensor:fc1.weight,index:5,bit:3}]"],
+        "fault.schedule",
+        "model scale changes no chosen bit",
+    ),
+    (
+        [
+            "fault=weight_bitflip",
+            "fault.bit=null",
+            "fault.schedule=[{step:1,rank:1,tensor:fc1.weight,index:5,bit:30},"
+            "{step:1,rank:1,tensor:fc1.weight,index:5,bit:30}]",
+        ],
+        "fault.schedule",
+        "two entries strike one element at one step",
+    ),  # fmt: skip
+    (["fault=grad_scale", "fault.follows=data"], "fault.follows", "without recovery"),
+    (["checkpoint.keep=no"], "checkpoint.keep", "'no' is not allowed; allowed: true, false"),
     # A schedule's index counts the rank's own shard: rank 0 holds 3 of head.bias's 10.
     (
         [

@@ -264,6 +264,17 @@ def _read_by_the_fault(key: str, fault: FaultConfig) -> None:
          "a broken reduction is one node's hardware, whatever data it sums; leave it hardware"),
         ("probability", fault.probability != FaultConfig.probability and bool(fault.schedule),
          "a schedule names each strike's step; leave it 0.5"),
+        ("persistence", fault.persistence != "transient" and bool(fault.schedule),
+         "a schedule names each strike's step; leave it transient"),
+        ("steps", len(fault.steps) > 1 and fault.persistence != "transient",
+         f"a {fault.persistence} fault strikes from its first step on and reads no other; "
+         "give one step"),
+        ("schedule", inner not in ("bitflip", "stuck", "defective_unit")
+         and any(e.get("bit") is not None for e in fault.schedule),
+         f"model {inner} changes no chosen bit; leave the entries' bit unset"),
+        ("schedule", len({(e["step"], e["rank"], e["tensor"], e["index"]) for e in fault.schedule})
+         < len(fault.schedule), "two entries strike one element at one step (a bit flipped "
+         "twice is restored, and the fault recorded as never striking); list each once"),
     ]  # fmt: skip
     for name, refused, why in ignored:
         if refused:

@@ -31,7 +31,7 @@ from harness.config.schema import (
 )
 from harness.config.workload import MODULE_SITES, forward_modules, probe, workload_config
 from harness.core.checks import CheckConfig
-from harness.core.values import choice, integer, known_keys, positive
+from harness.core.values import choice, flag, integer, known_keys, positive
 from harness.errors import ConfigError
 from harness.runtime import determinism, devices, numerics
 from harness.runtime.environment import check_cpu_kernels
@@ -336,7 +336,7 @@ def run_config(raw: dict[str, Any]) -> RunConfig:
     checkpoint = dict(raw["checkpoint"])
     checkpoint_cfg = CheckpointConfig(
         interval=integer("checkpoint.interval", checkpoint.get("interval"), 1),
-        keep=bool(checkpoint.get("keep", False)),
+        keep=flag("checkpoint.keep", checkpoint.get("keep", False)),
     )
     checks = detector_configs(raw.get("detectors"), topology)
     if recovery.enabled:
@@ -404,6 +404,12 @@ def run_config(raw: dict[str, Any]) -> RunConfig:
         fault = fault_config(key, scenario, workload, topology)
         check_target(key, fault, model, forward, topology.shard_group)
         check_bucket(key, fault, model)
+        if fault.follows == "data" and not recovery.enabled:
+            raise ConfigError(
+                f"{key}.follows", "data: a fault follows its data once recovery hands a node's "
+                "batches to another, and without recovery (recovery.enabled=true) each rank "
+                "keeps its own, so it strikes as hardware's would; leave it hardware"
+            )  # fmt: skip
         _riders_carried(key, fault, checks if trial_checks is None else trial_checks)
         scenarios.append(fault)
         classes.append((key, not fault.clean, mix))
