@@ -494,6 +494,12 @@ CASES = [
     ),  # fmt: skip
     (["fault=grad_scale", "fault.follows=data"], "fault.follows", "without recovery"),
     (["checkpoint.keep=no"], "checkpoint.keep", "'no' is not allowed; allowed: true, false"),
+    # A model's sizes (a ZeroDivisionError, a TypeError, or a model of no width trained to the
+    # end) and a custom part the harness calls with its arguments (Hydra's own error).
+    (["workload=gpt", "workload.heads=0"], "workload.heads", "0 is out of range; allowed: 1.."),
+    (["workload.hidden=2.5"], "workload.hidden", "'2.5' is not an integer"),
+    (["workload.hidden=0"], "workload.hidden", "0 is out of range"),
+    (["workload=custom", "workload.data._partial_=false"], "workload.data._partial_", "true"),
     # A schedule's index counts the rank's own shard: rank 0 holds 3 of head.bias's 10.
     (
         [

@@ -35,6 +35,9 @@ SHAPE_KEYS = {
     "kv_heads": ("llama",), "intermediate": ("llama",),
     **dict.fromkeys(("model", "data", "loss", "optimizer"), ("custom",)),
 }  # fmt: skip
+# The model's sizes among them: counts of units, positive integers.
+SIZES = ("in_dim", "hidden", "classes", "vocab", "context", "d_model", "layers", "heads",
+         "kv_heads", "intermediate")  # fmt: skip
 
 
 def workload_config(raw: dict[str, Any]) -> WorkloadConfig:
@@ -52,6 +55,9 @@ def workload_config(raw: dict[str, Any]) -> WorkloadConfig:
     integer("workload.micro_batches", raw.get("micro_batches"), 1)
     integer("workload.micro_batch_size", raw.get("micro_batch_size"), 1)
     positive("workload.lr", raw.get("lr"))
+    for key in SIZES:  # a model of no width, no layer or no head trains nothing, or divides by 0
+        if raw.get(key) is not None:
+            integer(f"workload.{key}", raw[key], 1)
     if raw["name"] == "custom":
         _custom_targets(raw)
     if raw["name"] == "llama" and importlib.util.find_spec("transformers") is None:
@@ -150,6 +156,12 @@ def _custom_targets(raw: dict[str, Any]) -> None:
             raise ConfigError(
                 f"workload.{part}._target_", f"'{spec['_target_']}' does not import ({reason})"
             )
+        if part != "model" and spec.get("_partial_") is not True:
+            raise ConfigError(
+                f"workload.{part}._partial_", f"'{spec.get('_partial_')}': the harness calls "
+                f"{part} with its own arguments (experiments/workload/custom.yaml says which), "
+                "so Hydra must make it a partial; allowed: true"
+            )  # fmt: skip
 
 
 def _import_problem(path: str) -> str:
