@@ -568,6 +568,37 @@ def one_shard(tmp_path):
     _ended()
 
 
+def _guards_in_turn_rank(rank: int, store: str, results) -> None:
+    """A guard after a closed one, then one in place of one left open, on a sharded Linear;
+    the last rehearses a NaN on rank 1: what each rank's guards saw."""
+    _joined(rank, store)
+    model = fully_shard(nn.Linear(4, 6), mesh=init_device_mesh("cpu", (FROZEN_WORLD,)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    first = Guard(model, ["nan_inf"], ranks_per_node=1)
+    _guarded_step(first, model, optimizer, 0, rank)
+    first.close()
+    left_open = Guard(model, ["nan_inf"], ranks_per_node=1, start_step=1)
+    _guarded_step(left_open, model, optimizer, 1, rank)
+    nan = {"site": "grad", "model": "value", "value": "nan", "ranks": [1], "steps": [2]}
+    last = Guard(model, ["nan_inf"], ranks_per_node=1, start_step=2, inject=nan)
+    try:
+        _guarded_step(last, model, optimizer, 2, rank)
+        seen = [(a.detector, a.step, a.suspect_ranks) for a in last.alerts]
+        results.put((rank, (left_open.closed, seen)))
+    finally:
+        last.close()
+        dist.destroy_process_group()
+
+
+def test_a_new_guard_on_a_sharded_module_takes_over_from_a_closed_or_open_one(tmp_path):
+    """Each was refused, "a custom collective ... already": the earlier guard's own sites taken
+    for a user's, and the open guard already closed, so the loop went on unguarded. Now the
+    last guard's nan_inf names rank 1 at the step it rehearses a NaN there."""
+    got = _forked_world(tmp_path, _guards_in_turn_rank)
+    assert all(closed for closed, _ in got.values())
+    assert got[1][1][0] == ("nan_inf", 2, [1]), got
+
+
 def test_a_mixed_precision_policy_is_refused_in_one_line_leaving_the_module_as_it_was(one_shard):
     """The refusal comes once the checks' forward hooks are on the module: a loop that goes on
     unguarded after it trains without them (every product had gone through the refused guard's

@@ -206,7 +206,7 @@ def install(model: nn.Module, sites: ShardSites) -> int:
         module.set_custom_reduce_scatter(_ReduceScatter(layout, sites))
         module.set_custom_all_gather(_AllGather(layout, sites, group))
         if isinstance(info, HSDPMeshInfo) and sites.received is not None:
-            module.set_all_reduce_hook(_after_all_reduce(sites.received, layout))
+            module.set_all_reduce_hook(_AfterAllReduce(sites.received, layout))
     return len(found)
 
 
@@ -259,18 +259,25 @@ def _refuse_unsupported(name: str, group: FSDPParamGroup) -> None:
         raise ValueError(
             f"FSDP group {name} shards a parameter on dim {other[0].fsdp_placement.dim}, not 0."
         )
-    custom = not isinstance(group._reduce_scatter_comm, DefaultReduceScatter) or not isinstance(
-        group._all_gather_comm, DefaultAllGather
-    )
-    if custom or group._all_reduce_hook is not None:
+    # An earlier guard's sites (closed, they pass through) are replaced like fully_shard's own.
+    custom = not isinstance(
+        group._reduce_scatter_comm, DefaultReduceScatter | _ReduceScatter
+    ) or not isinstance(group._all_gather_comm, DefaultAllGather | _AllGather)
+    hook = group._all_reduce_hook
+    if custom or (hook is not None and not isinstance(hook, _AfterAllReduce)):
         raise ValueError(f"FSDP group {name} has a custom collective or all-reduce hook already.")
 
 
-def _after_all_reduce(
-    received: Callable[[GroupLayout, str, torch.Tensor], None], layout: GroupLayout
-) -> Callable[[torch.Tensor], None]:
+class _AfterAllReduce:
     """HSDP's all-reduce hook for one group: `received` on the result across replicas."""
-    return lambda out: received(layout, "all_reduce", out)
+
+    def __init__(
+        self, received: Callable[[GroupLayout, str, torch.Tensor], None], layout: GroupLayout
+    ) -> None:
+        self.received, self.layout = received, layout
+
+    def __call__(self, out: torch.Tensor) -> None:
+        self.received(self.layout, "all_reduce", out)
 
 
 def blocks(model: nn.Module) -> list[nn.Module]:
