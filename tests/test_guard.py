@@ -692,3 +692,24 @@ def test_a_second_incident_sets_aside_a_checkpoint_of_the_same_step_beside_the_f
     record = json.loads((tmp_path / "quarantine.json").read_text())
     assert record["set_aside"] == ["step_000005.pt"]
     assert record["moved_to"] == ["suspect/step_000005.pt.2"]
+    # The first incident is kept in the second's record (it was replaced: nothing said which
+    # machine the first had suspected).
+    assert [i["moved_to"] for i in record["earlier"]] == [["suspect/step_000005.pt"]]
+
+
+def test_a_set_aside_that_fails_still_records_the_incident_and_restore_point_passes_it(
+    tmp_path,
+):
+    """A folder that cannot be moved (here `suspect` is a file): quarantine.json was not
+    written, and restore_point returned the suspect checkpoint left in place. A checkpoint of
+    the same step that the restarted job writes after the alarm is vouched for again."""
+    for step in (2, 4):
+        checkpoint.save(checkpoint.step_path(tmp_path, step), {"w": torch.ones(2)})
+    (tmp_path / "suspect").write_text("in the way\n")
+    with pytest.raises(OSError):
+        quarantine(tmp_path, _alarm(5, 3), [])
+    record = json.loads((tmp_path / "quarantine.json").read_text())
+    assert record["first_suspect_step"] == 3 and record["set_aside"] == []
+    assert Guard.restore_point(tmp_path) == (2, str(checkpoint.step_path(tmp_path, 2)))
+    checkpoint.save(checkpoint.step_path(tmp_path, 4), {"w": torch.zeros(2)})  # retrained
+    assert Guard.restore_point(tmp_path) == (4, str(checkpoint.step_path(tmp_path, 4)))

@@ -80,11 +80,16 @@ def first_suspect_step(run: RunConfig, spec: TrialSpec, detector: str, stop_step
     )
 
 
-def restore_point(store: Path, before: int, log: list[Event]) -> tuple[int, str]:
-    """The newest checkpoint saved before step `before` whose checksum verifies; (-1, "") means
-    start over from the initial weights."""
+def restore_point(
+    store: Path,
+    before: int,
+    log: list[Event],
+    suspect: Callable[[int, Path], bool] | None = None,
+) -> tuple[int, str]:
+    """The newest checkpoint saved before step `before`, not `suspect(step, path)`, whose
+    checksum verifies; (-1, "") means start over from the initial weights."""
     for step, path in reversed(checkpoint.saved(store)):
-        if step >= before:
+        if step >= before or (suspect is not None and suspect(step, path)):
             continue
         if checkpoint.verify(path):
             return step, str(path)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -73,24 +75,58 @@ def quarantine(folder: Path, alarm: SDCAlarm, written: list[tuple[int, Path]]) -
     count a renamed one among them, and delete it or keep it in place of one the checks vouch
     for."""
     folder.mkdir(parents=True, exist_ok=True)
+    alarmed = time.time()  # after every checkpoint of the suspect interval was written
+    earlier = _incidents(folder)
     set_aside, moved = [], []
-    for step, path in [*checkpoint.saved(folder), *written]:
-        if step >= alarm.first_suspect_step and path.exists():
-            aside = path.parent / SUSPECT
-            aside.mkdir(exist_ok=True)
-            into = _free(aside / path.name)
-            digest = path.with_name(path.name + ".sha256")
-            path.rename(into)
-            if digest.exists():
-                digest.rename(into.with_name(into.name + ".sha256"))
-            set_aside.append(path.name)
-            moved.append(str(into.relative_to(folder) if into.is_relative_to(folder) else into))
-    # set_aside: the checkpoints' names; moved_to: where each went (from quarantine.json's
-    # folder where it lies within it).
-    record = dict(alarm.record(), set_aside=set_aside, moved_to=moved)
-    tmp = folder / f".{QUARANTINE}.tmp"
-    tmp.write_text(json.dumps(record, indent=1, default=str))
-    os.replace(tmp, folder / QUARANTINE)
+    try:
+        for step, path in [*checkpoint.saved(folder), *written]:
+            if step >= alarm.first_suspect_step and path.exists():
+                aside = path.parent / SUSPECT
+                aside.mkdir(exist_ok=True)
+                into = _free(aside / path.name)
+                digest = path.with_name(path.name + ".sha256")
+                path.rename(into)
+                if digest.exists():
+                    digest.rename(into.with_name(into.name + ".sha256"))
+                set_aside.append(path.name)
+                moved.append(str(into.relative_to(folder) if into.is_relative_to(folder) else into))
+    finally:
+        # Written whatever the moves did (a folder that cannot be renamed on an object store's
+        # mount): set_aside, the checkpoints' names; moved_to, where each went (from this
+        # folder where it lies within it); time, the alarm's, so that restore_point passes over
+        # a suspect checkpoint left in place; earlier, the incidents before this one.
+        record = dict(alarm.record(), time=alarmed, set_aside=set_aside, moved_to=moved,
+                      earlier=earlier)  # fmt: skip
+        tmp = folder / f".{QUARANTINE}.tmp"
+        tmp.write_text(json.dumps(record, indent=1, default=str))
+        os.replace(tmp, folder / QUARANTINE)
+
+
+def _incidents(folder: Path) -> list[dict[str, Any]]:
+    """The incidents quarantine.json in `folder` records, newest first; none where it is
+    missing or unreadable."""
+    try:
+        last = json.loads((folder / QUARANTINE).read_text())
+    except (OSError, ValueError):
+        return []
+    if not isinstance(last, dict):
+        return []
+    return [{k: v for k, v in last.items() if k != "earlier"}, *last.get("earlier", [])]
+
+
+def suspected(folder: Path) -> Callable[[int, Path], bool]:
+    """Whether a checkpoint (step, path) in `folder` is one an incident there suspected: of its
+    suspect interval and written before its alarm (a job restarted from the restore point
+    writes those steps again, vouched for)."""
+    incidents = [
+        (int(i["first_suspect_step"]), float(i["time"]))
+        for i in _incidents(folder) if "time" in i and "first_suspect_step" in i
+    ]  # fmt: skip
+
+    def suspect(step: int, path: Path) -> bool:
+        return any(step >= first and path.stat().st_mtime <= at for first, at in incidents)
+
+    return suspect
 
 
 def _free(path: Path) -> Path:

@@ -40,7 +40,7 @@ from harness.core.stopwatch import HOOK, Stopwatch
 from harness.core.values import integer
 from harness.errors import ConfigError
 from harness.guard import selection
-from harness.guard.alarm import SDCAlarm, quarantine
+from harness.guard.alarm import SDCAlarm, quarantine, suspected
 from harness.results.costs import CheckCost, JobCosts, combined, priced
 from harness.runtime import checkpoint, comm
 from harness.runtime.assembly import assemble
@@ -289,7 +289,7 @@ class Guard:
         verifies, before any suspect interval (an alarm set those aside): (step, path), or
         (-1, "") to start from the initial weights. Load it with harness.runtime.checkpoint.load
         (a sharded one, a `.dcp` folder, with torch.distributed.checkpoint.load)."""
-        return recovery.restore_point(Path(folder), 2**62, [])
+        return recovery.restore_point(Path(folder), 2**62, [], suspected(Path(folder)))
 
     def costs(self) -> JobCosts:
         """What each check cost this rank, per step, over the steps since the warm-up; and the
