@@ -373,6 +373,24 @@ def test_the_costs_are_refused_until_the_warmup_is_over(one_rank):
         guard.costs()
 
 
+def test_the_costs_after_an_alarm_count_whole_steps_only(one_rank):
+    """The step an alarm cuts short has no step time: its charges (the check's, the rehearsed
+    NaN's injection) were counted over the steps before it, inflating each part. After the
+    alarm the costs are those of the steps before it, as read before it."""
+    optimizer = torch.optim.SGD(one_rank.parameters(), lr=0.1)
+    nan = {"site": "grad", "model": "value", "value": "nan", "ranks": [0], "steps": [3]}
+    guard = Guard(one_rank, ["nan_inf"], mode="act", warmup_steps=1, inject=nan)
+    try:
+        for step in range(3):
+            _guarded_step(guard, one_rank, optimizer, step, 0)
+        before = guard.costs()
+        with pytest.raises(SDCAlarm):
+            _guarded_step(guard, one_rank, optimizer, 3, 0)
+        assert guard.costs() == before and before.steps == 2
+    finally:
+        guard.close()
+
+
 def test_a_closed_guard_leaves_the_loop_as_it_was(one_rank):
     """After close() the forward hooks are gone, the reduction is DDP's own, and a NaN that
     would have alerted raises nothing: training may go on unguarded."""

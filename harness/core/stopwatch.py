@@ -30,6 +30,7 @@ class Stopwatch:
         self._lock = threading.Lock()
         self._spans: list[tuple[str, Mark, Mark]] = []  # events not yet read
         self._totals: dict[str, float] = {}
+        self._closed: tuple[dict[str, float], list[tuple[str, Mark, Mark]]] = ({}, [])
 
     def mark(self) -> Mark:
         if not self._timed_by_events:
@@ -77,8 +78,22 @@ class Stopwatch:
                     pending.append((part, start, end))
             self._spans = pending
 
-    def read(self) -> dict[str, float]:
-        """Seconds charged to each part since the last `reset` (waits for events recorded)."""
+    def close_step(self) -> None:
+        """What is charged so far, kept as a whole step's end: `read(whole_steps=True)` leaves
+        out a step cut short after it (an alarm raised in it)."""
+        with self._lock:
+            self._closed = (dict(self._totals), list(self._spans))
+
+    def read(self, whole_steps: bool = False) -> dict[str, float]:
+        """Seconds charged to each part since the last `reset`, or up to the last
+        `close_step` (waits for events recorded)."""
+        if whole_steps:
+            totals, spans = self._closed
+            found = dict(totals)
+            for part, start, end in spans:
+                end.synchronize()
+                found[part] = found.get(part, 0.0) + start.elapsed_time(end) / 1000
+            return found
         for _, _, end in self._spans:
             end.synchronize()
         self.fold()
@@ -87,7 +102,7 @@ class Stopwatch:
 
     def reset(self) -> None:
         with self._lock:
-            self._spans, self._totals = [], {}
+            self._spans, self._totals, self._closed = [], {}, ({}, [])
 
     def _stack(self) -> list[list]:
         if not hasattr(self._local, "stack"):

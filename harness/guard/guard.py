@@ -298,7 +298,8 @@ class Guard:
             raise RuntimeError(
                 f"costs: no step measured yet; the first {self.warmup_steps} steps are a warm-up"
             )
-        spent, n = self.stopwatch.read(), self._measured
+        # Whole steps: one an alarm cut short has charges and no step time.
+        spent, n = self.stopwatch.read(whole_steps=True), self._measured
 
         def part(name: str, interval: int | None = None, looks: int | None = None) -> CheckCost:
             return CheckCost(spent.get(name, 0.0) / n, math.nan, interval, looks)
@@ -371,6 +372,7 @@ class Guard:
             self._measured += 1
         self._last_end = end
         self.stopwatch.fold()
+        self.stopwatch.close_step()
         self._clock.fold()
 
     def _raise_if_alarmed(self) -> None:
