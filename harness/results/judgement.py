@@ -290,6 +290,10 @@ def classify(
     if fault.clean:
         return Effect.NONE
     if matches_golden(parts, golden):
+        # Beside a damaged state (a non-finite moment struck at the last step): latent, as
+        # the next update would spread it.
+        if fired and damage(parts):
+            return Effect.LATENT
         return Effect.MASKED if fired else Effect.NONE
     final_loss = worst_loss(parts)
     if not math.isfinite(final_loss) or abs(final_loss - golden.final_loss) > band:

@@ -123,6 +123,13 @@ def test_bit_identical_weights_are_masked_even_if_the_loss_differs():
     assert classify(FAULT, world(rank(0, 5.0)), None, GOLDEN, BAND) == "masked"
 
 
+def test_bit_identical_weights_beside_a_non_finite_moment_are_latent():
+    """A NaN written into a moment at the last step: no update spread it to the weights yet,
+    and the row read masked beside its damage, "non-finite optimizer state"."""
+    parts = world(rank(0, 2.0, optimizer_nonfinite=1), rank(1, 2.0))
+    assert classify(FAULT, parts, None, GOLDEN, BAND) == "latent"
+
+
 @pytest.mark.parametrize("loss", [2.0 + 0.1001, 2.0 - 0.1001, 50.0, math.inf, math.nan])
 def test_a_loss_outside_the_band_or_not_finite_is_harmful(loss):
     assert classify(FAULT, world(rank(0, loss, "x")), None, GOLDEN, BAND) == "harmful"
