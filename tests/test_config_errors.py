@@ -494,6 +494,12 @@ CASES = [
     ),  # fmt: skip
     (["fault=grad_scale", "fault.follows=data"], "fault.follows", "without recovery"),
     (["checkpoint.keep=no"], "checkpoint.keep", "'no' is not allowed; allowed: true, false"),
+    # Site optimizer strikes Adam's moments, which plain SGD never makes (no event, effect none).
+    (
+        ["workload=custom", "workload.optimizer._target_=torch.optim.SGD", "fault=optimizer_scale"],
+        "fault.site",
+        "(torch.optim.SGD) keeps none: the fault could never strike",
+    ),
     # A model's sizes (a ZeroDivisionError, a TypeError, or a model of no width trained to the
     # end) and a custom part the harness calls with its arguments (Hydra's own error).
     (["workload=gpt", "workload.heads=0"], "workload.heads", "0 is out of range; allowed: 1.."),

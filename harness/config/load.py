@@ -13,6 +13,9 @@ from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
+import torch
+from torch import nn
+
 import detectors
 from harness.config.fault_targets import check_bucket, check_target
 from harness.config.faults import expand_scenarios, fault_config, unused_fault
@@ -35,8 +38,8 @@ from harness.core.values import choice, flag, integer, known_keys, positive
 from harness.errors import ConfigError
 from harness.runtime import determinism, devices, numerics
 from harness.runtime.environment import check_cpu_kernels
-from harness.runtime.workloads import DTYPES, Workload
-from injectors.sites import RIDERS
+from harness.runtime.workloads import DTYPES, Workload, WorkloadConfig
+from injectors.sites import MOMENTS, RIDERS
 
 TOP_KEYS = [
     "workload", "topology", "fault", "detectors", "campaign", "out", "launcher", "recovery",
@@ -259,6 +262,20 @@ def _checks_in_run(
             )  # fmt: skip
 
 
+def _keeps_moments(workload: WorkloadConfig) -> bool:
+    """Whether a custom workload's optimizer keeps Adam's moments, which site optimizer
+    strikes: one step of it on zeroed copies of its model's parameters (an optimizer makes its
+    state on its first step)."""
+    copies = nn.ParameterList(
+        nn.Parameter(torch.zeros_like(p)) for p in probe(workload).model.parameters()
+    )
+    for p in copies:
+        p.grad = torch.zeros_like(p)
+    optimizer = Workload(workload).build_optimizer(copies)
+    optimizer.step()
+    return any(set(MOMENTS) <= set(state) for state in optimizer.state.values())
+
+
 def _riders_carried(key: str, fault: FaultConfig, checks: dict[str, CheckConfig]) -> None:
     """A fault in the rider region needs a check that rides on the reduction: without one the
     region holds only the zeros of its slots, which a scale or a bit flip leaves as they were."""
@@ -411,6 +428,12 @@ def run_config(raw: dict[str, Any]) -> RunConfig:
                 "keeps its own, so it strikes as hardware's would; leave it hardware"
             )  # fmt: skip
         _riders_carried(key, fault, checks if trial_checks is None else trial_checks)
+        if fault.site == "optimizer" and workload.name == "custom" and not _keeps_moments(workload):
+            raise ConfigError(
+                f"{key}.site", f"optimizer strikes Adam's moments ({', '.join(MOMENTS)}), and "
+                f"workload.optimizer ({workload.optimizer.get('_target_')}) keeps none: the "
+                "fault could never strike; allowed: another site, or an Adam-family optimizer"
+            )  # fmt: skip
         scenarios.append(fault)
         classes.append((key, not fault.clean, mix))
         for s in range(seeds):
