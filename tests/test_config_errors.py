@@ -494,6 +494,20 @@ CASES = [
     ),  # fmt: skip
     (["fault=grad_scale", "fault.follows=data"], "fault.follows", "without recovery"),
     (["checkpoint.keep=no"], "checkpoint.keep", "'no' is not allowed; allowed: true, false"),
+    # More elements than a fault's tensors hold: the draw took fewer (the loss's one for 5),
+    # and a burst past the largest tensor was cut, while the record said what was asked.
+    (["fault=loss_scale", "fault.elements=5"], "fault.elements", "5 is more than the 1 elements"),
+    (
+        [
+            "fault=grad_scale",
+            "fault.model=burst",
+            "fault.burst_model=scale",
+            "fault.elements=2",
+            "fault.stride=100000000",
+        ],
+        "fault.elements",
+        "a burst of 2 at stride 100000000 spans 100000001 elements, past the largest tensor",
+    ),  # fmt: skip
     # Site optimizer strikes Adam's moments, which plain SGD never makes (no event, effect none).
     (
         ["workload=custom", "workload.optimizer._target_=torch.optim.SGD", "fault=optimizer_scale"],

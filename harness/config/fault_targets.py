@@ -94,6 +94,27 @@ def check_target(
     if fault.index is not None and None not in sizes and fault.index + fault.elements > sum(sizes):
         high = sum(sizes) - fault.elements
         raise ConfigError(f"{key}.index", f"{fault.index} is out of range; allowed: 0..{high}")
+    if None not in sizes and fault.ber is None:
+        _elements_fit(key, fault, sizes)
+
+
+def _elements_fit(key: str, fault: FaultConfig, sizes: list[int]) -> None:
+    """The elements a fault strikes within what it names: a draw past them took fewer (the
+    loss's one element for 8), and a burst past the largest tensor was cut, while the record
+    said what was asked."""
+    if fault.model == "burst":
+        span, largest = (fault.elements - 1) * fault.stride + 1, max(sizes)
+        if span > largest:
+            raise ConfigError(
+                f"{key}.elements", f"a burst of {fault.elements} at stride {fault.stride} spans "
+                f"{span} elements, past the largest tensor '{fault.tensor}' names at site "
+                f"{fault.site} ({largest} elements); allowed: a span of at most {largest}"
+            )  # fmt: skip
+    elif fault.elements > sum(sizes):
+        raise ConfigError(
+            f"{key}.elements", f"{fault.elements} is more than the {sum(sizes)} elements "
+            f"'{fault.tensor}' names at site {fault.site}; allowed: 1..{sum(sizes)}"
+        )  # fmt: skip
 
 
 def check_bucket(key: str, fault: FaultConfig, model: torch.nn.Module) -> None:
