@@ -205,9 +205,9 @@ DEFINITIONS = """## Definitions (docs/design.md, section 5)
 - **harm threshold** (`noise_band`): max - min of the golden final loss over the fixed
   reference seeds (`campaign.noise_seeds`), never over a campaign's trial seeds, so the same
   scenario and seed get the same effect in any campaign on the same workload.
-- A trial that a check stopped (act mode, recovery) takes the effect of its **observe twin**,
+- A trial whose checks act (act mode, recovery) takes the effect of its **observe twin**,
   the same scenario and seed with every check observing (`effect_from`); `contained` and
-  `recovered` say what the check achieved.
+  `recovered` say what the checks achieved, the loss columns what the acting run ended with.
 - **catch rate** = detected / fired; per detector over the trials in which it ran.
 - **blind spot**: a scenario cell with harmful or latent trials whose catch rate among them has
   a 95% Wilson upper bound below 50%."""
