@@ -235,6 +235,17 @@ def main() -> None:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank = dist.get_rank()
+    world = dist.get_world_size()
+    if args.parallel == "hsdp" and (args.shard_size >= world or world % args.shard_size):
+        # HSDP's replicas need two shard groups at least; one group of the world is fsdp.
+        groups = [d for d in range(2, world) if world % d == 0]
+        if rank == 0:
+            print(f"train_guarded.py: error: --shard-size: {args.shard_size} must divide the "
+                  f"world of {world} ranks into two or more groups; allowed: "
+                  f"{', '.join(map(str, groups)) or 'none (use --parallel fsdp)'}",
+                  file=sys.stderr)  # fmt: skip
+        dist.destroy_process_group()
+        sys.exit(2)
     folder = args.out / "checkpoints"
     sharded = args.parallel != "ddp"
     model = build_model(args).to(device)

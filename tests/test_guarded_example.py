@@ -220,3 +220,25 @@ def test_under_fsdp_a_rehearsal_quarantines_and_a_restart_resumes_from_the_shard
     summary, _ = example(tmp_path, *common, "--resume", ranks=4)
     assert summary["exit_code"] == 0 and summary["alerts"] == [] and summary["steps"] == STEPS
     assert len(summary["losses"]) == STEPS - 4
+
+
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        (("--parallel", "hsdp", "--shard-size", "2"),
+         "--shard-size: 2 must divide the world of 2 ranks into two or more groups"),
+        # Checked on the loop's first forward: bit 25 of a bfloat16 product (--amp) crashed the
+        # striking rank at its step with an int16 overflow, the others on a closed connection.
+        (("--parallel", "fsdp", "--amp", "--inject", json.dumps(
+            {"site": "matmul", "model": "bitflip", "bit": 25, "ranks": [1], "steps": [2],
+             "tensor": "blocks.0.fc"})),
+         "inject.bit: 25 is outside bfloat16, the dtype of the product 1 of 'blocks.0.fc'"),
+    ],
+    ids=["one-replica-group", "bit-past-the-product"],
+)  # fmt: skip
+def test_a_setting_the_example_cannot_run_exits_2_on_every_rank_in_one_line(tmp_path, args, error):
+    codes, proc = example_ranks(EXAMPLE, 2, "--out", str(tmp_path), "--steps", "4", *args)
+    assert codes == [2, 2], proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if "train_guarded.py: error:" in line]
+    assert len(lines) == 1 and error in lines[0], proc.stderr[-3000:]
+    assert not (tmp_path / "summary.json").exists()
