@@ -152,19 +152,20 @@ def test_auditing_more_often_costs_more_than_it_saves(tmp_path):
 def test_the_plan_weighs_checks_by_their_cost_against_plain_ddp_hook_included(tmp_path):
     """The same trials, with the hook costing 10% of a step against plain DDP: against the hook
     alone, replay every 10 steps is the best plan; against plain DDP, the job that pays the hook
-    too is better off with no checks, which need no hook."""
+    too is better off with no checks, which need no hook. A check's share is of the hook's
+    step, 1.1 plain DDP steps: 4% of it is 4.4% of plain DDP's (the two were added)."""
     against_hook = replay_run(tmp_path / "hook")
     trials = pd.read_csv(against_hook / "trials.csv", dtype=str, keep_default_na=False)
     costs = [("replay", 1, 40.0, 38.0), ("replay", 10, 4.0, 3.8)]
     against_ddp = write_run(tmp_path / "ddp", trials.to_dict("records"), costs, hook_vs_ddp=10.0)
     assert list(ranked(against_hook, HAND))[0] == ("replay", "10")
     found = ranked(against_ddp, HAND)
-    every_tenth = 24 * (0.10 + 0.04) + 1 / 4 * (5 + 2) + 1 / 4 * 20  # 10.11
+    every_tenth = 24 * (0.10 + 0.04 * 1.1) + 1 / 4 * (5 + 2) + 1 / 4 * 20  # 10.206
     assert found == pytest.approx(
         {
             ("no checks", "-"): 2 / 4 * 20,  # 10: no hook, no checks
             ("replay", "10"): every_tenth,
-            ("replay", "1"): 24 * (0.10 + 0.40) + 1 * (0 + 2),
+            ("replay", "1"): 24 * (0.10 + 0.40 * 1.1) + 1 * (0 + 2),
         }
     )
     assert list(found)[0] == ("no checks", "-")
@@ -269,16 +270,17 @@ def test_the_range_carries_each_checks_lowest_and_highest_round(tmp_path):
     assert result.overheads.hook_rounds == (0.0, 1.5), "never below nothing"
     option, found = result.best
     assert option.name == "allreduce_sketch"
-    assert option.overhead_pct == pytest.approx(6.0)
-    assert option.overhead_range == pytest.approx((3.0, 10.5))
+    # The check's share is of the hook's step: times 1.01 against plain DDP's.
+    assert option.overhead_pct == pytest.approx(1.0 + 5.0 * 1.01)
+    assert option.overhead_range == pytest.approx((0.0 + 3.0 * 1.01, 1.5 + 9.0 * 1.01))
     table = {row["checks"]: row["overhead"] for row in plan_report.rows(result)}
-    assert table["allreduce_sketch"] == "6.00% [3.00%, 10.50%]"
+    assert table["allreduce_sketch"] == "6.05% [3.03%, 10.59%]"
     assert table["no checks"] == "0.00%"
     caught_lo, caught_hi = tables.wilson(4, 4)
     _, escaped_hi = tables.wilson(0, 4)
-    assert found.expected == pytest.approx(24 * 0.06 + 2)
-    assert found.low == pytest.approx(24 * 0.03 + caught_lo * 2)
-    assert found.high == pytest.approx(24 * 0.105 + caught_hi * 2 + escaped_hi * 20)
+    assert found.expected == pytest.approx(24 * 0.0605 + 2)
+    assert found.low == pytest.approx(24 * 0.0303 + caught_lo * 2)
+    assert found.high == pytest.approx(24 * 0.1059 + caught_hi * 2 + escaped_hi * 20)
     # No checks costs nothing and catches nothing at either extreme: its escapes alone (the
     # upper end charged detections at the 0 of 4's upper bound, 49%, that no check can make).
     nothing = next(f for o, f in result.ranked if o.name == "no checks")

@@ -129,7 +129,7 @@ class Option:
     checks: tuple[str, ...]  # sorted; () is no checks at all
     intervals: tuple[tuple[str, int], ...]  # the periodic members' intervals
     # Against plain DDP, as the job pays it: the harness's hook once (riders, fixed layout),
-    # plus the members' overheads against the hook (`overheads`); 0 for no checks at all.
+    # plus the members' overheads (`overheads`: against plain DDP); 0 for no checks at all.
     overhead_pct: float
     overhead_range: tuple[float, float]  # the same at its members' lowest and highest rounds
     caught: Counts  # fired faults that any member caught
@@ -329,6 +329,13 @@ def overheads(table: pd.DataFrame) -> Overheads:
                 rounds[(detector, r.interval)] = (share[ROUNDS[0]], share[ROUNDS[1]])
             if r.overhead_pct < least:
                 noise.append(f"{r.detector}@{r.interval or '-'} {r.overhead_pct:.2f}%")
+    # A check's share is of the step with the hook, the hook's of plain DDP's: against plain
+    # DDP a check costs its share times (1 + hook), so that a set's checks and the hook add up
+    # to (1 + hook)(1 + their shares) - 1, as overhead.csv's overhead_vs_ddp_pct multiplies.
+    scale = 1 + (hook or 0.0) / 100
+    at = {a: c * scale for a, c in at.items()}
+    per_run = {d: c * scale for d, c in per_run.items()}
+    rounds = {a: (low * scale, high * scale) for a, (low, high) in rounds.items()}
     return Overheads(at, per_run, noise, hook, rounds=rounds, hook_rounds=hook_rounds)
 
 

@@ -130,7 +130,8 @@ def header(job: Job, costs: Overheads, derived: tuple[str, ...] = ()) -> str:
     else:
         lines.append(
             f"- overheads against plain DDP: the harness's hook costs {costs.hook:.3g}% of a "
-            "step, once for any set of checks, plus each check's cost against the hook"
+            "step, once for any set of checks, plus each check's cost against the hook times "
+            f"{1 + costs.hook / 100:.4g} (the hook's step against plain DDP's)"
         )
     if costs.job is None and costs.estimate is None:
         lines.append(
