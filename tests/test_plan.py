@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import matplotlib.pyplot as plt
 import pandas as pd
 import pytest
 
@@ -460,3 +461,25 @@ def test_two_faults_alike_in_their_columns_and_label_count_apart(tmp_path):
     assert sketch.caught == (1, 2)
     nothing = [o for o, _ in result.ranked if o.name == "no checks"]
     assert [o.escaped for o in nothing] == [(1, 2)]
+
+
+def test_the_figure_draws_a_set_whose_checks_run_at_several_intervals_at_the_longest(tmp_path):
+    """Replay every 5 catches two faults, consensus every 10 the other two: together the best
+    option. The figure drew no point of it (its interval is no number), and put the
+    recommended star at the first interval of all, 5."""
+    trials = [
+        trial(20 + i, 0, True, "replay;weight_consensus", "replay=5;weight_consensus=10",
+              f"replay={20 + i}" if i < 2 else "weight_consensus=29")
+        for i in range(4)
+    ]  # fmt: skip
+    costs = [("replay", 5, 1.0, ""), ("weight_consensus", 10, 0.5, "")]
+    result = plan(*load([write_run(tmp_path / "run", trials, costs)]), HAND)
+    assert result.best[0].name == "replay + weight_consensus"
+    fig, ax = plt.subplots()
+    plan_report.draw(ax, result)
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    both = lines["replay + weight_consensus"]
+    assert list(both.get_xdata()) == [10]
+    assert list(lines["recommended"].get_xdata()) == [10]
+    assert list(lines["recommended"].get_ydata()) == [result.best[1].expected]
+    plt.close(fig)

@@ -230,28 +230,37 @@ def _drawn(result: Plan) -> list[tuple[str, ...]]:
     return sorted(sets | {result.best[0].checks}, key=lambda s: (len(s), s))
 
 
+def _longest(option: Option) -> int | None:
+    """Where an option sits on the figure's axis: its members' longest interval (None: every
+    step)."""
+    return max((k for _, k in option.intervals), default=None)
+
+
 def draw(ax: plt.Axes, result: Plan) -> None:
-    """Expected loss (and its range) against the audit interval, one line per set of checks; a
-    set without an interval (every step) is a flat dashed line."""
+    """Expected loss (and its range) against the audit interval, one line per set of checks
+    through its best option at each interval (a set whose members run at several intervals is
+    placed at the longest); a set without an interval (every step) is a flat dashed line."""
     ranked = result.ranked
     steps = sorted({k for o, _ in ranked for _, k in o.intervals}) or [1]
     for checks in _drawn(result):
-        mine = [(o, f) for o, f in ranked if o.checks == checks and "," not in o.interval]
+        mine = [(o, f) for o, f in ranked if o.checks == checks]
         label = " + ".join(checks) or "no checks"
-        if mine and mine[0][0].interval == "-":
+        if mine and _longest(mine[0][0]) is None:
             found = mine[0][1]
             (line,) = ax.plot(steps, [found.expected] * len(steps), "--", label=label)
             ax.fill_between(steps, found.low, found.high, color=line.get_color(), alpha=0.08)
             continue
-        mine.sort(key=lambda of: int(of[0].interval))
-        x = [int(o.interval) for o, _ in mine]
-        (line,) = ax.plot(x, [f.expected for _, f in mine], "o-", label=label)
-        lows, highs = [f.low for _, f in mine], [f.high for _, f in mine]
+        best: dict[int, Loss] = {}
+        for o, f in mine:  # ranked: the first at an interval is its best
+            best.setdefault(_longest(o), f)
+        x = sorted(best)
+        (line,) = ax.plot(x, [best[k].expected for k in x], "o-", label=label)
+        lows, highs = [best[k].low for k in x], [best[k].high for k in x]
         ax.fill_between(x, lows, highs, color=line.get_color(), alpha=0.12)
     option, found = result.best
-    at = int(option.interval) if option.interval.isdigit() else steps[0]
+    at = _longest(option) or steps[0]
     ax.plot([at], [found.expected], "*", color="black", markersize=14, label="recommended")
-    ax.set(xscale="log", yscale="log", xlabel="audit interval (steps)")
+    ax.set(xscale="log", yscale="log", xlabel="audit interval (steps; of several, the longest)")
     ax.set_ylabel("expected GPU-hours lost per day")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
 
