@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -204,6 +205,17 @@ def test_a_consensus_option_is_set_with_checkpoints_at_its_interval(tmp_path):
     )
     run = compose_run(*printed.split(), "workload.steps=50")  # at least the interval, as said
     assert (run.detectors["weight_consensus"].every, run.checkpoint.interval) == (50, 50)
+    # For a job checkpointing every 500 steps, at which its loss is priced, its own checkpoints
+    # (they printed 50: ten times the checkpoints, none of them priced); the least multiple of
+    # the interval above where the interval does not divide the job's, and said.
+    assert option.overrides(500).endswith("checkpoint.interval=500")
+    assert option.overrides(520).endswith("checkpoint.interval=550")
+    caught = [trial(20 + i, 0, True, "weight_consensus", "weight_consensus=50",
+                    "weight_consensus=49") for i in range(4)]  # fmt: skip
+    often = write_run(tmp_path / "often", caught, [("weight_consensus", 50, 0.5, "")])
+    result = plan(*load([often]), replace(HAND, step_seconds=1, checkpoint_every=520))
+    assert result.best[0].checks == ("weight_consensus",)
+    assert "checkpoint.interval=550 is the least multiple" in plan_report.recommendation(result)
 
 
 def test_a_check_timed_at_several_intervals_costs_its_fitted_run_over_k():

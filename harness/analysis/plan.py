@@ -150,13 +150,19 @@ class Option:
             return str(ks.pop())
         return ", ".join(f"{c}={k}" for c, k in self.intervals)
 
-    def overrides(self) -> str:
-        """The Hydra overrides (sdc-bench, or your training config) that set this option.
-        Consensus also looks before every checkpoint: checkpoints at its interval keep its
-        looks its own (sdc-bench refuses checkpoints that would make it look more often)."""
+    def overrides(self, checkpoint_every: int = 1) -> str:
+        """The Hydra overrides (sdc-bench, or your training config) that set this option for a
+        job checkpointing every `checkpoint_every` steps. Consensus also looks before every
+        checkpoint: checkpoints at a multiple of its interval keep its looks its own
+        (sdc-bench refuses checkpoints that would make it look more often), the least at or
+        above the job's, which is the job's own where its interval divides it."""
         parts = [f"detectors=[{','.join(self.checks)}]"]
         parts += [f"detectors.{c}.interval={k}" for c, k in self.intervals]
-        parts += [f"checkpoint.interval={k}" for c, k in self.intervals if c == CONSENSUS]
+        parts += [
+            f"checkpoint.interval={-(-checkpoint_every // k) * k}"
+            for c, k in self.intervals
+            if c == CONSENSUS
+        ]
         return " ".join(parts)
 
 

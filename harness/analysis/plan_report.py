@@ -217,7 +217,19 @@ def recommendation(result: Plan) -> str:
     # sdc-bench refuses a periodic check that would never look in its run.
     longest = max((k for _, k in option.intervals), default=None)
     run = f" (in sdc-bench, with workload.steps of at least {longest})" if longest else ""
-    return text + f"\n\nSet it with{run}:\n\n    {option.overrides()}"
+    every = result.job.checkpoint_every
+    printed = option.overrides(every)
+    moved = [
+        p
+        for p in printed.split()
+        if p.startswith("checkpoint.") and p != f"checkpoint.interval={every}"
+    ]
+    if moved:  # consensus at an interval that does not divide the job's checkpoints
+        text += (
+            f" Consensus looks before every checkpoint: {moved[0]} is the least multiple of its "
+            f"interval at or above --checkpoint-every {every}, at which the loss above is priced."
+        )
+    return text + f"\n\nSet it with{run}:\n\n    {printed}"
 
 
 def _drawn(result: Plan) -> list[tuple[str, ...]]:
