@@ -495,3 +495,16 @@ def test_the_figure_draws_a_set_whose_checks_run_at_several_intervals_at_the_lon
     assert list(lines["recommended"].get_xdata()) == [10]
     assert list(lines["recommended"].get_ydata()) == [result.best[1].expected]
     plt.close(fig)
+
+
+def test_an_interval_the_overheads_lack_is_priced_by_the_checks_fit(tmp_path):
+    """Trials ran replay every 20 steps, which overhead.csv did not time (a merged run's grid):
+    the option vanished from the table while the header printed the fit that prices it."""
+    folder = replay_run(tmp_path / "run")
+    rows = pd.read_csv(folder / "trials.csv", dtype=str, keep_default_na=False)
+    extra = rows[rows["check_intervals"] == "replay=10"].assign(check_intervals="replay=20")
+    write_cells(folder / "trials.csv", pd.concat([rows, extra]).to_dict("records"))
+    result = plan(*load([folder]), HAND)
+    fit = result.overheads.per_run["replay"]
+    priced = {o.interval: o.overhead_pct for o, _ in result.ranked if o.checks}
+    assert priced["20"] == pytest.approx(fit / 20)

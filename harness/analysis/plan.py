@@ -226,7 +226,7 @@ def measured(fired: pd.DataFrame, checks: tuple[str, ...], cost: Overheads) -> l
     options = []
     for key, group in fired.groupby("key", sort=True):
         at = [(c, str(dict(key).get(c, ""))) for c in checks]
-        costs = [cost.at.get(a) for a in at]
+        costs = [cost.price(a) for a in at]
         if any(c is None for c in costs):
             continue
         hook = (cost.hook or 0.0) if checks else 0.0
@@ -286,6 +286,15 @@ class Overheads:
     # run's rounds (none for a table written before them, a pool of runs, or the job's figures).
     rounds: dict[tuple[str, str], tuple[float, float]] = field(default_factory=dict)
     hook_rounds: tuple[float, float] | None = None
+
+    def price(self, at: tuple[str, str]) -> float | None:
+        """A (check, interval)'s figure; one not timed at that interval, its fitted run over
+        the interval where it has a fit (a merged run's grid that left one out); else None."""
+        found = self.at.get(at)
+        check, k = at
+        if found is None and check in self.per_run and k.isdigit():
+            found = self.per_run[check] / int(k)
+        return found
 
 
 def amortized(intervals: list[int], measured: list[float]) -> float:
