@@ -95,15 +95,17 @@ def distinct(dirs: list[Path]) -> None:
 
 
 def check_out(flag: str, out: Path, dirs: list[Path]) -> None:
-    """Where a tool writes what it made of `dirs`: a folder, and not another run's or sweep's
-    (what it writes there would replace that run's own report or plan)."""
+    """Where a tool writes what it made of `dirs`: a folder, and not one that holds another
+    run's trials or is a sweep's (what it writes there would replace that run's own report or
+    plan); a folder above the runs reported is theirs."""
     if out.exists() and not out.is_dir():
         raise ReportError(f"{flag} {out}: not a folder; name a folder to write into")
-    reported = out.resolve() in {d.resolve() for d in dirs}
-    holds = out.is_dir() and (
-        next(out.rglob(TRIALS_FILE), None) is not None or (out / "multirun.yaml").exists()
+    given = [d.resolve() for d in dirs]
+    foreign = out.is_dir() and (
+        any(not any(f.resolve().is_relative_to(d) for d in given) for f in out.rglob(TRIALS_FILE))
+        or ((out / "multirun.yaml").exists() and out.resolve() not in given)
     )
-    if holds and not reported:
+    if foreign:
         raise ReportError(
             f"{flag} {out}: another run's folder (it holds trials not reported here), whose "
             "own files this would replace; name one of the folders reported, or a new one"
