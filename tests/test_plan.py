@@ -10,6 +10,7 @@ a one-hour restart, one SDC event a day and 20 hours for a harmful fault no chec
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from dataclasses import replace
@@ -32,6 +33,7 @@ from harness.analysis.plan import (
 )
 from harness.campaign import overhead
 from harness.results import schema
+from harness.results.costs import CheckCost, JobCosts, priced
 from tests.conftest import compose_run
 from tests.rows import write as write_cells
 
@@ -508,3 +510,24 @@ def test_an_interval_the_overheads_lack_is_priced_by_the_checks_fit(tmp_path):
     fit = result.overheads.per_run["replay"]
     priced = {o.interval: o.overhead_pct for o, _ in result.ranked if o.checks}
     assert priced["20"] == pytest.approx(fit / 20)
+
+
+def test_the_jobs_costs_give_the_step_its_time_unless_given(tmp_path, capsys):
+    """The header printed the default job's 6 s step above "20 steps of 0.25 s", and priced
+    detection and rollback at 6 s."""
+    folder = every_step_run(tmp_path / "run")
+    measured = CheckCost(0.0025, math.nan)
+    costs = priced(
+        JobCosts(step_time_s=0.25, steps=20, warmup=3, device="cpu", parallel="ddp",
+                 world_size=4, checks={"nan_inf": measured, "allreduce_sketch": measured},
+                 hook=CheckCost(0.001, math.nan))
+    )  # fmt: skip
+    costs.write(tmp_path / "costs.json")
+    plan_report.main([str(folder), "--costs", str(tmp_path / "costs.json"), "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert (
+        f"`--step-seconds 0.25`: {plan_report.FLAGS['step_seconds'][1]} (measured in the job" in out
+    )
+    plan_report.main([str(folder), "--costs", str(tmp_path / "costs.json"), "--step-seconds", "2",
+                      "--out", str(tmp_path)])  # fmt: skip
+    assert "`--step-seconds 2`:" in capsys.readouterr().out

@@ -94,7 +94,9 @@ def header(job: Job, costs: Overheads, derived: tuple[str, ...] = ()) -> str:
         flag, what, source = FLAGS[f.name]
         value = getattr(job, f.name)
         note = f"default, {source}" if value == getattr(default, f.name) else "given"
-        if f.name in derived:
+        if f.name in derived and costs.job is not None:
+            note = f"measured in the job ({costs.source})"
+        elif f.name in derived:
             note = "estimated: 6 N T FLOPs at the estimate's efficiency on --gpus GPUs"
         lines.append(f"- `{flag} {value:g}`: {what} ({note})")
     lines.append(f"- so {job.events_per_day:.3g} SDC events a day")
@@ -346,8 +348,9 @@ class Arguments:
     costs: Path | None  # the job's measured costs, first choice
     shape: JobShape | None  # the job's shape to estimate costs for, second choice
     job: Job
-    derived: tuple[str, ...]  # Job fields taken from the estimate
+    derived: tuple[str, ...]  # Job fields taken from the estimate or the job's costs
     equal_weights: bool  # the campaign's fault mix ignored
+    step_given: float | None  # --step-seconds, where given
 
 
 ESTIMATE_FLAGS = ("--gpu", "--params", "--tokens-per-step")
@@ -413,7 +416,10 @@ def parse(argv: list[str] | None) -> Arguments:
         if given["step_seconds"] is None:
             step = shape.step_seconds / (job.gpus / shape.replicas)
             job, derived = replace(job, step_seconds=step), ("step_seconds",)
-    return Arguments(args.dirs, args.out, args.costs, shape, job, derived, args.equal_weights)
+    return Arguments(
+        args.dirs, args.out, args.costs, shape, job, derived, args.equal_weights,
+        given["step_seconds"],
+    )  # fmt: skip
 
 
 def _read_costs(path: Path) -> JobCosts:
@@ -440,7 +446,13 @@ def main(argv: list[str] | None = None) -> None:
             trials = trials.assign(**{Column.weight: math.nan})
         costs = None
         if args.costs is not None:
-            costs = job_overheads(_read_costs(args.costs), str(args.costs), trials)
+            measured = _read_costs(args.costs)
+            costs = job_overheads(measured, str(args.costs), trials)
+            if args.step_given is None:  # the step the guard timed, not a default job's
+                args = replace(
+                    args, job=replace(args.job, step_seconds=measured.step_time_s),
+                    derived=(*args.derived, "step_seconds"),
+                )  # fmt: skip
         elif args.shape is not None:
             costs = estimated_overheads(args.shape, trials)
         result = plan(trials, table, args.job, costs)
