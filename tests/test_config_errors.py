@@ -534,7 +534,7 @@ CASES = [
     (
         ["detectors=[nan_inf]", "fault=allreduce_rank", "fault.tensor=riders"],
         "fault.tensor",
-        "riders: no check of this trial rides on the reduction",
+        "riders: no check beside it rides on the reduction",
     ),  # fmt: skip
     # A matmul fault's bits in what it strikes: the product it names (bfloat16 under autocast),
     # a frozen weight's gradient (none ever made).

@@ -221,19 +221,32 @@ SCALED = {"model": "scale", "factor": 2.0, "ranks": [0]}
         # site on the first step, whose forward the guard traces to check what it names.
         (
             {"inject": {**SCALED, "site": "grad", "steps": [2]}, "start_step": 10},
-            "^inject.steps: 2 is before the guard's start_step 10: the fault could never strike",
+            "^inject.steps: 2 is before the guard's start_step 10: never reached",
         ),
         (
             {"inject": {**SCALED, "site": "matmul", "steps": [0]}},
             "^inject.steps: 0: a fault at site matmul strikes from the guard's second step on",
         ),
+        (
+            {"inject": {**SCALED, "site": "grad", "schedule": [
+                {"step": 2, "rank": 0, "tensor": "weight", "index": 0},
+                {"step": 12, "rank": 0, "tensor": "weight", "index": 0}]}, "start_step": 10},
+            "^inject.schedule: 2 is before the guard's start_step 10: never reached",
+        ),  # fmt: skip
+        # The rider region holds zeros where no check rides on the reduction.
+        (
+            {"inject": {**SCALED, "site": "allreduce", "scope": "rank", "tensor": "riders",
+                        "steps": [2]}},
+            "^inject.tensor: riders: no check beside it rides on the reduction",
+        ),  # fmt: skip
         # What a script parses from JSON: a traceback, or a message that named no key.
         ({"inject": "grad"}, "^inject: 'grad' is not a fault: a mapping of fault keys"),
         ({"detectors": {"nan_inf": 5}}, "^detectors.nan_inf: 5 is not a check's settings"),
         ({"detectors": None}, "^detectors: None names no check"),
     ],
     ids=["mode", "no-ranks-per-node", "ranks-per-node", "bare-comm-hook", "before-start",
-         "first-step-module", "inject-not-a-mapping", "settings-not-a-mapping", "no-checks"],
+         "first-step-module", "schedule-before-start", "riders-unridden", "inject-not-a-mapping",
+         "settings-not-a-mapping", "no-checks"],
 )  # fmt: skip
 def test_a_setting_the_guard_would_ignore_or_trip_over_later_is_refused(one_rank, settings, error):
     """A check's own `mode` (the guard's decides), a node size that is no size or does not
@@ -371,6 +384,43 @@ def test_the_costs_are_refused_until_the_warmup_is_over(one_rank):
     guard = Guard(one_rank, ["nan_inf"], warmup_steps=2)
     with pytest.raises(RuntimeError, match="the first 2 steps are a warm-up"):
         guard.costs()
+
+
+def test_a_rehearsal_at_the_optimizer_of_a_loop_without_moments_is_refused_at_its_first_step(
+    one_rank,
+):
+    """Plain SGD keeps no Adam moments: the fault never struck (no event) while the loop
+    trained on. The guard first sees the optimizer at after_step."""
+    optimizer = torch.optim.SGD(one_rank.parameters(), lr=0.1)
+    fault = {"site": "optimizer", "model": "scale", "factor": 2.0, "ranks": [0], "steps": [3]}
+    guard = Guard(one_rank, ["nan_inf"], inject=fault)
+    try:
+        with pytest.raises(
+            ValueError,
+            match="^inject.site: optimizer strikes Adam's moments "
+            r"\(exp_avg, exp_avg_sq\), and the loop's SGD keeps none",
+        ):
+            _guarded_step(guard, one_rank, optimizer, 0, 0)
+    finally:
+        guard.close()
+
+
+def test_a_resumed_loops_permanent_module_fault_strikes_from_its_second_step(one_rank):
+    """Accepted where it strikes from before start_step (it was refused), unarmed in the first
+    forward, which the guard traces to check what it names, and striking in each after it;
+    a fault with no site is nothing to rehearse (it raised "max() arg is an empty sequence")."""
+    Guard(one_rank, inject={"site": "none"}).close()
+    model = DDP(Blocks())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    fault = {"site": "matmul", "model": "scale", "factor": 2.0, "ranks": [0], "steps": [3],
+             "persistence": "permanent", "tensor": "head"}  # fmt: skip
+    guard = Guard(model, ["nan_inf"], start_step=100, inject=fault)
+    try:
+        for step in (100, 101, 102):
+            _guarded_step(guard, model, optimizer, step, 0)
+        assert sorted({i.step for i in guard.injections}) == [101, 102]
+    finally:
+        guard.close()
 
 
 def test_the_costs_after_an_alarm_count_whole_steps_only(one_rank):

@@ -7,9 +7,11 @@ and, sharded, the fault's rank holds an element of them. Checked once the fault'
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 
+import detectors
 from harness.config.schema import FaultConfig
 from harness.core.formats import FLOAT_FORMATS, unchanging_scale
 from harness.core.matmuls import ForwardModules
@@ -114,6 +116,31 @@ def _elements_fit(key: str, fault: FaultConfig, sizes: list[int]) -> None:
         raise ConfigError(
             f"{key}.elements", f"{fault.elements} is more than the {sum(sizes)} elements "
             f"'{fault.tensor}' names at site {fault.site}; allowed: 1..{sum(sizes)}"
+        )  # fmt: skip
+
+
+def check_moments(key: str, optimizer: torch.optim.Optimizer, named: str) -> None:
+    """Site optimizer strikes Adam's moments: an optimizer that keeps none once it has
+    stepped (plain SGD) would never be struck. `named`: the optimizer, as the error says it."""
+    if not any(set(sites.MOMENTS) <= set(state) for state in optimizer.state.values()):
+        raise ConfigError(
+            f"{key}.site", f"optimizer strikes Adam's moments ({', '.join(sites.MOMENTS)}), and "
+            f"{named} keeps none: the fault could never strike; allowed: another site, or an "
+            "Adam-family optimizer"
+        )  # fmt: skip
+
+
+def check_riders(key: str, fault: FaultConfig, checks: Iterable[str]) -> None:
+    """A fault in the rider region needs a check that rides on the reduction: without one the
+    region holds only the zeros of its slots, which a scale or a bit flip leaves as they were."""
+    if fault.site != "allreduce" or fault.tensor != sites.RIDERS:
+        return
+    riding = sorted(n for n in detectors.available() if detectors.detector_class(n).rides())
+    if not set(checks) & set(riding):
+        raise ConfigError(
+            f"{key}.tensor", f"{sites.RIDERS}: no check beside it rides on the reduction, so "
+            "its rider region holds only zeros and the fault could never strike; run one of "
+            f"{', '.join(riding)}, or name gradients"
         )  # fmt: skip
 
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import detectors
-from harness.config.fault_targets import check_bucket, check_target
+from harness.config.fault_targets import check_bucket, check_moments, check_riders, check_target
 from harness.config.faults import expand_scenarios, fault_config, unused_fault
 from harness.config.mix import check_mix, scenario_class
 from harness.config.schema import (
@@ -25,7 +25,6 @@ from harness.config.schema import (
     LAUNCHERS,
     PARALLEL,
     CheckpointConfig,
-    FaultConfig,
     OverheadConfig,
     RecoveryConfig,
     RunConfig,
@@ -39,7 +38,6 @@ from harness.errors import ConfigError
 from harness.runtime import determinism, devices, numerics
 from harness.runtime.environment import check_cpu_kernels
 from harness.runtime.workloads import DTYPES, Workload, WorkloadConfig
-from injectors.sites import MOMENTS, RIDERS
 
 TOP_KEYS = [
     "workload", "topology", "fault", "detectors", "campaign", "out", "launcher", "recovery",
@@ -262,10 +260,9 @@ def _checks_in_run(
             )  # fmt: skip
 
 
-def _keeps_moments(workload: WorkloadConfig) -> bool:
-    """Whether a custom workload's optimizer keeps Adam's moments, which site optimizer
-    strikes: one step of it on zeroed copies of its model's parameters (an optimizer makes its
-    state on its first step)."""
+def _stepped_optimizer(workload: WorkloadConfig) -> torch.optim.Optimizer:
+    """A custom workload's optimizer after one step on zeroed copies of its model's parameters
+    (an optimizer makes its state on its first step)."""
     copies = nn.ParameterList(
         nn.Parameter(torch.zeros_like(p)) for p in probe(workload).model.parameters()
     )
@@ -273,21 +270,7 @@ def _keeps_moments(workload: WorkloadConfig) -> bool:
         p.grad = torch.zeros_like(p)
     optimizer = Workload(workload).build_optimizer(copies)
     optimizer.step()
-    return any(set(MOMENTS) <= set(state) for state in optimizer.state.values())
-
-
-def _riders_carried(key: str, fault: FaultConfig, checks: dict[str, CheckConfig]) -> None:
-    """A fault in the rider region needs a check that rides on the reduction: without one the
-    region holds only the zeros of its slots, which a scale or a bit flip leaves as they were."""
-    if fault.site != "allreduce" or fault.tensor != RIDERS:
-        return
-    riding = sorted(n for n in detectors.available() if detectors.detector_class(n).rides())
-    if not any(name in riding for name in checks):
-        raise ConfigError(
-            f"{key}.tensor", f"{RIDERS}: no check of this trial rides on the reduction, so its "
-            "rider region holds only zeros and the fault could never strike; run one of "
-            f"{', '.join(riding)}, or name gradients"
-        )  # fmt: skip
+    return optimizer
 
 
 def _timed_alike(
@@ -427,13 +410,10 @@ def run_config(raw: dict[str, Any]) -> RunConfig:
                 "batches to another, and without recovery (recovery.enabled=true) each rank "
                 "keeps its own, so it strikes as hardware's would; leave it hardware"
             )  # fmt: skip
-        _riders_carried(key, fault, checks if trial_checks is None else trial_checks)
-        if fault.site == "optimizer" and workload.name == "custom" and not _keeps_moments(workload):
-            raise ConfigError(
-                f"{key}.site", f"optimizer strikes Adam's moments ({', '.join(MOMENTS)}), and "
-                f"workload.optimizer ({workload.optimizer.get('_target_')}) keeps none: the "
-                "fault could never strike; allowed: another site, or an Adam-family optimizer"
-            )  # fmt: skip
+        check_riders(key, fault, checks if trial_checks is None else trial_checks)
+        if fault.site == "optimizer" and workload.name == "custom":
+            named = f"workload.optimizer ({workload.optimizer.get('_target_')})"
+            check_moments(key, _stepped_optimizer(workload), named)
         scenarios.append(fault)
         classes.append((key, not fault.clean, mix))
         for s in range(seeds):

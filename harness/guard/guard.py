@@ -29,7 +29,7 @@ from torch.utils.hooks import RemovableHandle
 
 import detectors as registry
 from harness.campaign import recovery
-from harness.config.fault_targets import check_target
+from harness.config.fault_targets import check_moments, check_riders, check_target
 from harness.core import inflight
 from harness.core.bus import PluginBus
 from harness.core.events import Alert, CheckWarning, Inject, of
@@ -45,6 +45,7 @@ from harness.results.costs import CheckCost, JobCosts, combined, priced
 from harness.runtime import checkpoint, comm
 from harness.runtime.assembly import assemble
 from harness.runtime.batch_exchange import ShippedBatches
+from injectors.injector import FaultInjector
 from injectors.sites import MODULE_SITES
 
 if TYPE_CHECKING:
@@ -92,6 +93,7 @@ class Guard:
         fault = None
         if inject is not None:
             fault = selection.rehearsal(inject, self.model, world_topology, start_step)
+            check_riders("inject", fault, self.checks)
 
         name = os.environ.get("SDC_NODE_NAME", socket.gethostname())
         self.machines: list[str] = inflight.gather_objects(
@@ -120,6 +122,9 @@ class Guard:
         plugins = assemble(self.model, ctx, self.log, self.checks, fault, seed,
                            transparent=True, inner=comm_hook)  # fmt: skip
         self.bus, self._state, self._hooks = plugins.bus, plugins.state, plugins.hooks
+        # A rehearsal at site optimizer, checked against the loop's optimizer at the first
+        # after_step, where the guard first sees it.
+        self._state_fault = fault is not None and fault.site == "optimizer"
         if fault is not None and fault.site in MODULE_SITES:
             checked = partial(check_target, "inject", fault, self.model,
                                         shard_group=world_topology.shard_group)  # fmt: skip
@@ -217,6 +222,9 @@ class Guard:
                 f"after_step: guard.before_step() was not called in step {self.step}; call it "
                 "every step after backward, before clipping and optimizer.step()"
             )
+        if self._state_fault:
+            self._state_fault = False
+            check_moments("inject", optimizer, f"the loop's {type(optimizer).__name__}")
         self.bus.optimizer_state(self.step, optimizer)
         self.bus.update(self.step, self.model)
         self._raise_if_alarmed()
@@ -298,8 +306,10 @@ class Guard:
             raise RuntimeError(
                 f"costs: no step measured yet; the first {self.warmup_steps} steps are a warm-up"
             )
-        # Whole steps: one an alarm cut short has charges and no step time.
-        spent, n = self.stopwatch.read(whole_steps=True), self._measured
+        # After an alarm, whole steps: the step it cut short has charges and no step time.
+        # Otherwise every charge, the checkpoint's after the last step included (its look is
+        # among `_looked`'s).
+        spent, n = self.stopwatch.read(whole_steps=self.alarm is not None), self._measured
 
         def part(name: str, interval: int | None = None, looks: int | None = None) -> CheckCost:
             return CheckCost(spent.get(name, 0.0) / n, math.nan, interval, looks)
@@ -432,13 +442,17 @@ def _first_forward_traced(
     """The loop's first forward traced through the products' watch (one of its own where no
     plug-in watches them, removed after it), and handed to `checked` as it ends: what a module
     fault names, the products each module makes and their dtypes, only a forward shows, and a
-    campaign traces its model before it runs. Its handles."""
+    campaign traces its model before it runs. The fault is unarmed in that forward, and armed
+    once `checked` passes. Its handles."""
     watch = bus.watch
     own: list[RemovableHandle] = []
     if watch is None:
         watch = Watch(MatmulCall.compute)
         own = watch.install(model)
     watch.traces = pending = True
+    armed = [(p, p.active) for p in bus.plugins if isinstance(p, FaultInjector)]
+    for injector, _ in armed:
+        injector.active = False
 
     def ended(_module: nn.Module, _inputs: Any, _output: Any) -> None:
         nonlocal pending
@@ -448,6 +462,8 @@ def _first_forward_traced(
         for handle in own:
             handle.remove()
         checked(watch.traced())
+        for injector, active in armed:
+            injector.active = active
 
     return [*own, model.register_forward_hook(ended)]
 

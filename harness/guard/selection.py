@@ -179,25 +179,35 @@ def rehearsal(
             "such as {'site': 'grad', 'model': 'scale', 'factor': 1000, 'steps': [5]}"
         )  # fmt: skip
     fault = fault_config("inject", dict(inject), unbounded, topology)
-    if fault.schedule:
-        key, steps = "inject.schedule", [e["step"] for e in fault.schedule]
-    else:
-        key, steps = "inject.steps", list(fault.steps)
-    if (fault.schedule or fault.persistence == "transient") and max(steps) < start_step:
-        raise ConfigError(
-            key, f"{max(steps)} is before the guard's start_step {start_step}: the fault could "
-            f"never strike; allowed: {start_step} or later"
-        )  # fmt: skip
-    first = min(steps) if fault.schedule or fault.persistence == "transient" else steps[0]
-    if fault.site in MODULE_SITES and first <= start_step:
-        raise ConfigError(
-            key, f"{first}: a fault at site {fault.site} strikes from the guard's second step "
-            f"on, since its first forward shows what the fault names (the products each module "
-            f"makes, their dtypes), as a campaign traces its model before it runs; allowed: "
-            f"{start_step + 1} or later"
-        )  # fmt: skip
-    check_target("inject", fault, model, shard_group=topology.shard_group)
+    if not fault.clean:
+        _reached(fault, start_step)
+        check_target("inject", fault, model, shard_group=topology.shard_group)
     return fault
+
+
+def _reached(fault: FaultConfig, start_step: int) -> None:
+    """Each step a transient or scheduled fault lists is one the loop reaches (from
+    `start_step`), and at a module site one after the first, whose forward the guard traces
+    with the fault unarmed to check what it names (a permanent or intermittent fault there
+    strikes from the second step on)."""
+    if fault.schedule:
+        key, steps = "inject.schedule", sorted(e["step"] for e in fault.schedule)
+    elif fault.persistence == "transient":
+        key, steps = "inject.steps", sorted(fault.steps)
+    else:
+        return
+    if steps[0] < start_step:
+        raise ConfigError(
+            key, f"{steps[0]} is before the guard's start_step {start_step}: never reached, "
+            f"that strike could never happen; allowed: {start_step} or later"
+        )  # fmt: skip
+    if fault.site in MODULE_SITES and steps[0] == start_step:
+        raise ConfigError(
+            key, f"{steps[0]}: a fault at site {fault.site} strikes from the guard's second "
+            "step on, since its first forward shows what the fault names (the products each "
+            "module makes, their dtypes), as a campaign traces its model before it runs; "
+            f"allowed: {start_step + 1} or later"
+        )  # fmt: skip
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
