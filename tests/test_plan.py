@@ -217,7 +217,14 @@ def test_a_consensus_option_is_set_with_checkpoints_at_its_interval(tmp_path):
     often = write_run(tmp_path / "often", caught, [("weight_consensus", 50, 0.5, "")])
     result = plan(*load([often]), replace(HAND, step_seconds=1, checkpoint_every=520))
     assert result.best[0].checks == ("weight_consensus",)
-    assert "checkpoint.interval=550 is the least multiple" in plan_report.recommendation(result)
+    assert "it checkpoints every 550 steps, the least multiple" in plan_report.recommendation(
+        result
+    )
+    # Its rollbacks priced at 550-step checkpoints: half an interval and the 27.5 steps on
+    # average to find a fault (each injected at 20..23, found at 49).
+    (option, found), job = result.best, result.job
+    rolled = (550 / 2 + 27.5) * job.step_seconds / 3600 + job.restart_minutes / 60
+    assert found.expected == pytest.approx(0.5 / 100 * 24 + job.events_per_day * job.gpus * rolled)
 
 
 def test_a_check_timed_at_several_intervals_costs_its_fitted_run_over_k():

@@ -150,19 +150,22 @@ class Option:
             return str(ks.pop())
         return ", ".join(f"{c}={k}" for c, k in self.intervals)
 
-    def overrides(self, checkpoint_every: int = 1) -> str:
+    def checkpoint_every(self, job_every: int) -> int:
+        """How often a job that checkpoints every `job_every` steps checkpoints with this option.
+        Consensus also looks before every checkpoint: checkpoints at a multiple of its interval
+        keep its looks its own (sdc-bench refuses checkpoints that would make it look more
+        often), the least at or above the job's, which is the job's own where its interval
+        divides it."""
+        k = dict(self.intervals).get(CONSENSUS)
+        return job_every if k is None else -(-job_every // k) * k
+
+    def overrides(self, job_every: int = 1) -> str:
         """The Hydra overrides (sdc-bench, or your training config) that set this option for a
-        job checkpointing every `checkpoint_every` steps. Consensus also looks before every
-        checkpoint: checkpoints at a multiple of its interval keep its looks its own
-        (sdc-bench refuses checkpoints that would make it look more often), the least at or
-        above the job's, which is the job's own where its interval divides it."""
+        job checkpointing every `job_every` steps."""
         parts = [f"detectors=[{','.join(self.checks)}]"]
         parts += [f"detectors.{c}.interval={k}" for c, k in self.intervals]
-        parts += [
-            f"checkpoint.interval={-(-checkpoint_every // k) * k}"
-            for c, k in self.intervals
-            if c == CONSENSUS
-        ]
+        if CONSENSUS in dict(self.intervals):
+            parts.append(f"checkpoint.interval={self.checkpoint_every(job_every)}")
         return " ".join(parts)
 
 
@@ -176,7 +179,9 @@ class Loss:
 
 
 def loss(option: Option, job: Job) -> Loss:
-    """The model of the module docstring, at the point estimates and at either extreme."""
+    """The model of the module docstring, at the point estimates and at either extreme; a
+    rollback at the checkpoints the option sets (Option.checkpoint_every)."""
+    job = replace(job, checkpoint_every=option.checkpoint_every(job.checkpoint_every))
     per_event = job.events_per_day * job.gpus  # GPU-hours per wall hour lost, per day
     (kc, nc), (ke, ne) = option.caught, option.escaped
     # No checks catch nothing: 0 at either extreme, not the interval 0 of n leaves open.

@@ -220,18 +220,13 @@ def recommendation(result: Plan) -> str:
     longest = max((k for _, k in option.intervals), default=None)
     run = f" (in sdc-bench, with workload.steps of at least {longest})" if longest else ""
     every = result.job.checkpoint_every
-    printed = option.overrides(every)
-    moved = [
-        p
-        for p in printed.split()
-        if p.startswith("checkpoint.") and p != f"checkpoint.interval={every}"
-    ]
-    if moved:  # consensus at an interval that does not divide the job's checkpoints
+    if option.checkpoint_every(every) != every:  # consensus's interval does not divide it
         text += (
-            f" Consensus looks before every checkpoint: {moved[0]} is the least multiple of its "
-            f"interval at or above --checkpoint-every {every}, at which the loss above is priced."
+            f" Consensus looks before every checkpoint: it checkpoints every "
+            f"{option.checkpoint_every(every)} steps, the least multiple of its interval at or "
+            f"above --checkpoint-every {every}, and its rollbacks are priced so."
         )
-    return text + f"\n\nSet it with{run}:\n\n    {printed}"
+    return text + f"\n\nSet it with{run}:\n\n    {option.overrides(every)}"
 
 
 def _drawn(result: Plan) -> list[tuple[str, ...]]:
