@@ -71,9 +71,9 @@ def preflight(argv: list[str]) -> None:
     """Compose and validate the config before Hydra creates or writes anything in `out`.
 
     A sweep validates every job it will launch, as Hydra's basic sweeper splits them, before
-    the first starts (where its values need the config to expand, such as glob, each job as it
-    starts); and refuses one `out` for all of its jobs (each would write into it, the second
-    refused as another campaign's).
+    the first starts (where its values need the config to expand, such as glob, or are
+    shuffled, each job as it starts); and refuses one `out` for all of its jobs (each would
+    write into it, the second refused as another campaign's).
     """
     if "-m" in argv or "--multirun" in argv:
         task = [a for a in argv if "=" in a and not a.startswith(("-", "hydra"))]

@@ -10,6 +10,7 @@ import pytest
 
 import detectors
 from harness import cli
+from harness.analysis.sweep import planned_jobs
 from harness.cli import CONFIG_DIR
 from tests.conftest import compose_run, sdc_bench
 
@@ -675,6 +676,13 @@ def test_a_sweep_with_a_bad_job_is_refused_before_any_job_runs(tmp_path):
         "fault.bit=40)"
     )
     assert not sweep.exists()
+
+
+def test_a_shuffled_sweep_is_checked_job_by_job_not_in_an_order_of_its_own():
+    """A shuffled sweep's order is drawn when the sweeper splits it: a split of its own named
+    the wrong job's number, and checked job N's folder against another job's config."""
+    assert planned_jobs(["fault.factor=shuffle(10,1000)", "fault.bit=1"]) is None
+    assert planned_jobs(["fault.factor=10,1000"]) == [["fault.factor=10"], ["fault.factor=1000"]]
 
 
 def test_an_out_that_is_a_sweeps_folder_is_refused(tmp_path, monkeypatch, capsys):

@@ -43,10 +43,13 @@ def _natural(path: Path) -> list[object]:
 
 def planned_jobs(task: list[str]) -> list[list[str]] | None:
     """The overrides of each job a sweep of these command-line overrides launches, in order, as
-    Hydra's basic sweeper splits them; None where they cannot be split here (a sweep that needs
-    the config to expand, such as glob)."""
+    Hydra's basic sweeper splits them (its own split, from hydra._internal: the order is the
+    job numbers'); None where they cannot be known here: a sweep that needs the config to
+    expand (glob), or a shuffled one, whose order each split draws anew."""
     try:
         parsed = OverridesParser.create().parse_overrides(task)
+        if any(o.is_sweep_override() and getattr(o.value(), "shuffle", False) for o in parsed):
+            return None
         return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
     except HydraException:
         return None
