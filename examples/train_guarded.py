@@ -236,7 +236,9 @@ def main() -> None:
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank = dist.get_rank()
     world = dist.get_world_size()
-    if args.parallel == "hsdp" and (args.shard_size >= world or world % args.shard_size):
+    if args.parallel == "hsdp" and not (
+        2 <= args.shard_size < world and world % args.shard_size == 0
+    ):
         # HSDP's replicas need two shard groups at least; one group of the world is fsdp.
         groups = [d for d in range(2, world) if world % d == 0]
         if rank == 0:

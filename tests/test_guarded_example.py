@@ -227,6 +227,8 @@ def test_under_fsdp_a_rehearsal_quarantines_and_a_restart_resumes_from_the_shard
     [
         (("--parallel", "hsdp", "--shard-size", "2"),
          "--shard-size: 2 must divide the world of 2 ranks into two or more groups"),
+        (("--parallel", "hsdp", "--shard-size", "0"),  # a ZeroDivisionError traceback
+         "--shard-size: 0 must divide the world of 2 ranks"),
         # Checked on the loop's first forward: bit 25 of a bfloat16 product (--amp) crashed the
         # striking rank at its step with an int16 overflow, the others on a closed connection.
         (("--parallel", "fsdp", "--amp", "--inject", json.dumps(
@@ -234,7 +236,7 @@ def test_under_fsdp_a_rehearsal_quarantines_and_a_restart_resumes_from_the_shard
              "tensor": "blocks.0.fc"})),
          "inject.bit: 25 is outside bfloat16, the dtype of the product 1 of 'blocks.0.fc'"),
     ],
-    ids=["one-replica-group", "bit-past-the-product"],
+    ids=["one-replica-group", "no-shard", "bit-past-the-product"],
 )  # fmt: skip
 def test_a_setting_the_example_cannot_run_exits_2_on_every_rank_in_one_line(tmp_path, args, error):
     codes, proc = example_ranks(EXAMPLE, 2, "--out", str(tmp_path), "--steps", "4", *args)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -75,27 +74,34 @@ def quarantine(folder: Path, alarm: SDCAlarm, written: list[tuple[int, Path]]) -
     count a renamed one among them, and delete it or keep it in place of one the checks vouch
     for."""
     folder.mkdir(parents=True, exist_ok=True)
-    alarmed = time.time()  # after every checkpoint of the suspect interval was written
     earlier = _incidents(folder)
+    suspects = [
+        (step, path) for step, path in [*checkpoint.saved(folder), *written]
+        if step >= alarm.first_suspect_step and path.exists()
+    ]  # fmt: skip
+    # Each as it was written: a file of the same name the restarted job writes later is
+    # another (checkpoints are replaced whole: a new inode). The file's own times, not the
+    # clock's: a mount's server keeps its own.
+    found = {str(path.resolve()): _identity(path) for _, path in suspects}
     set_aside, moved = [], []
     try:
-        for step, path in [*checkpoint.saved(folder), *written]:
-            if step >= alarm.first_suspect_step and path.exists():
-                aside = path.parent / SUSPECT
-                aside.mkdir(exist_ok=True)
-                into = _free(aside / path.name)
-                digest = path.with_name(path.name + ".sha256")
-                path.rename(into)
-                if digest.exists():
-                    digest.rename(into.with_name(into.name + ".sha256"))
-                set_aside.append(path.name)
-                moved.append(str(into.relative_to(folder) if into.is_relative_to(folder) else into))
+        for _, path in suspects:
+            aside = path.parent / SUSPECT
+            aside.mkdir(exist_ok=True)
+            into = _free(aside / path.name)
+            digest = path.with_name(path.name + ".sha256")
+            path.rename(into)
+            if digest.exists():
+                digest.rename(into.with_name(into.name + ".sha256"))
+            set_aside.append(path.name)
+            moved.append(str(into.relative_to(folder) if into.is_relative_to(folder) else into))
     finally:
         # Written whatever the moves did (a folder that cannot be renamed on an object store's
         # mount): set_aside, the checkpoints' names; moved_to, where each went (from this
-        # folder where it lies within it); time, the alarm's, so that restore_point passes over
-        # a suspect checkpoint left in place; earlier, the incidents before this one.
-        record = dict(alarm.record(), time=alarmed, set_aside=set_aside, moved_to=moved,
+        # folder where it lies within it); suspects, every checkpoint of the suspect interval
+        # with its modification time, so that restore_point passes over one left in place;
+        # earlier, the incidents before this one.
+        record = dict(alarm.record(), set_aside=set_aside, moved_to=moved, suspects=found,
                       earlier=earlier)  # fmt: skip
         tmp = folder / f".{QUARANTINE}.tmp"
         tmp.write_text(json.dumps(record, indent=1, default=str))
@@ -115,18 +121,23 @@ def _incidents(folder: Path) -> list[dict[str, Any]]:
 
 
 def suspected(folder: Path) -> Callable[[int, Path], bool]:
-    """Whether a checkpoint (step, path) in `folder` is one an incident there suspected: of its
-    suspect interval and written before its alarm (a job restarted from the restore point
-    writes those steps again, vouched for)."""
-    incidents = [
-        (int(i["first_suspect_step"]), float(i["time"]))
-        for i in _incidents(folder) if "time" in i and "first_suspect_step" in i
-    ]  # fmt: skip
+    """Whether a checkpoint (step, path) in `folder` is one an incident there suspected and left
+    in place: the same file, unchanged since (a job restarted from the restore point writes
+    those steps again, vouched for)."""
+    found: dict[str, list[int]] = {}
+    for incident in _incidents(folder):
+        found |= incident.get("suspects") or {}
 
     def suspect(step: int, path: Path) -> bool:
-        return any(step >= first and path.stat().st_mtime <= at for first, at in incidents)
+        return found.get(str(path.resolve())) == _identity(path)
 
     return suspect
+
+
+def _identity(path: Path) -> list[int]:
+    """The file as written: its inode and modification time (a list: as JSON reads it back)."""
+    stat = path.stat()
+    return [stat.st_ino, stat.st_mtime_ns]
 
 
 def _free(path: Path) -> Path:
