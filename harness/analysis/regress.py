@@ -26,11 +26,12 @@ scenarios then merge as the older table merged them. Before the verdict it names
 scenario cells and overheads that the current run has none of (they cannot compare: a scenario
 or check dropped), and says whether both runs computed in the same environment
 (campaign.json, harness.runtime.environment). Only then can rows compare bit for bit: golden
-losses, `golden_match` and which trials are masked (bit-identical to their golden run). It reports
-how many shared trials (a trial: its job's folder in a sweep, and its id) kept their effect and
-golden loss, as information: a change of code may change them. Across environments these are not
-compared at all, since a masked trial there may turn benign from rounding alone; every regression
-above is a rate with its interval and compares either way.
+losses, `golden_match` and which trials are masked (bit-identical to their golden run, no
+damaged state). It reports how many shared trials (a trial: its job's folder in a sweep, and
+its id) kept their effect and golden loss, as information: a change of code may change them.
+Across environments these are not compared at all, since a masked trial there may turn benign
+from rounding alone; every regression above is a rate with its interval and compares either
+way.
 
 Every count comes from the report's own functions (harness.analysis.report), so a regression is
 judged on exactly the numbers the report shows.

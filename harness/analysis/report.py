@@ -196,12 +196,12 @@ def sensitivity(dirs: list[Path]) -> str:
 DEFINITIONS = """## Definitions (docs/design.md, section 5)
 
 - **effect**, judged against the golden run (fault-free, same seed, checks observing):
-  `masked` final weights bit-identical to golden; `benign` not masked, replicas equal, no
-  non-finite state, final loss within the harm threshold; `latent` loss within the threshold
-  but the state damaged (replicas diverged, non-finite weights or optimizer state, weights
-  frozen by an overflowed Adam moment; column `damage` says which); `harmful` NaN/Inf loss or
-  loss outside the threshold; `crash` a rank died or hung; `none` a clean trial, or one whose
-  planned fault never struck (`fired` False), counted apart.
+  `masked` final weights bit-identical to golden and no damaged state; `benign` not masked,
+  replicas equal, no non-finite state, final loss within the harm threshold; `latent` loss
+  within the threshold but the state damaged (replicas diverged, non-finite weights or
+  optimizer state, weights frozen by an overflowed Adam moment; column `damage` says which);
+  `harmful` NaN/Inf loss or loss outside the threshold; `crash` a rank died or hung; `none` a
+  clean trial, or one whose planned fault never struck (`fired` False), counted apart.
 - **harm threshold** (`noise_band`): max - min of the golden final loss over the fixed
   reference seeds (`campaign.noise_seeds`), never over a campaign's trial seeds, so the same
   scenario and seed get the same effect in any campaign on the same workload.

@@ -184,7 +184,8 @@ def _retried(outcome: TrialResult, stop: int | None) -> list[int]:
 def _suspect_ranks(outcome: TrialResult, alerts: list[TrialAlert], stop: int) -> set[int]:
     """The ranks a stop at step `stop` suspects: the node that sub-group reductions located
     when a repeated reduction fault named none (harness/runtime/locate.py), else those the
-    first alert that names any names, as the row's attribution and the guard's alarm take them.
+    first alert that names any names, as the row's attribution takes them (the guard's alarm
+    too, which orders one phase's alerts by time, not by check).
     Not every alert's: a check after the reduction that cannot tell the ranks apart names
     them all (the sketch, for a NaN a rank contributed), and their union quarantined every
     healthy node and left the faulty one."""

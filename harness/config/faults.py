@@ -267,8 +267,8 @@ def _read_by_the_fault(key: str, fault: FaultConfig) -> None:
         ("persistence", fault.persistence != "transient" and bool(fault.schedule),
          "a schedule names each strike's step; leave it transient"),
         ("steps", len(fault.steps) > 1 and fault.persistence != "transient",
-         f"a {fault.persistence} fault strikes from its first step on and reads no other; "
-         "give one step"),
+         f"{'an' if fault.persistence == 'intermittent' else 'a'} {fault.persistence} fault "
+         "strikes from its first step on and reads no other; give one step"),
         ("schedule", inner not in ("bitflip", "stuck", "defective_unit")
          and any(e.get("bit") is not None for e in fault.schedule),
          f"model {inner} changes no chosen bit; leave the entries' bit unset"),

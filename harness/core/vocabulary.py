@@ -69,7 +69,7 @@ class Effect(StrEnum):
     """What a fault did to the run (docs/design.md, section 5)."""
 
     NONE = "none"  # a clean trial, or a planned fault that never struck
-    MASKED = "masked"  # bit-identical to the golden run
+    MASKED = "masked"  # bit-identical to the golden run, no damaged state
     BENIGN = "benign"  # final loss within the noise band, nothing else wrong
     LATENT = "latent"  # loss within the band, but replicas apart or non-finite state
     HARMFUL = "harmful"  # final loss outside the band, or not a number
