@@ -765,6 +765,22 @@ def test_a_second_incident_sets_aside_a_checkpoint_of_the_same_step_beside_the_f
     assert [i["moved_to"] for i in record["earlier"]] == [["suspect/step_000005.pt"]]
 
 
+def test_a_checkpoint_a_trainer_saved_under_one_name_several_times_is_set_aside_once(tmp_path):
+    """Lightning's save_last writes last.ckpt at every save: its second move raised, and every
+    later suspect checkpoint (step=4.ckpt) was left where the documented resume takes it."""
+    for name in ("last.ckpt", "step=3.ckpt", "step=4.ckpt"):
+        (tmp_path / name).write_text(name)
+    written = [(3, tmp_path / "last.ckpt"), (3, tmp_path / "step=3.ckpt"),
+               (4, tmp_path / "last.ckpt"), (4, tmp_path / "step=4.ckpt")]  # fmt: skip
+    quarantine(tmp_path, _alarm(5, 3), written)
+    assert sorted(p.name for p in (tmp_path / "suspect").iterdir()) == [
+        "last.ckpt",
+        "step=3.ckpt",
+        "step=4.ckpt",
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["quarantine.json", "suspect"]
+
+
 def test_a_set_aside_that_fails_still_records_the_incident_and_restore_point_passes_it(
     tmp_path,
 ):

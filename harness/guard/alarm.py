@@ -75,17 +75,19 @@ def quarantine(folder: Path, alarm: SDCAlarm, written: list[tuple[int, Path]]) -
     for."""
     folder.mkdir(parents=True, exist_ok=True)
     earlier = _incidents(folder)
-    suspects = [
-        (step, path) for step, path in [*checkpoint.saved(folder), *written]
+    # Each file once: a trainer saves some under one name again and again (Lightning's
+    # last.ckpt), and a second move of it failed, leaving every later one in place.
+    suspects = list({
+        path.resolve(): path for step, path in [*checkpoint.saved(folder), *written]
         if step >= alarm.first_suspect_step and path.exists()
-    ]  # fmt: skip
+    }.values())  # fmt: skip
     # Each as it was written: a file of the same name the restarted job writes later is
     # another (checkpoints are replaced whole: a new inode). The file's own times, not the
     # clock's: a mount's server keeps its own.
-    found = {str(path.resolve()): _identity(path) for _, path in suspects}
+    found = {str(path.resolve()): _identity(path) for path in suspects}
     set_aside, moved = [], []
     try:
-        for _, path in suspects:
+        for path in suspects:
             aside = path.parent / SUSPECT
             aside.mkdir(exist_ok=True)
             into = _free(aside / path.name)
