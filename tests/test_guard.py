@@ -423,6 +423,28 @@ def test_a_resumed_loops_permanent_module_fault_strikes_from_its_second_step(one
         guard.close()
 
 
+def test_a_rehearsed_module_fault_strikes_the_training_forward_not_an_evaluation(one_rank):
+    """A Trainer's evaluation runs its forwards inside a step, the model in eval mode: the
+    rehearsed NaN struck the first of them, the training forward ran clean, and the loop
+    ended with no alert (exit 0 where the same fault without evaluation alarmed)."""
+    model = DDP(Blocks())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    nan = {"site": "activation", "model": "value", "value": "nan", "ranks": [0], "steps": [1],
+           "tensor": "head"}  # fmt: skip
+    guard = Guard(model, ["nan_inf"], inject=nan)
+    try:
+        _guarded_step(guard, model, optimizer, 0, 0)
+        model.eval()
+        with torch.no_grad():
+            assert torch.isfinite(model(torch.randn(3, 4))).all()
+        model.train()
+        _guarded_step(guard, model, optimizer, 1, 0)
+        assert [i.step for i in guard.injections] == [1]
+        assert [a.step for a in guard.alerts] and {a.step for a in guard.alerts} == {1}
+    finally:
+        guard.close()
+
+
 def test_the_costs_after_an_alarm_count_whole_steps_only(one_rank):
     """The step an alarm cuts short has no step time: its charges (the check's, the rehearsed
     NaN's injection) were counted over the steps before it, inflating each part. After the

@@ -128,7 +128,7 @@ class Guard:
         if fault is not None and fault.site in MODULE_SITES:
             checked = partial(check_target, "inject", fault, self.model,
                                         shard_group=world_topology.shard_group)  # fmt: skip
-            self._hooks += _first_forward_traced(self.model, self.bus, checked)
+            self._hooks += _module_fault(self.model, self.bus, checked)
         self._shards: ShardedBuckets | None = None
         self._slot: comm.HookSlot | None = None
         try:
@@ -436,23 +436,27 @@ class Guard:
         return SDCAlarm(same, self.machines, since)
 
 
-def _first_forward_traced(
+def _module_fault(
     model: nn.Module, bus: PluginBus, checked: Callable[[ForwardModules], None]
 ) -> list[RemovableHandle]:
-    """The loop's first forward traced through the products' watch (one of its own where no
-    plug-in watches them, removed after it), and handed to `checked` as it ends: what a module
-    fault names, the products each module makes and their dtypes, only a forward shows, and a
-    campaign traces its model before it runs. The fault is unarmed in that forward, and armed
-    once `checked` passes. Its handles."""
+    """A fault at a module site strikes the loop's training forwards after the first. The first
+    is traced through the products' watch (one of its own where no plug-in watches them,
+    removed after it) and handed to `checked` as it ends: what the fault names, the products
+    each module makes and their dtypes, only a forward shows, as a campaign traces its model
+    before it runs. An evaluation's forward (the model in eval mode: a Trainer's eval or
+    validation runs between steps) is never struck: one that came first took the step's
+    strike, and the training forward ran clean. Its handles."""
     watch = bus.watch
     own: list[RemovableHandle] = []
     if watch is None:
         watch = Watch(MatmulCall.compute)
         own = watch.install(model)
     watch.traces = pending = True
-    armed = [(p, p.active) for p in bus.plugins if isinstance(p, FaultInjector)]
-    for injector, _ in armed:
-        injector.active = False
+    injectors = [(p, p.active) for p in bus.plugins if isinstance(p, FaultInjector)]
+
+    def began(module: nn.Module, _inputs: Any) -> None:
+        for injector, active in injectors:
+            injector.active = active and not pending and module.training
 
     def ended(_module: nn.Module, _inputs: Any, _output: Any) -> None:
         nonlocal pending
@@ -461,11 +465,14 @@ def _first_forward_traced(
         pending = watch.traces = False
         for handle in own:
             handle.remove()
-        checked(watch.traced())
-        for injector, active in armed:
-            injector.active = active
+        try:
+            checked(watch.traced())
+        except ConfigError:
+            injectors.clear()  # refused: never armed
+            raise
 
-    return [*own, model.register_forward_hook(ended)]
+    began(model, ())
+    return [*own, model.register_forward_pre_hook(began), model.register_forward_hook(ended)]
 
 
 def _released_slot(model: nn.Module) -> comm.HookSlot | None:
