@@ -171,7 +171,7 @@ def guarded(args: argparse.Namespace, out: Path, inject: dict | None) -> dict[st
     record["alerts"] = [
         {"step": a.step, "detector": a.detector, "suspect_ranks": a.suspect_ranks} for a in g.alerts
     ]
-    if record["alarm"] is None:
+    if record["alarm"] is None and g.step - g.start_step > g.warmup_steps:  # costs() raises before
         g.write_costs(out / "costs.json")
     return record
 
