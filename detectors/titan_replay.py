@@ -62,6 +62,10 @@ class TitanReplay(Detector):
                 integer("num_steps", self.num_steps, 1)
             integer("num_replays", self.num_replays, 1)
 
+    @classmethod
+    def looks_from(cls, config: Config, start_step: int) -> bool:
+        return config.num_steps == -1 or start_step < config.num_steps
+
     def __init__(self, config: Config, ctx: DetectorContext, log: EventLog):
         super().__init__(config, ctx, log)
         self.data = ctx.replay_data or Regenerated(ctx)

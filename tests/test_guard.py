@@ -445,6 +445,23 @@ def test_a_rehearsed_module_fault_strikes_the_training_forward_not_an_evaluation
         guard.close()
 
 
+def test_titan_replay_of_the_first_steps_does_not_run_in_a_loop_resumed_after_them(one_rank):
+    """It replays the first num_steps of the run: a loop resumed at step 5 listed it among its
+    checks, under "all" too, and it never looked."""
+    loss_of = _square_loss
+    resumed = Guard(one_rank, "all", replay_fn=loss_of, start_step=5)
+    try:
+        assert "titan_replay" not in resumed.checks
+        assert "never looks in a loop that starts at step 5" in resumed.left_out["titan_replay"]
+    finally:
+        resumed.close()
+    with pytest.raises(ValueError, match="'titan_replay' never looks in a loop that starts at"):
+        Guard(one_rank, ["titan_replay"], replay_fn=loss_of, start_step=5)
+    every = Guard(one_rank, {"titan_replay": {"num_steps": -1}}, replay_fn=loss_of, start_step=5)
+    assert "titan_replay" in every.checks
+    every.close()
+
+
 def test_the_costs_after_an_alarm_count_whole_steps_only(one_rank):
     """The step an alarm cuts short has no step time: its charges (the check's, the rehearsed
     NaN's injection) were counted over the steps before it, inflating each part. After the

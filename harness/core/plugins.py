@@ -296,6 +296,12 @@ class Detector(Plugin):
         return True
 
     @classmethod
+    def looks_from(cls, config: CheckConfig, start_step: int) -> bool:
+        """Whether it looks at all in an open-ended loop from `start_step` (a resumed user's
+        loop): one that looks at its first steps only may never."""
+        return True
+
+    @classmethod
     def ran_every(
         cls, config: CheckConfig, steps: range, checkpointed: Callable[[int], bool]
     ) -> int | None:

@@ -87,7 +87,7 @@ class Guard:
         first = next(self.model.parameters())
         self.info = RankInfo(rank, world, per_node, str(first.device))
         world_topology = selection.topology(world, per_node, self.parallel, shard_size)
-        job = selection.Job(world_topology, mode, replay_fn, comm_hook)
+        job = selection.Job(world_topology, mode, replay_fn, comm_hook, start_step)
         chosen = selection.select(detectors, job)
         self.checks, self.left_out = chosen.checks, chosen.left_out
         fault = None

@@ -45,6 +45,7 @@ class Job:
     mode: str
     replay_fn: Callable | None
     comm_hook: tuple[Any, Callable] | None
+    start_step: int = 0  # a resumed loop's first step
 
 
 def select(chosen: Chosen, job: Job) -> Selection:
@@ -131,11 +132,17 @@ def _configured(name: str, params: dict[str, Any], job: Job) -> CheckConfig:
         )  # fmt: skip
     try:
         # The campaign's own validation, so that a setting fails the same way here.
-        return check.configure(f"detectors.{name}", {**params, "mode": job.mode}, job.topology)
+        config = check.configure(f"detectors.{name}", {**params, "mode": job.mode}, job.topology)
     except ConfigError as error:
         if error.key.startswith("detectors."):
             raise
         raise _DoesNotApply(f"'{name}' cannot run in this world: {error.message}") from None
+    if not check.looks_from(config, job.start_step):
+        raise _DoesNotApply(
+            f"'{name}' never looks in a loop that starts at step {job.start_step} (resumed), "
+            f"as set: {config.params()}"
+        )
+    return config
 
 
 def _linear(comm_hook: tuple[Any, Callable]) -> bool:
