@@ -538,3 +538,23 @@ def test_the_jobs_costs_give_the_step_its_time_unless_given(tmp_path, capsys):
     plan_report.main([str(folder), "--costs", str(tmp_path / "costs.json"), "--step-seconds", "2",
                       "--out", str(tmp_path)])  # fmt: skip
     assert "`--step-seconds 2`:" in capsys.readouterr().out
+
+
+def test_a_fitted_price_is_never_below_the_checks_floor():
+    """Timings below the floor of one more forward and backward (38% of a step at every step,
+    3.8% every 10): the fit of 10%/k priced replay at 20 at 0.5%, where its own row would have
+    been floored at 1.9%."""
+    table = pd.DataFrame(
+        {
+            "detector": ["replay"] * 2,
+            "interval": ["1", "10"],
+            "overhead_pct": [10.0, 1.0],
+            "floor_pct": [38.0, 3.8],
+            "overhead_low_pct": [float("nan")] * 2,
+            "overhead_high_pct": [float("nan")] * 2,
+            "steps": [1.0, 10.0],
+        }
+    )
+    found = overheads(table)
+    assert found.price(("replay", "20")) == pytest.approx(38.0 / 20)
+    assert found.at[("replay", "10")] == pytest.approx(3.8)

@@ -337,7 +337,12 @@ def overheads(table: pd.DataFrame) -> Overheads:
         if timed["steps"].nunique() > 1:
             ks = timed["steps"].astype(int).tolist()
             fits = {c: amortized(ks, timed[c].tolist()) for c in ("overhead_pct", *ROUNDS)}
-            per_run[detector] = fits["overhead_pct"]
+            # One run's floor: an interval priced by the fit alone (Overheads.price) is never
+            # below the floor its own row would have had.
+            floors = (timed["floor_pct"] * timed["steps"]).dropna()
+            per_run[detector] = max(
+                fits["overhead_pct"], float(floors.max()) if len(floors) else 0.0
+            )
         for r in rows.itertuples(index=False):
             least = 0.0 if math.isnan(r.floor_pct) else max(0.0, r.floor_pct)
             share = {
