@@ -268,6 +268,8 @@ def test_a_wrong_mode_or_check_name_is_refused_where_the_callback_is_written():
         SDCGuardCallback(mode="fix")
     with pytest.raises(ValueError, match="detectors: 'replays' is not allowed; allowed: "):
         SDCGuardCallback(detectors=["nan_inf", "replays"])
+    with pytest.raises(ValueError, match="detectors.replay.interval: 0 is out of range"):
+        SDCGuardCallback(detectors={"replay": {"interval": 0}})
 
 
 class PlainOutput(torch.nn.Module):

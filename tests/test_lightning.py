@@ -282,6 +282,9 @@ def test_in_observe_mode_a_refused_save_leaves_the_checkpoint_it_was_to_replace(
     [
         ({"mode": "stop"}, "mode: 'stop' is not allowed"),
         ({"detectors": ["nan_inf", "parity"]}, "detectors: 'parity' is not allowed"),
+        # A check's own settings need no world: they failed only once the fit had started.
+        ({"detectors": {"nan_inf": {"bogus": 1}}}, "detectors.nan_inf.bogus: unknown key"),
+        ({"detectors": {"nan_inf": 3}}, "detectors.nan_inf: 3 is not a check's settings"),
     ],
 )
 def test_bad_arguments_are_refused_when_the_callback_is_built(kwargs, message):

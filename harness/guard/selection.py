@@ -55,11 +55,6 @@ def select(chosen: Chosen, job: Job) -> Selection:
     params = chosen if isinstance(chosen, dict) else {name: {} for name in names}
     checks, refused = {}, {}
     for name, p in params.items():
-        if p is not None and not isinstance(p, Mapping):
-            raise ConfigError(
-                f"detectors.{name}", f"{p!r:.40} is not a check's settings: a mapping of its "
-                "keys to values ({} for its defaults)"
-            )  # fmt: skip
         try:
             checks[name] = _configured(name, dict(p or {}), job)
         except _DoesNotApply as why:
@@ -84,6 +79,14 @@ def named(chosen: Chosen, mode: str) -> list[str]:
     names = registry.available() if chosen == ALL else list(chosen)
     for name in names:
         choice("detectors", name, registry.available())
+    for name, p in chosen.items() if isinstance(chosen, Mapping) else ():
+        if p is not None and not isinstance(p, Mapping):
+            raise ConfigError(
+                f"detectors.{name}", f"{p!r:.40} is not a check's settings: a mapping of its "
+                "keys to values ({} for its defaults)"
+            )  # fmt: skip
+        # Its own keys and values, which need no world (the world's are the job's).
+        registry.detector_class(name).Config.parse(f"detectors.{name}", {**(p or {}), "mode": mode})
     return names
 
 
