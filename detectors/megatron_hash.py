@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,7 @@ from torch import nn
 from harness.core import dtensors, inflight
 from harness.core.checks import IntervalConfig
 from harness.core.plugins import Detector
+from harness.errors import ConfigError
 
 
 def sha1_table(model: nn.Module) -> torch.Tensor:
@@ -58,6 +60,15 @@ class MegatronHash(Detector):
     @classmethod
     def looks_in(cls, config: Config, steps: range, checkpointed: Callable[[int], bool]) -> bool:
         return any((s + 1) % config.interval == 0 for s in steps)
+
+    @classmethod
+    def check_topology(cls, config: Config, topology: Any) -> None:
+        groups = topology.world_size // (topology.shard_size or 1)
+        if groups < 2:  # a user's HSDP mesh of one replica group: nothing to compare with
+            raise ConfigError(
+                "topology.shard_size", f"megatron_hash compares replicas, and this world of "
+                f"{topology.world_size} has {groups}; allowed: two or more"
+            )  # fmt: skip
 
     def on_update(self, step: int, model: nn.Module) -> None:
         if (step + 1) % self.config.interval:

@@ -462,6 +462,18 @@ def test_titan_replay_of_the_first_steps_does_not_run_in_a_loop_resumed_after_th
     every.close()
 
 
+def test_megatron_hash_needs_a_replica_to_compare_with(one_rank):
+    """One replica (a one-rank world, or a user's HSDP mesh of one replica group): each rank
+    compared its digests with its own, under "all" too."""
+    guard = Guard(one_rank, "all")
+    try:
+        assert "compares replicas, and this world of 1 has 1" in guard.left_out["megatron_hash"]
+    finally:
+        guard.close()
+    with pytest.raises(ValueError, match="megatron_hash compares replicas"):
+        Guard(one_rank, ["megatron_hash"])
+
+
 def test_the_costs_after_an_alarm_count_whole_steps_only(one_rank):
     """The step an alarm cuts short has no step time: its charges (the check's, the rehearsed
     NaN's injection) were counted over the steps before it, inflating each part. After the
