@@ -848,3 +848,19 @@ def test_a_set_aside_that_fails_still_records_the_incident_and_restore_point_pas
     assert Guard.restore_point(tmp_path) == (2, str(checkpoint.step_path(tmp_path, 2)))
     checkpoint.save(checkpoint.step_path(tmp_path, 4), {"w": torch.zeros(2)})  # retrained
     assert Guard.restore_point(tmp_path) == (4, str(checkpoint.step_path(tmp_path, 4)))
+    # A second incident over the same interval, its set-aside failing again: the retrained
+    # step 4 is suspect too (the first incident's record of the file hid the second's).
+    with pytest.raises(OSError):
+        quarantine(tmp_path, _alarm(5, 3), [])
+    assert Guard.restore_point(tmp_path) == (2, str(checkpoint.step_path(tmp_path, 2)))
+
+
+def test_a_link_to_a_suspect_checkpoint_leaves_the_checkpoint_moved(tmp_path):
+    """A loop that reports a "latest" link beside the file: the link was moved in the file's
+    place, and the suspect file stayed where a resume takes it."""
+    (tmp_path / "step=4.ckpt").write_text("weights")
+    (tmp_path / "latest.ckpt").symlink_to(tmp_path / "step=4.ckpt")
+    written = [(4, tmp_path / "step=4.ckpt"), (4, tmp_path / "latest.ckpt")]
+    quarantine(tmp_path, _alarm(5, 3), written)
+    assert (tmp_path / "suspect" / "step=4.ckpt").read_text() == "weights"
+    assert not (tmp_path / "step=4.ckpt").exists()

@@ -76,15 +76,19 @@ def quarantine(folder: Path, alarm: SDCAlarm, written: list[tuple[int, Path]]) -
     folder.mkdir(parents=True, exist_ok=True)
     earlier = _incidents(folder)
     # Each file once: a trainer saves some under one name again and again (Lightning's
-    # last.ckpt), and a second move of it failed, leaving every later one in place.
-    suspects = list({
-        path.resolve(): path for step, path in [*checkpoint.saved(folder), *written]
-        if step >= alarm.first_suspect_step and path.exists()
-    }.values())  # fmt: skip
+    # last.ckpt), and a second move of it failed, leaving every later one in place. A link to
+    # one is not it: the file itself is moved.
+    files: dict[Path, Path] = {}
+    for step, path in [*checkpoint.saved(folder), *written]:
+        if step >= alarm.first_suspect_step and path.exists():
+            if path.is_symlink() and path.resolve() in files:
+                continue
+            files[path.resolve()] = path.resolve() if path.is_symlink() else path
+    suspects = list(files.values())
     # Each as it was written: a file of the same name the restarted job writes later is
-    # another (checkpoints are replaced whole: a new inode). The file's own times, not the
-    # clock's: a mount's server keeps its own.
-    found = {str(path.resolve()): _identity(path) for path in suspects}
+    # another. Its size and the modification time its file system gave it, not the clock's (a
+    # mount's server keeps its own), by its place in `folder` (the job may run elsewhere).
+    found = {_place(folder, path): _identity(path) for path in suspects}
     set_aside, moved = [], []
     try:
         for path in suspects:
@@ -126,20 +130,27 @@ def suspected(folder: Path) -> Callable[[int, Path], bool]:
     """Whether a checkpoint (step, path) in `folder` is one an incident there suspected and left
     in place: the same file, unchanged since (a job restarted from the restore point writes
     those steps again, vouched for)."""
-    found: dict[str, list[int]] = {}
-    for incident in _incidents(folder):
-        found |= incident.get("suspects") or {}
+    found: dict[str, list[list[int]]] = {}
+    for incident in _incidents(folder):  # every incident's: each named the file it saw
+        for place, identity in (incident.get("suspects") or {}).items():
+            found.setdefault(place, []).append(identity)
 
     def suspect(step: int, path: Path) -> bool:
-        return found.get(str(path.resolve())) == _identity(path)
+        return _identity(path) in found.get(_place(folder, path), [])
 
     return suspect
 
 
+def _place(folder: Path, path: Path) -> str:
+    """Where a checkpoint lies: from `folder` when within it, else its whole path."""
+    whole, base = path.resolve(), folder.resolve()
+    return str(whole.relative_to(base) if whole.is_relative_to(base) else whole)
+
+
 def _identity(path: Path) -> list[int]:
-    """The file as written: its inode and modification time (a list: as JSON reads it back)."""
+    """The file as written: its size and modification time (a list: as JSON reads it back)."""
     stat = path.stat()
-    return [stat.st_ino, stat.st_mtime_ns]
+    return [stat.st_size, stat.st_mtime_ns]
 
 
 def _free(path: Path) -> Path:
