@@ -139,6 +139,10 @@ class Replay(Detector):
             )
 
     @classmethod
+    def looks_from(cls, config: Config, start_step: int) -> bool:
+        return config.steps is None or max(config.steps) >= start_step
+
+    @classmethod
     def looks(cls, config: Config, steps: range, checkpointed: Callable[[int], bool]) -> int | None:
         """Listed steps: those of them in `steps`, counted (it has no interval to price by)."""
         return None if config.steps is None else sum(s in steps for s in config.steps)

@@ -424,9 +424,10 @@ def test_a_resumed_loops_permanent_module_fault_strikes_from_its_second_step(one
 
 
 def test_a_rehearsed_module_fault_strikes_the_training_forward_not_an_evaluation(one_rank):
-    """A Trainer's evaluation runs its forwards inside a step, the model in eval mode: the
-    rehearsed NaN struck the first of them, the training forward ran clean, and the loop
-    ended with no alert (exit 0 where the same fault without evaluation alarmed)."""
+    """A Trainer's evaluation runs its forwards inside a step, under no_grad: the rehearsed
+    NaN struck the first of them, the training forward ran clean, and the loop ended with no
+    alert (exit 0 where the same fault without evaluation alarmed). A forward that builds a
+    graph is struck, the model in eval mode or not (this loop trains on in eval mode)."""
     model = DDP(Blocks())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     nan = {"site": "activation", "model": "value", "value": "nan", "ranks": [0], "steps": [1],
@@ -437,7 +438,6 @@ def test_a_rehearsed_module_fault_strikes_the_training_forward_not_an_evaluation
         model.eval()
         with torch.no_grad():
             assert torch.isfinite(model(torch.randn(3, 4))).all()
-        model.train()
         _guarded_step(guard, model, optimizer, 1, 0)
         assert [i.step for i in guard.injections] == [1]
         assert [a.step for a in guard.alerts] and {a.step for a in guard.alerts} == {1}
@@ -460,6 +460,12 @@ def test_titan_replay_of_the_first_steps_does_not_run_in_a_loop_resumed_after_th
     every = Guard(one_rank, {"titan_replay": {"num_steps": -1}}, replay_fn=loss_of, start_step=5)
     assert "titan_replay" in every.checks
     every.close()
+    # Replay at listed steps all before the loop's start likewise (it needs three nodes: its
+    # own rule, which the guard applies as it does titan_replay's).
+    replay = detectors.detector_class("replay")
+    assert not replay.looks_from(replay.Config.parse("replay", {"steps": [1, 3]}), 5)
+    assert replay.looks_from(replay.Config.parse("replay", {"steps": [1, 5]}), 5)
+    assert replay.looks_from(replay.Config.parse("replay", {"interval": 5}), 5)
 
 
 def test_megatron_hash_needs_a_replica_to_compare_with(one_rank):

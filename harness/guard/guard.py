@@ -128,7 +128,9 @@ class Guard:
         if fault is not None and fault.site in MODULE_SITES:
             checked = partial(check_target, "inject", fault, self.model,
                                         shard_group=world_topology.shard_group)  # fmt: skip
-            self._hooks += _module_fault(self.model, self.bus, checked)
+            self._hooks += _module_fault(
+                self.model, self.bus, checked, lambda: self.step > start_step
+            )
         self._shards: ShardedBuckets | None = None
         self._slot: comm.HookSlot | None = None
         try:
@@ -437,15 +439,20 @@ class Guard:
 
 
 def _module_fault(
-    model: nn.Module, bus: PluginBus, checked: Callable[[ForwardModules], None]
+    model: nn.Module,
+    bus: PluginBus,
+    checked: Callable[[ForwardModules], None],
+    armed: Callable[[], bool],
 ) -> list[RemovableHandle]:
-    """A fault at a module site strikes the loop's training forwards after the first. The first
-    is traced through the products' watch (one of its own where no plug-in watches them,
-    removed after it) and handed to `checked` as it ends: what the fault names, the products
-    each module makes and their dtypes, only a forward shows, as a campaign traces its model
-    before it runs. An evaluation's forward (the model in eval mode: a Trainer's eval or
-    validation runs between steps) is never struck: one that came first took the step's
-    strike, and the training forward ran clean. Its handles."""
+    """A fault at a module site strikes the loop's training forwards once `armed()` (from the
+    loop's second step: every forward of a step alike, a replay's recomputation and each
+    micro-batch's, as a broken unit would). The first forward is traced through the products'
+    watch (one of its own where no plug-in watches them, removed after it) and handed to
+    `checked` as it ends: what the fault names, the products each module makes and their
+    dtypes, only a forward shows, as a campaign traces its model before it runs. A forward
+    that builds no graph (an evaluation's: a Trainer's eval or validation runs within a step)
+    is never struck: one that came first took the step's strike, and the training forward ran
+    clean. Its handles."""
     watch = bus.watch
     own: list[RemovableHandle] = []
     if watch is None:
@@ -454,9 +461,9 @@ def _module_fault(
     watch.traces = pending = True
     injectors = [(p, p.active) for p in bus.plugins if isinstance(p, FaultInjector)]
 
-    def began(module: nn.Module, _inputs: Any) -> None:
+    def began(_module: nn.Module, _inputs: Any) -> None:
         for injector, active in injectors:
-            injector.active = active and not pending and module.training
+            injector.active = active and not pending and armed() and torch.is_grad_enabled()
 
     def ended(_module: nn.Module, _inputs: Any, _output: Any) -> None:
         nonlocal pending
