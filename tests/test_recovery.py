@@ -123,14 +123,26 @@ def test_a_fault_that_follows_the_data_ends_with_the_verdict_not_a_loop(tmp_path
     assert {e.get("segment") for e in written} == {0, 1, 2}
 
 
+@pytest.mark.parametrize(
+    "workload",
+    [
+        (),
+        # Over 1 MiB of gradients (two reduction chunks), its products in bfloat16.
+        ("workload=gpt", "workload.micro_batch_size=8", "workload.context=32",
+         "workload.precision=bf16-mixed"),
+        # The transformers Llama with the LLM recipe (bf16-mixed, clipping, warmup and cosine).
+        ("workload=llama",),
+    ],
+    ids=["mlp", "gpt-bf16-mixed", "llama"],
+)  # fmt: skip
 def test_a_nan_one_rank_contributed_quarantines_that_rank_not_those_the_sketch_names(
-    tmp_path, run_ok
+    tmp_path, run_ok, workload
 ):
     """nan_inf names rank 3 in its local gradient; the sketch, after the reduction, names every
     rank (each received the NaN). Recovery took every alert's suspects: it quarantined nodes
     0, 1 and 2, and with node 3 left alone ended with "no healthy node left to run on"."""
     out = tmp_path / "run"
-    run_ok(*[a for a in BASE if not a.startswith("detectors")], "topology.spares=1",
+    run_ok(*[a for a in BASE if not a.startswith("detectors")], *workload, "topology.spares=1",
            "detectors=[nan_inf,allreduce_sketch]", "campaign=single", "fault=grad_nan",
            "fault.ranks=[3]", "fault.steps=[6]", f"out={out}", cwd=tmp_path)  # fmt: skip
     (row,) = rows(out)
