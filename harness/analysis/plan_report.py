@@ -217,7 +217,7 @@ def recommendation(result: Plan) -> str:
             "on your own workload."
         )
     # sdc-bench refuses a periodic check that would never look in its run.
-    longest = max((k for _, k in option.intervals), default=None)
+    longest = _longest(option)
     run = f" (in sdc-bench, with workload.steps of at least {longest})" if longest else ""
     every = result.job.checkpoint_every
     if option.checkpoint_every(every) != every:  # consensus's interval does not divide it

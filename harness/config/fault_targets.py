@@ -7,11 +7,12 @@ and, sharded, the fault's rank holds an element of them. Checked once the fault'
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 
 import detectors
+from harness.config.faults import unstored
 from harness.config.schema import FaultConfig
 from harness.core.formats import FLOAT_FORMATS, unchanging_scale
 from harness.core.matmuls import ForwardModules
@@ -224,63 +225,59 @@ def _backward_reaches(
             )  # fmt: skip
 
 
+def _struck_dtypes(
+    fault: FaultConfig, targets: list[str], forward: ForwardModules
+) -> Iterator[tuple[str, str, str]]:
+    """(module, what the fault strikes there, one of its dtypes) for every dtype the fault may
+    strike in `targets`: under a mixed precision a module's output or products are 16-bit
+    (autocast) where the workload's dtype is float32."""
+    for name in targets:
+        what, dtypes = _struck(fault, forward, name)
+        for dtype in dtypes:
+            yield name, what, dtype
+
+
 def _bit_in_struck_dtype(
     key: str, bit: int, fault: FaultConfig, targets: list[str], forward: ForwardModules
 ) -> None:
     """A bit index (`key`: the fault's, or a schedule entry's) within every dtype the fault may
-    strike: under a mixed precision a module's output or products are 16-bit (autocast) where
-    the workload's dtype is float32, and a bit past their width could never strike (the rank
-    would raise)."""
-    for name in targets:
-        what, dtypes = _struck(fault, forward, name)
-        for dtype in dtypes:
-            width = bits.width(getattr(torch, dtype))
-            if bit >= width:
-                raise ConfigError(
-                    key, f"{bit} is outside {dtype}, the dtype of the {what} of '{name}'; "
-                    f"allowed: 0..{width - 1}, or a class (sign, exponent_msb, exponent, "
-                    "mantissa), drawn in the dtype struck"
-                )  # fmt: skip
+    strike: a bit past one's width could never strike (the rank would raise)."""
+    for name, what, dtype in _struck_dtypes(fault, targets, forward):
+        width = bits.width(getattr(torch, dtype))
+        if bit >= width:
+            raise ConfigError(
+                key, f"{bit} is outside {dtype}, the dtype of the {what} of '{name}'; allowed: "
+                f"0..{width - 1}, or a class (sign, exponent_msb, exponent, mantissa), drawn in "
+                "the dtype struck"
+            )  # fmt: skip
 
 
 def _bits_in_struck_dtype(
     key: str, fault: FaultConfig, targets: list[str], forward: ForwardModules
 ) -> None:
     """`nbits` flipped bits within every dtype the fault may strike (the rank would raise)."""
-    for name in targets:
-        what, dtypes = _struck(fault, forward, name)
-        for dtype in dtypes:
-            width = bits.width(getattr(torch, dtype))
-            if fault.nbits > width:
-                raise ConfigError(
-                    f"{key}.nbits", f"{fault.nbits} bits do not fit in {dtype}, the dtype of "
-                    f"the {what} of '{name}'; allowed: 1..{width}"
-                )  # fmt: skip
+    for name, what, dtype in _struck_dtypes(fault, targets, forward):
+        width = bits.width(getattr(torch, dtype))
+        if fault.nbits > width:
+            raise ConfigError(
+                f"{key}.nbits", f"{fault.nbits} bits do not fit in {dtype}, the dtype of the "
+                f"{what} of '{name}'; allowed: 1..{width}"
+            )  # fmt: skip
 
 
 def _value_in_struck_dtype(
     key: str, fault: FaultConfig, targets: list[str], forward: ForwardModules
 ) -> None:
     """A finite value that every dtype the fault may strike stores as itself, not as an
-    infinity or zero (the workload's dtype is checked in harness/config/faults.py): the
-    record would say a finite wrong value where an infinity or a zero was written."""
-    try:
-        number = float(fault.value or "nan")
-    except ValueError:  # a name: nan, inf, max, zero, random
-        return
-    if number == 0 or not math.isfinite(number):
-        return
-    for name in targets:
-        what, dtypes = _struck(fault, forward, name)
-        for dtype in dtypes:
-            stored = torch.tensor(number, dtype=torch.float64).to(getattr(torch, dtype)).item()
-            if not math.isfinite(stored) or stored == 0:
-                limit = torch.finfo(getattr(torch, dtype))
-                raise ConfigError(
-                    f"{key}.value", f"{fault.value} is stored as {stored:g} in {dtype}, the "
-                    f"dtype of the {what} of '{name}'; allowed: {limit.tiny * limit.eps:g} <= "
-                    f"|value| <= {limit.max:g}, or inf, nan, max, zero"
-                )  # fmt: skip
+    infinity or zero (the workload's dtype is checked in harness/config/faults.py)."""
+    for name, what, dtype in _struck_dtypes(fault, targets, forward):
+        lost = unstored(fault.value, dtype)
+        if lost is not None:
+            stored, allowed = lost
+            raise ConfigError(
+                f"{key}.value", f"{fault.value} is stored as {stored:g} in {dtype}, the dtype of "
+                f"the {what} of '{name}'; allowed: {allowed}"
+            )  # fmt: skip
 
 
 def _scale_in_struck_dtype(
@@ -289,7 +286,7 @@ def _scale_in_struck_dtype(
     """A scale factor that changes an element of the widest dtype the fault may strike: the
     workload's (checked in harness/config/faults.py) may be float32 where every target's
     output or products are bfloat16 (autocast), which round away a factor float32 keeps."""
-    dtypes = {dtype for name in targets for dtype in _struck(fault, forward, name)[1]}
+    dtypes = {dtype for _, _, dtype in _struck_dtypes(fault, targets, forward)}
     if not dtypes:
         return
     widest = max(dtypes, key=lambda dtype: FLOAT_FORMATS[dtype][1])

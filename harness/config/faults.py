@@ -304,7 +304,6 @@ def _changes_a_value(
         return
     if model == "burst" and values.get("burst_model"):
         model = values["burst_model"]  # a burst corrupts each of its elements with it
-    dtype = getattr(torch, workload.dtype)
     factor = values["factor"]
     least = unchanging_scale(workload.dtype)
     if model == "scale" and factor is not None and 0 < abs(factor - 1) < least:
@@ -313,16 +312,27 @@ def _changes_a_value(
             f"{factor:g} rounds back to every element in {workload.dtype}: the fault could "
             f"never strike; allowed: |factor - 1| >= {least:g}",
         )
-    number = _number(values["value"]) if model == "value" else None
-    if number is not None and number != 0:
-        stored = torch.tensor(number, dtype=torch.float64).to(dtype).item()
-        if not math.isfinite(stored) or stored == 0:
-            limit = torch.finfo(dtype)
-            raise ConfigError(
-                f"{key}.value",
-                f"{values['value']} is stored as {stored:g} in {workload.dtype}; allowed: "
-                f"{limit.tiny * limit.eps:g} <= |value| <= {limit.max:g}, or inf, nan, max, zero",
-            )
+    lost = unstored(values["value"], workload.dtype) if model == "value" else None
+    if lost is not None:
+        stored, allowed = lost
+        raise ConfigError(
+            f"{key}.value",
+            f"{values['value']} is stored as {stored:g} in {workload.dtype}; allowed: {allowed}",
+        )
+
+
+def unstored(value: str | None, dtype: str) -> tuple[float, str] | None:
+    """A finite, nonzero value that `dtype` writes as an infinity or zero: what it writes, and
+    what is allowed (the record would say a value no run wrote); None for one it keeps, or a
+    name (nan, inf, max, zero, random)."""
+    number = _number(value)
+    if number is None or number == 0:
+        return None
+    stored = torch.tensor(number, dtype=torch.float64).to(getattr(torch, dtype)).item()
+    if math.isfinite(stored) and stored != 0:
+        return None
+    limit = torch.finfo(getattr(torch, dtype))
+    return stored, f"{limit.tiny * limit.eps:g} <= |value| <= {limit.max:g}, or inf, nan, max, zero"
 
 
 def _index_placed(

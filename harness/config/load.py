@@ -390,6 +390,7 @@ def run_config(raw: dict[str, Any]) -> RunConfig:
     overhead = overhead_config(campaign.get("overhead"))
     timed: dict[tuple[str, int | None], tuple[str, CheckConfig]] = {}
     scenarios, trials, classes = [], [], []
+    stepped: torch.optim.Optimizer | None = None
     for n, (i, scenario) in enumerate(scenario_raw):
         key = "fault" if campaign.get("name") == "single" else f"campaign.scenarios[{i}]"
         scenario = dict(scenario)
@@ -412,8 +413,9 @@ def run_config(raw: dict[str, Any]) -> RunConfig:
             )  # fmt: skip
         check_riders(key, fault, checks if trial_checks is None else trial_checks)
         if fault.site == "optimizer" and workload.name == "custom":
+            stepped = stepped or _stepped_optimizer(workload)  # once, for every such scenario
             named = f"workload.optimizer ({workload.optimizer.get('_target_')})"
-            check_moments(key, _stepped_optimizer(workload), named)
+            check_moments(key, stepped, named)
         scenarios.append(fault)
         classes.append((key, not fault.clean, mix))
         for s in range(seeds):
