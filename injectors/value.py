@@ -13,6 +13,23 @@ from injectors.model import FaultModel
 NAMED = ("nan", "inf", "-inf", "max", "zero", "random")
 
 
+def unstored(value: str | None, dtype: str) -> tuple[float, str] | None:
+    """A finite, nonzero value that `dtype` writes as an infinity or zero: what it writes, and
+    what is allowed (the record would say a value no run wrote); None for one it keeps, or a
+    name (nan, inf, max, zero, random)."""
+    try:
+        number = float(value) if value is not None else math.nan
+    except ValueError:
+        return None
+    if not math.isfinite(number) or number == 0:
+        return None
+    stored = torch.tensor(number, dtype=torch.float64).to(getattr(torch, dtype)).item()
+    if math.isfinite(stored) and stored != 0:
+        return None
+    limit = torch.finfo(getattr(torch, dtype))
+    return stored, f"{limit.tiny * limit.eps:g} <= |value| <= {limit.max:g}, or inf, nan, max, zero"
+
+
 class Value(FaultModel):
     name = "value"
 

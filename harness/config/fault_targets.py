@@ -12,7 +12,6 @@ from collections.abc import Iterable, Iterator
 import torch
 
 import detectors
-from harness.config.faults import unstored
 from harness.config.schema import FaultConfig
 from harness.core.formats import FLOAT_FORMATS, unchanging_scale
 from harness.core.matmuls import ForwardModules
@@ -20,6 +19,7 @@ from harness.core.plugins import matches
 from harness.errors import ConfigError
 from harness.runtime.comm import fixed_layout
 from injectors import bits, sites
+from injectors.value import unstored
 
 # What a module site's targets are, for the error that names none matched.
 SITE_TARGETS = {

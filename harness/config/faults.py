@@ -27,6 +27,7 @@ from harness.core.formats import BIT_CLASSES, FLOAT_FORMATS, unchanging_scale
 from harness.core.values import choice, int_list, integer, known_keys
 from harness.errors import ConfigError
 from injectors import bits, sites
+from injectors.value import unstored
 
 # The keys every fault has; a model's own keys (its `Config`) come beside them.
 FAULT_KEYS = [f.name for f in fields(FaultConfig) if f.name != "settings"]
@@ -321,20 +322,6 @@ def _changes_a_value(
         )
 
 
-def unstored(value: str | None, dtype: str) -> tuple[float, str] | None:
-    """A finite, nonzero value that `dtype` writes as an infinity or zero: what it writes, and
-    what is allowed (the record would say a value no run wrote); None for one it keeps, or a
-    name (nan, inf, max, zero, random)."""
-    number = _number(value)
-    if number is None or number == 0:
-        return None
-    stored = torch.tensor(number, dtype=torch.float64).to(getattr(torch, dtype)).item()
-    if math.isfinite(stored) and stored != 0:
-        return None
-    limit = torch.finfo(getattr(torch, dtype))
-    return stored, f"{limit.tiny * limit.eps:g} <= |value| <= {limit.max:g}, or inf, nan, max, zero"
-
-
 def _index_placed(
     key: str, values: dict[str, Any], site: str, model: str, topology: TopologyConfig
 ) -> None:
@@ -357,15 +344,6 @@ def _index_placed(
             "rank's own shard when it is at hand; leave it unset, or name the element in "
             "fault.schedule"
         )  # fmt: skip
-
-
-def _number(value: str | None) -> float | None:
-    """A value's finite number, or None for a name (nan, inf, max, zero, ...)."""
-    try:
-        number = float(value) if value is not None else math.nan
-    except ValueError:
-        return None
-    return number if math.isfinite(number) else None
 
 
 def _parallel_fault(key: str, values: dict[str, Any], site: str, topology: TopologyConfig) -> None:
