@@ -146,7 +146,7 @@ def product_of(call: MatmulCall) -> Product | None:
         found = Product(x, w.transpose(-1, -2), bias, 1.0, 1.0, 0, 1, True)
     elif call.func is torch._grouped_mm:
         return _grouped(args, kwargs)
-    elif call.func in (torch.addmm, torch.baddbmm):
+    elif call.func in ADDENDS:
         beta, alpha = float(kwargs.get("beta", 1)), float(kwargs.get("alpha", 1))
         found = Product(args[1], args[2], args[0], alpha, beta, 1, 2, False)
     else:
@@ -164,6 +164,8 @@ def product_of(call: MatmulCall) -> Product | None:
     return found
 
 
+# The products with an addend, their first argument (a tensor's method: the tensor).
+ADDENDS = (torch.addmm, torch.Tensor.addmm, torch.baddbmm, torch.Tensor.baddbmm)
 # The products that take 1-D operands (torch.matmul's rules: a vector is a row on the left, a
 # column on the right, and that dimension is dropped from the output).
 VECTOR_PRODUCTS = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)

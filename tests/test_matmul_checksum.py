@@ -468,6 +468,48 @@ def test_products_of_1d_operands_are_checked(wrong):
         assert f"model#{wrong - 1} output" in broken, found
 
 
+class Methods(torch.nn.Module):
+    """Each product in its tensor-method form: `x.mm(w)`, `x.bmm(w)`, `b.addmm(x, w)` and
+    `b.baddbmm(x, w)`, as a model may write them instead of torch's functions."""
+
+    def __init__(self):
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.w = torch.nn.Parameter(torch.randn(16, 8, generator=gen))
+        self.batched = torch.nn.Parameter(torch.randn(4, 8, 12, generator=gen))
+        self.bias = torch.nn.Parameter(torch.randn(8, generator=gen))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, 16).mm(self.w)  # [24, 16] mm [16, 8]
+        grouped = flat.reshape(4, 6, 8).bmm(self.batched)  # [4, 6, 8] bmm [4, 8, 12]
+        added = self.bias.addmm(x.reshape(-1, 16), self.w)
+        batched = self.bias.expand(4, 6, 8).baddbmm(grouped, self.batched.transpose(1, 2))
+        return flat.square().mean() + added.square().mean() + batched.square().mean()
+
+
+@pytest.mark.parametrize(
+    "wrong", [None, 1, 2, 3, 4], ids=["clean", "mm", "bmm", "addmm", "baddbmm"]
+)
+def test_products_in_tensor_method_form_are_checked(wrong):
+    """A product written as a tensor's method is watched as its function is: checked forward and
+    for its operands' gradients, a clean step inside the bound, and x8 on one element of its
+    output caught, naming that product."""
+    model = Methods()
+    check = _watched(model, () if wrong is None else (Scaled(wrong),))
+    model(torch.randn(4, 6, 16, generator=torch.Generator().manual_seed(1))).backward()
+    found = {key: float(ratio) for _, _, key, ratio in check.found}
+    outputs = {f"model#{k} output" for k in range(4)}
+    assert outputs <= found.keys(), found
+    assert {"model#0 weight gradient", "model#1 input gradient", "model#3 input gradient"} <= (
+        found.keys()
+    ), found
+    broken = {key for key, ratio in found.items() if not ratio <= 1.0}
+    if wrong is None:
+        assert broken == set() and max(found.values()) < 0.5, found
+    else:
+        assert f"model#{wrong - 1} output" in broken, found
+
+
 def _checked(model: torch.nn.Module, kernels: str, *inputs: torch.Tensor) -> dict[str, float]:
     """One clean forward and backward of `model` under the check; its ratios by entry."""
     check = _watched(model, kernels=kernels)

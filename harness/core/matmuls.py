@@ -35,10 +35,12 @@ from torch.overrides import TorchFunctionMode
 from harness.core import attention, emulation
 
 # The matrix multiplies a matmul fault can strike and matmul_checksum verifies, with the position
-# of their second operand (a Linear's weight).
+# of their second operand (a Linear's weight). A tensor's method reaches the mode as itself, not
+# as torch's function, its tensor first as the function's first argument: `b.addmm(x, w)`.
 MATMULS: dict[Callable, int] = {
     F.linear: 1, torch.matmul: 1, torch.Tensor.matmul: 1, torch.Tensor.__matmul__: 1,
-    torch.mm: 1, torch.bmm: 1, torch.addmm: 2, torch.baddbmm: 2,
+    torch.mm: 1, torch.Tensor.mm: 1, torch.bmm: 1, torch.Tensor.bmm: 1,
+    torch.addmm: 2, torch.Tensor.addmm: 2, torch.baddbmm: 2, torch.Tensor.baddbmm: 2,
     # A mixture of experts' products (F.grouped_mm reaches the mode as torch._grouped_mm).
     torch._grouped_mm: 1,
     # Convolutions: a product of the weight with every input patch.
