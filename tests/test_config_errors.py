@@ -12,6 +12,7 @@ import detectors
 from harness import cli
 from harness.analysis.sweep import planned_jobs
 from harness.cli import CONFIG_DIR
+from harness.errors import ConfigError
 from tests.conftest import compose_run, sdc_bench
 
 FSDP = ["topology.parallel=fsdp", "detectors=[nan_inf]", "campaign=single"]
@@ -154,7 +155,8 @@ CASES = [
     (
         ["fault.site=matmul", "fault.model=bitflip", "fault.bit=null", "fault.ber=0.01"],
         "fault.ber",
-        "site matmul strikes one product's elements",
+        # What it offers instead is allowed there (index is not: drawn in the forward).
+        "leave it unset (allowed there: elements, select, or model defective_unit",
     ),
     (
         [
@@ -834,6 +836,37 @@ def test_a_matmul_faults_bits_are_those_of_the_value_it_strikes():
                          "fault.site=matmul", "fault.model=bitflip", "fault.bit=20",
                          "fault.tensor=model.layers.0.self_attn", "fault.product=4")  # fmt: skip
     assert scores.scenarios[0].bit == 20
+
+
+def test_a_module_fault_under_a_16_bit_dtype_takes_the_values_of_a_float32_product():
+    """Under bf16-true (16-true) the workload is 16-bit but attention's score and value products
+    are float32: a bit, bits, a factor and a value that float32 holds strike them, and were
+    refused against the workload's dtype before the products' own were read. The same values
+    stay refused at a 16-bit product."""
+    scores = ("campaign=single", "workload=gpt", "fault.site=matmul", "fault.tensor=blocks.0",
+              "fault.product=3")  # fmt: skip
+    accepted = [
+        ("workload.precision=bf16-true", "fault.model=bitflip", "fault.bit=20"),
+        ("workload.precision=bf16-true", "fault.model=bitflip", "fault.bit=20",
+         "fault.phase=backward"),
+        ("workload.precision=bf16-true", "fault.model=bitflip", "fault.bit=sign",
+         "fault.nbits=20"),
+        ("workload.precision=bf16-true", "fault.model=scale", "fault.factor=1.001"),
+        ("workload.precision=16-true", "fault.model=value", "fault.value=100000"),
+    ]  # fmt: skip
+    for overrides in accepted:
+        assert compose_run(*scores, *overrides).scenarios[0].site == "matmul", overrides
+    scheduled = compose_run(
+        *scores[:3],
+        "fault.product=3",
+        "workload.precision=bf16-true",
+        "fault.model=bitflip",
+        "fault.schedule=[{step:1,rank:1,tensor:blocks.0,index:0,bit:20}]",
+    )
+    assert scheduled.scenarios[0].schedule[0]["bit"] == 20
+    with pytest.raises(ConfigError, match="20 is outside bfloat16, the dtype of the product 1"):
+        compose_run(*scores, "fault.product=1", "workload.precision=bf16-true",
+                    "fault.model=bitflip", "fault.bit=20")  # fmt: skip
 
 
 def test_a_sharded_runs_rider_fault_is_accepted_where_a_check_rides():

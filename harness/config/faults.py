@@ -55,15 +55,25 @@ def _fault_site(key: str, value: Any) -> str:
     return choice(key, value, ("none", *injectors.SITES, injectors.GATHER))
 
 
+def _width(site: str, workload: WorkloadConfig) -> int:
+    """The bits a fault at `site` may name: its workload dtype's, but at a module site the
+    widest format's: a module's outputs and products may be wider than the workload's
+    (attention's float32 scores under bf16-true), and their own dtypes, traced from a forward,
+    bound the bits there (harness/config/fault_targets.py)."""
+    if site in sites.MODULE_SITES:
+        return max(width for width, _ in FLOAT_FORMATS.values())
+    return FLOAT_FORMATS[workload.dtype][0]
+
+
 def _fault_values(
-    key: str, raw: dict[str, Any], workload: WorkloadConfig, topology: TopologyConfig
+    key: str, raw: dict[str, Any], workload: WorkloadConfig, topology: TopologyConfig, site: str
 ) -> dict[str, Any]:
     """Every fault key checked on its own, whatever the site: a mistyped value is an error even
     where the site would not use it."""
     values = {f.name: f.default for f in fields(FaultConfig)}
     values.update(raw)
     values["model"] = _fault_model(f"{key}.model", values["model"])
-    width, _ = FLOAT_FORMATS[workload.dtype]
+    width = _width(site, workload)
     bit = values["bit"]
     if isinstance(bit, str):
         choice(f"{key}.bit", bit, BIT_CLASSES)
@@ -83,7 +93,7 @@ def _fault_values(
     stuck_at = values["stuck_at"]
     if stuck_at not in (None, 0, 1) or isinstance(stuck_at, bool):
         raise ConfigError(f"{key}.stuck_at", f"'{stuck_at}' is not allowed; allowed: 0, 1")
-    values["schedule"] = _schedule(f"{key}.schedule", values["schedule"], workload, topology)
+    values["schedule"] = _schedule(f"{key}.schedule", values["schedule"], workload, topology, width)
     for name, high in (("ranks", topology.world_size - 1), ("steps", workload.steps - 1)):
         if name in raw:
             values[name] = int_list(f"{key}.{name}", raw[name], 0, high)
@@ -131,7 +141,7 @@ def fault_config(
 ) -> FaultConfig:
     given, settings = _split(key, raw, [_fault_model(f"{key}.model", raw.get("model", "none"))])
     site = _fault_site(f"{key}.site", given.get("site", "none"))
-    values = _fault_values(key, given, workload, topology)
+    values = _fault_values(key, given, workload, topology, site)
     if site == "none":
         ignored = _ignored(values, given) or next(iter(settings), None)
         if ignored is not None:
@@ -166,7 +176,7 @@ def fault_config(
         # none, and no product would ever be struck.
         raise ConfigError(
             f"{key}.ber", "site matmul strikes one product's elements; leave it unset (allowed "
-            "there: elements, index, select, or model defective_unit for a unit's rate)"
+            "there: elements, select, or model defective_unit for a unit's rate)"
         )  # fmt: skip
     _shape(key, values, site, model)
     broken_reduction = (
@@ -282,13 +292,12 @@ def _read_by_the_fault(key: str, fault: FaultConfig) -> None:
             raise ConfigError(f"{key}.{name}", why)
 
 
-# The sites whose tensors hold the workload's dtype, or, under a mixed precision, float32 or
-# the 16-bit dtype by module (autocast's products are 16-bit, a LayerNorm's output float32): a
-# value the workload's dtype, the widest of them, cannot change is unchanged in each. What only
-# a 16-bit output rounds away is refused once the targets' dtypes are traced
+# The sites whose tensors hold the workload's dtype. A module site's outputs and products may
+# be 16-bit where it is float32 (autocast's products) or float32 where it is 16-bit (attention's
+# scores): their values are checked in the dtypes a forward trace records
 # (harness/config/fault_targets.py). The loss and optimizer moments may be float32 under a
 # 16-bit dtype.
-IN_WORKLOAD_DTYPE = ("grad", "allreduce", "weight", "gather", "activation", "matmul")
+IN_WORKLOAD_DTYPE = ("grad", "allreduce", "weight", "gather")
 # The one element of the loss: nothing to exchange, and its range is that element.
 ONE_ELEMENT = {"loss"}
 
@@ -370,8 +379,8 @@ def unused_fault(
 ) -> None:
     """A campaign with scenarios of its own ignores `fault.*`: refuse an override there."""
     given, settings = _split("fault", raw, list(injectors.available_models()))
-    _fault_site("fault.site", given.get("site", "none"))
-    ignored = _ignored(_fault_values("fault", given, workload, topology), given)
+    site = _fault_site("fault.site", given.get("site", "none"))
+    ignored = _ignored(_fault_values("fault", given, workload, topology, site), given)
     ignored = ignored or next(iter(settings), None)
     if ignored is not None:
         raise ConfigError(
@@ -404,12 +413,12 @@ def _shape(key: str, values: dict[str, Any], site: str, model: str) -> None:
 
 
 def _schedule(
-    key: str, raw: Any, workload: WorkloadConfig, topology: TopologyConfig
+    key: str, raw: Any, workload: WorkloadConfig, topology: TopologyConfig, width: int
 ) -> tuple[dict[str, Any], ...]:
-    """An explicit list of injections: {step, rank, tensor, index[, bit]} each."""
+    """An explicit list of injections: {step, rank, tensor, index[, bit]} each, a bit among
+    `width`."""
     if not raw:
         return ()
-    width, _ = FLOAT_FORMATS[workload.dtype]
     entries = []
     for i, entry in enumerate(raw):
         k = f"{key}[{i}]"
