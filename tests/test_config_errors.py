@@ -121,7 +121,29 @@ CASES = [
         "this world of 4 has 2; allowed: a world of at least 6 ranks at this shard size",
     ),
     # Past what the forward trace saw the fault's target make: the rank raised IndexError, and
-    # the trial was recorded as a crash; a unit's lane past every product never struck.
+    # the trial was recorded as a crash; a unit's lane past every product never struck; more
+    # elements than the module drawn makes were struck as fewer, recorded as asked.
+    (
+        [
+            "fault.site=matmul",
+            "fault.model=scale",
+            "fault.factor=8",
+            "fault.tensor=*",
+            "fault.elements=2000",
+        ],
+        "fault.elements",
+        "2000 is more than the 320 elements of the product struck in 'head'; allowed: 1..320",
+    ),
+    (
+        [
+            "fault=activation_nan",
+            "fault.model=burst",
+            "fault.burst_model=value",
+            "fault.elements=9000",
+        ],
+        "fault.elements",
+        "a burst of 9000 at stride 1 spans 9000 elements, past the output struck in 'fc1'",
+    ),
     (
         [
             "fault.site=matmul",

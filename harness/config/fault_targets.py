@@ -82,6 +82,8 @@ def check_target(
         targets = [name for name, _ in matched]
         if fault.model == "defective_unit":
             _lane_in_a_product(key, fault, targets, forward)
+        elif fault.ber is None:
+            _elements_in_module(key, fault, targets, forward)
         if isinstance(fault.bit, int):
             _bit_in_struck_dtype(f"{key}.bit", fault.bit, fault, targets, forward)
         if fault.nbits > 1:
@@ -166,18 +168,47 @@ def check_bucket(key: str, fault: FaultConfig, model: torch.nn.Module) -> None:
         )  # fmt: skip
 
 
-def _within(key: str, fault: FaultConfig, name: str, index: int, forward: ForwardModules) -> None:
-    """A schedule's element `index` within what it strikes in module `name`: its output
-    (activation), or its product's output or, in backward, the second operand's gradient
-    (matmul). Past it, the rank raised IndexError, recorded as a crash."""
+def _struck_size(fault: FaultConfig, name: str, forward: ForwardModules) -> tuple[str, int]:
+    """What a module fault strikes in module `name`, and its elements as traced (0: not traced,
+    an operand passed by keyword): its output (activation), or its product's output or, in
+    backward, the second operand's gradient (matmul)."""
     if fault.site == "activation":
-        what, size = "output", forward.output_sizes.get(name, 0)
-    else:
-        backward = fault.phase == "backward"
-        what = "product's second operand" if backward else "product"
-        traced = forward.product(name, fault.product)
-        size = traced.operand_size if backward else traced.size
-    if size and index >= size:  # 0: not traced (an operand passed by keyword)
+        return "output", forward.output_sizes.get(name, 0)
+    backward = fault.phase == "backward"
+    traced = forward.product(name, fault.product)
+    if backward:
+        return "product's second operand", traced.operand_size
+    return "product", traced.size
+
+
+def _elements_in_module(
+    key: str, fault: FaultConfig, targets: list[str], forward: ForwardModules
+) -> None:
+    """A module fault strikes one module, drawn from those named: its `elements` (a burst's
+    span) within what it strikes in each. A draw past them took fewer, while the record said
+    what was asked."""
+    span = (fault.elements - 1) * fault.stride + 1 if fault.model == "burst" else fault.elements
+    for name in targets:
+        what, size = _struck_size(fault, name, forward)
+        if not size or span <= size:
+            continue
+        if fault.model == "burst":
+            raise ConfigError(
+                f"{key}.elements", f"a burst of {fault.elements} at stride {fault.stride} spans "
+                f"{span} elements, past the {what} struck in '{name}' ({size} elements); "
+                f"allowed: a span of at most {size}"
+            )  # fmt: skip
+        raise ConfigError(
+            f"{key}.elements", f"{fault.elements} is more than the {size} elements of the "
+            f"{what} struck in '{name}'; allowed: 1..{size}"
+        )  # fmt: skip
+
+
+def _within(key: str, fault: FaultConfig, name: str, index: int, forward: ForwardModules) -> None:
+    """A schedule's element `index` within what it strikes in module `name`. Past it, the rank
+    raised IndexError, recorded as a crash."""
+    what, size = _struck_size(fault, name, forward)
+    if size and index >= size:
         raise ConfigError(
             key, f"{index} is out of range: the {what} struck in '{name}' has {size} elements; "
             f"allowed: 0..{size - 1}"
