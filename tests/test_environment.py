@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from harness.campaign.fastforward import golden_specs
+from harness.campaign.golden_store import code_version
 from harness.campaign.run import bind, check_out
 from harness.errors import ConfigError
 from harness.launch.world import World
@@ -127,6 +128,53 @@ def test_a_resume_in_another_numeric_environment_is_refused_and_a_new_commit_is_
     with pytest.raises(ConfigError, match="another environment"):
         bind(out, run, ranks)
     check_out(out, run)  # before any rank reports, only the campaign's identity is checked
+
+
+def test_a_resume_by_other_code_is_refused_before_any_process_starts(tmp_path):
+    """The folder's goldens, snapshots and rows were computed by the code that started it: a
+    resume by other code mixed two versions' rows, the new judged against the old goldens,
+    under the first commit's name. campaign.json records the sources' digests; other digests,
+    or none recorded, are refused."""
+    run = compose_run(*SMALL)
+    out = tmp_path / "run"
+    ranks = [environment.report(run.topology.cpu_kernels, "cpu", "gloo", run.topology.cpu_numerics)]
+    bind(out, run, ranks)
+    held = json.loads((out / "campaign.json").read_text())
+    assert held["code"] == code_version(run.workload)
+    check_out(out, run)  # the same code resumes
+
+    def record(content: dict) -> None:
+        (out / "campaign.json").write_text(json.dumps(content, sort_keys=True, indent=1))
+
+    record({**held, "code": {**held["code"], "detectors": "0" * 16}})
+    with pytest.raises(ConfigError, match=r"by other code \(detectors changed\)"):
+        check_out(out, run)
+    record({k: v for k, v in held.items() if k != "code"})
+    with pytest.raises(ConfigError, match=r"by other code \(not recorded\)"):
+        check_out(out, run)
+
+
+@pytest.mark.parametrize("left", ["golden.jsonl", "events.jsonl", "store", "trials.csv"])
+@pytest.mark.parametrize("campaign", ["missing", "empty"])
+def test_a_campaigns_records_without_a_readable_campaign_json_are_refused(tmp_path, left, campaign):
+    """Goldens, events or snapshots in a folder whose campaign.json is gone or unreadable were
+    adopted by whatever campaign ran there next (its clean trials judged against another
+    workload's goldens): trials of unknown origin, refused as their rows are."""
+    run = compose_run(*SMALL)
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "notes.txt").write_text("a user's own file")
+    (out / "store").mkdir()
+    (out / "store" / ".shared-0-1").write_text("a torchrun host's probe")
+    check_out(out, run)  # a folder of the user's own, a store a torchrun world probed: no record
+    if left == "store":
+        (out / "store" / "golden-s0").mkdir()
+    else:
+        (out / left).write_text("{}\n")
+    if campaign == "empty":
+        (out / "campaign.json").write_text("")
+    with pytest.raises(ConfigError, match=f"unknown origin \\({left}"):
+        check_out(out, run)
 
 
 # A torchrun world of 2 ranks on this host: what a user starts from the printed command.

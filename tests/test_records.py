@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from harness.campaign.golden_store import code_version
 from harness.campaign.run import check_out
 from harness.core.events import Crash
 from harness.errors import ConfigError
@@ -74,39 +75,20 @@ def test_a_sharded_checkpoint_verifies_only_whole_and_as_written(tmp_path):
     assert not checkpoint.verify(copy / folder.name)
 
 
-def test_a_campaign_recorded_before_fault_models_had_settings_resumes(tmp_path):
-    """campaign.json written before a fault could carry its model's settings, and a trial its
-    place in a fault mix, has no `settings` in its faults and no `mix` in its trials: the same
-    campaign resumes from it, as from its own record; another does not."""
-    run = compose_run("campaign=default")
-    record = dataclasses.asdict(run)
-
-    def without_settings(content):
-        if isinstance(content, dict):
-            return {k: without_settings(v) for k, v in content.items()
-                    if k not in ("settings", "mix")}  # fmt: skip
-        if isinstance(content, list | tuple):
-            return [without_settings(v) for v in content]
-        return content
-
-    older = without_settings(record)
-    assert json.dumps(older) != json.dumps(record)  # every fault holds `settings` now
-    for written in (older, record):  # before settings, and as this campaign writes it
-        (tmp_path / "campaign.json").write_text(json.dumps(written))
+def test_a_campaign_recorded_by_an_older_harness_is_refused_as_other_code(tmp_path):
+    """campaign.json written before the sources' digests were recorded came from another
+    harness, whose record may lack later fields (a fault's `settings`, the trace's element
+    counts): refused as other code, not as another campaign; the same record by this code
+    resumes, and another campaign's is named as such."""
+    run = compose_run("campaign=single", "fault=activation_nan")
+    record = {**dataclasses.asdict(run), "code": code_version(run.workload)}
+    older = {k: v for k, v in record.items() if k != "code"}
+    older["forward"] = {k: v for k, v in older["forward"].items() if k != "output_sizes"}
+    (tmp_path / "campaign.json").write_text(json.dumps(older))
+    with pytest.raises(ConfigError, match=r"other code \(not recorded\)"):
         check_out(tmp_path, run)
+    (tmp_path / "campaign.json").write_text(json.dumps(record))
+    check_out(tmp_path, run)
     (tmp_path / "campaign.json").write_text(json.dumps(record | {"seeds": run.seeds + 1}))
     with pytest.raises(ConfigError, match="different campaign"):
-        check_out(tmp_path, run)
-
-
-def test_a_campaign_recorded_before_the_trace_counted_elements_resumes(tmp_path):
-    """campaign.json's `forward` (what one forward runs) written before the trace recorded each
-    module's output elements and each product's: the same campaign resumes from it."""
-    run = compose_run("campaign=single", "fault=activation_nan")
-    record = dataclasses.asdict(run)
-    older = record | {"forward": {k: v for k, v in record["forward"].items()
-                                  if k not in ("output_sizes", "product_traces")}}  # fmt: skip
-    assert older["forward"] != record["forward"] and older["forward"]["made"]
-    for written in (older, record):
-        (tmp_path / "campaign.json").write_text(json.dumps(written))
         check_out(tmp_path, run)

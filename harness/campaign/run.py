@@ -9,9 +9,9 @@ import json
 import logging
 import os
 import shutil
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from tqdm import tqdm
 
@@ -22,7 +22,7 @@ from harness.campaign.fastforward import (
     golden_specs,
     has_snapshots,
 )
-from harness.campaign.golden_store import GoldenMismatch, GoldenStore
+from harness.campaign.golden_store import GoldenMismatch, GoldenStore, code_version
 from harness.campaign.recovery import run_with_recovery, scratch_folders
 from harness.config.schema import RunConfig, TopologyConfig, TrialSpec
 from harness.config.workload import release_probes
@@ -47,63 +47,53 @@ class CampaignError(RuntimeError):
 
 # RunConfig's fields that never change a row, so a campaign resumes with other values of them.
 NOT_IDENTITY = ("golden_cache",)
-# What the forward trace records beyond what campaigns first recorded of it, derived from the
-# same trace (harness/core/matmuls.py): left out of the comparison on both sides.
-TRACE_ADDITIONS = ("output_sizes", "product_traces")
 
 
 def _identity(run: RunConfig) -> str:
-    content = _without_empty_additions(dataclasses.asdict(run))
+    content = dataclasses.asdict(run)
     for name in NOT_IDENTITY:
         content.pop(name)
     return json.dumps(content, sort_keys=True, indent=1)
 
 
-def _without(record: dict[str, Any], name: str, empty: Any) -> dict[str, Any]:
-    return {k: v for k, v in record.items() if not (k == name and v == empty)}
+@dataclass(frozen=True)
+class Held:
+    """What `out`'s campaign.json binds the folder to."""
+
+    identity: str  # the campaign, as `_identity` writes it
+    environment: dict | None  # None: written before environments were recorded
+    code: dict | None  # its sources' digests (code_version); None: before they were recorded
 
 
-def _without_empty_additions(content: dict[str, Any]) -> dict[str, Any]:
-    """A campaign record without the fields added after campaigns were first recorded, where
-    they hold the value that means what a record without them meant: a fault's `settings` when
-    its model has none, a trial's `mix` in an unweighed campaign. Applied to both sides of the
-    comparison, so a campaign.json written before those fields existed resumes as the campaign
-    it holds; only those places, so a user's own keys (a custom model's `settings`) still count.
-    The forward trace's additions (`TRACE_ADDITIONS`) are left out whatever they hold."""
-    content = dict(content)
-    content["scenarios"] = [_without(f, "settings", {}) for f in content.get("scenarios", [])]
-    content["trials"] = [
-        _without({**t, "fault": _without(t["fault"], "settings", {})}, "mix", None)
-        for t in content.get("trials", [])
-    ]
-    if content.get("forward"):
-        content["forward"] = {
-            k: v for k, v in content["forward"].items() if k not in TRACE_ADDITIONS
-        }
-    return content
-
-
-def _bound_to(out: Path) -> tuple[str, dict | None] | None:
-    """The campaign identity and environment that `out`'s campaign.json holds (None without one;
-    an environment of None in a folder written before environments were recorded)."""
+def _bound_to(out: Path) -> Held | None:
+    """What `out`'s campaign.json holds (None without one, or one that cannot be read)."""
     held = RunFolder(out).campaign_record()
     if held is None:
         return None
-    held = _without_empty_additions(held)
-    env = held.pop("environment", None)
+    env, code = held.pop("environment", None), held.pop("code", None)
     held.pop("product_coverage", None)  # measured from the config: not part of the identity
     for name in NOT_IDENTITY:
         held.pop(name, None)
-    return json.dumps(held, sort_keys=True, indent=1), env
+    return Held(json.dumps(held, sort_keys=True, indent=1), env, code)
 
 
 # What Hydra's sweeper writes at the top of a sweep's folder.
 SWEEP_CONFIG = "multirun.yaml"
 
 
+def _written(record: Path) -> bool:
+    """Whether a campaign wrote `record`: a file, or a folder holding anything but hidden files
+    (a torchrun world makes the store to see that every host shares it before it binds the
+    folder, and a host's probe may outlive a killed world)."""
+    if record.is_dir():
+        return any(not p.name.startswith(".") for p in record.iterdir())
+    return record.exists()
+
+
 def check_out(out: Path, run: RunConfig) -> None:
-    """Refuse an `out` that cannot be written or that holds a different campaign's trials (before
-    any process starts; whether the environment matches is the ranks' to say, `bind`)."""
+    """Refuse an `out` that cannot be written, that holds a different campaign's trials or
+    another code's, or a campaign's records without its campaign.json (before any process
+    starts; whether the environment matches is the ranks' to say, `bind`)."""
     existing = next(p for p in (out, *out.parents) if p.exists())
     if not existing.is_dir():
         raise ConfigError("out", f"{existing} is not a folder; choose an out that can be created")
@@ -115,26 +105,45 @@ def check_out(out: Path, run: RunConfig) -> None:
             "would overwrite and whose reports would count its trials; choose a new out"
         )  # fmt: skip
     held = _bound_to(out)
-    if held is not None and held[0] != _identity(run):
+    if held is None:
+        left = [p.name for p in RunFolder(out).records if _written(p)]
+        if left:
+            raise ConfigError(
+                "out", f"{out} holds a campaign's records of unknown origin ({', '.join(left)}; "
+                "no readable campaign.json); choose a new out"
+            )  # fmt: skip
+        return
+    # Its goldens, snapshots and rows are that code's: a resume by other code would mix two
+    # versions' rows and judge the new against the old goldens. First: an older harness wrote
+    # its config in another shape, which reads as another campaign.
+    code, was = code_version(run.workload), held.code or {}
+    if held.code != code:
+        changed = sorted(k for k in {*code, *was} if code.get(k) != was.get(k))
+        why = f"{', '.join(changed)} changed" if held.code is not None else "not recorded"
+        raise ConfigError(
+            "out", f"{out} was computed by other code ({why}): resume it with the code that "
+            "started it, or choose a new out"
+        )  # fmt: skip
+    if held.identity != _identity(run):
         raise ConfigError(
             "out", f"{out} holds a different campaign's trials; choose a new out to keep them"
         )
-    if held is None and RunFolder(out).trials.exists():
-        raise ConfigError("out", f"{out} holds trials of unknown origin; choose a new out")
 
 
 def bind(out: Path, run: RunConfig, ranks: list[environment.RankEnvironment]) -> None:
     """Bind `out` to this campaign and record the environment its ranks reported (after
     `check_out`, before the first trial). A resume keeps the first record, and is refused when
     the ranks now compute in an environment that gives other numbers (the trials' goldens
-    would not be theirs); a different commit or CPU model resumes."""
+    would not be theirs); another CPU model, or another commit of the same sources (the
+    sources' digests are `check_out`'s to compare), resumes."""
     check_out(out, run)
     now = environment.record(ranks)
     held = _bound_to(out)
     if held is not None:
-        changed = [f for f in machine.differences(held[1], now) if f in machine.NUMERIC]
+        before = held.environment
+        changed = [f for f in machine.differences(before, now) if f in machine.NUMERIC]
         if changed:
-            was = ", ".join(f"{f} {(held[1] or {}).get(f, '?')} -> {now[f]}" for f in changed)
+            was = ", ".join(f"{f} {(before or {}).get(f, '?')} -> {now[f]}" for f in changed)
             raise ConfigError(
                 "out", f"{out} was computed in another environment ({was}); resume it there "
                 "or choose a new out"
@@ -144,6 +153,7 @@ def bind(out: Path, run: RunConfig, ranks: list[environment.RankEnvironment]) ->
     content = {
         **dataclasses.asdict(run),
         "environment": now,
+        "code": code_version(run.workload),
         "product_coverage": coverage.product_coverage(run).record(),
     }
     path = RunFolder(out).campaign

@@ -2,8 +2,9 @@
 binds the folder to one campaign. The campaign, recovery, the torchrun worker and the report
 all find their files here, so the layout has one owner.
 
-    out/campaign.json    the campaign's config, the environment its ranks computed in, and the
-                         share of a step's product FLOPs matmul_checksum checks (`product_coverage`)
+    out/campaign.json    the campaign's config, the environment its ranks computed in, the
+                         digests of the code that computed it (`code`), and the share of a
+                         step's product FLOPs matmul_checksum checks (`product_coverage`)
     out/trials.csv       one row per trial (harness/results/trial_row.py)
     out/events.jsonl     every trial's events, one JSON object per line
     out/golden.jsonl     the golden runs' results
@@ -64,6 +65,11 @@ class RunFolder:
     def node(self, node: int) -> Path:
         """A machine node's scratch folder."""
         return self.root / "nodes" / f"node{node}"
+
+    @property
+    def records(self) -> tuple[Path, ...]:
+        """What a campaign writes once campaign.json binds the folder to it."""
+        return (self.trials, self.events, self.goldens, self.store)
 
     def campaign_record(self) -> dict[str, Any] | None:
         """campaign.json as written (None when the folder has none, or it cannot be read)."""
