@@ -106,6 +106,32 @@ def test_identical_runs_do_not_regress(runs):
     ) in proc.stdout
 
 
+@pytest.mark.parametrize("recorded", ["code", "commit only"])
+def test_runs_by_other_code_are_not_called_the_same_commit(runs, tmp_path, recorded):
+    """A run from a tree with changes records its commit with `+dirty`, which the comparison
+    cut off: two runs by different code read "same commit". Their sources' digests say whether
+    the code differs; without them, a dirty commit says it may."""
+    held = json.loads((runs["baseline"] / "campaign.json").read_text())
+    if recorded != "code":
+        held.pop("code")
+    env = {**held["environment"], "commit": held["environment"]["commit"].split("+")[0] + "+dirty"}
+    folders = []
+    for name, code in (("a", "0" * 16), ("b", "1" * 16)):
+        folder = copy(runs["baseline"], tmp_path / name)
+        content = {**held, "environment": env}
+        if recorded == "code":
+            content["code"] = {**held["code"], "detectors": code}
+        (folder / "campaign.json").write_text(json.dumps(content))
+        folders.append(folder)
+    line = next(x for x in sdc_regress(*folders).stdout.splitlines() if "same environment" in x)
+    label = machine.commit_label(env)
+    assert "same commit" not in line, line
+    if recorded == "code":
+        assert f"({label} -> {label}, other code: detectors changed)" in line, line
+    else:
+        assert f"(commit {label} in both, each with uncommitted changes)" in line, line
+
+
 def test_runs_record_their_environment_and_the_report_shows_it_in_one_line(runs):
     env = json.loads((runs["baseline"] / "campaign.json").read_text())["environment"]
     assert (env["cpu_kernels"], env["torch"], env["device"]) == ("avx2", torch.__version__, "cpu")

@@ -87,6 +87,7 @@ class Run:
     folder: Path
     # The columns that tell cells apart (APART) that some trials.csv of it was written without.
     unwritten: frozenset[str] = frozenset()
+    code: dict[str, str] | None = None  # its sources' digests; None: not recorded, or differing
 
 
 def load(folder: Path) -> Run:
@@ -95,7 +96,8 @@ def load(folder: Path) -> Run:
     trials[JOB] = [str(Path(r).relative_to(folder)) for r in trials["run"]]
     runs = [Path(r) for r in sorted(trials["run"].unique())]
     unwritten = frozenset(c for run in runs for c in APART if c not in _header(run / TRIALS_FILE))
-    return Run(trials, load_overhead([folder]), machine.of_runs(runs), folder, unwritten)
+    environment, code = machine.of_runs(runs), machine.code_of_runs(runs)
+    return Run(trials, load_overhead([folder]), environment, folder, unwritten, code)
 
 
 def _header(path: Path) -> list[str]:
@@ -320,6 +322,22 @@ def regressions(base: Run, cur: Run) -> list[dict[str, str]]:
     ]
 
 
+def _code_line(base: Run, cur: Run) -> str:
+    """Whether the two runs were computed by the same code: their sources' digests where both
+    record them, else their commits (a tree with changes may hold any code)."""
+    commits = [machine.commit_label(r.environment) for r in (base, cur)]
+    if base.code is not None and cur.code is not None:
+        if base.code == cur.code:
+            return "same commit" if commits[0] == commits[1] else "same code"
+        changed = sorted(k for k in {*base.code, *cur.code} if base.code.get(k) != cur.code.get(k))
+        return f"{' -> '.join(commits)}, other code: {', '.join(changed)} changed"
+    if commits[0] != commits[1]:
+        return " -> ".join(commits)
+    if commits[0].endswith("+dirty"):
+        return f"commit {commits[0]} in both, each with uncommitted changes"
+    return "same commit"
+
+
 def environment_lines(base: Run, cur: Run) -> list[str]:
     """Whether the two runs' rows can compare bit for bit, and what compares either way."""
     before, after = base.environment, cur.environment
@@ -336,8 +354,7 @@ def environment_lines(base: Run, cur: Run) -> list[str]:
         kept = (shared["effect_base"] == shared["effect_cur"]) & (
             shared["golden_final_loss_base"] == shared["golden_final_loss_cur"]
         )
-        commits = [e["commit"][:12] for e in (before, after)]
-        code = "same commit" if commits[0] == commits[1] else " -> ".join(commits)
+        code = _code_line(base, cur)
         return [
             f"same environment ({code}): rows compare bit for bit; {int(kept.sum())}/"
             f"{len(shared)} shared trials kept their effect and golden loss"

@@ -24,6 +24,15 @@ def recorded(folder: Path) -> dict[str, str] | None:
     return {**BEFORE_NUMERICS, **env} if env else None
 
 
+def code_of_runs(folders: list[Path]) -> dict[str, str] | None:
+    """The digests of the sources the given run folders' campaign.json record, where they all
+    record the same ones (None when one records none, or they differ)."""
+    found = [(RunFolder(f).campaign_record() or {}).get("code") for f in folders]
+    if not found or any(c is None for c in found) or any(c != found[0] for c in found):
+        return None
+    return found[0]
+
+
 def workload_differences(base: Path, cur: Path) -> str:
     """The workload keys two run folders' campaign.json set otherwise, as `workload.key a -> b`
     ('' where they agree, or either folder records none: a sweep's jobs record their own)."""
@@ -43,12 +52,17 @@ def of_runs(folders: list[Path]) -> dict[str, str] | None:
     return found[0]
 
 
+def commit_label(env: dict[str, str]) -> str:
+    """The commit an environment records, short, with `+dirty` where its tree had changes."""
+    return f"{env['commit'][:12]}{'+dirty' if env['commit'].endswith('+dirty') else ''}"
+
+
 def summary(env: dict[str, str] | None) -> str:
     """The environment in one line (the report's header)."""
     if not env:
         return "unknown (not recorded)"
     return (
-        f"commit {env['commit'][:12]}{'+dirty' if env['commit'].endswith('+dirty') else ''}, "
+        f"commit {commit_label(env)}, "
         f"torch {env['torch']}, Python {env['python']}, {env['cpu']} ({env['machine']}), "
         f"kernels {env['cpu_capability']} (cpu_kernels={env['cpu_kernels']}), "
         f"{env['math_library']} [{env['math_settings']}], {env['threads']} thread(s)/rank, "
