@@ -93,6 +93,8 @@ def preflight(argv: list[str]) -> None:
         jobs = planned_jobs(task) or []
         shared = set.intersection(*map(set, jobs)) if jobs else set()
         folder = _sweep_folder(argv)
+        if folder is not None and jobs:
+            _no_other_jobs(folder, len(jobs))
         # An out made from the job's own Hydra settings resolves only in the job.
         in_job = any("${hydra:" in o.input_line for o in outs)
         for number, job in enumerate(jobs):
@@ -116,6 +118,23 @@ def preflight(argv: list[str]) -> None:
         check_out(Path(cfg.out), run)
     except ConfigError as exc:
         fail(str(exc))
+
+
+def _no_other_jobs(folder: Path, launched: int) -> None:
+    """Refuse a sweep folder holding a job folder this sweep does not launch (an earlier sweep's
+    of more jobs): the merged report, sweep.md and sdc-report count every job folder there."""
+    from harness.analysis.sweep import job_dirs, saved_overrides
+
+    ours = {folder / str(number) for number in range(launched)}
+    other = next((job for job in job_dirs(folder) if job not in ours), None)
+    if other is not None:
+        jobs = f"{launched} job{'s' if launched > 1 else ''}"
+        fail(
+            f"hydra.sweep.dir: {folder} holds job {other.relative_to(folder)} "
+            f"({' '.join(saved_overrides(other)) or 'no overrides'}), which this sweep of {jobs} "
+            "does not launch: its reports would count that job's trials; choose a new "
+            "hydra.sweep.dir"
+        )
 
 
 def _sweep_folder(argv: list[str]) -> Path | None:

@@ -702,6 +702,29 @@ def test_a_sweep_with_a_bad_job_is_refused_before_any_job_runs(tmp_path):
     assert not sweep.exists()
 
 
+def test_a_sweep_into_a_folder_holding_a_job_it_does_not_launch_is_refused(
+    tmp_path, monkeypatch, capsys
+):
+    """A sweep of fewer jobs than the one before it in the same folder left the earlier
+    sweep's last jobs there, which its merged report, sweep.md and sdc-report counted as its
+    own. Refused before Hydra writes anything; a job folder it does launch is checked as ever."""
+    sweep = tmp_path / "sweep"
+    (sweep / "1" / ".hydra").mkdir(parents=True)
+    (sweep / "1" / ".hydra" / "overrides.yaml").write_text("- fault.factor=1000\n")
+    monkeypatch.chdir(tmp_path)
+    argv = ["-m", "fault=grad_scale", "fault.factor=10", f"hydra.sweep.dir={sweep}"]
+    with pytest.raises(SystemExit) as exited:
+        cli.preflight(cli.implied_campaign(argv))
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        f"sdc-bench: error: hydra.sweep.dir: {sweep} holds job 1 (fault.factor=1000), which this "
+        "sweep of 1 job does not launch: its reports would count that job's trials; choose a new "
+        "hydra.sweep.dir"
+    )
+    argv[2] = "fault.factor=10,1000"  # job 1 is launched again: its own folder's check decides
+    assert cli.preflight(cli.implied_campaign(argv)) is None
+
+
 def test_a_shuffled_sweep_is_checked_job_by_job_not_in_an_order_of_its_own():
     """A shuffled sweep's order is drawn when the sweeper splits it: a split of its own named
     the wrong job's number, and checked job N's folder against another job's config."""

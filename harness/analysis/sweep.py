@@ -61,7 +61,7 @@ def _varied(overrides: dict[str, list[str]]) -> dict[str, str]:
     return {job: " ".join(o for o in found if o not in shared) for job, found in overrides.items()}
 
 
-def _saved_overrides(job: Path) -> list[str]:
+def saved_overrides(job: Path) -> list[str]:
     saved = job / ".hydra" / "overrides.yaml"
     return list(OmegaConf.load(saved)) if saved.exists() else []
 
@@ -82,7 +82,7 @@ def write_merged_report(sweep_dir: Path, planned: list[list[str]] | None = None)
     path = report.write_report(df, sweep_dir, [sweep_dir])
     counts = df["run"].value_counts()
     unstarted = planned[len(jobs) :] if planned else []
-    overrides = {str(job.relative_to(sweep_dir)): _saved_overrides(job) for job in jobs}
+    overrides = {str(job.relative_to(sweep_dir)): saved_overrides(job) for job in jobs}
     overrides |= {f"not started {i}": job for i, job in enumerate(unstarted)}
     varied = _varied(overrides)
     lines = [
