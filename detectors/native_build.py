@@ -9,8 +9,10 @@ A build is made once per source, compiler and CPU (`CC`, else `cc`; `-O3 -march=
 -ffp-contract=off`) into a cache folder that a world's ranks, later trials and runs share
 (`$SDC_BENCH_CACHE/kernels`, beside the golden store, else `$XDG_CACHE_HOME/sdc-bench/kernels`,
 else `~/.cache/sdc-bench/kernels`: a build is the machine's, not a campaign's): each process
-writes its build under a name of its own and renames it into place, so ranks building at once
-never load a half-written file.
+writes its build under a name of its own and renames it into place, then its SHA-256 beside it,
+so ranks building at once never load a half-written file; a cached build is loaded only where
+it matches that digest, and built again where it does not (a damaged copy would kill every
+rank that maps it).
 """
 
 from __future__ import annotations
@@ -87,19 +89,32 @@ def build(source: Path, compiler: str, cache: Path) -> Path:
         b"\0".join([text, compiler.encode(), " ".join(FLAGS).encode(), _cpu().encode()])
     ).hexdigest()[:16]
     target = cache / f"{source.stem}-{key}.so"
-    if target.exists():
-        return target
+    digest = target.with_name(f"{target.name}.sha256")
+    if target.exists() and digest.exists():
+        if _digest(target) == digest.read_text().strip():
+            return target
+        logger.warning("%s does not match its digest (a damaged copy): built again", target)
     cache.mkdir(parents=True, exist_ok=True)
     partial = cache / f".{source.stem}-{key}.{os.getpid()}.so"
+    written = cache / f".{digest.name}.{os.getpid()}"
     try:
         subprocess.run(
             [compiler, *FLAGS, "-o", str(partial), str(source)],
             check=True, capture_output=True, text=True,
         )  # fmt: skip
+        # The library, then its digest, each by rename: a digest in place vouches for a whole
+        # library, and a build that is not whole is never mapped (its ranks died of SIGBUS).
+        written.write_text(_digest(partial))
         os.replace(partial, target)
+        os.replace(written, digest)
     finally:
         partial.unlink(missing_ok=True)
+        written.unlink(missing_ok=True)
     return target
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def _cpu() -> str:

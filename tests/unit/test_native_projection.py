@@ -9,6 +9,7 @@ import math
 import multiprocessing
 import os
 import shutil
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -266,5 +267,36 @@ def test_ranks_building_at_once_each_load_a_whole_kernel(tmp_path):
     with multiprocessing.get_context("spawn").Pool(4) as pool:
         built = pool.map(_build, [cache] * 4)
     assert built == [COMPILER is not None] * 4
-    left = [p.name for p in cache.iterdir()] if cache.exists() else []
-    assert len(left) == (COMPILER is not None) and all(n.startswith("projection-") for n in left)
+    left = sorted(p.name for p in cache.iterdir()) if cache.exists() else []
+    if COMPILER is None:
+        assert left == []
+    else:  # the library and its digest
+        assert len(left) == 2 and left[1] == f"{left[0]}.sha256", left
+
+
+def _built_apart(cache: Path) -> bool:
+    """`_build` in a process of its own: a damaged library may kill the process that maps it
+    (BrokenProcessPool here, where a pool would wait for the dead worker)."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_build, cache).result(timeout=120)
+
+
+def test_a_damaged_cached_kernel_is_rebuilt_not_loaded(tmp_path):
+    """A cached build cut short (a full disk, a copy interrupted) was loaded because it existed:
+    every rank that touched it died of SIGBUS, each trial a crash, and it stayed in the cache
+    for every later run. A build is loaded only when it matches the digest written beside it;
+    otherwise it is built again."""
+    cache = tmp_path / "cache"
+    assert _built_apart(cache) == (COMPILER is not None)
+    if COMPILER is None:
+        assert not cache.exists()
+        return
+    (library,) = cache.glob("projection-*.so")
+    whole = library.read_bytes()
+    for damage in (whole[:4000], whole[:-1] + bytes([whole[-1] ^ 1])):
+        library.write_bytes(damage)
+        assert _built_apart(cache)
+        assert library.read_bytes() == whole
+    (cache / f"{library.name}.sha256").unlink()  # a build from before digests were written
+    assert _built_apart(cache)
+    assert (cache / f"{library.name}.sha256").exists()
