@@ -98,6 +98,19 @@ def test_a_checkpoint_between_injection_and_alert_breaks_containment():
     assert _row(WEIGHT, early).contained is True
 
 
+def test_alerts_of_recoverys_earlier_segments_stay_apart_and_come_first():
+    """Recovery ran the trial again in another world after each stop; an alert of the same
+    step, check and phase in two segments was merged into one, its suspects the union of
+    ranks that name other machines in each world: the row read one alert and both suspects.
+    Each segment's alerts stay its own, the first segment's first."""
+    first = replace(_alert(1, 6, "pre_allreduce", [1], t=11.0), segment=0)
+    second = replace(_alert(0, 6, "pre_allreduce", [0], t=20.0), segment=1)
+    final = _alert(2, 5, "pre_allreduce", [2], t=30.0)  # the last segment's carry none
+    parts = [_part(0, [second]), _part(1, [_inject(1, 5), first], digest="x"), _part(2, [final])]
+    row = _row(GRAD_NAN, [*parts, _part(3)])
+    assert row.alerts == 3 and row.detect_step == 6 and row.suspect_ranks == (1,)
+
+
 def test_effects():
     struck = [_part(r, [_inject(r, 3)] if r == 3 else []) for r in range(4)]
     assert _row(GRAD_NAN, struck).effect == "masked"

@@ -52,14 +52,16 @@ def golden_from(spec: TrialSpec, parts: list[RankResult]) -> Golden:
 
 
 def merge_alerts(events: list[Event]) -> list[TrialAlert]:
-    """One alert per (step, detector, phase) (a `trial_alert`), its suspects the union over the
-    ranks that raised it, ordered as they happened in the step."""
+    """One alert per (segment, step, detector, phase) (a `trial_alert`), its suspects the union
+    over the ranks that raised it, ordered as they happened: segment by segment (recovery's
+    earlier runs of the trial first, whose worlds number their ranks otherwise), then in the
+    step."""
     groups: dict[tuple, list[Alert]] = {}
     for e in events:
         if isinstance(e, Alert):
-            groups.setdefault((e.step, e.detector, e.phase), []).append(e)
+            groups.setdefault((_segment_order(e), e.step, e.detector, e.phase), []).append(e)
     merged = [
-        TrialAlert(
+        (order, TrialAlert(
             step=step,
             detector=detector,
             phase=phase,
@@ -68,10 +70,17 @@ def merge_alerts(events: list[Event]) -> list[TrialAlert]:
             suspect_ranks=sorted({r for a in alerts for r in a.suspect_ranks}),
             suspect_nodes=sorted({n for a in alerts for n in a.suspect_nodes}),
             raised_by=sorted({a.rank for a in alerts}),
-        )
-        for (step, detector, phase), alerts in groups.items()
-    ]
-    return sorted(merged, key=lambda a: (a.step, PHASE_ORDER[a.phase], a.detector))
+        ))
+        for (order, step, detector, phase), alerts in groups.items()
+    ]  # fmt: skip
+    merged.sort(key=lambda oa: (oa[0], oa[1].step, PHASE_ORDER[oa[1].phase], oa[1].detector))
+    return [alert for _, alert in merged]
+
+
+def _segment_order(event: Event) -> float:
+    """Where an event's segment comes: the stopped segments in order, then the last (its events
+    carry none)."""
+    return math.inf if event.segment is None else event.segment
 
 
 def _bit(
