@@ -119,6 +119,7 @@ class unwatched:
 class MatmulChecksum(Detector):
     name = "matmul_checksum"
     parallel = ("ddp", "fsdp", "hsdp")
+    verifies_own_step = True
 
     @dataclass(frozen=True)
     class Config(CheckConfig):

@@ -62,6 +62,15 @@ class MegatronHash(Detector):
         return any((s + 1) % config.interval == 0 for s in steps)
 
     @classmethod
+    def first_suspect_step(
+        cls, config: Config, alarm_step: int, checkpointed: Callable[[int], bool]
+    ) -> int:
+        """The step after its last comparison before the alarm: the replicas were seen to agree
+        after that step's update, and not since."""
+        looked = [s for s in range(alarm_step) if (s + 1) % config.interval == 0]
+        return max(looked) + 1 if looked else 0
+
+    @classmethod
     def check_topology(cls, config: Config, topology: Any) -> None:
         groups = topology.world_size // (topology.shard_size or 1)
         if groups < 2:  # a user's HSDP mesh of one replica group: nothing to compare with

@@ -640,14 +640,16 @@ def test_a_trainers_own_checkpoints_of_the_suspect_interval_are_set_aside(tmp_pa
     folder = tmp_path / "checkpoints"
     folder.mkdir()
     got = _forked_world(tmp_path, _trainer_checkpoints_rank, str(folder))
-    # Replay vouched for step 0; the fault's step 3 is where it looked next.
-    assert got == {rank: (3, 1) for rank in range(FROZEN_WORLD)}, got
+    # Replay vouched for the weights step 0 began with and what it computed from them, not for
+    # step 0's update; the fault's step 3 is where it looked next.
+    assert got == {rank: (3, 0) for rank in range(FROZEN_WORLD)}, got
     names = sorted(p.name for p in folder.iterdir())
-    assert names == ["quarantine.json", "step=0.ckpt", "suspect"], names
-    assert sorted(p.name for p in (folder / "suspect").iterdir()) == ["step=1.ckpt", "step=2.ckpt"]
+    assert names == ["quarantine.json", "suspect"], names
+    aside = ["step=0.ckpt", "step=1.ckpt", "step=2.ckpt"]
+    assert sorted(p.name for p in (folder / "suspect").iterdir()) == aside
     record = json.loads((folder / "quarantine.json").read_text())
-    assert record["set_aside"] == ["step=1.ckpt", "step=2.ckpt"]
-    assert record["first_suspect_step"] == 1 and record["suspect_ranks"] == [1]
+    assert record["set_aside"] == aside
+    assert record["first_suspect_step"] == 0 and record["suspect_ranks"] == [1]
 
 
 def _checkpointing_rank(rank: int, store: str, start: int, results) -> None:

@@ -157,19 +157,24 @@ def test_replay_stops_a_scaled_gradient_and_quarantines_its_machine(scaled_gradi
     assert codes == [EXIT_SUSPECT_HARDWARE] * RANKS, "each rank exits with it"
     record = json.loads((out / "checkpoints" / "quarantine.json").read_text())
     assert record["suspect_machines"] == ["machine-1"] and record["suspect_ranks"] == [1]
-    assert record["step"] == 4 and record["first_suspect_step"] == 4
+    # Replay audits every step: its audit of step 3 vouched for the weights step 3 began with,
+    # not for step 3's update, which wrote the checkpoint of step 3 (set aside).
+    assert record["step"] == 4 and record["first_suspect_step"] == 3
     assert record["detector"] == "replay" and record["evidence"]["verifier"] == 0
     saved = sorted(p.name for p in (out / "checkpoints").glob("step_*.pt"))
-    assert saved == ["step_000001.pt", "step_000003.pt"], "nothing saved from step 4 on"
+    assert saved == ["step_000001.pt"], "nothing saved from step 4 on, and 3's set aside"
+    assert [p.name for p in (out / "checkpoints" / "suspect").glob("step_*.pt")] == [
+        "step_000003.pt"
+    ]
 
 
 def test_a_restart_from_the_restore_point_trains_on_cleanly(scaled_gradient, tmp_path):
     out, _, _ = scaled_gradient
-    assert Guard.restore_point(out / "checkpoints")[0] == 3
+    assert Guard.restore_point(out / "checkpoints")[0] == 1
     summary, _ = example(out, "--detectors", json.dumps(EVERY), "--mode", "act",
                          "--checkpoint-every", "2", "--resume", *GPT2)  # fmt: skip
     assert summary["exit_code"] == 0 and summary["alarm"] is None and summary["alerts"] == []
-    assert summary["steps"] == STEPS and len(summary["losses"]) == STEPS - 4
+    assert summary["steps"] == STEPS and len(summary["losses"]) == STEPS - 2
     assert all(math.isfinite(x) for x in summary["losses"])
 
 

@@ -81,8 +81,9 @@ def test_a_scaled_gradient_stops_the_fit_at_its_step_and_sets_aside_what_it_may_
 ):
     """Act mode, a checkpoint every step: replay names rank 2 and its machine at step 5, every
     rank leaves train() with the alarm and exits 86, quarantine.json is written, nothing of step
-    5 is saved (checkpoint-6), and the Trainer's checkpoints since the last clean audit (step 0)
-    are set aside: only checkpoint-1 is left to resume from."""
+    5 is saved (checkpoint-6), and the Trainer's checkpoints from the last clean audit's update
+    on (step 0's, which the audit did not see: checkpoint-1) are set aside: the restart is from
+    the initial weights."""
     out, records, codes = fits
     rehearsals = [r["rehearsal"] for r in records]
     alarm = {"detector": "replay", "step": 5, "suspect_ranks": [2], "suspect_machines": ["host2"]}
@@ -93,12 +94,12 @@ def test_a_scaled_gradient_stops_the_fit_at_its_step_and_sets_aside_what_it_may_
     folder = out / "rehearsal" / "checkpoints"
     record = json.loads((folder / "quarantine.json").read_text())
     assert record["suspect_machines"] == ["host2"] and record["step"] == 5
-    assert record["first_suspect_step"] == 1
-    suspect = [f"checkpoint-{n}" for n in range(2, 6)]
+    assert record["first_suspect_step"] == 0
+    suspect = [f"checkpoint-{n}" for n in range(1, 6)]
     assert sorted(record["set_aside"]) == suspect
-    # Out of the rotation's sight: a resumed run's `save_total_limit` deleted them, and counted
-    # them in place of checkpoint-1, when they were renamed in place (checkpoint-2.suspect).
-    assert saved(folder) == ["checkpoint-1"]
+    # Out of the rotation's sight: a resumed run's `save_total_limit` deleted them, when they
+    # were renamed in place (checkpoint-2.suspect).
+    assert saved(folder) == []
     assert saved(folder / "suspect") == suspect
 
 

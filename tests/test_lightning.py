@@ -94,11 +94,12 @@ def test_a_rehearsed_gradient_fault_stops_the_fit_at_its_step_on_every_rank(fits
     assert codes == [EXIT_SUSPECT_HARDWARE] * RANKS, "every process exits 86"
     folder = out / "rehearsal" / "checkpoints"
     quarantine = json.loads((folder / "quarantine.json").read_text())
-    assert quarantine["first_suspect_step"] == 1 and quarantine["suspect_ranks"] == [2]
-    # Lightning names a checkpoint by the steps done: step=2.ckpt is step 1's, the first
+    # Replay's last clean audit, at step 0, did not see step 0's update.
+    assert quarantine["first_suspect_step"] == 0 and quarantine["suspect_ranks"] == [2]
+    # Lightning names a checkpoint by the steps done: step=1.ckpt is step 0's, the first
     # suspect one; step 5's was never written.
-    assert sorted(quarantine["set_aside"]) == [f"step={s}.ckpt" for s in range(2, 6)]
-    assert sorted(p.name for p in folder.glob("*.ckpt")) == ["step=1.ckpt"]
+    assert sorted(quarantine["set_aside"]) == [f"step={s}.ckpt" for s in range(1, 6)]
+    assert sorted(p.name for p in folder.glob("*.ckpt")) == []
     aside = sorted(p.name for p in (folder / "suspect").iterdir())
     assert aside == sorted(quarantine["set_aside"]), aside
     assert not (folder / "step=6.ckpt").exists()
@@ -190,13 +191,14 @@ def test_after_an_alarm_the_guard_refuses_a_new_fit_and_a_new_guard_takes_the_sa
         tmp_path, _fits_after_an_alarm, str(folder)
     )
     assert alarm[0] == "SDCAlarm" and alarm[1].startswith("nan_inf at step 2: "), alarm
-    # Lightning names a checkpoint by the steps done: the alarmed fit wrote steps 0 and 1's.
-    before = ["quarantine.json", "step=1.ckpt", "step=2.ckpt"]
+    # Lightning names a checkpoint by the steps done: the alarmed fit wrote steps 0 and 1's,
+    # and nan_inf's alarm at step 2 set step 1's aside (its update shows only at step 2).
+    before = ["quarantine.json", "step=1.ckpt", "suspect"]
     refused = ("RuntimeError", f"SDCGuard: an alarm ended this fit: {alarm[1]}")
     assert second == (refused, before), second
     assert third is None, third
     assert written == [(2, "step=3.ckpt"), (3, "step=4.ckpt")]
-    assert files == [*before, "step=3.ckpt", "step=4.ckpt"], files
+    assert files == sorted([*before, "step=3.ckpt", "step=4.ckpt"]), files
 
 
 def _resumed_fit(port: int, folder: str, results) -> None:

@@ -53,8 +53,9 @@ def test_with_a_spare_a_caught_fault_ends_bit_identical_to_the_golden_run(tmp_pa
         # judged on the same trial with every check observing.
         assert row["golden_match"] == "True" and row["recovered"] == "True"
         assert row["effect_from"] == "observe twin" and row["effect"] != "masked"
-    # Restore points: replay vouched for step 0 only (so from the start); the sketch checks
-    # every step (checkpoint after step 5); consensus last passed after step 3.
+    # Restore points: replay vouched for step 0's weights and computation only (so from the
+    # start); the sketch verifies each step's own reduction (checkpoint after step 5);
+    # consensus last passed after step 3.
     assert [r["restore_step"] for r in table] == ["-1", "5", "3"]
     stops = [json.loads(line) for line in (out / "events.jsonl").open()]
     assert {e["step"] for e in stops if e["kind"] == "stop"} == {5, 6}
@@ -139,15 +140,25 @@ def test_a_nan_one_rank_contributed_quarantines_that_rank_not_those_the_sketch_n
 ):
     """nan_inf names rank 3 in its local gradient; the sketch, after the reduction, names every
     rank (each received the NaN). Recovery took every alert's suspects: it quarantined nodes
-    0, 1 and 2, and with node 3 left alone ended with "no healthy node left to run on"."""
+    0, 1 and 2, and with node 3 left alone ended with "no healthy node left to run on".
+    And a NaN written into rank 0's weights by step 5's update shows in step 6's gradients,
+    after step 5's checkpoint was written with it: recovery restored that checkpoint, every
+    rank alarmed again, and every node was quarantined. It now restores the one before."""
     out = tmp_path / "run"
+    nans = ("{site:grad,model:value,value:nan,ranks:[3],steps:[6]}",
+            "{site:weight,model:value,value:nan,ranks:[0],steps:[5]}")  # fmt: skip
     run_ok(*[a for a in BASE if not a.startswith("detectors")], *workload, "topology.spares=1",
-           "detectors=[nan_inf,allreduce_sketch]", "campaign=single", "fault=grad_nan",
-           "fault.ranks=[3]", "fault.steps=[6]", f"out={out}", cwd=tmp_path)  # fmt: skip
-    (row,) = rows(out)
-    assert row["first_detector"] == "nan_inf" and row["suspect_ranks"] == "3"
-    assert row["quarantined_nodes"] == "3" and row["recovered"] == "True", row
-    assert row["final_nodes"] == "4" and row["golden_match"] == "True"
+           "detectors=[nan_inf,allreduce_sketch]", f"campaign.scenarios=[{','.join(nans)}]",
+           f"out={out}", cwd=tmp_path)  # fmt: skip
+    gradient, weight = rows(out)
+    assert gradient["first_detector"] == "nan_inf" and gradient["suspect_ranks"] == "3"
+    assert gradient["quarantined_nodes"] == "3" and gradient["restore_step"] == "3"
+    assert weight["first_detector"] == "nan_inf" and weight["detect_step"] == "6"
+    assert weight["suspect_ranks"] == "0" and weight["quarantined_nodes"] == "0"
+    assert weight["restore_step"] == "3", "step 5's checkpoint holds the NaN"
+    for row in (gradient, weight):
+        assert row["recovered"] == "True" and row["recoveries"] == "1", row
+        assert row["final_nodes"] == "4" and row["golden_match"] == "True", row
 
 
 def test_a_corrupted_checkpoint_is_detected_and_an_older_verified_one_is_used(tmp_path):

@@ -235,6 +235,10 @@ class Detector(Plugin):
     recomputes_batches = False
     # Verifies the reduction's sum itself, which only a linear comm hook leaves checkable.
     verifies_reduction = False
+    # Verifies what a step computes against that step's own inputs (its reduction, its products,
+    # a rerun of it): weights or optimizer state an earlier update corrupted are consistent
+    # with them and unseen, so its alarm names its own step (`first_suspect_step`).
+    verifies_own_step = False
     # The `topology.parallel` worlds whose step the check is derived for: replicas only, unless
     # it says what it sees of a sharded step (docs/design.md, section 3).
     parallel: tuple[str, ...] = ("ddp",)
@@ -282,10 +286,15 @@ class Detector(Plugin):
     def first_suspect_step(
         cls, config: CheckConfig, alarm_step: int, checkpointed: Callable[[int], bool]
     ) -> int:
-        """The earliest step a fault it alarms on at `alarm_step` could have entered: a check that
-        looks every step vouches for every earlier one; one that looks every k steps only for
-        those it saw. `checkpointed(s)`: whether a checkpoint followed step s."""
-        return alarm_step
+        """The earliest step a fault it alarms on at `alarm_step` could have entered (the
+        checkpoints from that step's on are suspect). A check of the values a step computes
+        (its loss, its gradients) that looks every step vouches for each earlier step's
+        computation, but not for the update of the step before its alarm: weights or optimizer
+        state that update corrupted show only in the next step's values, after its own step's
+        checkpoint was written. One that `verifies_own_step` sees its step's faults alone; one
+        that looks every k steps vouches only for those it saw. `checkpointed(s)`: whether a
+        checkpoint followed step s."""
+        return alarm_step if cls.verifies_own_step else max(alarm_step - 1, 0)
 
     @classmethod
     def looks_in(
