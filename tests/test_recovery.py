@@ -7,10 +7,12 @@ import json
 import pytest
 import torch
 
-from harness.campaign.recovery import restore_point
-from harness.core.events import CorruptCheckpoint
+from harness.campaign.recovery import restore_point, run_with_recovery
+from harness.config.schema import FaultConfig, TopologyConfig, TrialSpec
+from harness.core.events import Alert, CorruptCheckpoint
+from harness.results.schema import RankResult, TrialResult
 from harness.runtime import checkpoint
-from tests.conftest import events, rows
+from tests.conftest import compose_run, events, rows
 
 # Audits at steps 0, 5, 10; checkpoints (each after a consensus) after steps 1, 3, 5, ...
 BASE = [
@@ -159,6 +161,47 @@ def test_a_nan_one_rank_contributed_quarantines_that_rank_not_those_the_sketch_n
     for row in (gradient, weight):
         assert row["recovered"] == "True" and row["recoveries"] == "1", row
         assert row["final_nodes"] == "4" and row["golden_match"] == "True", row
+
+
+def _stopping(world: int, suspects: list[int], calls: list[TopologyConfig]):
+    """A world (in place of the real one: the loop's decisions are under test) whose every run
+    stops at step 5 on an alert naming `suspects`, recording the topology each run was given."""
+
+    def execute(run, spec) -> TrialResult:
+        calls.append(run.topology)
+        check = next(iter(run.detectors))
+        alert = Alert(rank=0, node=0, time=1.0, step=5, detector=check, phase="pre_allreduce",
+                      suspect_ranks=suspects, suspect_nodes=suspects, evidence={})  # fmt: skip
+        return TrialResult([RankResult(spec.trial_id, r, [alert] if r == 0 else [],
+                                       stopped_step=5) for r in range(world)])  # fmt: skip
+
+    return execute
+
+
+@pytest.mark.parametrize(
+    ("overrides", "suspects", "runs", "verdict"),
+    [
+        # FSDP keeps its mesh: one spare for the one recovery allowed, two nodes suspected. The
+        # world shrank to 3 nodes and hung in its first collective (a crash after the timeout).
+        (("topology.parallel=fsdp", "topology.spares=1", "recovery.max_recoveries=1"), [1, 2],
+         1, "no spare left for node 2: a sharded world keeps its size"),
+        # Replay needs 3 nodes: the second recovery left 2, where its alerts named suspects
+        # on grounds it does not have, and the loop went on to quarantine them.
+        (("detectors=[replay]", "recovery.max_recoveries=3"), [1], 2,
+         "2 node(s) left, too few for replay: replay needs at least 3 nodes"),
+    ],
+    ids=["fsdp-without-a-spare", "ddp-below-replay"],
+)  # fmt: skip
+def test_recovery_ends_with_a_verdict_where_the_world_left_cannot_run_the_trial(
+    tmp_path, overrides, suspects, runs, verdict
+):
+    run = compose_run("recovery.enabled=true", "campaign=single", "detectors=[nan_inf]",
+                      "checkpoint.interval=2", *overrides)  # fmt: skip
+    calls: list[TopologyConfig] = []
+    spec = TrialSpec("t", 0, FaultConfig())
+    outcome = run_with_recovery(run, spec, _stopping(4, suspects, calls), tmp_path)
+    assert len(calls) == runs and all(t.nodes >= 3 for t in calls), calls
+    assert outcome.recovery.verdict.startswith(verdict), outcome.recovery.verdict
 
 
 def test_a_corrupted_checkpoint_is_detected_and_an_older_verified_one_is_used(tmp_path):

@@ -21,8 +21,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import detectors
-from harness.config.schema import RunConfig, Segment, TrialSpec
+from harness.config.schema import RunConfig, Segment, TopologyConfig, TrialSpec
 from harness.core.events import CorruptCheckpoint, Event, Locate, Retry, TrialAlert
+from harness.errors import ConfigError
 from harness.results.folder import RunFolder
 from harness.results.judgement import merge_alerts
 from harness.results.schema import RecoveryRecord, TrialResult
@@ -143,12 +144,20 @@ def run_with_recovery(
             else stop
         )
         restore, path = restore_point(store, first, extra_events)
+        sharded = run.topology.parallel != "ddp"
         for node in suspects:
             if len(machines.nodes) == 1:
                 record.verdict = "no healthy node left to run on"
                 break
+            if sharded and not machines.spares:
+                # Its shards' mesh is the world's: it cannot shrink (validation asks a spare
+                # per recovery, and a recovery may suspect several nodes).
+                record.verdict = f"no spare left for node {node}: a sharded world keeps its size"
+                break
             machines.quarantine(node)
             shutil.rmtree(folder.node(node), ignore_errors=True)
+        topology = replace(run.topology, nodes=len(machines.nodes))
+        record.verdict = record.verdict or _too_small(run, spec, topology)
         if record.verdict:
             break
         record.restores.append(restore)
@@ -158,7 +167,6 @@ def run_with_recovery(
         record.recoveries.append(
             f"rollback+quarantine {back} (node {nodes})" if suspects else f"rollback {back}"
         )
-        topology = replace(run.topology, nodes=len(machines.nodes))
         segment_run = replace(run, topology=topology)
         resume = Segment(restore + 1, path, machines.hardware(), tuple(machines.data))
         segment_spec = replace(spec, segment=resume)
@@ -172,6 +180,18 @@ def run_with_recovery(
     record.final_nodes = len(machines.nodes)
     outcome.recovery = record
     return outcome
+
+
+def _too_small(run: RunConfig, spec: TrialSpec, topology: TopologyConfig) -> str | None:
+    """Why the world left after a quarantine cannot run the trial's checks (replay's three
+    nodes, a majority's three replicas), or None: their alerts there would name suspects on
+    grounds the check does not have."""
+    for name, config in run.checks(spec).items():
+        try:
+            detectors.detector_class(name).check_topology(config, topology)
+        except ConfigError as error:
+            return f"{topology.nodes} node(s) left, too few for {name}: {error.message}"
+    return None
 
 
 def _retried(outcome: TrialResult, stop: int | None) -> list[int]:
