@@ -483,6 +483,18 @@ CASES = [
         "fault.value",
         "3.4e+38 is stored as inf in bfloat16, the dtype of the product 1 of 'fc1'",
     ),  # fmt: skip
+    # A schedule's strikes write the same value in what they name (its check was left to the
+    # workload's dtype, which says nothing of a module's products).
+    (
+        [
+            "fault.site=matmul",
+            "fault.model=value",
+            "fault.value=1e39",
+            "fault.schedule=[{step:1,rank:1,tensor:fc1,index:0}]",
+        ],
+        "fault.value",
+        "1e+39 is stored as inf in float32, the dtype of the product 1 of 'fc1'",
+    ),  # fmt: skip
     # Values a fault would ignore, and yet be recorded with: a permanent fault's later steps,
     # a persistence or a bit beside a schedule that names its steps and whose model reads no
     # bit, an entry listed twice (the bit flipped back), data to follow without recovery, a

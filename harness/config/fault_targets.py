@@ -65,6 +65,7 @@ def check_target(
                 if entry.get("bit") is not None:
                     _bit_in_struck_dtype(f"{at}.bit", entry["bit"], fault, [entry["tensor"]],
                                          forward)  # fmt: skip
+            _written_in_struck_dtypes(key, fault, sorted(set(named)), forward)
         if shard_group is not None and fault.site in sites.SHARD_HELD:
             for i, entry in enumerate(fault.schedule):
                 _in_shard(f"{key}.schedule[{i}]", fault, model, entry, shard_group)
@@ -86,12 +87,7 @@ def check_target(
             _elements_in_module(key, fault, targets, forward)
         if isinstance(fault.bit, int):
             _bit_in_struck_dtype(f"{key}.bit", fault.bit, fault, targets, forward)
-        if fault.nbits > 1:
-            _bits_in_struck_dtype(key, fault, targets, forward)
-        if fault.factor is not None and "scale" in (fault.model, fault.burst_model):
-            _scale_in_struck_dtype(key, fault, targets, forward)
-        if "value" in (fault.model, fault.burst_model):
-            _value_in_struck_dtype(key, fault, targets, forward)
+        _written_in_struck_dtypes(key, fault, targets, forward)
     if shard_group is not None and fault.site in sites.SHARD_HELD and fault.tensor != sites.RIDERS:
         sizes = _held(key, fault, model, [name for name, _ in matched], shard_group)
     else:
@@ -283,6 +279,20 @@ def _bit_in_struck_dtype(
             )  # fmt: skip
 
 
+def _written_in_struck_dtypes(
+    key: str, fault: FaultConfig, targets: list[str], forward: ForwardModules
+) -> None:
+    """What a module fault writes (its flipped bits, a scale, a value) held by every dtype it
+    may strike in `targets`, for a fault with a schedule as for one that draws (the workload's
+    dtype says nothing of a module's outputs and products: harness/config/faults.py)."""
+    if fault.nbits > 1:
+        _bits_in_struck_dtype(key, fault, targets, forward)
+    if fault.factor is not None and "scale" in (fault.model, fault.burst_model):
+        _scale_in_struck_dtype(key, fault, targets, forward)
+    if "value" in (fault.model, fault.burst_model):
+        _value_in_struck_dtype(key, fault, targets, forward)
+
+
 def _bits_in_struck_dtype(
     key: str, fault: FaultConfig, targets: list[str], forward: ForwardModules
 ) -> None:
@@ -300,7 +310,7 @@ def _value_in_struck_dtype(
     key: str, fault: FaultConfig, targets: list[str], forward: ForwardModules
 ) -> None:
     """A finite value that every dtype the fault may strike stores as itself, not as an
-    infinity or zero (the workload's dtype is checked in harness/config/faults.py)."""
+    infinity or zero."""
     for name, what, dtype in _struck_dtypes(fault, targets, forward):
         lost = unstored(fault.value, dtype)
         if lost is not None:
@@ -314,18 +324,19 @@ def _value_in_struck_dtype(
 def _scale_in_struck_dtype(
     key: str, fault: FaultConfig, targets: list[str], forward: ForwardModules
 ) -> None:
-    """A scale factor that changes an element of the widest dtype the fault may strike: the
-    workload's (checked in harness/config/faults.py) may be float32 where every target's
-    output or products are bfloat16 (autocast), which round away a factor float32 keeps."""
+    """A scale factor that changes an element of the widest dtype the fault may strike: a
+    module's output or products may be bfloat16 (autocast) where the workload's dtype is
+    float32, and round away a factor float32 keeps."""
     dtypes = {dtype for _, _, dtype in _struck_dtypes(fault, targets, forward)}
     if not dtypes:
         return
     widest = max(dtypes, key=lambda dtype: FLOAT_FORMATS[dtype][1])
     least = unchanging_scale(widest)
+    named = "the schedule" if fault.schedule else f"'{fault.tensor}'"
     if 0 < abs(fault.factor - 1) < least:
         raise ConfigError(
             f"{key}.factor", f"{fault.factor:g} rounds back to every element in {widest}, the "
-            f"widest dtype of what '{fault.tensor}' names at site {fault.site}: the fault "
+            f"widest dtype of what {named} names at site {fault.site}: the fault "
             f"could never strike; allowed: |factor - 1| >= {least:g}"
         )  # fmt: skip
 
