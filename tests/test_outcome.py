@@ -10,7 +10,7 @@ import pytest
 from harness.analysis.tables import bit_class, load_trials, wilson
 from harness.config.schema import FaultConfig, TrialSpec
 from harness.core.events import Alert, Checkpoint, ElementInject
-from harness.results.judgement import noise_band, trial_row
+from harness.results.judgement import merge_alerts, noise_band, trial_row
 from harness.results.schema import Golden, RankResult
 from harness.results.trial_row import write_trials
 from tests.conftest import compose_run
@@ -109,6 +109,8 @@ def test_alerts_of_recoverys_earlier_segments_stay_apart_and_come_first():
     parts = [_part(0, [second]), _part(1, [_inject(1, 5), first], digest="x"), _part(2, [final])]
     row = _row(GRAD_NAN, [*parts, _part(3)])
     assert row.alerts == 3 and row.detect_step == 6 and row.suspect_ranks == (1,)
+    merged = merge_alerts([e for p in parts for e in p.events])
+    assert [(a.segment, a.suspect_ranks) for a in merged] == [(0, [1]), (1, [0]), (None, [2])]
 
 
 def test_effects():

@@ -240,8 +240,9 @@ class Crash(Event):
 
 @dataclass(frozen=True, kw_only=True)
 class TrialAlert(Event):
-    """One alert per (step, detector, phase) of a trial, merged over the ranks that raised it:
-    the earliest time, the first rank's evidence, the union of the suspects."""
+    """One alert per (step, detector, phase) of a trial, and of its recovery segment (`segment`
+    as its alerts', None for the last), merged over the ranks that raised it: the earliest
+    time, the first rank's evidence, the union of the suspects."""
 
     kind = "trial_alert"
     step: int

@@ -70,6 +70,7 @@ def merge_alerts(events: list[Event]) -> list[TrialAlert]:
             suspect_ranks=sorted({r for a in alerts for r in a.suspect_ranks}),
             suspect_nodes=sorted({n for a in alerts for n in a.suspect_nodes}),
             raised_by=sorted({a.rank for a in alerts}),
+            segment=alerts[0].segment,
         ))
         for (order, step, detector, phase), alerts in groups.items()
     ]  # fmt: skip
