@@ -152,6 +152,14 @@ def test_the_code_version_follows_every_source_file_of_a_local_package(tmp_path,
     (package / "deep" / "blocks.py").write_text("WIDTH = 5\n")
     package_version.cache_clear()
     assert package_version("mymodels") != before
+    # A C kernel computes verdicts as its Python does (detectors/checksum.c): the same key, a
+    # change to it passed for the same code.
+    (package / "kernel.c").write_text("int width(void) { return 4; }\n")
+    package_version.cache_clear()
+    with_kernel = package_version("mymodels")
+    (package / "kernel.c").write_text("int width(void) { return 5; }\n")
+    package_version.cache_clear()
+    assert package_version("mymodels") != with_kernel
     assert package_version("torch").startswith("torch==")
     # A workload's own packages are in its goldens' key by their installed versions.
     llama = code_version(compose_run("workload=llama").workload)

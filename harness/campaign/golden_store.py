@@ -73,16 +73,16 @@ def _sources_digest(paths: list[Path], root: Path) -> str:
 
 @functools.cache
 def package_version(name: str) -> str:
-    """What identifies a top-level package's code: the digest of its Python sources where they
-    lie in a folder of their own (the project's packages, a user's local ones), else the
-    installed distribution's name and version."""
+    """What identifies a top-level package's code: the digest of its Python and C sources (the
+    checks' kernels) where they lie in a folder of their own (the project's packages, a user's
+    local ones), else the installed distribution's name and version."""
     spec = importlib.util.find_spec(name)
     if spec is None:
         return "missing"
     if spec.submodule_search_locations:
         root = Path(next(iter(spec.submodule_search_locations)))
         if "site-packages" not in root.parts and "dist-packages" not in root.parts:
-            return _sources_digest(list(root.rglob("*.py")), root.parent)
+            return _sources_digest([*root.rglob("*.py"), *root.rglob("*.c")], root.parent)
     elif spec.origin and "site-packages" not in Path(spec.origin).parts:
         return _sources_digest([Path(spec.origin)], Path(spec.origin).parent)
     dists = importlib.metadata.packages_distributions().get(name, [])
