@@ -242,7 +242,6 @@ def tolerance(
 class AllreduceSketch(Detector):
     name = "allreduce_sketch"
     verifies_reduction = True
-    verifies_own_step = True
     # Per receiver: a reduce-scattered shard is the sum of the senders' rows for it.
     parallel = ("ddp", "fsdp", "hsdp")
 

@@ -62,10 +62,11 @@ class GatherConsensus(Detector):
     def first_suspect_step(
         cls, config: Config, alarm_step: int, checkpointed: Callable[[int], bool]
     ) -> int:
-        """The last checked step before the alarm: its forward's weights agreed, so the update
-        of that step is the earliest that could have put a wrong shard in place."""
+        """The step before the last checked one before the alarm: its forward's weights agreed,
+        so the update of that step is the earliest that could have put a wrong shard in place,
+        from optimizer state (Adam's moments) the step before may have left wrong."""
         checked = [s for s in range(alarm_step) if s % config.interval == 0]
-        return max(checked) if checked else 0
+        return max(max(checked) - 1, 0) if checked else 0
 
     def on_gathered(self, step: int, bucket: Bucket) -> None:
         if step % self.config.interval:

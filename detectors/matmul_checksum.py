@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import math
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -119,7 +120,6 @@ class unwatched:
 class MatmulChecksum(Detector):
     name = "matmul_checksum"
     parallel = ("ddp", "fsdp", "hsdp")
-    verifies_own_step = True
 
     @dataclass(frozen=True)
     class Config(CheckConfig):
@@ -143,6 +143,20 @@ class MatmulChecksum(Detector):
         @property
         def every(self) -> int | None:
             return self.interval if self.interval > 1 else None
+
+    @classmethod
+    def first_suspect_step(
+        cls, config: Config, alarm_step: int, checkpointed: Callable[[int], bool]
+    ) -> int:
+        """The step after the last one it checked before the alarm: it verifies each checked
+        step's own products (a product of already corrupted operands counts as correct), so it
+        vouches for the steps it checked, every product of them. A fault that persists (a
+        defective unit) may have struck since, on steps it did not check. With `fraction` < 1
+        a product it did not draw may have been wrong since the start: it vouches for none."""
+        if config.fraction < 1:
+            return 0
+        checked = [s for s in range(alarm_step) if s % config.interval == 0]
+        return max(checked) + 1 if checked else 0
 
     def __init__(self, config: Config, ctx: DetectorContext, log: EventLog):
         super().__init__(config, ctx, log)

@@ -65,10 +65,11 @@ class MegatronHash(Detector):
     def first_suspect_step(
         cls, config: Config, alarm_step: int, checkpointed: Callable[[int], bool]
     ) -> int:
-        """The step after its last comparison before the alarm: the replicas were seen to agree
-        after that step's update, and not since."""
+        """Its last comparison's step before the alarm: the replicas' weights were seen to agree
+        after that step's update, not its optimizer state, which a fault may have struck then
+        (Adam's moments reach the weights at the next update)."""
         looked = [s for s in range(alarm_step) if (s + 1) % config.interval == 0]
-        return max(looked) + 1 if looked else 0
+        return max(looked) if looked else 0
 
     @classmethod
     def check_topology(cls, config: Config, topology: Any) -> None:

@@ -162,12 +162,13 @@ class Replay(Detector):
     def first_suspect_step(
         cls, config: Config, alarm_step: int, checkpointed: Callable[[int], bool]
     ) -> int:
-        """The last audit before the alarm: an audit vouches for the weights its step began
-        with and what the step computed from them, not for that step's update, whose
-        corruption shows at the next audit."""
+        """The step before the last audit before the alarm: an audit vouches for the weights its
+        step began with and what the step computed from them, not for that step's update, nor
+        for the optimizer state the step before left (Adam's moments, which reach the weights
+        at the audited step's update): their corruption shows at the next audit."""
         audits = config.steps or range(0, alarm_step, config.interval)
         earlier = [s for s in audits if s < alarm_step]
-        return max(earlier) if earlier else 0
+        return max(max(earlier) - 1, 0) if earlier else 0
 
     def __init__(self, config: Config, ctx: DetectorContext, log: EventLog):
         super().__init__(config, ctx, log)

@@ -49,7 +49,6 @@ def xor_digest(tensor: torch.Tensor) -> int:
 class TitanReplay(Detector):
     name = "titan_replay"
     recomputes_batches = True
-    verifies_own_step = True
     parallel = ("ddp", "fsdp", "hsdp")
 
     @dataclass(frozen=True)

@@ -76,9 +76,13 @@ class WeightConsensus(Detector):
         cls, config: Config, alarm_step: int, checkpointed: Callable[[int], bool]
     ) -> int:
         """The step after the last consensus before the alarm: every `interval` steps and before
-        every checkpoint, the replicas were seen to agree."""
+        every checkpoint, the replicas were seen to agree; without `optimizer_state`, on their
+        weights alone, so that step's own optimizer state (Adam's moments, which reach the
+        weights at the next update) stays suspect: that step itself."""
         checked = cls._looks(config, range(alarm_step), checkpointed)
-        return max(checked) + 1 if checked else 0
+        if not checked:
+            return 0
+        return max(checked) + 1 if config.optimizer_state else max(checked)
 
     @classmethod
     def ran_every(cls, config: Config, steps: range, checkpointed: Callable[[int], bool]) -> int:

@@ -24,6 +24,7 @@ from harness.core import inflight
 from harness.core.events import Alert
 from harness.guard import Guard, SDCAlarm
 from harness.guard.alarm import quarantine
+from harness.guard.guard import first_suspect
 from harness.runtime import checkpoint
 from harness.runtime.replica import unsharded_copy
 from tests.conftest import BIN, forked_ranks
@@ -795,6 +796,22 @@ def _alarm(step: int, first_suspect: int) -> SDCAlarm:
     alert = Alert(step=step, detector="replay", phase="pre_allreduce", suspect_ranks=[1],
                   suspect_nodes=[1], evidence={}, rank=0, node=0)  # fmt: skip
     return SDCAlarm([alert], ["host0", "host1"], first_suspect)
+
+
+def test_the_alarms_suspect_interval_is_the_earliest_any_alert_puts_in_doubt():
+    """A NaN product at step 5: matmul_checksum alarms first (forward), vouching for its
+    earlier steps; nan_inf, in the same step, cannot tell it from weights step 4's update broke
+    or moments step 3's left. The alarm took the first alert's bound (5), leaving the
+    checkpoints of steps 3 and 4 in place; as campaign recovery does, it takes the earliest."""
+    checks = {"matmul_checksum": detectors.detector_class("matmul_checksum").Config(),
+              "nan_inf": detectors.detector_class("nan_inf").Config()}  # fmt: skip
+    alerts = [
+        Alert(step=5, detector=name, phase=phase, suspect_ranks=[1], suspect_nodes=[1],
+              evidence={}, rank=1, node=1)
+        for name, phase in (("matmul_checksum", "forward"), ("nan_inf", "pre_allreduce"))
+    ]  # fmt: skip
+    assert first_suspect(alerts[:1], checks, lambda s: True) == 5
+    assert first_suspect(alerts, checks, lambda s: True) == 3
 
 
 def test_a_second_incident_sets_aside_a_checkpoint_of_the_same_step_beside_the_first(tmp_path):

@@ -158,8 +158,9 @@ def test_replay_stops_a_scaled_gradient_and_quarantines_its_machine(scaled_gradi
     record = json.loads((out / "checkpoints" / "quarantine.json").read_text())
     assert record["suspect_machines"] == ["machine-1"] and record["suspect_ranks"] == [1]
     # Replay audits every step: its audit of step 3 vouched for the weights step 3 began with,
-    # not for step 3's update, which wrote the checkpoint of step 3 (set aside).
-    assert record["step"] == 4 and record["first_suspect_step"] == 3
+    # not for step 3's update, which wrote the checkpoint of step 3 (set aside), nor for the
+    # moments step 2 left.
+    assert record["step"] == 4 and record["first_suspect_step"] == 2
     assert record["detector"] == "replay" and record["evidence"]["verifier"] == 0
     saved = sorted(p.name for p in (out / "checkpoints").glob("step_*.pt"))
     assert saved == ["step_000001.pt"], "nothing saved from step 4 on, and 3's set aside"

@@ -56,9 +56,10 @@ def test_with_a_spare_a_caught_fault_ends_bit_identical_to_the_golden_run(tmp_pa
         assert row["golden_match"] == "True" and row["recovered"] == "True"
         assert row["effect_from"] == "observe twin" and row["effect"] != "masked"
     # Restore points: replay vouched for step 0's weights and computation only (so from the
-    # start); the sketch verifies each step's own reduction (checkpoint after step 5);
-    # consensus last passed after step 3.
-    assert [r["restore_step"] for r in table] == ["-1", "5", "3"]
+    # start); the sketch, alarming at step 6 (on a NaN contribution too), not for the weights
+    # step 5's update left nor the moments step 4's did (checkpoint after step 3); consensus
+    # last saw the weights agree after step 3, not its moments (checkpoint after step 1).
+    assert [r["restore_step"] for r in table] == ["-1", "3", "1"]
     stops = [json.loads(line) for line in (out / "events.jsonl").open()]
     assert {e["step"] for e in stops if e["kind"] == "stop"} == {5, 6}
     # The quarantined node's local scratch was wiped; checkpoints live off the node.
@@ -145,20 +146,25 @@ def test_a_nan_one_rank_contributed_quarantines_that_rank_not_those_the_sketch_n
     0, 1 and 2, and with node 3 left alone ended with "no healthy node left to run on".
     And a NaN written into rank 0's weights by step 5's update shows in step 6's gradients,
     after step 5's checkpoint was written with it: recovery restored that checkpoint, every
-    rank alarmed again, and every node was quarantined. It now restores the one before."""
+    rank alarmed again, and every node was quarantined. It now restores the one before; so
+    for a NaN in rank 0's Adam moments after step 5, which shows at step 7."""
     out = tmp_path / "run"
     nans = ("{site:grad,model:value,value:nan,ranks:[3],steps:[6]}",
-            "{site:weight,model:value,value:nan,ranks:[0],steps:[5]}")  # fmt: skip
+            "{site:weight,model:value,value:nan,ranks:[0],steps:[5]}",
+            "{site:optimizer,model:value,value:nan,ranks:[0],steps:[5]}")  # fmt: skip
     run_ok(*[a for a in BASE if not a.startswith("detectors")], *workload, "topology.spares=1",
            "detectors=[nan_inf,allreduce_sketch]", f"campaign.scenarios=[{','.join(nans)}]",
            f"out={out}", cwd=tmp_path)  # fmt: skip
-    gradient, weight = rows(out)
+    gradient, weight, moment = rows(out)
     assert gradient["first_detector"] == "nan_inf" and gradient["suspect_ranks"] == "3"
     assert gradient["quarantined_nodes"] == "3" and gradient["restore_step"] == "3"
     assert weight["first_detector"] == "nan_inf" and weight["detect_step"] == "6"
     assert weight["suspect_ranks"] == "0" and weight["quarantined_nodes"] == "0"
     assert weight["restore_step"] == "3", "step 5's checkpoint holds the NaN"
-    for row in (gradient, weight):
+    # A NaN moment left by step 5 reaches the weights at step 6's update, the gradients at 7.
+    assert moment["first_detector"] == "nan_inf" and moment["detect_step"] == "7"
+    assert moment["quarantined_nodes"] == "0" and moment["restore_step"] == "3"
+    for row in (gradient, weight, moment):
         assert row["recovered"] == "True" and row["recoveries"] == "1", row
         assert row["final_nodes"] == "4" and row["golden_match"] == "True", row
 
@@ -184,13 +190,15 @@ def _stopping(world: int, suspects: list[int], calls: list[TopologyConfig]):
         # FSDP keeps its mesh: one spare for the one recovery allowed, two nodes suspected. The
         # world shrank to 3 nodes and hung in its first collective (a crash after the timeout).
         (("topology.parallel=fsdp", "topology.spares=1", "recovery.max_recoveries=1"), [1, 2],
-         1, "no spare left for node 2: a sharded world keeps its size"),
+         1, "2 suspect nodes and 1 spare(s) left: a sharded world keeps its size"),
         # Replay needs 3 nodes: the second recovery left 2, where its alerts named suspects
         # on grounds it does not have, and the loop went on to quarantine them.
         (("detectors=[replay]", "recovery.max_recoveries=3"), [1], 2,
          "2 node(s) left, too few for replay: replay needs at least 3 nodes"),
+        # Every node suspected, no spare.
+        (("recovery.max_recoveries=3",), [0, 1, 2, 3], 1, "no healthy node left to run on"),
     ],
-    ids=["fsdp-without-a-spare", "ddp-below-replay"],
+    ids=["fsdp-without-a-spare", "ddp-below-replay", "every-node"],
 )  # fmt: skip
 def test_recovery_ends_with_a_verdict_where_the_world_left_cannot_run_the_trial(
     tmp_path, overrides, suspects, runs, verdict
@@ -202,6 +210,10 @@ def test_recovery_ends_with_a_verdict_where_the_world_left_cannot_run_the_trial(
     outcome = run_with_recovery(run, spec, _stopping(4, suspects, calls), tmp_path)
     assert len(calls) == runs and all(t.nodes >= 3 for t in calls), calls
     assert outcome.recovery.verdict.startswith(verdict), outcome.recovery.verdict
+    # Decided before that recovery quarantines any node: only the earlier recoveries' are
+    # (before, the sharded world lost one suspect before the verdict, and the world of four
+    # suspects three).
+    assert len(outcome.recovery.quarantined) == runs - 1, outcome.recovery.quarantined
 
 
 def test_a_corrupted_checkpoint_is_detected_and_an_older_verified_one_is_used(tmp_path):
@@ -244,14 +256,16 @@ def test_a_wrong_reduction_is_re_run_and_a_repeating_one_quarantines_only_its_no
         assert row["detected_by"] == "allreduce_sketch" and row["detect_step"] == "5"
         assert row["final_nodes"] == "4" and row["golden_match"] == "True"
     # Every way back is a recovery: the transient faults' retries, the permanent ones' rollback
-    # with quarantine (their retry, wrong again, did not get the run back).
+    # with quarantine (their retry, wrong again, did not get the run back), to before the
+    # updates the sketch does not vouch for (it alarms on a NaN contribution too, which a
+    # weight step 4's update broke, or a moment step 3's left, would send).
     assert [(r["quarantined_nodes"], r["recoveries"], r["recovered"]) for r in table] == [
         ("", "1", "True"), ("", "1", "True"), ("1", "1", "True"), ("2", "1", "True")
     ]  # fmt: skip
     assert [r["recovery_verdict"] for r in table] == [
         "retry at step 5", "retry at step 5",
-        "rollback+quarantine at step 5 to step 3 (node 1)",
-        "rollback+quarantine at step 5 to step 3 (node 2)",
+        "rollback+quarantine at step 5 to step 1 (node 1)",
+        "rollback+quarantine at step 5 to step 1 (node 2)",
     ]  # fmt: skip
     logged = events(out)
     retries = [e for e in logged if e["kind"] == "retry"]

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import detectors
-from harness.config.schema import RunConfig, Segment, TopologyConfig, TrialSpec
+from harness.config.schema import RunConfig, Segment, TrialSpec
 from harness.core.events import CorruptCheckpoint, Event, Locate, Retry, TrialAlert
 from harness.errors import ConfigError
 from harness.results.folder import RunFolder
@@ -144,22 +144,13 @@ def run_with_recovery(
             else stop
         )
         restore, path = restore_point(store, first, extra_events)
-        sharded = run.topology.parallel != "ddp"
+        record.verdict = _cannot_go_on(run, spec, machines, suspects)
+        if record.verdict:  # decided before any node is quarantined: none is
+            break
         for node in suspects:
-            if len(machines.nodes) == 1:
-                record.verdict = "no healthy node left to run on"
-                break
-            if sharded and not machines.spares:
-                # Its shards' mesh is the world's: it cannot shrink (validation asks a spare
-                # per recovery, and a recovery may suspect several nodes).
-                record.verdict = f"no spare left for node {node}: a sharded world keeps its size"
-                break
             machines.quarantine(node)
             shutil.rmtree(folder.node(node), ignore_errors=True)
         topology = replace(run.topology, nodes=len(machines.nodes))
-        record.verdict = record.verdict or _too_small(run, spec, topology)
-        if record.verdict:
-            break
         record.restores.append(restore)
         record.steps_lost += stop - restore
         back = f"at step {stop} to step {restore}"
@@ -182,10 +173,23 @@ def run_with_recovery(
     return outcome
 
 
-def _too_small(run: RunConfig, spec: TrialSpec, topology: TopologyConfig) -> str | None:
-    """Why the world left after a quarantine cannot run the trial's checks (replay's three
-    nodes, a majority's three replicas), or None: their alerts there would name suspects on
-    grounds the check does not have."""
+def _cannot_go_on(
+    run: RunConfig, spec: TrialSpec, machines: Machines, suspects: list[int]
+) -> str | None:
+    """Why the world left once `suspects` are quarantined cannot run the trial, or None: no node
+    left; a sharded world short of spares (its mesh keeps its size: validation asks a spare
+    per recovery, and a recovery may suspect several nodes); or too few nodes for the trial's
+    checks (replay's three, a majority's three replicas), whose alerts there would name
+    suspects on grounds the check does not have."""
+    lost = max(0, len(suspects) - len(machines.spares))
+    if lost == len(machines.nodes):
+        return "no healthy node left to run on"
+    if lost and run.topology.parallel != "ddp":
+        return (
+            f"{len(suspects)} suspect nodes and {len(machines.spares)} spare(s) left: a sharded "
+            "world keeps its size"
+        )
+    topology = replace(run.topology, nodes=len(machines.nodes) - lost)
     for name, config in run.checks(spec).items():
         try:
             detectors.detector_class(name).check_topology(config, topology)

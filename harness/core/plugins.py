@@ -235,10 +235,6 @@ class Detector(Plugin):
     recomputes_batches = False
     # Verifies the reduction's sum itself, which only a linear comm hook leaves checkable.
     verifies_reduction = False
-    # Verifies what a step computes against that step's own inputs (its reduction, its products,
-    # a rerun of it): weights or optimizer state an earlier update corrupted are consistent
-    # with them and unseen, so its alarm names its own step (`first_suspect_step`).
-    verifies_own_step = False
     # The `topology.parallel` worlds whose step the check is derived for: replicas only, unless
     # it says what it sees of a sharded step (docs/design.md, section 3).
     parallel: tuple[str, ...] = ("ddp",)
@@ -289,12 +285,14 @@ class Detector(Plugin):
         """The earliest step a fault it alarms on at `alarm_step` could have entered (the
         checkpoints from that step's on are suspect). A check of the values a step computes
         (its loss, its gradients) that looks every step vouches for each earlier step's
-        computation, but not for the update of the step before its alarm: weights or optimizer
-        state that update corrupted show only in the next step's values, after its own step's
-        checkpoint was written. One that `verifies_own_step` sees its step's faults alone; one
-        that looks every k steps vouches only for those it saw. `checkpointed(s)`: whether a
-        checkpoint followed step s."""
-        return alarm_step if cls.verifies_own_step else max(alarm_step - 1, 0)
+        computation, not for the state the steps before left: weights the update of step t-1
+        corrupted show in step t's values, and optimizer state (Adam's moments) corrupted
+        after step t-2's update reaches the weights at t-1's and the values only at t, each
+        after its own step's checkpoint was written. A check that alarms on a threshold (a
+        spread, a spike) may see a slowly growing corruption later still: this bounds what a
+        NaN or a jump shows. One that verifies only its own step's computation, or looks every
+        k steps, says otherwise. `checkpointed(s)`: whether a checkpoint followed step s."""
+        return max(alarm_step - 2, 0)
 
     @classmethod
     def looks_in(
