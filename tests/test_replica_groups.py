@@ -22,8 +22,9 @@ def test_a_wrong_weight_shard_on_one_hsdp_replica_is_caught_and_recovered_from(
 ):
     """HSDP over 3 nodes of 2 ranks (a shard group per node) and one spare node: rank 2's own
     weight shard x1000 at step 2. weight_consensus compares each shard with the same shard of the
-    other two replica groups and names rank 2 at step 2; the run rolls back to the sharded
-    checkpoint of step 1, the spare takes node 1's place, and the run ends where golden does.
+    other two replica groups, Adam's moments with them, and names rank 2 at step 2; the run
+    rolls back to the sharded checkpoint of step 1 (whose moments consensus saw agree), the
+    spare takes node 1's place, and the run ends where golden does.
     The clean trial raises no alert and checkpoints after every approved step."""
     weight = "{site:weight,model:scale,factor:1000.0,ranks:[2],steps:[2]}"
     out = campaign(
@@ -31,6 +32,7 @@ def test_a_wrong_weight_shard_on_one_hsdp_replica_is_caught_and_recovered_from(
         "topology.nodes=3", "topology.ranks_per_node=2", "topology.spares=1",
         "recovery.enabled=true", "recovery.max_recoveries=1",
         "detectors=[nan_inf,weight_consensus]", "detectors.weight_consensus.interval=1",
+        "detectors.weight_consensus.optimizer_state=true",
         "checkpoint.interval=2", "checkpoint.keep=true", f"workload.dtype={dtype}",
         f"campaign.scenarios=[{{site:none}},{weight}]",
     )  # fmt: skip
