@@ -148,15 +148,14 @@ class MatmulChecksum(Detector):
     def first_suspect_step(
         cls, config: Config, alarm_step: int, checkpointed: Callable[[int], bool]
     ) -> int:
-        """The step after the last one it checked before the alarm: it verifies each checked
-        step's own products (a product of already corrupted operands counts as correct), so it
-        vouches for the steps it checked, every product of them. A fault that persists (a
-        defective unit) may have struck since, on steps it did not check. With `fraction` < 1
-        a product it did not draw may have been wrong since the start: it vouches for none."""
-        if config.fraction < 1:
+        """Its own step where it checks every product of every step: it verifies each step's own
+        products (a product of already corrupted operands counts as correct), so it vouches
+        for every earlier step. Checking every k-th step, or a drawn share of the products, it
+        vouches for none: an intermittent fault (a defective unit strikes at a rate) may have
+        struck a step or a product it skipped, before any it saw clean."""
+        if config.fraction < 1 or config.interval > 1:
             return 0
-        checked = [s for s in range(alarm_step) if s % config.interval == 0]
-        return max(checked) + 1 if checked else 0
+        return alarm_step
 
     def __init__(self, config: Config, ctx: DetectorContext, log: EventLog):
         super().__init__(config, ctx, log)

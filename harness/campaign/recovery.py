@@ -143,10 +143,10 @@ def run_with_recovery(
             if alerts
             else stop
         )
-        restore, path = restore_point(store, first, extra_events)
         record.verdict = _cannot_go_on(run, spec, machines, suspects)
-        if record.verdict:  # decided before any node is quarantined: none is
+        if record.verdict:  # decided before any node is quarantined or checkpoint read
             break
+        restore, path = restore_point(store, first, extra_events)
         for node in suspects:
             machines.quarantine(node)
             shutil.rmtree(folder.node(node), ignore_errors=True)

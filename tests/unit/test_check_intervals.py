@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+import detectors
 from detectors.weight_consensus import WeightConsensus
 from harness.errors import ConfigError
 from tests.conftest import compose_run
@@ -108,3 +109,35 @@ def test_a_scenario_that_compares_exactly_leaves_the_runs_tolerance_behind():
     )
     settings = {(t.checks["replay"].compare, t.checks["replay"].rtol) for t in run.trials}
     assert settings == {("exact", None), ("tolerant", 0.01)}
+
+
+# What each check vouches for when it alarms at step 10 (docs/guard.md, recovery): a checkpoint
+# at step s holds the weights of step s's update and the optimizer moments after it, and every
+# checkpoint from the bound on is suspect. A NaN in rank 0's weights from step 9's update shows
+# in step 10's gradients, in its moments after step 8 at step 10 too: a value check must not
+# vouch for step 8's checkpoint.
+BOUNDS = [
+    ("nan_inf", {}, 8),  # the weights 9's update left, the moments 8's did
+    ("grad_stats", {}, 8),
+    ("spiky_loss", {}, 8),
+    ("allreduce_sketch", {}, 8),  # a NaN contribution alarms it too
+    ("titan_replay", {"num_steps": -1}, 8),  # a NaN loss mismatches itself
+    ("matmul_checksum", {}, 10),  # its own step's products; earlier operands count as right
+    ("matmul_checksum", {"interval": 2}, 0),  # a unit striking at a rate may have hit a skip
+    ("matmul_checksum", {"fraction": 0.5}, 0),
+    ("replay", {"interval": 5}, 4),  # its audit of 5 saw the weights 5 began with, not 4's moments
+    # Looks after steps 4 and 9: the weights after 9's update agreed, not 9's moments.
+    ("weight_consensus", {"interval": 5}, 9),
+    ("weight_consensus", {"interval": 5, "optimizer_state": True}, 10),
+    ("megatron_hash", {"interval": 5}, 9),
+    ("gather_consensus", {"interval": 5}, 4),  # the forward of 5 saw 4's update, not 4's moments
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "settings", "bound"), BOUNDS, ids=[f"{b[0]}{b[1]}" for b in BOUNDS]
+)
+def test_each_check_vouches_only_for_the_state_it_saw(name, settings, bound):
+    check = detectors.detector_class(name)
+    config = check.Config.parse(f"detectors.{name}", settings)
+    assert check.first_suspect_step(config, 10, lambda step: False) == bound
