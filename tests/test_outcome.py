@@ -80,6 +80,17 @@ def test_a_gradient_fault_caught_a_step_late_is_not_contained():
     assert row.ttd_steps == 1
 
 
+def test_a_gather_fault_caught_a_step_late_is_not_contained():
+    """A wrong gathered copy is the rank's forward weights: its step's gradient, and the update
+    after it, carry the fault, as an activation's does. Caught a step later, it read contained
+    wherever no checkpoint came between."""
+    gather = FaultConfig(site="gather", model="scale", factor=1000.0, ranks=(1,), steps=(3,))
+    late = [_part(0, [_alert(0, 4, "forward", [1])]), _part(1, [_inject(1, 3)], digest="x")]
+    assert _row(gather, late + [_part(2), _part(3)]).contained is False
+    caught = [_part(0, [_alert(0, 3, "forward", [1])]), _part(1, [_inject(1, 3)], digest="x")]
+    assert _row(gather, caught + [_part(2), _part(3)]).contained is True
+
+
 def test_a_checkpoint_between_injection_and_alert_breaks_containment():
     checkpoint = Checkpoint(rank=0, node=0, step=4, time=12.0, path="step_000004.pt")
     late = [

@@ -39,7 +39,9 @@ STEP_SITES = (
 )
 # Faults that enter the gradient of their own step: containing one means alerting before that
 # step's optimizer update.
-GRADIENT_SITES = frozenset({Site.GRAD, Site.ALLREDUCE, Site.ACTIVATION, Site.LOSS, Site.MATMUL})
+GRADIENT_SITES = frozenset(
+    {Site.GRAD, Site.ALLREDUCE, Site.ACTIVATION, Site.LOSS, Site.MATMUL, Site.GATHER}
+)
 # The sites whose targets are modules: what a forward runs decides what they can strike.
 MODULE_SITES = (Site.ACTIVATION, Site.MATMUL)
 
