@@ -109,6 +109,8 @@ class FaultInjector(Plugin):
         self.first_draws: dict[Unit, tuple] = {}
         # The bits a persisting fault's first strike left in carried-over state (`_hold`).
         self.holds: dict[Unit, list[list[tuple[int, int]]]] = {}
+        # A persisting `largest` fault's elements, by the tensors at hand when it first struck.
+        self.largest: dict[tuple[str, ...], list[tuple[str, int]]] = {}
 
     def initial_positions(self, matched: list[tuple[str, int | None]]) -> dict[str, list[int]]:
         """Seeded positions over the matched tensors, concatenated in model order. A module's
@@ -191,6 +193,12 @@ class FaultInjector(Plugin):
         flats = [(name, tensor.view(-1)) for name, tensor in named]
         if self.fault.select != "largest" or self.fault.schedule:
             return [(n, f, i, b) for n, f in flats for i, b in self._elements(step, n, f)]
+        # A fault that persists is one broken unit: the elements its first strike took among
+        # these tensors, not the largest of the moment (a new cell broken at every strike).
+        at_hand = dict(flats)
+        kept = self.largest.get(tuple(at_hand))
+        if kept is not None and all(i < at_hand[name].numel() for name, i in kept):
+            return [(name, at_hand[name], i, None) for name, i in kept]
         candidates = []
         for name, flat in flats:
             if name in self.positions:
@@ -199,7 +207,10 @@ class FaultInjector(Plugin):
                 )
                 candidates += [(float(v), name, flat, int(i)) for v, i in zip(*top, strict=True)]
         candidates.sort(key=lambda c: -c[0])
-        return [(name, flat, i, None) for _, name, flat, i in candidates[: self.fault.elements]]
+        chosen = [(name, flat, i, None) for _, name, flat, i in candidates[: self.fault.elements]]
+        if self.fault.persistence != "transient":
+            self.largest[tuple(at_hand)] = [(name, i) for name, _, i, _ in chosen]
+        return chosen
 
     def inject(self, step: int, named: list[tuple[str, torch.Tensor]]) -> None:
         """Corrupt the tensors at hand in place, when the fault is due at this step."""

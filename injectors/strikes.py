@@ -270,10 +270,16 @@ class Reduced(Buckets):
 
 class Gathered(Buckets):
     """gather: one FSDP group's parameters as all-gathered into this rank's forward weights;
-    the shards they were gathered from, and every other rank's copy, stay intact."""
+    the shards they were gathered from, and every other rank's copy, stay intact. Each
+    micro-batch's forward gathers them again: a transient fault strikes the first."""
+
+    def __init__(self, injector: FaultInjector, model: nn.Module):
+        super().__init__(injector, model)
+        self.first = FirstStrike(self.fault.persistence)
 
     def on_gathered(self, step: int, bucket: Bucket) -> None:
-        self.inject_bucket(step, bucket)
+        if self.first(step, bucket.index):
+            self.inject_bucket(step, bucket)
 
 
 class Contribution(Site):

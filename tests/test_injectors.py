@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from harness.config.schema import FaultConfig
 from harness.core.bus import PluginBus
 from harness.core.events import ElementInject
-from harness.core.plugins import EventLog, RankInfo
+from harness.core.plugins import Bucket, EventLog, RankInfo
 from harness.errors import ConfigError
 from harness.launch.world import shutdown
 from harness.runtime import last_words
@@ -232,6 +232,41 @@ def test_largest_selects_the_largest_magnitudes_across_the_matched_tensors():
     hit = sorted((e.tensor, e.index, e.old) for e in log.events)
     assert hit == [("0.bias", 3, 8.0), ("0.weight", 9, 7.0), ("1.weight", 7, -9.0)]
     assert model[1].weight[1, 3] == 0 and model[0].bias[3] == 0
+
+
+@pytest.mark.parametrize("persistence", ["permanent", "intermittent"])
+def test_a_persisting_largest_fault_keeps_the_elements_of_its_first_strike(persistence):
+    """A broken unit strikes the same elements every time: the largest of the moment, taken
+    anew at each strike, broke a new cell at every step (each zeroed weight left the next
+    largest to the next strike)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    fault = FaultConfig(site="weight", model="value", value="zero", select="largest", elements=2,
+                        persistence=persistence, probability=0.6, ranks=(0,), steps=(0,),
+                        tensor="*")  # fmt: skip
+    log = EventLog(0, 0)
+    injector = FaultInjector(fault, 0, RankInfo(0, 1, 1), log, model)
+    for step in range(8):
+        injector.on_update(step, model)
+    struck = [e for e in log.events if isinstance(e, ElementInject)]
+    assert len({e.step for e in struck}) >= 3
+    assert len({(e.tensor, e.index) for e in struck}) == 2, struck
+
+
+@pytest.mark.parametrize(("persistence", "strikes"), [("transient", 1), ("permanent", 3)])
+def test_a_transient_gather_fault_strikes_the_first_of_a_steps_gathers(persistence, strikes):
+    """Each micro-batch's forward gathers a group's weights again: a transient fault struck
+    every one of them (k strikes recorded for one), a persisting one strikes each."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    fault = FaultConfig(site="gather", model="scale", factor=10.0, persistence=persistence,
+                        ranks=(0,), steps=(1,), tensor="*")  # fmt: skip
+    log = EventLog(0, 0)
+    injector = FaultInjector(fault, 0, RankInfo(0, 1, 1), log, model)
+    for _ in range(3):  # three micro-batches' forwards of step 1
+        gathered = [(n, p.detach().clone()) for n, p in model.named_parameters()]
+        buffer = torch.cat([t.view(-1) for _, t in gathered])
+        injector.on_gathered(1, Bucket(0, buffer, gathered, is_last=True))
+    assert len([e for e in log.events if isinstance(e, ElementInject)]) == strikes
 
 
 def test_largest_at_activation_strikes_its_elements_in_one_module_drawn_from_the_seed():
