@@ -20,11 +20,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import detectors
 from detectors import allreduce_sketch as sketch
+from harness.campaign.recovery import earliest_suspect
 from harness.core import inflight
 from harness.core.events import Alert
 from harness.guard import Guard, SDCAlarm
 from harness.guard.alarm import quarantine
-from harness.guard.guard import first_suspect
 from harness.runtime import checkpoint
 from harness.runtime.replica import unsharded_copy
 from tests.conftest import BIN, forked_ranks
@@ -810,8 +810,8 @@ def test_the_alarms_suspect_interval_is_the_earliest_any_alert_puts_in_doubt():
               evidence={}, rank=1, node=1)
         for name, phase in (("matmul_checksum", "forward"), ("nan_inf", "pre_allreduce"))
     ]  # fmt: skip
-    assert first_suspect(alerts[:1], checks, lambda s: True) == 5
-    assert first_suspect(alerts, checks, lambda s: True) == 3
+    assert earliest_suspect(alerts[:1], checks, lambda s: True) == 5
+    assert earliest_suspect(alerts, checks, lambda s: True) == 3
 
 
 def test_a_second_incident_sets_aside_a_checkpoint_of_the_same_step_beside_the_first(tmp_path):

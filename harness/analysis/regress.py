@@ -329,7 +329,7 @@ def _code_line(base: Run, cur: Run) -> str:
     if base.code is not None and cur.code is not None:
         if base.code == cur.code:
             return "same commit" if commits[0] == commits[1] else "same code"
-        changed = sorted(k for k in {*base.code, *cur.code} if base.code.get(k) != cur.code.get(k))
+        changed = machine.code_changes(base.code, cur.code)
         return f"{' -> '.join(commits)}, other code: {', '.join(changed)} changed"
     if commits[0] != commits[1]:
         return " -> ".join(commits)

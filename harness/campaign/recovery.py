@@ -22,7 +22,8 @@ from pathlib import Path
 
 import detectors
 from harness.config.schema import RunConfig, Segment, TrialSpec
-from harness.core.events import CorruptCheckpoint, Event, Locate, Retry, TrialAlert
+from harness.core.checks import CheckConfig
+from harness.core.events import Alert, CorruptCheckpoint, Event, Locate, Retry, TrialAlert
 from harness.errors import ConfigError
 from harness.results.folder import RunFolder
 from harness.results.judgement import merge_alerts
@@ -73,12 +74,19 @@ class Machines:
             self.data[target] = (*self.data[target], source)
 
 
-def first_suspect_step(run: RunConfig, spec: TrialSpec, detector: str, stop_step: int) -> int:
-    """The earliest step the fault could have entered, given when the alarming check last
-    looked (`Detector.first_suspect_step`); consensus also runs before every checkpoint."""
-    return detectors.detector_class(detector).first_suspect_step(
-        run.checks(spec)[detector], stop_step, run.checkpoint.after
-    )
+def earliest_suspect(
+    alerts: list[Alert] | list[TrialAlert],
+    checks: dict[str, CheckConfig],
+    checkpointed: Callable[[int], bool],
+) -> int:
+    """The earliest step any of `alerts` puts in doubt (`Detector.first_suspect_step`): checks
+    that alarm at one step may suspect different steps (a value check the updates before its
+    step, a product check its step), so no one alert's bound may be taken for all."""
+    return min(
+        detectors.detector_class(a.detector).first_suspect_step(checks[a.detector], a.step,
+                                                                checkpointed)
+        for a in alerts
+    )  # fmt: skip
 
 
 def restore_point(
@@ -138,11 +146,8 @@ def run_with_recovery(
         if len(record.stops) > run.recovery.max_recoveries:
             record.verdict = _verdict(record.stops)
             break
-        first = (
-            min(first_suspect_step(run, spec, a.detector, a.step) for a in alerts)
-            if alerts
-            else stop
-        )
+        # Consensus also runs before every checkpoint (`checkpoint.after`).
+        first = earliest_suspect(alerts, run.checks(spec), run.checkpoint.after) if alerts else stop
         record.verdict = _cannot_go_on(run, spec, machines, suspects)
         if record.verdict:  # decided before any node is quarantined or checkpoint read
             break

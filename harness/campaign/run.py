@@ -116,9 +116,9 @@ def check_out(out: Path, run: RunConfig) -> None:
     # Its goldens, snapshots and rows are that code's: a resume by other code would mix two
     # versions' rows and judge the new against the old goldens. First: an older harness wrote
     # its config in another shape, which reads as another campaign.
-    code, was = code_version(run.workload), held.code or {}
+    code = code_version(run.workload)
     if held.code != code:
-        changed = sorted(k for k in {*code, *was} if code.get(k) != was.get(k))
+        changed = machine.code_changes(held.code or {}, code)
         why = f"{', '.join(changed)} changed" if held.code is not None else "not recorded"
         raise ConfigError(
             "out", f"{out} was computed by other code ({why}): resume it with the code that "

@@ -32,7 +32,6 @@ from harness.campaign import recovery
 from harness.config.fault_targets import check_moments, check_riders, check_target
 from harness.core import inflight
 from harness.core.bus import PluginBus
-from harness.core.checks import CheckConfig
 from harness.core.events import Alert, CheckWarning, Inject, of
 from harness.core.matmuls import ForwardModules, MatmulCall, Watch
 from harness.core.phases import PHASE_ORDER
@@ -433,22 +432,8 @@ class Guard:
         first = found[0]
         key = (first.step, first.detector)
         same = [a for a in found if (a.step, a.detector) == key]
-        since = first_suspect(found, self.checks, self.checkpointed.__contains__)
+        since = recovery.earliest_suspect(found, self.checks, self.checkpointed.__contains__)
         return SDCAlarm(same, self.machines, since)
-
-
-def first_suspect(
-    alerts: list[Alert], checks: dict[str, CheckConfig], checkpointed: Callable[[int], bool]
-) -> int:
-    """The earliest step any of `alerts` puts in doubt, as campaign recovery takes it: checks
-    that alarm at one step may suspect different steps (a value check the updates before its
-    step, a product check its step), so the first alert's alone may leave a checkpoint that
-    holds the fault."""
-    return min(
-        registry.detector_class(a.detector).first_suspect_step(checks[a.detector], a.step,
-                                                               checkpointed)
-        for a in alerts
-    )  # fmt: skip
 
 
 def _module_fault(

@@ -27,10 +27,12 @@ def recorded(folder: Path) -> dict[str, str] | None:
 def code_of_runs(folders: list[Path]) -> dict[str, str] | None:
     """The digests of the sources the given run folders' campaign.json record, where they all
     record the same ones (None when one records none, or they differ)."""
-    found = [(RunFolder(f).campaign_record() or {}).get("code") for f in folders]
-    if not found or any(c is None for c in found) or any(c != found[0] for c in found):
-        return None
-    return found[0]
+    return _shared([(RunFolder(f).campaign_record() or {}).get("code") for f in folders])
+
+
+def code_changes(before: dict[str, str], after: dict[str, str]) -> list[str]:
+    """The packages whose sources' digests two records of `code` differ in."""
+    return sorted(k for k in {*before, *after} if before.get(k) != after.get(k))
 
 
 def workload_differences(base: Path, cur: Path) -> str:
@@ -46,7 +48,10 @@ def workload_differences(base: Path, cur: Path) -> str:
 
 def of_runs(folders: list[Path]) -> dict[str, str] | None:
     """The one environment the given run folders share; None when one is unknown or they differ."""
-    found = [recorded(f) for f in folders]
+    return _shared([recorded(f) for f in folders])
+
+
+def _shared(found: list[dict[str, str] | None]) -> dict[str, str] | None:
     if not found or any(e is None for e in found) or any(e != found[0] for e in found):
         return None
     return found[0]
