@@ -2,14 +2,19 @@
 spawned.
 
 Most cases use a job whose arithmetic is done by hand: 1 GPU, one-hour steps, a checkpoint every
-2 steps (a detected fault redoes 1 step from the last checkpoint, plus its time to detection),
-a one-hour restart, one SDC event a day and 20 hours for a harmful fault no check caught:
+2 steps (after each odd step), a one-hour restart, one SDC event a day and 20 hours for a
+harmful fault no check caught:
 
-    loss = 24 x overhead + P(caught) x (ttd + 2) + P(harmful, not caught) x 20
+    loss = 24 x overhead + P(caught) x (steps trained again + 1) + P(harmful, not caught) x 20
+
+A fault that a check of each step's values (or replay every step) catches in its step is trained
+again from the newest checkpoint before the two steps it puts in doubt (harness/analysis/
+rollbacks.py): 3 steps back after an even step, 4 after an odd one, 3.5 on average.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import sys
@@ -46,6 +51,7 @@ HAND = Job(
     sdc_rate=1 / 24,
     escape_hours=20,
 )
+IN_STEP = 3.5 + 1  # a value check's catch in its step: the steps trained again and the restart
 
 
 def trial(step: int, seed: int, harmful: bool, on: str, every: str = "", found: str = "") -> dict:
@@ -117,8 +123,8 @@ def test_the_cheapest_check_is_not_the_best(tmp_path):
     found = ranked(every_step_run(tmp_path / "run"), HAND)
     assert found == pytest.approx(
         {
-            ("allreduce_sketch", "-"): 24 * 0.05 + 1 * (0 + 2),  # 3.2
-            ("allreduce_sketch + nan_inf", "-"): 24 * 0.06 + 2,  # 3.44
+            ("allreduce_sketch", "-"): 24 * 0.05 + 1 * IN_STEP,  # 5.7
+            ("allreduce_sketch + nan_inf", "-"): 24 * 0.06 + IN_STEP,  # 5.94
             ("no checks", "-"): 1 * 20,
             ("nan_inf", "-"): 24 * 0.01 + 20,  # 20.24: cheapest check, and worse than none
         }
@@ -128,7 +134,9 @@ def test_the_cheapest_check_is_not_the_best(tmp_path):
 
 def replay_run(folder: Path, seeds: int = 1) -> Path:
     """Four faults at steps 20-23, the first two harmful. Replay every step (40% overhead)
-    catches all four in their step; every 10 steps (4%) only the one at step 20, at step 25."""
+    catches all four in their step; every 10 steps (4%) only the one at step 20, at step 25:
+    from the step before its audit 5 steps earlier, an odd step, the checkpoint before it is 8
+    steps back (TENTH)."""
     trials = []
     for s in range(seeds):
         for i in range(4):
@@ -139,11 +147,14 @@ def replay_run(folder: Path, seeds: int = 1) -> Path:
     return write_run(folder, trials, costs)
 
 
+TENTH = 8 + 1
+
+
 def test_auditing_more_often_costs_more_than_it_saves(tmp_path):
     folder = replay_run(tmp_path / "run")
     found = ranked(folder, HAND)
-    every_step = 24 * 0.40 + 1 * (0 + 2)  # 11.6: everything caught at once
-    every_tenth = 24 * 0.04 + 1 / 4 * (5 + 2) + 1 / 4 * 20  # 7.71: one harmful fault escapes
+    every_step = 24 * 0.40 + 1 * IN_STEP  # 14.1: everything caught at once
+    every_tenth = 24 * 0.04 + 1 / 4 * TENTH + 1 / 4 * 20  # 8.21: one harmful fault escapes
     nothing = 2 / 4 * 20  # 10
     assert found == pytest.approx(
         {("replay", "10"): every_tenth, ("no checks", "-"): nothing, ("replay", "1"): every_step}
@@ -164,12 +175,12 @@ def test_the_plan_weighs_checks_by_their_cost_against_plain_ddp_hook_included(tm
     against_ddp = write_run(tmp_path / "ddp", trials.to_dict("records"), costs, hook_vs_ddp=10.0)
     assert list(ranked(against_hook, HAND))[0] == ("replay", "10")
     found = ranked(against_ddp, HAND)
-    every_tenth = 24 * (0.10 + 0.04 * 1.1) + 1 / 4 * (5 + 2) + 1 / 4 * 20  # 10.206
+    every_tenth = 24 * (0.10 + 0.04 * 1.1) + 1 / 4 * TENTH + 1 / 4 * 20  # 10.706
     assert found == pytest.approx(
         {
             ("no checks", "-"): 2 / 4 * 20,  # 10: no hook, no checks
             ("replay", "10"): every_tenth,
-            ("replay", "1"): 24 * (0.10 + 0.40 * 1.1) + 1 * (0 + 2),
+            ("replay", "1"): 24 * (0.10 + 0.40 * 1.1) + 1 * IN_STEP,
         }
     )
     assert list(found)[0] == ("no checks", "-")
@@ -220,10 +231,12 @@ def test_a_consensus_option_is_set_with_checkpoints_at_its_interval(tmp_path):
     assert "it checkpoints every 550 steps, the least multiple" in plan_report.recommendation(
         result
     )
-    # Its rollbacks priced at 550-step checkpoints: half an interval and the 27.5 steps on
-    # average to find a fault (each injected at 20..23, found at 49).
+    # Its rollbacks priced at 550-step checkpoints (each fault injected at 20..23, found at
+    # 49): back to the newest checkpoint before its last look, 50 steps before the alarm. A
+    # checkpoint follows every 11th look: after the look that follows one, 550 steps further
+    # back, else 50 to 500. (550 + 50 + 100 + ... + 500) / 11 = 350 steps on average.
     (option, found), job = result.best, result.job
-    rolled = (550 / 2 + 27.5) * job.step_seconds / 3600 + job.restart_minutes / 60
+    rolled = 350 * job.step_seconds / 3600 + job.restart_minutes / 60
     assert found.expected == pytest.approx(0.5 / 100 * 24 + job.events_per_day * job.gpus * rolled)
 
 
@@ -268,8 +281,8 @@ def test_the_range_is_the_wilson_bounds_carried_through(tmp_path):
     option, found = result.best
     caught_lo, caught_hi = tables.wilson(4, 4)
     _, escaped_hi = tables.wilson(0, 4)
-    assert found.low == pytest.approx(24 * 0.05 + caught_lo * 2)
-    assert found.high == pytest.approx(24 * 0.05 + caught_hi * 2 + escaped_hi * 20)
+    assert found.low == pytest.approx(24 * 0.05 + caught_lo * IN_STEP)
+    assert found.high == pytest.approx(24 * 0.05 + caught_hi * IN_STEP + escaped_hi * 20)
     assert found.low < found.expected < found.high
 
 
@@ -300,9 +313,9 @@ def test_the_range_carries_each_checks_lowest_and_highest_round(tmp_path):
     assert table["no checks"] == "0.00%"
     caught_lo, caught_hi = tables.wilson(4, 4)
     _, escaped_hi = tables.wilson(0, 4)
-    assert found.expected == pytest.approx(24 * 0.0605 + 2)
-    assert found.low == pytest.approx(24 * 0.0303 + caught_lo * 2)
-    assert found.high == pytest.approx(24 * 0.1059 + caught_hi * 2 + escaped_hi * 20)
+    assert found.expected == pytest.approx(24 * 0.0605 + IN_STEP)
+    assert found.low == pytest.approx(24 * 0.0303 + caught_lo * IN_STEP)
+    assert found.high == pytest.approx(24 * 0.1059 + caught_hi * IN_STEP + escaped_hi * 20)
     # No checks costs nothing and catches nothing at either extreme: its escapes alone (the
     # upper end charged detections at the 0 of 4's upper bound, 49%, that no check can make).
     nothing = next(f for o, f in result.ranked if o.name == "no checks")
@@ -347,14 +360,20 @@ def periodic_run(folder: Path) -> Path:
 
 
 def test_a_higher_sdc_rate_audits_more_often(tmp_path):
-    """At half an event a day the model's loss is 9.6/k + 0.5 x (20 - 18 x catch): interval 20
-    is best (9.58); a hundred times the rate pays for auditing every step, a hundredth of it for
-    none."""
+    """With 6-minute steps, at half an event a day the model's loss is 9.6/k + 0.5 x (catch x
+    (steps trained again / 10 + 1) + (1 - catch) x 20): interval 20 is best, 0.48 + 0.5 x (0.1
+    x 3.3 + 0.9 x 20) = 9.645 (its one catch, at step 20, trained again from step 20 - 21's
+    checkpoint before: 23 steps); a hundred times the rate pays for auditing every step, a
+    hundredth of it for none."""
     folder = periodic_run(tmp_path / "run")
     tables = load([folder])
+    six_minutes = replace(HAND, step_seconds=360)
+    half = replace(six_minutes, sdc_rate=0.5 / 24)
+    every_twentieth = next(f for o, f in plan(*tables, half).ranked if o.interval == "20")
+    assert every_twentieth.expected == pytest.approx(0.48 + 0.5 * (0.1 * 3.3 + 0.9 * 20))
 
     def best(rate: float) -> str:
-        job = Job(**{**HAND.__dict__, "sdc_rate": rate})
+        job = replace(six_minutes, sdc_rate=rate)
         return plan(*tables, job).best[0].interval
 
     base = 0.5 / 24
@@ -367,7 +386,7 @@ def test_defaults_are_the_llama3_rate_and_stated():
     assert pytest.approx(6) == LLAMA3_RATE * 16384 * 24 * 54
     text = plan_report.header(Job(), Overheads({}, {}, []))
     assert "--sdc-rate 2.8257e-07" in text and "Llama 3" in text and "54 days" in text
-    assert text.count("(default") == 6
+    assert text.count("(default") == 7
     assert "`--gpus 8`: GPUs in the job (given)" in plan_report.header(
         Job(gpus=8), Overheads({}, {}, [])
     )
@@ -406,6 +425,7 @@ ESTIMATE = ["--gpu", "h100", "--params", "7e10", "--tokens-per-step", "4e6"]
         (["{trials_only}"], "no overhead.csv"),
         (["{clean_only}"], "no fault struck in"),
         (["{fixture}", "--sdc-rate", "-1"], "--sdc-rate: must be a number >= 0"),
+        (["{fixture}", "--job-days", "0"], "--job-days: must be > 0, got 0"),
         (["{fixture}", "--gpus", "many"], "--gpus: invalid int value"),
         (["{fixture}", "--gpu", "h100"], "--params: an estimate needs --gpu, --params"),
         (
@@ -486,15 +506,18 @@ def test_two_faults_alike_in_their_columns_and_label_count_apart(tmp_path):
 
 def test_the_figure_draws_a_set_whose_checks_run_at_several_intervals_at_the_longest(tmp_path):
     """Replay every 5 catches two faults, consensus every 10 the other two: together the best
-    option. The figure drew no point of it (its interval is no number), and put the
-    recommended star at the first interval of all, 5."""
+    option, with 6-minute steps (at an hour a step, consensus's rollback of 20 steps, to the
+    checkpoint before its last look, costs as much as the fault). The figure drew no point of
+    it (its interval is no number), and put the recommended star at the first interval of all,
+    5."""
     trials = [
         trial(20 + i, 0, True, "replay;weight_consensus", "replay=5;weight_consensus=10",
               f"replay={20 + i}" if i < 2 else "weight_consensus=29")
         for i in range(4)
     ]  # fmt: skip
     costs = [("replay", 5, 1.0, ""), ("weight_consensus", 10, 0.5, "")]
-    result = plan(*load([write_run(tmp_path / "run", trials, costs)]), HAND)
+    six_minutes = replace(HAND, step_seconds=360)
+    result = plan(*load([write_run(tmp_path / "run", trials, costs)]), six_minutes)
     assert result.best[0].name == "replay + weight_consensus"
     fig, ax = plt.subplots()
     plan_report.draw(ax, result)
@@ -558,3 +581,56 @@ def test_a_fitted_price_is_never_below_the_checks_floor():
     found = overheads(table)
     assert found.price(("replay", "20")) == pytest.approx(38.0 / 20)
     assert found.at[("replay", "10")] == pytest.approx(3.8)
+
+
+def _consensus_run(folder: Path, optimizer_state: bool) -> Path:
+    """A fault at step 20 that consensus every 10 finds at its look after step 29, its settings
+    as the run's campaign.json records them for the trial."""
+    row = trial(20, 0, True, "weight_consensus", "weight_consensus=10", "weight_consensus=29")
+    run = write_run(folder, [row], [("weight_consensus", 10, 0.5, "")])
+    settings = {"interval": 10, "mode": "observe", "optimizer_state": optimizer_state}
+    record = {"detectors": {"weight_consensus": settings},
+              "trials": [{"trial_id": row["trial_id"], "checks": None}]}  # fmt: skip
+    (run / "campaign.json").write_text(json.dumps(record))
+    return run
+
+
+def test_a_rollback_goes_back_before_what_the_alarming_checks_do_not_vouch_for(tmp_path):
+    """Recovery restores the newest checkpoint before the checks' first suspect step
+    (harness/analysis/rollbacks.py). Consensus every 10 (the job's checkpoints every 2 become
+    every 10, after its looks): on the weights alone its last look does not vouch for the
+    moments, so the checkpoint that look made is passed over, 20 steps back; with the moments
+    compared (campaign.json's settings), that checkpoint, 10 back. The plan priced both at
+    half an interval and the 9 steps to detection."""
+    for optimizer_state, back in ((False, 20), (True, 10)):
+        folder = _consensus_run(tmp_path / f"run-{optimizer_state}", optimizer_state)
+        result = plan(*load([folder]), HAND)
+        found = next(f for o, f in result.ranked if o.checks)
+        assert found.expected == pytest.approx(24 * 0.005 + back + 1)
+
+
+def test_a_check_that_vouches_for_no_earlier_step_rolls_back_to_the_start(tmp_path):
+    """matmul_checksum every other step may have missed a defective unit's strike on a step it
+    skipped: recovery restarts from the initial weights, the job's age, half of --job-days on
+    average (54 days of one-hour steps: 648 steps)."""
+    row = trial(20, 0, True, "matmul_checksum", "matmul_checksum=2", "matmul_checksum=20")
+    folder = write_run(tmp_path / "run", [row], [("matmul_checksum", 2, 1.0, "")])
+    result = plan(*load([folder]), HAND)
+    found = next(f for o, f in result.ranked if o.checks)
+    assert found.expected == pytest.approx(24 * 0.01 + 54 * 24 / 2 + 1)
+    shorter = plan(*load([folder]), replace(HAND, job_days=2))
+    assert next(f for o, f in shorter.ranked if o.checks).expected == pytest.approx(
+        24 * 0.01 + 24 + 1
+    )
+
+
+def test_a_crash_fault_is_no_sdc_event(tmp_path):
+    """campaign=recovery's crash scenarios take a process down: no silent corruption, never
+    caught by a check nor damaging in the row. Counted as SDC events they shrank both shares,
+    and the losses of every set of checks with them, while the overheads stayed: a plan that
+    favoured cheaper sets."""
+    harmful = trial(20, 0, True, "nan_inf", found="")
+    crash = {**trial(21, 0, False, "nan_inf"), "model": "crash", "effect": "crash"}
+    folder = write_run(tmp_path / "run", [harmful, crash], [("nan_inf", "", 1.0, "")])
+    result = plan(*load([folder]), HAND)
+    assert {o.name: o.escaped for o, _ in result.ranked} == {"nan_inf": (1, 1), "no checks": (1, 1)}

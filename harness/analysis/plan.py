@@ -5,20 +5,24 @@ trials.csv: which faults each check caught, how fast, and which faults did damag
 into expected GPU-hours lost per day of the job, for each set of checks and interval:
 
     loss = overhead x 24 h x G
-         + events x P(caught) x G x (time to detection + rollback to the last approved
-                                     checkpoint + restart)
+         + events x P(caught) x G x (steps trained again x step time + restart)
          + events x P(damaged and not caught) x G x escape cost
 
-with G GPUs, events = rate x G x 24 h SDC events a day, time to detection = mean ttd steps x
-step time, rollback = half a checkpoint interval of steps (the fault lands anywhere between two
-checkpoints), escape cost = the hours a damaging fault that no check caught costs the job before
-other means find it. A fired trial of the run stands for one event; under a weighed fault mix
-(harness/analysis/mix.py), for its class's weight spread over the class's fired trials. Damaged:
+with G GPUs, events = rate x G x 24 h SDC events a day, steps trained again = from the
+checkpoint recovery restores to the alarm (harness/analysis/rollbacks.py: the newest before the
+steps the alarming checks put in doubt and before the fault, a checkpoint interval of the job
+away on average or more; for a check that vouches for no earlier step, the start: half the
+job), escape cost = the hours a damaging fault that no check caught costs the job before other
+means find it. A fired trial of the run stands for one event; under a weighed fault mix
+(harness/analysis/mix.py), for its class's weight spread over the class's fired trials. A
+`crash` fault (a process taken down, not a silent corruption) is no SDC event: its trials are
+left out. Damaged:
 its effect is harmful or latent (docs/design.md, section 5), or its replicas no longer agree at
 the end (a fault the loss does not show yet). The range (low, high) puts each probability at its
-95% Wilson bounds, the time to detection at the least and most seen, and each check's overhead
-(and the hook's) at its lowest and highest timed round where overhead.csv holds one run's
-rounds, each term at its own extreme: the loss at any mix of those bounds lies inside it.
+95% Wilson bounds, the steps trained again at the least and most of any caught fault, and each
+check's overhead (and the hook's) at its lowest and highest timed round where overhead.csv holds
+one run's rounds, each term at its own extreme: the loss at any mix of those bounds lies inside
+it.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from harness.analysis.overheads import (
     ran_on,
     without_pooled_rounds,
 )
+from harness.analysis.rollbacks import Bound, bound, steps_lost
 from harness.analysis.tables import (
     PUBLISHED,
     Counts,
@@ -50,6 +55,7 @@ from harness.analysis.tables import (
     wilson,
 )
 from harness.results.costs import JobCosts
+from harness.results.folder import RunFolder
 from harness.results.schema import HOOK
 from harness.results.trial_row import Column
 
@@ -67,6 +73,7 @@ LLAMA3_SOURCE = (
 )
 # The check that also looks before every checkpoint (detectors/weight_consensus.py).
 CONSENSUS = "weight_consensus"
+CRASH = "crash"  # the fault model that takes a process down (injectors/crash.py)
 # Sets drawn against the interval (every single check is drawn too).
 NAMED_SETS = {
     frozenset(s)
@@ -96,6 +103,7 @@ class Job:
     restart_minutes: float = 30.0
     sdc_rate: float = LLAMA3_RATE  # events per GPU-hour
     escape_hours: float = 24.0  # a day of the whole job: a loss spike or a bad eval, then back
+    job_days: float = 54.0  # a rollback to the start loses the job's age: half of this
 
     def __post_init__(self) -> None:
         for flag, value, least in (
@@ -105,21 +113,40 @@ class Job:
             ("--restart-minutes", self.restart_minutes, 0),
             ("--sdc-rate", self.sdc_rate, 0),
             ("--escape-hours", self.escape_hours, 0),
+            ("--job-days", self.job_days, 0),
         ):
             if not math.isfinite(value) or value < least:
                 raise PlanError(f"{flag}: must be a number >= {least}, got {value}")
-        if self.step_seconds == 0:
-            raise PlanError("--step-seconds: must be > 0, got 0")
+        for flag, value in (("--step-seconds", self.step_seconds), ("--job-days", self.job_days)):
+            if value == 0:
+                raise PlanError(f"{flag}: must be > 0, got 0")
 
     @property
     def events_per_day(self) -> float:
         return self.sdc_rate * self.gpus * 24
 
-    def detected_hours(self, ttd_steps: float) -> float:
-        """Wall hours one detected event costs the job: the steps since the last checkpoint
-        before the fault (half an interval on average) and until detection, then a restart."""
-        steps = self.checkpoint_every / 2 + ttd_steps
-        return steps * self.step_seconds / 3600 + self.restart_minutes / 60
+    @property
+    def steps(self) -> float:
+        return self.job_days * 24 * 3600 / self.step_seconds
+
+    def detected_hours(self, lost_steps: float) -> float:
+        """Wall hours one detected event costs the job: the steps trained again from the
+        checkpoint restored (rollbacks.steps_lost), then a restart."""
+        return lost_steps * self.step_seconds / 3600 + self.restart_minutes / 60
+
+
+@dataclass(frozen=True)
+class Catch:
+    """A caught fault as its rollback is priced: its weight, the bounds of the checks that
+    alarmed first (together), the step they alarmed at and the steps since the fault."""
+
+    weight: float
+    bounds: tuple[Bound, ...]
+    alarm: int
+    ttd: int
+
+    def lost(self, job: Job) -> float:
+        return steps_lost(self.bounds, self.alarm, self.ttd, job.checkpoint_every, job.steps)
 
 
 @dataclass(frozen=True)
@@ -135,6 +162,10 @@ class Option:
     caught: Counts  # fired faults that any member caught
     escaped: Counts  # fired faults that did damage and that no member caught
     ttd: tuple[float, float, float]  # steps to detection: mean, least, most (NaN: none caught)
+    catches: tuple[Catch, ...] = ()  # the caught faults' rollbacks
+    # What a catch would roll back where none was made (the range's high end): every member
+    # alarming at its longest interval's distance from the fault.
+    unseen: Catch | None = None
 
     @property
     def name(self) -> str:
@@ -187,12 +218,17 @@ def loss(option: Option, job: Job) -> Loss:
     # No checks catch nothing: 0 at either extreme, not the interval 0 of n leaves open.
     caught_lo, caught_hi = wilson(kc, nc) if option.checks else (0.0, 0.0)
     escaped_lo, escaped_hi = wilson(ke, ne)
-    mean, least, most = option.ttd
-    if math.isnan(mean):  # nothing caught: a catch that the bounds allow comes at the next audit
-        mean, least, most = 0.0, 0.0, float(max((k for _, k in option.intervals), default=1))
+    lost = [c.lost(job) for c in option.catches]
+    if lost:
+        weights = [c.weight for c in option.catches]
+        mean = sum(w * x for w, x in zip(weights, lost, strict=True)) / sum(weights)
+        least, most = min(lost), max(lost)
+    else:  # nothing caught: a catch the bounds allow comes at the longest interval
+        mean = least = 0.0
+        most = option.unseen.lost(job) if option.unseen is not None else 0.0
 
-    def total(overhead_pct: float, caught: float, ttd: float, escaped: float) -> float:
-        hours = caught * job.detected_hours(ttd) + escaped * job.escape_hours
+    def total(overhead_pct: float, caught: float, lost: float, escaped: float) -> float:
+        hours = caught * job.detected_hours(lost) + escaped * job.escape_hours
         return overhead_pct / 100 * 24 * job.gpus + per_event * hours
 
     cheapest, dearest = option.overhead_range
@@ -204,11 +240,14 @@ def loss(option: Option, job: Job) -> Loss:
 
 
 def fired_faults(trials: pd.DataFrame) -> pd.DataFrame:
-    """The fired trials, with the columns `measured` reads as sets and mappings."""
+    """The fired trials but crashes (no SDC), with the columns `measured` reads as sets and
+    mappings, and each check's rollback bound (`bounds`)."""
     fired = trials[trials[Column.fired] == True].copy()  # noqa: E712 (a column of booleans)
+    fired = fired[fired[Column.model] != CRASH]
     fired["on"] = fired[Column.detectors].map(lambda s: frozenset(d for d in s.split(";") if d))
     fired["every"] = fired[Column.check_intervals].map(pairs)
     fired["found"] = fired[Column.detect_steps].map(pairs)
+    fired["bounds"] = check_bounds(fired)
     fired["damaged"] = damaged(fired)
     # The fault's label (the trial id without its scenario's place, harness/config/load.py):
     # it holds what the columns do not, such as a fault model's own settings.
@@ -244,6 +283,14 @@ def measured(fired: pd.DataFrame, checks: tuple[str, ...], cost: Overheads) -> l
         ttd = first[hit].astype(float) - group.loc[hit, Column.inject_step].astype(float)
         # Under a weighed mix each fault stands for its class's share (harness/analysis/mix.py).
         w = trial_weights(group) if weighed(group) else pd.Series(1.0, index=group.index)
+        catches = tuple(
+            Catch(float(w[i]), tuple(bounds[c] for c in checks if found.get(c) == first[i]),
+                  int(first[i]), int(ttd[i]))
+            for i, found, bounds in zip(group.index[hit], group.loc[hit, "found"],
+                                        group.loc[hit, "bounds"], strict=True)
+        )  # fmt: skip
+        longest = max((k for _, k in key), default=1)
+        unseen = _unseen(group["bounds"].iloc[0], checks, longest) if checks else None
         options.append(
             Option(
                 checks=checks,
@@ -258,9 +305,43 @@ def measured(fired: pd.DataFrame, checks: tuple[str, ...], cost: Overheads) -> l
                 ttd=(float((w[hit] * ttd).sum() / w[hit].sum()), ttd.min(), ttd.max())
                 if len(ttd)
                 else (math.nan,) * 3,
+                catches=catches,
+                unseen=unseen,
             )
         )
     return options
+
+
+def _unseen(bounds: dict[str, Bound], checks: tuple[str, ...], longest: int) -> Catch:
+    """A catch by every member at once, `longest` steps after the fault."""
+    return Catch(1.0, tuple(bounds[c] for c in checks), longest, longest)
+
+
+def check_bounds(trials: pd.DataFrame) -> list[dict[str, Bound]]:
+    """Each trial's checks' rollback bounds (rollbacks.bound), at their settings as its run's
+    campaign.json records them for it; where the folder has none (a table made by hand), at
+    the trial's intervals and the checks' defaults otherwise."""
+    settings: dict[str, dict[str, dict[str, dict]]] = {}
+    for run in trials["run"].unique() if "run" in trials else ():
+        record = RunFolder(Path(run)).campaign_record() or {}
+        run_checks = record.get("detectors") or {}
+        settings[run] = {
+            t["trial_id"]: t.get("checks") or run_checks for t in record.get("trials", [])
+        }
+    found = []
+    for row in trials.itertuples(index=False):
+        run = getattr(row, "run", None)
+        recorded = settings.get(run, {}).get(getattr(row, Column.trial_id))
+        every = pairs(getattr(row, Column.check_intervals))
+        on = [d for d in getattr(row, Column.detectors).split(";") if d]
+        found.append(
+            {
+                name: bound(name, recorded[name] if recorded and name in recorded
+                            else ({"interval": every[name]} if name in every else {}))
+                for name in on
+            }
+        )  # fmt: skip
+    return found
 
 
 def _counts(w: pd.Series, yes: pd.Series) -> Counts:

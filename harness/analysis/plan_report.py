@@ -53,18 +53,24 @@ MODEL = (
     "Expected GPU-hours lost per day of the job, for each set of checks at each audit interval "
     "the run measured (harness/analysis/plan.py):\n\n"
     "    loss = overhead x 24 h x GPUs\n"
-    "         + events/day x P(caught) x GPUs x (time to detection + rollback + restart)\n"
+    "         + events/day x P(caught) x GPUs x (steps trained again x step time + restart)\n"
     "         + events/day x P(damaged, not caught) x GPUs x escape cost\n\n"
     "events/day = SDC rate x GPUs x 24 h; a fired trial of the run stands for one event (under "
-    "a weighed fault mix, for its class's share of one). "
+    "a weighed fault mix, for its class's share of one); a `crash` fault (a process taken "
+    "down, not a silent corruption) is no SDC event and is left out. "
     "P(caught) and P(damaged, not caught) are shares of the run's fired faults, each fault "
     "once per set and interval (damaged: harmful or latent, or replicas that no longer agree). "
-    "Time to detection: the mean ttd in steps x step time. Rollback: half a checkpoint "
-    "interval of steps (back to the last approved checkpoint before the fault). The overhead "
+    "Steps trained again: from the checkpoint recovery restores, the newest before both the "
+    "fault and the first step the alarming checks put in doubt (harness/analysis/rollbacks.py: "
+    "two steps before a check of each step's values, a periodic check's last look), to the "
+    "alarm, averaged over where the alarm falls between checkpoints; a check that vouches for "
+    "no earlier step (matmul_checksum on a share of the steps or products) rolls back to the "
+    "start, half the job. The overhead "
     "of a set is the sum of its members' (each timed alone; checks that share a collective "
     "could cost less together); a check timed at several intervals k costs c/k, c fitted to "
     "all of its timings; never less than zero or the check's floor. Range: each share at its "
-    "95% Wilson bounds, the time to detection at the least and most seen, and each overhead "
+    "95% Wilson bounds, the steps trained again at the least and most of a caught fault, and "
+    "each overhead "
     "(the hook's too) at its lowest and highest timed round where overhead.csv holds one run's "
     "rounds. False alarms are "
     "not in the model. The shares are those of the run's fault mix: a fault the run did not "
@@ -76,6 +82,11 @@ FLAGS = {
     "checkpoint_every": ("--checkpoint-every", "steps between checkpoints", "assumed"),
     "restart_minutes": ("--restart-minutes", "minutes to restart after an alert", "assumed"),
     "sdc_rate": ("--sdc-rate", "SDC events per GPU-hour", LLAMA3_SOURCE),
+    "job_days": (
+        "--job-days",
+        "days the job runs: a rollback to its start loses its age, half of this",
+        "the Llama 3 405B snapshot's 54 days",
+    ),
     "escape_hours": (
         "--escape-hours",
         "wall hours a damaging fault that no check caught costs the job",
