@@ -148,14 +148,16 @@ class MatmulChecksum(Detector):
     def first_suspect_step(
         cls, config: Config, alarm_step: int, checkpointed: Callable[[int], bool]
     ) -> int:
-        """Its own step where it checks every product of every step: it verifies each step's own
-        products (a product of already corrupted operands counts as correct), so it vouches
-        for every earlier step. Checking every k-th step, or a drawn share of the products, it
-        vouches for none: an intermittent fault (a defective unit strikes at a rate) may have
-        struck a step or a product it skipped, before any it saw clean."""
+        """Where it checks every product of every step, a check of its step's values (the
+        default): a product of operands already wrong counts as right, yet their values can
+        overflow its check (a flipped exponent's 1e37 in a row of a gradient makes a NaN
+        ratio), and so it alarms on weights an earlier update left wrong, or moments before
+        them. Checking every k-th step, or a drawn share of the products, it vouches for no
+        step: an intermittent fault (a defective unit strikes at a rate) may have struck a step
+        or a product it skipped, before any it saw clean."""
         if config.fraction < 1 or config.interval > 1:
             return 0
-        return alarm_step
+        return super().first_suspect_step(config, alarm_step, checkpointed)
 
     def __init__(self, config: Config, ctx: DetectorContext, log: EventLog):
         super().__init__(config, ctx, log)

@@ -799,16 +799,20 @@ def _alarm(step: int, first_suspect: int) -> SDCAlarm:
 
 
 def test_the_alarms_suspect_interval_is_the_earliest_any_alert_puts_in_doubt():
-    """A NaN product at step 5: matmul_checksum alarms first (forward), vouching for its
-    earlier steps; nan_inf, in the same step, cannot tell it from weights step 4's update broke
-    or moments step 3's left. The alarm took the first alert's bound (5), leaving the
-    checkpoints of steps 3 and 4 in place; as campaign recovery does, it takes the earliest."""
-    checks = {"matmul_checksum": detectors.detector_class("matmul_checksum").Config(),
+    """Consensus every step on weights and moments alarms first at step 5, vouching for step
+    4's checkpoint; nan_inf, in the same step, cannot tell the fault from weights step 4's
+    update broke or moments step 3's left. The alarm took the first alert's bound (5), leaving
+    the checkpoints of steps 3 and 4 in place; as campaign recovery does, it takes the
+    earliest."""
+    consensus = detectors.detector_class("weight_consensus").Config(
+        interval=1, optimizer_state=True
+    )
+    checks = {"weight_consensus": consensus,
               "nan_inf": detectors.detector_class("nan_inf").Config()}  # fmt: skip
     alerts = [
         Alert(step=5, detector=name, phase=phase, suspect_ranks=[1], suspect_nodes=[1],
               evidence={}, rank=1, node=1)
-        for name, phase in (("matmul_checksum", "forward"), ("nan_inf", "pre_allreduce"))
+        for name, phase in (("weight_consensus", "consensus"), ("nan_inf", "pre_allreduce"))
     ]  # fmt: skip
     assert earliest_suspect(alerts[:1], checks, lambda s: True) == 5
     assert earliest_suspect(alerts, checks, lambda s: True) == 3

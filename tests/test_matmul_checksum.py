@@ -878,3 +878,19 @@ def test_a_campaign_catches_a_wrong_moe_product_on_its_rank(run_ok, tmp_path, ta
         "3",
         "1",
     )
+
+
+def test_an_alarm_on_weights_an_earlier_update_left_wrong_suspects_that_update():
+    """campaign=smoke's exponent flip on rank 2's fc2.weight[44852] after step 5's update: each
+    product of that weight is right as computed, but a gradient's row of its 1e37 terms
+    overflows, and the ratio is NaN: the check alarms at step 6 on state an earlier step left.
+    It suspected its own step, and recovery restored step 5's checkpoint, the flip in it."""
+    workload = Workload(compose_run("workload=mlp").workload)
+    model = workload.build_model()
+    with torch.no_grad():
+        model.fc2.weight.view(-1)[44852] = 1.143688188917451e37  # bit 30 of 0.0336 flipped
+    check = _watched(model, step_of=lambda: 6)
+    workload.loss(model, workload.batch(6, 2, 0)).backward()
+    broken = [key for _, _, key, ratio in check.found if not float(ratio) <= 1.0]
+    assert broken == ["fc2#0 input gradient"], check.found
+    assert MatmulChecksum.first_suspect_step(check.config, 6, lambda _: True) <= 4

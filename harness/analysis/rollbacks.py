@@ -3,8 +3,8 @@
 Recovery and the guard restore the newest checkpoint saved before the earliest step an alarm puts
 in doubt (each check's `Detector.first_suspect_step`; harness/campaign/recovery.py): a check of
 each step's values suspects from two steps before its alarm, one that looks every k steps from
-its last look, a product check that checks every product of every step its own step, and one that
-checks a share of them every step since the start. `bound` holds each built-in check's rule as
+its last look, and a product check that checks a share of the steps or products every step since
+the start. `bound` holds each built-in check's rule as
 data the planner reads without torch (tests/unit/test_rollbacks.py holds it to each detector's
 own method at every setting, alarm step and checkpoint interval it tries); a check installed
 from elsewhere is priced as the default, a check of its step's values.
@@ -83,7 +83,7 @@ def _gather_consensus(p: Mapping[str, Any]) -> Bound:
 
 def _matmul_checksum(p: Mapping[str, Any]) -> Bound:
     every_product = p.get("interval", 1) == 1 and p.get("fraction", 1.0) == 1
-    return Bound(back=0) if every_product else Bound(start=True)
+    return VALUES if every_product else Bound(start=True)
 
 
 RULES: dict[str, Callable[[Mapping[str, Any]], Bound]] = {
