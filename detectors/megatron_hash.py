@@ -10,8 +10,10 @@ that differs from rank 0 reports a mismatch, and rank 0 always agrees with itsel
 healthy ranks. Its docstring says it is not meant to run often (the copy and SHA-1 cost seconds
 on a large model; benchmarks/kernels.py measures it against our fingerprint).
 
-Here each rank that differs from rank 0 alerts naming itself (what it can know), at the same
-point as `weight_consensus`: after the update, every `interval` steps.
+Here each rank that differs from rank 0 alerts naming itself (what it reports, and what a row's
+attribution measures of the method), at the same point as `weight_consensus`: after the update,
+every `interval` steps. Those names attribute nothing (`attributes` False): recovery quarantines
+no node and the guard's alarm names no machine on its word (exit 87).
 
 Under HSDP (`topology.parallel=hsdp`) the data-parallel replicas are the replica groups: each
 rank hashes the shards it holds and compares them with those of the rank at its place in
@@ -52,6 +54,7 @@ def sha1_table(model: nn.Module) -> torch.Tensor:
 class MegatronHash(Detector):
     name = "megatron_hash"
     parallel = ("ddp", "hsdp")
+    attributes = False
 
     @dataclass(frozen=True)
     class Config(IntervalConfig):

@@ -798,6 +798,32 @@ def _alarm(step: int, first_suspect: int) -> SDCAlarm:
     return SDCAlarm([alert], ["host0", "host1"], first_suspect)
 
 
+def test_an_alarm_on_megatron_hash_names_no_machine():
+    """megatron_hash reports the ranks whose weights differ from rank 0's, as Megatron does:
+    with rank 0 corrupt at 2 ranks, rank 1 reports, and the alarm named host1 (exit 86,
+    "restart without the suspect machines"), the healthy one; at 4 ranks three healthy ones.
+    Its reports attribute nothing: exit 87, no machine named, and recovery suspects no rank on
+    its word (a check that attributes, alarming beside it, still names its own)."""
+    from harness.campaign.recovery import attributed_ranks
+    from harness.guard.alarm import EXIT_UNATTRIBUTED
+
+    reports = [
+        Alert(step=3, detector="megatron_hash", phase="consensus", suspect_ranks=[r],
+              suspect_nodes=[r], evidence={"versus": 0}, rank=r, node=r)
+        for r in (1, 2, 3)
+    ]  # fmt: skip
+    for alerts, machines in (
+        (reports[:1], ["host0", "host1"]),
+        (reports, [f"host{r}" for r in range(4)]),
+    ):
+        alarm = SDCAlarm(alerts, machines, 0)
+        assert (alarm.exit_code, alarm.suspect_machines) == (EXIT_UNATTRIBUTED, []), machines
+    assert attributed_ranks(reports) == set()
+    replay = Alert(step=3, detector="replay", phase="pre_allreduce", suspect_ranks=[0],
+                   suspect_nodes=[0], evidence={}, rank=0, node=0)  # fmt: skip
+    assert attributed_ranks([*reports, replay]) == {0}
+
+
 def test_the_alarms_suspect_interval_is_the_earliest_any_alert_puts_in_doubt():
     """Consensus every step on weights and moments alarms first at step 5, vouching for step
     4's checkpoint; nan_inf, in the same step, cannot tell the fault from weights step 4's

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -225,7 +225,18 @@ def _suspect_ranks(outcome: TrialResult, alerts: list[TrialAlert], stop: int) ->
         if isinstance(e, Locate) and e.step == stop
         for r in e.suspect_ranks
     }
-    return located or set(next((a.suspect_ranks for a in alerts if a.suspect_ranks), []))
+    return located or attributed_ranks(alerts)
+
+
+def attributed_ranks(alerts: Sequence[Alert | TrialAlert]) -> set[int]:
+    """The ranks the first alert that names any names, among those of checks whose alerts
+    attribute (`Detector.attributes`)."""
+    named = (a.suspect_ranks for a in alerts if a.suspect_ranks and _attributes(a.detector))
+    return set(next(named, []))
+
+
+def _attributes(name: str) -> bool:
+    return detectors.detector_class(name).attributes
 
 
 def _verdict(history: list[tuple[int, tuple[int, ...]]]) -> str:

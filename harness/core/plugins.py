@@ -235,6 +235,10 @@ class Detector(Plugin):
     recomputes_batches = False
     # Verifies the reduction's sum itself, which only a linear comm hook leaves checkable.
     verifies_reduction = False
+    # Its alerts' suspects are the ranks it finds wrong. megatron_hash's are the ranks that
+    # report a mismatch with rank 0 (healthy ones where rank 0 is wrong): recovery and the
+    # guard take no culprit from such alerts.
+    attributes = True
     # The `topology.parallel` worlds whose step the check is derived for: replicas only, unless
     # it says what it sees of a sharded step (docs/design.md, section 3).
     parallel: tuple[str, ...] = ("ddp",)

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import detectors
 from harness.core.events import Alert
 from harness.runtime import checkpoint
 
@@ -34,8 +35,10 @@ class SDCAlarm(RuntimeError):
         self.step = first.step
         self.phase = first.phase
         # One check's alerts at one step, from every rank: a wrong reduction alarms everyone.
-        self.suspect_ranks = sorted({r for a in alerts for r in a.suspect_ranks})
-        self.suspect_nodes = sorted({n for a in alerts for n in a.suspect_nodes})
+        # Those of a check whose alerts attribute nothing (megatron_hash's) name no suspect.
+        named = [a for a in alerts if detectors.detector_class(a.detector).attributes]
+        self.suspect_ranks = sorted({r for a in named for r in a.suspect_ranks})
+        self.suspect_nodes = sorted({n for a in named for n in a.suspect_nodes})
         self.suspect_machines = sorted({machines[r] for r in self.suspect_ranks})
         self.first_suspect_step = first_suspect
         self.evidence = first.evidence
