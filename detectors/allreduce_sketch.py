@@ -329,7 +329,9 @@ class AllreduceSketch(Detector):
             off = not abs(got - expected) <= bound  # not ">": a NaN cannot be verified
             broken = torch.tensor(wrong or changed or off)
             verified = torch.tensor(not (wrong or changed))
-            detail = torch.tensor([*tags, changed, got, expected, bound], dtype=torch.float64)
+            sent = [not math.isfinite(p) for p in projections]
+            detail = torch.tensor([*tags, *sent, changed, got, expected, bound],
+                                  dtype=torch.float64)  # fmt: skip
         else:
             slot = bucket.riders[id(self)]
             norms, tags, projections = slot[0], slot[1 : 1 + world], slot[1 + world :]
@@ -340,8 +342,9 @@ class AllreduceSketch(Detector):
             bound = tolerance(norms.double(), n, self.rtol, rho, alpha)
             off = ~((got - expected).abs() <= bound)
             broken, verified = wrong | changed | off, ~(wrong | changed)
-            detail = torch.cat([tags.double(), torch.stack([changed.double(), got, expected,
-                                                            bound])])  # fmt: skip
+            sent = ~torch.isfinite(projections)
+            detail = torch.cat([tags.double(), sent.double(),
+                                torch.stack([changed.double(), got, expected, bound])])  # fmt: skip
         self._judge(step, bucket, broken, verified, detail)
 
     def _judge(
@@ -352,18 +355,25 @@ class AllreduceSketch(Detector):
         verified: torch.Tensor,
         detail: torch.Tensor,
     ) -> None:
-        """The verdict (`detail`: the tags, then whether the own slot changed, the received
-        projection, the expected one and the bound), and at step 0 the sensitivity where the
-        slots were `verified`."""
+        """The verdict (`detail`: the tags, whether each rank's projection was not finite, then
+        whether the own slot changed, the received projection, the expected one and the bound),
+        and at step 0 the sensitivity where the slots were `verified`. A rank that sent a
+        contribution not finite (a NaN in its gradient) makes every receiver's sum NaN, the
+        reduction right: the slots name it."""
         world, rank, index = self.info.world_size, self.info.rank, bucket.index
 
         def explain(values: list[float]) -> None:
-            tag_values, (was_changed, received, summed, limit) = values[:world], values[world:]
+            tag_values, sent = values[:world], values[world : 2 * world]
+            was_changed, received, summed, limit = values[2 * world :]
             evidence = {"bucket": index}
             bad = {r: t for r, t in enumerate(tag_values) if t != step + 1}
+            senders = [r for r, s in enumerate(sent) if s]
             if bad:
                 verdicts = {r: _tag_verdict(t, step) for r, t in bad.items()}
                 self.alert(step, "post_allreduce", sorted(bad), evidence | {"tags": verdicts})
+            elif senders and not was_changed:
+                reason = {"reason": "contribution not finite"}
+                self.alert(step, "post_allreduce", senders, evidence | reason)
             elif was_changed:
                 reason = {"reason": "own slot changed"}
                 self.alert(step, "post_allreduce", [rank], evidence | reason)

@@ -15,7 +15,7 @@ import injectors
 from harness.cli import CONFIG_DIR
 from harness.config.schema import RunConfig
 from harness.runtime import checkpoint
-from tests.conftest import compose_run, rows, run_here, without_timing
+from tests.conftest import compose_run, events, rows, run_here, without_timing
 
 CAMPAIGNS = sorted(p.stem for p in Path(CONFIG_DIR, "campaign").glob("*.yaml"))
 # The peers' methods run in `peers` (and megatron_hash in `blind_spots`); the other
@@ -223,6 +223,23 @@ def test_smoke_runs_end_to_end_and_each_check_catches_its_fault(smoke):
     for label, detector in expected.items():
         assert table[label]["fired"] == "True"
         assert detector in table[label]["detected_by"].split(";"), table[label]
+
+
+def test_the_sketch_names_the_rank_whose_contribution_was_not_finite(smoke):
+    """A NaN in one rank's gradient reaches every rank through the reduction, which summed it
+    right: every receiver's projection of the sum was NaN, and each named itself, every rank a
+    suspect. The sender's own slot holds its projection, not finite: the sketch names it."""
+    out, _ = smoke
+    (row,) = [r for r in rows(out) if "-grad-value-nan-" in r["trial_id"]]
+    alerts = [
+        e for e in events(out)
+        if e["kind"] == "alert" and e["trial_id"] == row["trial_id"]
+        and e["detector"] == "allreduce_sketch" and e["step"] == int(row["inject_step"])
+    ]  # fmt: skip
+    assert {a["rank"] for a in alerts} == set(range(int(row["nodes"]))), alerts
+    for alert in alerts:
+        assert alert["suspect_ranks"] == [int(row["fault_ranks"])], alert
+        assert alert["evidence"]["reason"] == "contribution not finite", alert
 
 
 def test_fast_forwarded_trials_give_the_rows_of_trials_trained_from_step_0(smoke, tmp_path, run_ok):

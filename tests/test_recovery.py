@@ -151,8 +151,9 @@ NANS = {
 def test_a_nan_one_rank_contributed_quarantines_that_rank_not_those_the_sketch_names(
     tmp_path, run_ok, workload, faults
 ):
-    """nan_inf names rank 3 in its local gradient; the sketch, after the reduction, names every
-    rank (each received the NaN). Recovery took every alert's suspects: it quarantined nodes
+    """nan_inf names rank 3 in its local gradient; the sketch, after the reduction, named every
+    rank (each received the NaN; it now names the sender, from its slot). Recovery took every
+    alert's suspects: it quarantined nodes
     0, 1 and 2, and with node 3 left alone ended with "no healthy node left to run on".
     And a NaN written into rank 0's weights by step 5's update shows in step 6's gradients,
     after step 5's checkpoint was written with it: recovery restored that checkpoint, every

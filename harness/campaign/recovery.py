@@ -215,9 +215,8 @@ def _suspect_ranks(outcome: TrialResult, alerts: list[TrialAlert], stop: int) ->
     when a repeated reduction fault named none (harness/runtime/locate.py), else those the
     first alert that names any names, as the row's attribution takes them (the guard's alarm
     too, which orders one phase's alerts by time, not by check).
-    Not every alert's: a check after the reduction that cannot tell the ranks apart names
-    them all (the sketch, for a NaN a rank contributed), and their union quarantined every
-    healthy node and left the faulty one."""
+    Not every alert's: a check after the reduction that cannot tell the ranks apart may name
+    them all, and their union quarantined every healthy node and left the faulty one."""
     located = {
         r
         for p in outcome.parts
