@@ -1,7 +1,8 @@
 """`grad_stats`: every step, cheap statistics compared across ranks: each bucket's gradient norm
 and the loss ride on the bucket's allreduce (one slot per rank, so the sum is a gather for
 free). A rank whose log-norm is a robust outlier (distance from the median over `threshold`
-median absolute deviations, and at least `min_ratio` times off) is suspect; a loss above
+median absolute deviations, and at least `min_ratio` times off) is suspect (of two ranks, both:
+neither stands out from the other); a loss above
 `spike` times the running maximum of earlier losses is a spike. Its false positive rate on clean
 runs is measured in the campaigns, not assumed.
 
@@ -104,13 +105,19 @@ class GradStats(Detector):
             self._spikes(step, losses)
 
     def _outliers(self, norms: torch.Tensor) -> torch.Tensor:
-        """Which ranks are suspect: those with a non-finite norm if any, else the outliers."""
+        """Which ranks are suspect: those with a non-finite norm if any, else the outliers. Of
+        two ranks neither stands out from the other: both, where they are too far apart (torch's
+        median of two is the lower, and named the higher alone, healthy where the fault shrank
+        the other's gradient)."""
         finite = torch.isfinite(norms)
         logs = norms.clamp_min(1e-30).log()
         median = logs.median()
         mad = (logs - median).abs().median()
         spread = (mad * self.config.threshold).clamp_min(math.log(self.config.min_ratio))
-        return torch.where(finite.all(), (logs - median).abs() > spread, ~finite)
+        far = (logs - median).abs() > spread
+        if len(norms) == 2:
+            far = far.any().expand(2)
+        return torch.where(finite.all(), far, ~finite)
 
     def _spikes(self, step: int, losses: torch.Tensor) -> None:
         limit = self.config.spike * self.running_max
