@@ -222,8 +222,15 @@ def main() -> None:
         os.environ.setdefault("SDC_NODE_NAME", "host{node}")
     if args.model == "gpt" and args.dropout:
         parser.error("--dropout: the harness's gpt has no dropout; use --model gpt2 or llama")
-    if args.accumulate < 1:
-        parser.error(f"--accumulate: {args.accumulate} must be at least 1")
+    for flag in ("steps", "checkpoint_every", "accumulate", "hidden", "layers", "heads"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')}: {getattr(args, flag)} must be at least 1")
+    if args.hidden % args.heads:
+        parser.error(f"--hidden: {args.hidden} must be a multiple of --heads {args.heads}")
+    if args.clip is not None and not args.clip > 0:  # a negative norm turns every gradient
+        parser.error(f"--clip: {args.clip} must be above 0 (a gradient norm to clip at)")
+    if not 0 <= args.dropout < 1:
+        parser.error(f"--dropout: {args.dropout} must be in [0, 1)")
     if args.parallel != "ddp" and args.comm_hook != "none":
         parser.error("--comm-hook: a DDP comm hook; --parallel fsdp|hsdp reduces through FSDP")
     loss_of = loss_function(args.amp)

@@ -9,6 +9,7 @@ import json
 import math
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -250,3 +251,23 @@ def test_a_setting_the_example_cannot_run_exits_2_on_every_rank_in_one_line(tmp_
     lines = [line for line in proc.stderr.splitlines() if "train_guarded.py: error:" in line]
     assert len(lines) == 1 and error in lines[0], proc.stderr[-3000:]
     assert not (tmp_path / "summary.json").exists()
+
+
+def test_a_value_the_example_cannot_train_with_exits_2_before_any_process_group(tmp_path):
+    """Refused where the arguments are read: `--checkpoint-every 0` trained a step and died of
+    a ZeroDivisionError on every rank, -2 checkpointed every 2 steps, `--clip -1` turned every
+    gradient (clip_grad_norm_ scaled by a negative factor: the loss rose), and `--hidden 66` with
+    4 heads crashed in the first forward."""
+    for args, error in [
+        (("--checkpoint-every", "0"), "--checkpoint-every: 0 must be at least 1"),
+        (("--checkpoint-every", "-2"), "--checkpoint-every: -2 must be at least 1"),
+        (("--clip", "-1"), "--clip: -1.0 must be above 0"),
+        (("--hidden", "66"), "--hidden: 66 must be a multiple of --heads 4"),
+    ]:
+        proc = subprocess.run(
+            [sys.executable, str(EXAMPLE), "--out", str(tmp_path), *args],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        lines = [line for line in proc.stderr.splitlines() if "train_guarded.py: error:" in line]
+        assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+        assert f"train_guarded.py: error: {error}" in lines[0]
