@@ -288,6 +288,8 @@ def test_in_observe_mode_a_refused_save_leaves_the_checkpoint_it_was_to_replace(
         # A check's own settings need no world: they failed only once the fit had started.
         ({"detectors": {"nan_inf": {"bogus": 1}}}, "detectors.nan_inf.bogus: unknown key"),
         ({"detectors": {"nan_inf": 3}}, "detectors.nan_inf: 3 is not a check's settings"),
+        # 0 fell back to the trainer's devices, where the Guard refuses it.
+        ({"ranks_per_node": 0}, "ranks_per_node: 0 is out of range"),
     ],
 )
 def test_bad_arguments_are_refused_when_the_callback_is_built(kwargs, message):

@@ -57,6 +57,7 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
+from harness.core.values import integer
 from harness.guard import Guard, selection
 from harness.guard.selection import Chosen
 
@@ -85,6 +86,8 @@ class SDCGuard(pl.Callback):
         warmup_steps: int = 3,
     ):
         selection.named(detectors, mode)  # fails here, where the callback is written
+        if ranks_per_node is not None:
+            integer("ranks_per_node", ranks_per_node, 1)
         self.options = dict(
             detectors=detectors, mode=mode, inject=inject, checkpoints=checkpoints,
             comm_hook=comm_hook, seed=seed, warmup_steps=warmup_steps,
@@ -101,9 +104,9 @@ class SDCGuard(pl.Callback):
             # The Trainer's weights are the alarmed fit's; its gate stays on (on_exception).
             raise RuntimeError(f"SDCGuard: an alarm ended this fit: {self.guard.alarm}")
         _refuse_unservable(trainer, pl_module)
-        per_node = self.ranks_per_node or int(
-            os.environ.get("SDC_RANKS_PER_NODE") or trainer.num_devices
-        )
+        per_node = self.ranks_per_node
+        if per_node is None:
+            per_node = int(os.environ.get("SDC_RANKS_PER_NODE") or trainer.num_devices)
         precision = trainer.strategy.precision_plugin
 
         watched, child = _watched(trainer.strategy, pl_module)
