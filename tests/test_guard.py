@@ -148,6 +148,16 @@ def test_a_rehearsal_that_can_never_strike_is_refused(one_rank):
         Guard(one_rank, inject=fault)
 
 
+def test_a_rehearsal_on_a_float64_model_is_refused(one_rank):
+    """Lightning's "64-true": a fault's bit, factor and value were bounded as float32's (bit 62
+    of a float64 gradient refused: "allowed: 0..31"), where the injector strikes the tensor's
+    own dtype. A rehearsal strikes the dtypes a campaign's workloads train in."""
+    fault = {"site": "grad", "model": "bitflip", "bit": 62, "ranks": [0], "steps": [1]}
+    double = DDP(nn.Linear(4, 2).double())
+    with pytest.raises(ValueError, match="^inject: a rehearsal strikes a model in float32, "):
+        Guard(double, inject=fault)
+
+
 class Blocks(nn.Module):
     """Layers in a container, whose own forward never runs, then a head."""
 

@@ -29,6 +29,8 @@ from injectors.sites import MODULE_SITES
 
 ALL = "all"
 Chosen = str | Iterable[str] | dict[str, dict[str, Any]]
+# The dtypes a rehearsal strikes, as a campaign names them.
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 @dataclass(frozen=True)
@@ -179,8 +181,13 @@ def rehearsal(
     module site names what only a forward shows (the products a module makes, their dtypes):
     the guard checks it on the loop's first forward, so it strikes from the second step on."""
     dtype = next(model.parameters()).dtype
+    if dtype not in _DTYPE_NAMES:  # its bits, factors and values would be bounded as float32's
+        raise ConfigError(
+            "inject", f"a rehearsal strikes a model in {', '.join(_DTYPE_NAMES.values())}; this "
+            f"one's parameters are {str(dtype).removeprefix('torch.')}"
+        )  # fmt: skip
     unbounded = WorkloadConfig(
-        name="custom", steps=2**31, dtype=_dtype_name(dtype), seed=0, micro_batches=1,
+        name="custom", steps=2**31, dtype=_DTYPE_NAMES[dtype], seed=0, micro_batches=1,
         micro_batch_size=1, lr=1.0,
     )  # fmt: skip
     if not isinstance(inject, Mapping):
@@ -218,7 +225,3 @@ def _reached(fault: FaultConfig, start_step: int) -> None:
             "module makes, their dtypes), as a campaign traces its model before it runs; "
             f"allowed: {start_step + 1} or later"
         )  # fmt: skip
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(dtype, "float32")
