@@ -292,10 +292,11 @@ class Detector(Plugin):
         computation, not for the state the steps before left: weights the update of step t-1
         corrupted show in step t's values, and optimizer state (Adam's moments) corrupted
         after step t-2's update reaches the weights at t-1's and the values only at t, each
-        after its own step's checkpoint was written. A check that alarms on a threshold (a
-        spread, a spike) may see a slowly growing corruption later still: this bounds what a
-        NaN or a jump shows. One that verifies only its own step's computation, or looks every
-        k steps, says otherwise. `checkpointed(s)`: whether a checkpoint followed step s."""
+        after its own step's checkpoint was written. This bounds what enters as a NaN or a
+        jump: a corruption that grows (a threshold crossed late, a finite weight fault that
+        overflows to NaN steps on) entered earlier still, and only a check that vouches for the
+        state (consensus, replay: their looks) bounds it. One that looks every k steps says
+        otherwise. `checkpointed(s)`: whether a checkpoint followed step s."""
         return max(alarm_step - 2, 0)
 
     @classmethod
