@@ -105,12 +105,17 @@ def steps_lost(
     bounds: tuple[Bound, ...], alarm: int, ttd: int, checkpoint_every: int, job_steps: float
 ) -> float:
     """The steps trained again after `bounds`' checks alarm together at step `alarm` of a trial,
-    `ttd` steps after the fault (module docstring), in a job of `job_steps` steps."""
-    listed = any(b.steps is not None for b in bounds)
+    `ttd` steps after the fault (module docstring), in a job of `job_steps` steps. A check at
+    listed steps keeps its distance back from the trial's alarm (a job has no such steps)."""
+    bounds = tuple(_distance(b, alarm, checkpoint_every) if b.steps else b for b in bounds)
     looks = math.lcm(1, *(b.every for b in bounds if b.every is not None))
-    # Only the alarm's place among periodic looks matters, unless a check looks at listed steps.
-    return _lost(bounds, alarm if listed else alarm % looks, looks, ttd, checkpoint_every,
-                 job_steps)  # fmt: skip
+    # Only the alarm's place among the periodic looks matters.
+    return _lost(bounds, alarm % looks, looks, ttd, checkpoint_every, job_steps)
+
+
+def _distance(b: Bound, alarm: int, checkpoint_every: int) -> Bound:
+    first = b.first_suspect(alarm, checkpoint_every)
+    return Bound(start=True) if first is None else Bound(back=alarm - first)
 
 
 @cache
@@ -119,24 +124,16 @@ def _lost(
 ) -> float:
     period = math.lcm(every, looks)
     # Far from the start, so that no bound is cut at step 0, and in the same place among the
-    # periodic looks; a listed look keeps its distance to the alarm.
+    # periodic looks.
     margin = 2 * (every + looks + ttd) + max(b.back for b in bounds)
     far = alarm + period * (margin // period + 1)
-    shift = far - alarm
     lost = []
     for j in range(period // looks):
         t = far + j * looks
-        firsts = [_first(b, t, shift, every) for b in bounds]
+        firsts = [b.first_suspect(t, every) for b in bounds]
         if any(s is None for s in firsts):
             return job_steps / 2
         first = min(*firsts, t - ttd)
         restore = every * (first // every) - 1  # the newest checkpoint before `first`
         lost.append(t - restore)
     return sum(lost) / len(lost)
-
-
-def _first(b: Bound, t: int, shift: int, every: int) -> int | None:
-    if b.steps is None:
-        return b.first_suspect(t, every)
-    at = b.first_suspect(t - shift, every)
-    return None if at is None else at + shift

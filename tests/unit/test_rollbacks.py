@@ -120,3 +120,14 @@ def test_the_steps_trained_again_by_hand():
     assert steps_lost((Bound(), replay), 50, 0, 500, job) == pytest.approx(326)
     # A check that vouches for no earlier step: the start, half the job.
     assert steps_lost((Bound(start=True), Bound()), 7, 0, 500, job) == job / 2
+
+
+def test_a_check_at_listed_steps_keeps_its_distance_back_from_the_alarm():
+    """Replay at steps 400 and 450 alarming at 450 suspects from 399, 51 back: a job has no
+    such steps, so the alarm keeps that distance wherever it falls between checkpoints (51 +
+    250.5 at 500-step checkpoints). Held to the listed steps themselves while the alarm moved,
+    most alarms fell where no audit was, 700.5."""
+    listed = Bound(offset=-1, steps=(400, 450))
+    assert steps_lost((listed,), 450, 0, 500, 1e7) == pytest.approx(51 + 250.5)
+    # No audit before the alarm: from the start.
+    assert steps_lost((Bound(offset=-1, steps=(450,)),), 450, 0, 500, 1e7) == 1e7 / 2
