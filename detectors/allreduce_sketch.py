@@ -359,7 +359,8 @@ class AllreduceSketch(Detector):
         whether the own slot changed, the received projection, the expected one and the bound),
         and at step 0 the sensitivity where the slots were `verified`. A rank that sent a
         contribution not finite (a NaN in its gradient) makes every receiver's sum NaN, the
-        reduction right: the slots name it."""
+        reduction right: the slots name it, where the received sum is not finite either (a
+        strike on one receiver's slots alone leaves its sum finite: that receiver is named)."""
         world, rank, index = self.info.world_size, self.info.rank, bucket.index
 
         def explain(values: list[float]) -> None:
@@ -371,7 +372,7 @@ class AllreduceSketch(Detector):
             if bad:
                 verdicts = {r: _tag_verdict(t, step) for r, t in bad.items()}
                 self.alert(step, "post_allreduce", sorted(bad), evidence | {"tags": verdicts})
-            elif senders and not was_changed:
+            elif senders and not was_changed and not math.isfinite(received):
                 reason = {"reason": "contribution not finite"}
                 self.alert(step, "post_allreduce", senders, evidence | reason)
             elif was_changed:

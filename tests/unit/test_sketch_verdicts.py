@@ -1,0 +1,50 @@
+"""allreduce_sketch's verdict on what a reduction handed each receiver, which ranks its alerts
+name: four ranks' riders made and their sum handed back in one process (the collective is not
+under test here; tests/test_campaigns.py has the NaN contribution in a real world)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from detectors.allreduce_sketch import AllreduceSketch
+from harness.core.events import Alert
+from harness.core.plugins import Bucket, DetectorContext, EventLog, RankInfo
+
+WORLD, STEP = 4, 3
+
+
+def _named(kernels: str, grads: list[torch.Tensor], struck_slot: int | None) -> list[list[int]]:
+    """Each receiver's alerts' suspects, the sum right; `struck_slot`: the rider slot holding
+    that sender's projection made NaN on receiver 1 alone, after the collective."""
+    data = tuple((r,) for r in range(WORLD))
+    ranks = []
+    for r in range(WORLD):
+        log = EventLog(r, r)
+        ctx = DetectorContext(RankInfo(r, WORLD, 1), torch.nn.Linear(2, 2), None, 10, data)
+        check = AllreduceSketch(AllreduceSketch.Config(kernels=kernels), ctx, log)
+        ranks.append((check, Bucket(0, grads[r].clone(), [], is_last=True), log))
+    summed = sum(c.rider(STEP, b) for c, b, _ in ranks)
+    named = []
+    for r, (check, bucket, log) in enumerate(ranks):
+        bucket.buffer.copy_(sum(grads))
+        riders = summed.clone()
+        if struck_slot is not None and r == 1:
+            riders[1 + WORLD + struck_slot] = float("nan")
+        bucket.riders[id(check)] = riders
+        check.on_reduced_grad(STEP, bucket)
+        log.verdicts.resolve()
+        named += [e.suspect_ranks for e in log.events if isinstance(e, Alert)]
+    return named
+
+
+@pytest.mark.parametrize("kernels", ["native", "eager"])
+def test_a_contribution_not_finite_names_its_sender_and_a_struck_slot_its_receiver(kernels):
+    """A NaN in rank 3's gradient, summed right: every receiver's sum is NaN, and each named
+    itself; the slots name rank 3. Sender 3's slot made NaN on receiver 1 alone (a rider
+    strike after the collective): receiver 1's sum is finite, and it names itself, not rank 3."""
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(4096, generator=gen) for _ in range(WORLD)]
+    poisoned = [*grads[:3], grads[3].clone().index_fill_(0, torch.tensor([7]), float("nan"))]
+    assert _named(kernels, poisoned, None) == [[3]] * WORLD
+    assert _named(kernels, grads, struck_slot=3) == [[1]]
