@@ -813,9 +813,10 @@ def test_an_alarm_on_megatron_hash_names_no_machine():
     with rank 0 corrupt at 2 ranks, rank 1 reports, and the alarm named host1 (exit 86,
     "restart without the suspect machines"), the healthy one; at 4 ranks three healthy ones.
     Its reports attribute nothing: exit 87, no machine named, and recovery suspects no rank on
-    its word (a check that attributes, alarming beside it, still names its own)."""
+    its word; a check that attributes, alarming beside it, names its own, in the guard's alarm
+    too where it alerted after megatron_hash in the same step."""
     from harness.campaign.recovery import attributed_ranks
-    from harness.guard.alarm import EXIT_UNATTRIBUTED
+    from harness.guard.alarm import EXIT_UNATTRIBUTED, first_check
 
     reports = [
         Alert(step=3, detector="megatron_hash", phase="consensus", suspect_ranks=[r],
@@ -832,6 +833,15 @@ def test_an_alarm_on_megatron_hash_names_no_machine():
     replay = Alert(step=3, detector="replay", phase="pre_allreduce", suspect_ranks=[0],
                    suspect_nodes=[0], evidence={}, rank=0, node=0)  # fmt: skip
     assert attributed_ranks([*reports, replay]) == {0}
+    # Consensus looks at the steps megatron_hash does, and alerted after it: the alarm was
+    # megatron_hash's, no machine named, where consensus's majority named rank 1.
+    consensus = Alert(step=3, detector="weight_consensus", phase="consensus", suspect_ranks=[1],
+                      suspect_nodes=[1], evidence={}, rank=0, node=0)  # fmt: skip
+    alarm = SDCAlarm(first_check([*reports[:1], consensus]), ["host0", "host1"], 0)
+    assert (alarm.detector, alarm.suspect_machines) == ("weight_consensus", ["host1"])
+    assert first_check(reports) == reports
+    # The first alert that names any decides, not the union of every alert's suspects.
+    assert attributed_ranks([replay, consensus]) == {0}
 
 
 def test_the_alarms_suspect_interval_is_the_earliest_any_alert_puts_in_doubt():

@@ -24,6 +24,20 @@ QUARANTINE = "quarantine.json"
 SUSPECT = "suspect"
 
 
+def first_check(found: list[Alert]) -> list[Alert]:
+    """The alerts an alarm reports, of `found` (in the order they were raised): those of the
+    first check at its step, the first whose alerts attribute where one alarmed at that step
+    (megatron_hash looks at the steps weight_consensus does, and was first to alert there,
+    its reports hiding the majority's culprit)."""
+    step = found[0].step
+    first = next((a for a in found if a.step == step and _attributes(a)), found[0])
+    return [a for a in found if (a.step, a.detector) == (first.step, first.detector)]
+
+
+def _attributes(alert: Alert) -> bool:
+    return detectors.detector_class(alert.detector).attributes
+
+
 class SDCAlarm(RuntimeError):
     """A check in act mode found silent data corruption; every rank raises it together."""
 
@@ -36,7 +50,7 @@ class SDCAlarm(RuntimeError):
         self.phase = first.phase
         # One check's alerts at one step, from every rank: a wrong reduction alarms everyone.
         # Those of a check whose alerts attribute nothing (megatron_hash's) name no suspect.
-        named = [a for a in alerts if detectors.detector_class(a.detector).attributes]
+        named = [a for a in alerts if _attributes(a)]
         self.suspect_ranks = sorted({r for a in named for r in a.suspect_ranks})
         self.suspect_nodes = sorted({n for a in named for n in a.suspect_nodes})
         self.suspect_machines = sorted({machines[r] for r in self.suspect_ranks})

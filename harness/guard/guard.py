@@ -40,7 +40,7 @@ from harness.core.stopwatch import HOOK, Stopwatch
 from harness.core.values import integer
 from harness.errors import ConfigError
 from harness.guard import selection
-from harness.guard.alarm import SDCAlarm, quarantine, suspected
+from harness.guard.alarm import SDCAlarm, first_check, quarantine, suspected
 from harness.results.costs import CheckCost, JobCosts, combined, priced
 from harness.runtime import checkpoint, comm
 from harness.runtime.assembly import assemble
@@ -429,11 +429,8 @@ class Guard:
             (a for alerts in inflight.gather_objects(mine) for a in alerts),
             key=lambda a: (a.step, PHASE_ORDER[a.phase], a.time),
         )
-        first = found[0]
-        key = (first.step, first.detector)
-        same = [a for a in found if (a.step, a.detector) == key]
         since = recovery.earliest_suspect(found, self.checks, self.checkpointed.__contains__)
-        return SDCAlarm(same, self.machines, since)
+        return SDCAlarm(first_check(found), self.machines, since)
 
 
 def _module_fault(
