@@ -1,8 +1,8 @@
 """`grad_stats`: every step, cheap statistics compared across ranks: each bucket's gradient norm
 and the loss ride on the bucket's allreduce (one slot per rank, so the sum is a gather for
 free). A rank whose log-norm is a robust outlier (distance from the median over `threshold`
-median absolute deviations, and at least `min_ratio` times off) is suspect (of two ranks, both:
-neither stands out from the other); a loss above
+median absolute deviations, and at least `min_ratio` times off) is suspect (of two ranks, neither
+stands out from the other: an alarm naming none); a loss above
 `spike` times the running maximum of earlier losses is a spike. Its false positive rate on clean
 runs is measured in the campaigns, not assumed.
 
@@ -91,7 +91,7 @@ class GradStats(Detector):
         norms, losses = table[:, 0].double(), table[:, 1].double()
         if bucket.is_last:
             self.losses = []
-        suspects = self._outliers(norms)
+        broken, suspects = self._outliers(norms)
         index = bucket.index
 
         def explain(values: list[float]) -> None:
@@ -99,25 +99,25 @@ class GradStats(Detector):
             ranks = [r for r, s in enumerate(values[world:]) if s]
             self.alert(step, "post_allreduce", ranks, {"bucket": index, "norms": values[:world]})
 
-        self.defer(step, "post_allreduce", suspects.any(), explain,
+        self.defer(step, "post_allreduce", broken, explain,
                    torch.cat([norms, suspects.double()]))  # fmt: skip
         if bucket.index == 0:
             self._spikes(step, losses)
 
-    def _outliers(self, norms: torch.Tensor) -> torch.Tensor:
-        """Which ranks are suspect: those with a non-finite norm if any, else the outliers. Of
-        two ranks neither stands out from the other: both, where they are too far apart (torch's
-        median of two is the lower, and named the higher alone, healthy where the fault shrank
-        the other's gradient)."""
+    def _outliers(self, norms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Whether some rank's norm is off, and which ranks are suspect: those with a non-finite
+        norm if any, else the outliers. Of two finite norms too far apart neither stands out
+        from the other: an alarm that names no rank (torch's median of two is the lower, and
+        the higher was named alone, healthy where the fault shrank the other's gradient)."""
         finite = torch.isfinite(norms)
         logs = norms.clamp_min(1e-30).log()
         median = logs.median()
         mad = (logs - median).abs().median()
         spread = (mad * self.config.threshold).clamp_min(math.log(self.config.min_ratio))
-        far = (logs - median).abs() > spread
+        named = torch.where(finite.all(), (logs - median).abs() > spread, ~finite)
         if len(norms) == 2:
-            far = far.any().expand(2)
-        return torch.where(finite.all(), far, ~finite)
+            return named.any(), named & ~finite.all()
+        return named.any(), named
 
     def _spikes(self, step: int, losses: torch.Tensor) -> None:
         limit = self.config.spike * self.running_max

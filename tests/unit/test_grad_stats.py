@@ -29,9 +29,10 @@ def _suspects(norms: list[float]) -> list[list[int]]:
     [
         # Rank 1's gradient scaled by 0.001 in a world of 2: the median of two is the lower,
         # rank 1's, so rank 0 stood out and was named alone, the healthy one. Of two, neither
-        # is the odd one out: both.
-        ([0.267, 0.0017], [[0, 1]]),
-        ([0.267, 267.0], [[0, 1]]),
+        # is the odd one out: an alarm naming none (recovery rolls back without quarantining a
+        # node, the guard's alarm exits 87; naming both quarantined every node).
+        ([0.267, 0.0017], [[]]),
+        ([0.267, 267.0], [[]]),
         ([0.267, 0.27], []),
         # A norm not finite names its rank, whatever the world.
         ([0.267, float("inf")], [[1]]),
