@@ -321,13 +321,8 @@ def check_bounds(trials: pd.DataFrame) -> list[dict[str, Bound]]:
     """Each trial's checks' rollback bounds (rollbacks.bound), at their settings as its run's
     campaign.json records them for it; where the folder has none (a table made by hand), at
     the trial's intervals and the checks' defaults otherwise."""
-    settings: dict[str, dict[str, dict[str, dict]]] = {}
-    for run in trials["run"].unique() if "run" in trials else ():
-        record = RunFolder(Path(run)).campaign_record() or {}
-        run_checks = record.get("detectors") or {}
-        settings[run] = {
-            t["trial_id"]: t.get("checks") or run_checks for t in record.get("trials", [])
-        }
+    runs = trials["run"].unique() if "run" in trials else ()
+    settings = {run: RunFolder(Path(run)).trial_checks() for run in runs}
     found = []
     for row in trials.itertuples(index=False):
         run = getattr(row, "run", None)

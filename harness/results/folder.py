@@ -77,3 +77,10 @@ class RunFolder:
             return json.loads(self.campaign.read_text())
         except (OSError, ValueError):
             return None
+
+    def trial_checks(self) -> dict[str, dict[str, dict[str, Any]]]:
+        """Each trial's checks' settings as campaign.json records them (its scenario's, else
+        the run's), by trial id; empty where the folder has no readable campaign.json."""
+        record = self.campaign_record() or {}
+        run_checks = record.get("detectors") or {}
+        return {t["trial_id"]: t.get("checks") or run_checks for t in record.get("trials", [])}
