@@ -5,6 +5,7 @@ ranks (the harness's own GPT, the comm hooks, FSDP and 4 ranks in the slow set).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -13,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 import detectors
 from harness.guard import EXIT_SUSPECT_HARDWARE, Guard
@@ -253,21 +255,30 @@ def test_a_setting_the_example_cannot_run_exits_2_on_every_rank_in_one_line(tmp_
     assert not (tmp_path / "summary.json").exists()
 
 
-def test_a_value_the_example_cannot_train_with_exits_2_before_any_process_group(tmp_path):
-    """Refused where the arguments are read: `--checkpoint-every 0` trained a step and died of
-    a ZeroDivisionError on every rank, -2 checkpointed every 2 steps, `--clip -1` turned every
-    gradient (clip_grad_norm_ scaled by a negative factor: the loss rose), and `--hidden 66` with
-    4 heads crashed in the first forward."""
-    for args, error in [
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
         (("--checkpoint-every", "0"), "--checkpoint-every: 0 must be at least 1"),
         (("--checkpoint-every", "-2"), "--checkpoint-every: -2 must be at least 1"),
         (("--clip", "-1"), "--clip: -1.0 must be above 0"),
         (("--hidden", "66"), "--hidden: 66 must be a multiple of --heads 4"),
-    ]:
-        proc = subprocess.run(
-            [sys.executable, str(EXAMPLE), "--out", str(tmp_path), *args],
-            capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
-        lines = [line for line in proc.stderr.splitlines() if "train_guarded.py: error:" in line]
-        assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
-        assert f"train_guarded.py: error: {error}" in lines[0]
+    ],
+)
+def test_a_value_the_example_cannot_train_with_exits_2_before_any_process_group(
+    tmp_path, monkeypatch, capsys, args, error
+):
+    """Refused where the arguments are read, in this process (no group is made before):
+    `--checkpoint-every 0` trained a step and died of a ZeroDivisionError on every rank, -2
+    checkpointed every 2 steps, `--clip -1` turned every gradient (clip_grad_norm_ scaled by a
+    negative factor: the loss rose), and `--hidden 66` with 4 heads crashed in the first
+    forward."""
+    spec = importlib.util.spec_from_file_location("train_guarded", EXAMPLE)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    monkeypatch.setattr(sys, "argv", ["train_guarded.py", "--out", str(tmp_path), *args])
+    monkeypatch.setenv("SDC_NODE_NAME", "host{node}")  # what main sets, undone after the test
+    with pytest.raises(SystemExit) as refused:
+        example.main()
+    assert refused.value.code == 2 and not dist.is_initialized()
+    lines = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(lines) == 1 and lines[0].startswith(f"train_guarded.py: error: {error}"), lines
