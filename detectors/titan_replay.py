@@ -18,10 +18,11 @@ so training is undisturbed. The suspect is the rank itself. The micro-batches co
 `ctx.replay_data` as replay's do: regenerated in campaigns; in a user's loop, those the rank kept
 with `guard.audit_batch` (nothing is shipped: each rank replays its own).
 
-Cost per step (sdc-plan): bytes = B*N, flops = 0, train = 6*N*t: on a checked step, the step's
-forward and backward again and an XOR fold of the gradients. Priced as checking every step
-(num_steps -1): with the default num_steps 1 a long job pays it once, so for such a job the
-estimate is an upper bound (the symbols: harness/analysis/estimates.py).
+Cost per step (sdc-plan): bytes = B*N*r, flops = 0, train = 6*N*t*r: on a checked step, the
+step's forward and backward again and an XOR fold of the gradients, `num_replays` (r) times.
+Priced as checking every step (num_steps -1): with the default num_steps 1 a long job pays it
+once, so for such a job the estimate is an upper bound (the symbols:
+harness/analysis/estimates.py).
 """
 
 from __future__ import annotations

@@ -14,8 +14,9 @@ fingerprints the shards it holds, and shard i of every group is compared with sh
 others (the ranks at the same place in their shard groups), so a strict majority needs three
 groups. Under FSDP there is no replica to compare, and the check does not apply.
 
-Cost per step (sdc-plan): bytes = B*N/k, flops = 0: one fingerprint read of the weights every k
-steps (the symbols: harness/analysis/estimates.py).
+Cost per step (sdc-plan): bytes = B*N*m/k, flops = 0: one fingerprint read of the weights every k
+steps, and of Adam's two moments with `optimizer_state` (m: 3, else 1; the symbols:
+harness/analysis/estimates.py).
 """
 
 from __future__ import annotations

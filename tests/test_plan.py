@@ -26,11 +26,13 @@ import pandas as pd
 import pytest
 
 from harness.analysis import plan_report, report, tables
+from harness.analysis.estimates import JobShape
 from harness.analysis.plan import (
     LLAMA3_RATE,
     Job,
     Overheads,
     amortized,
+    estimated_overheads,
     load,
     over_dtypes,
     overheads,
@@ -634,3 +636,16 @@ def test_a_crash_fault_is_no_sdc_event(tmp_path):
     folder = write_run(tmp_path / "run", [harmful, crash], [("nan_inf", "", 1.0, "")])
     result = plan(*load([folder]), HAND)
     assert {o.name: o.escaped for o, _ in result.ranked} == {"nan_inf": (1, 1), "no checks": (1, 1)}
+
+
+def test_an_estimated_cost_reads_the_checks_settings(tmp_path):
+    """`--gpu`'s formulas read the interval alone: consensus fingerprinting Adam's two moments
+    with the weights (`optimizer_state`, as campaign.json records it) reads three times the
+    bytes, and was priced as the weights alone."""
+    shape = JobShape("h100", 70e9, 4e6)
+    priced = {}
+    for optimizer_state in (False, True):
+        trials, _ = load([_consensus_run(tmp_path / f"run-{optimizer_state}", optimizer_state)])
+        priced[optimizer_state] = estimated_overheads(shape, trials).at[("weight_consensus", "10")]
+    assert priced[True] == pytest.approx(3 * priced[False])
+    assert priced[False] == pytest.approx(shape.overhead_pct("weight_consensus", 10))

@@ -14,6 +14,9 @@ the model between them, by tensor, pipeline or expert parallelism):
     k  the check's audit interval in steps (1: every step)
     B  4: bytes of a float32 gradient, weight or master element
     A  2: bytes of a bfloat16 product's operand or output
+    m  what a weight fingerprint reads per parameter: 3 with weight_consensus's
+       `optimizer_state` (the weights and Adam's two moments), else 1
+    r  titan_replay's `num_replays`: the step's forward and backward run that many times again
 
 matmul_checksum's products: per token a transformer layer's linear maps read and write
 sum(d_in + d_out) = 18 d elements (q, k, v, o: 2 d each; a 4 d MLP: 5 d each way), against
@@ -31,7 +34,9 @@ products are outside `matmul_checksum`'s estimate (a fused kernel never forms th
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 # Dense BF16 tensor-core throughput (no sparsity) and HBM bandwidth, per GPU, from NVIDIA's data
 # sheets: H100 SXM5 80 GB, H200 SXM 141 GB, and B200 (HGX B200, per GPU).
@@ -54,19 +59,24 @@ FORMULAS: dict[str, dict[str, str]] = {
     "nan_inf": {"bytes": "2*B*N", "flops": "0"},
     "grad_stats": {"bytes": "B*N", "flops": "2*N"},
     "allreduce_sketch": {"bytes": "2*B*N", "flops": "4*N"},
-    "weight_consensus": {"bytes": "B*N/k", "flops": "0"},
+    "weight_consensus": {"bytes": "B*N*m/k", "flops": "0"},
     "gather_consensus": {"bytes": "B*N/k", "flops": "0"},
     "megatron_hash": {"bytes": "B*N/k", "flops": "0", "host": "B*N/k"},
     "spiky_loss": {"bytes": "0", "flops": "0"},
     "replay": {"bytes": "B*N/k", "flops": "0", "train": "6*N*t/k"},
     # Every step (num_steps -1): an upper bound for its default, the first step only.
-    "titan_replay": {"bytes": "B*N", "flops": "0", "train": "6*N*t"},
+    "titan_replay": {"bytes": "B*N*r", "flops": "0", "train": "6*N*t*r"},
     "matmul_checksum": {"bytes": "2*A*(N + 1.5*N*t/d)/k", "flops": "4*(N + 1.5*N*t/d)/k"},
 }
 
 
 class EstimateError(ValueError):
     """Bad input: one line, exit 2."""
+
+
+def setting_symbols(settings: Mapping[str, Any]) -> dict[str, float]:
+    """m and r of a check's settings (the module docstring)."""
+    return {"m": 3 if settings.get("optimizer_state") else 1, "r": settings.get("num_replays", 1)}
 
 
 def docstring_line(name: str) -> str:
@@ -108,25 +118,31 @@ class JobShape:
     def tokens_per_replica(self) -> float:
         return self.tokens_per_step / self.replicas
 
-    def symbols(self, k: int = 1) -> dict[str, float]:
+    def symbols(self, k: int = 1, settings: Mapping[str, Any] | None = None) -> dict[str, float]:
         t = self.tokens_per_replica
-        return {"N": self.params, "t": t, "d": self.hidden, "k": k, "B": B, "A": A}
+        return {"N": self.params, "t": t, "d": self.hidden, "k": k, "B": B, "A": A,
+                **setting_symbols(settings or {})}  # fmt: skip
 
-    def seconds(self, terms: dict[str, str], k: int = 1) -> float:
+    def seconds(
+        self, terms: dict[str, str], k: int = 1, settings: Mapping[str, Any] | None = None
+    ) -> float:
         """One replica's seconds per step for `terms`, as if on a single GPU of the kind (the
         replica's GPUs divide the check and the step alike)."""
         _, bandwidth, peak, _ = GPUS[self.gpu]
         rates = {"bytes": bandwidth, "flops": peak, "host": HOST_RATE, "train": peak * self.mfu}
-        values = self.symbols(k)
+        values = self.symbols(k, settings)
         return sum(evaluate(expr, values) / rates[term] for term, expr in terms.items())
 
     @property
     def step_seconds(self) -> float:
         return self.seconds({"train": "6*N*t"})
 
-    def overhead_pct(self, check: str, k: int = 1) -> float:
-        """`check`'s estimated cost at interval k, in percent of the step."""
-        return 100 * self.seconds(FORMULAS[check], k) / self.step_seconds
+    def overhead_pct(
+        self, check: str, k: int = 1, settings: Mapping[str, Any] | None = None
+    ) -> float:
+        """`check`'s estimated cost at interval k and its `settings` (campaign.json's), in
+        percent of the step."""
+        return 100 * self.seconds(FORMULAS[check], k, settings) / self.step_seconds
 
     def describe(self) -> str:
         name, bandwidth, peak, source = GPUS[self.gpu]

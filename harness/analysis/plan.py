@@ -31,6 +31,7 @@ import itertools
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
@@ -318,23 +319,24 @@ def _unseen(bounds: dict[str, Bound], checks: tuple[str, ...], longest: int) -> 
 
 
 def check_bounds(trials: pd.DataFrame) -> list[dict[str, Bound]]:
-    """Each trial's checks' rollback bounds (rollbacks.bound), at their settings as its run's
-    campaign.json records them for it; where the folder has none (a table made by hand), at
-    the trial's intervals and the checks' defaults otherwise."""
+    """Each trial's checks' rollback bounds (rollbacks.bound) at their settings."""
+    return [{name: bound(name, p) for name, p in on.items()} for on in check_settings(trials)]
+
+
+def check_settings(trials: pd.DataFrame) -> list[dict[str, dict[str, Any]]]:
+    """Each trial's checks' settings, as its run's campaign.json records them for it; where the
+    folder has none (a table made by hand), the trial's intervals and the checks' defaults."""
     runs = trials["run"].unique() if "run" in trials else ()
     settings = {run: RunFolder(Path(run)).trial_checks() for run in runs}
     found = []
     for row in trials.itertuples(index=False):
         run = getattr(row, "run", None)
-        recorded = settings.get(run, {}).get(getattr(row, Column.trial_id))
+        recorded = settings.get(run, {}).get(getattr(row, Column.trial_id)) or {}
         every = pairs(getattr(row, Column.check_intervals))
         on = [d for d in getattr(row, Column.detectors).split(";") if d]
         found.append(
-            {
-                name: bound(name, recorded[name] if recorded and name in recorded
-                            else ({"interval": every[name]} if name in every else {}))
-                for name in on
-            }
+            {name: recorded.get(name) or ({"interval": every[name]} if name in every else {})
+             for name in on}
         )  # fmt: skip
     return found
 
@@ -495,12 +497,15 @@ def estimated_overheads(shape: JobShape, trials: pd.DataFrame) -> Overheads:
             f"--gpu: no cost formula for '{missing[0]}', which the run's trials ran; formulas "
             f"exist for {', '.join(sorted(FORMULAS))} (measure it in the job: --costs FILE)"
         )
-    every = fired_faults(trials)["every"]
+    fired = fired_faults(trials)
     at, per_run = {}, {}
     for name in ran:
-        per_run[name] = shape.overhead_pct(name)
-        for k in {""} | {str(e[name]) for e in every if name in e}:
-            at[(name, k)] = shape.overhead_pct(name, int(k) if k else 1)
+        # At the dearest of the settings the run's trials gave it (the moments fingerprinted
+        # too, several replays), which an option of its interval alone cannot tell apart.
+        ran_with = [on[name] for on in check_settings(fired) if name in on] or [{}]
+        per_run[name] = max(shape.overhead_pct(name, settings=p) for p in ran_with)
+        for k in {""} | {str(e[name]) for e in fired["every"] if name in e}:
+            at[(name, k)] = max(shape.overhead_pct(name, int(k) if k else 1, p) for p in ran_with)
     return Overheads(at, per_run, [], 0.0, estimate=shape)
 
 

@@ -33,7 +33,7 @@ def recomputed(name: str, k: int = 1) -> float:
     """The check's overhead in percent of a step, from its docstring alone."""
     t = T / REPLICAS
     d = (128 * N / 12) ** (1 / 3)
-    symbols = {"N": N, "t": t, "d": d, "k": k, "B": 4, "A": 2}
+    symbols = {"N": N, "t": t, "d": d, "k": k, "B": 4, "A": 2, "m": 1, "r": 1}
     rate = {"bytes": BANDWIDTH, "flops": PEAK, "host": HOST, "train": PEAK * MFU}
     seconds = sum(eval(e, {}, symbols) / rate[term] for term, e in stated(name).items())
     return 100 * seconds / (6 * N * t / (PEAK * MFU))
