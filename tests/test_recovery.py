@@ -167,6 +167,13 @@ def test_a_nan_one_rank_contributed_quarantines_that_rank_not_those_the_sketch_n
     got = dict(zip(faults, rows(out), strict=True))
     gradient = got["gradient"]
     assert gradient["first_detector"] == "nan_inf" and gradient["suspect_ranks"] == "3"
+    sketch = [
+        e for e in events(out)
+        if e["kind"] == "alert" and e["trial_id"] == gradient["trial_id"]
+        and e["detector"] == "allreduce_sketch" and e["step"] == 6
+    ]  # fmt: skip
+    assert {e["rank"] for e in sketch} == {0, 1, 2, 3}, "every receiver alarms"
+    assert all(e["suspect_ranks"] == [3] for e in sketch), "from the sender's slot"
     assert gradient["quarantined_nodes"] == "3" and gradient["restore_step"] == "3"
     if "weight" in got:
         weight = got["weight"]
