@@ -329,8 +329,7 @@ class AllreduceSketch(Detector):
             off = not abs(got - expected) <= bound  # not ">": a NaN cannot be verified
             broken = torch.tensor(wrong or changed or off)
             verified = torch.tensor(not (wrong or changed))
-            sent = [not math.isfinite(p) for p in projections]
-            detail = torch.tensor([*tags, *sent, changed, got, expected, bound],
+            detail = torch.tensor([*tags, *projections, changed, got, expected, bound],
                                   dtype=torch.float64)  # fmt: skip
         else:
             slot = bucket.riders[id(self)]
@@ -342,8 +341,7 @@ class AllreduceSketch(Detector):
             bound = tolerance(norms.double(), n, self.rtol, rho, alpha)
             off = ~((got - expected).abs() <= bound)
             broken, verified = wrong | changed | off, ~(wrong | changed)
-            sent = ~torch.isfinite(projections)
-            detail = torch.cat([tags.double(), sent.double(),
+            detail = torch.cat([tags.double(), projections.double(),
                                 torch.stack([changed.double(), got, expected, bound])])  # fmt: skip
         self._judge(step, bucket, broken, verified, detail)
 
@@ -355,8 +353,8 @@ class AllreduceSketch(Detector):
         verified: torch.Tensor,
         detail: torch.Tensor,
     ) -> None:
-        """The verdict (`detail`: the tags, whether each rank's projection was not finite, then
-        whether the own slot changed, the received projection, the expected one and the bound),
+        """The verdict (`detail`: the tags, each rank's projection, then whether the own slot
+        changed, the received projection, the expected one and the bound),
         and at step 0 the sensitivity where the slots were `verified`. A rank that sent a
         contribution not finite (a NaN in its gradient) makes every receiver's sum NaN, the
         reduction right: the slots name it, where the received sum is not finite either (a
@@ -364,11 +362,11 @@ class AllreduceSketch(Detector):
         world, rank, index = self.info.world_size, self.info.rank, bucket.index
 
         def explain(values: list[float]) -> None:
-            tag_values, sent = values[:world], values[world : 2 * world]
+            tag_values, projections = values[:world], values[world : 2 * world]
             was_changed, received, summed, limit = values[2 * world :]
             evidence = {"bucket": index}
             bad = {r: t for r, t in enumerate(tag_values) if t != step + 1}
-            senders = [r for r, s in enumerate(sent) if s]
+            senders = [r for r, p in enumerate(projections) if not math.isfinite(p)]
             if bad:
                 verdicts = {r: _tag_verdict(t, step) for r, t in bad.items()}
                 self.alert(step, "post_allreduce", sorted(bad), evidence | {"tags": verdicts})

@@ -242,13 +242,14 @@ def loss(option: Option, job: Job) -> Loss:
 
 def fired_faults(trials: pd.DataFrame) -> pd.DataFrame:
     """The fired trials but crashes (no SDC), with the columns `measured` reads as sets and
-    mappings, and each check's rollback bound (`bounds`)."""
+    mappings, and each check's settings (`settings`) and rollback bound (`bounds`)."""
     fired = trials[trials[Column.fired] == True].copy()  # noqa: E712 (a column of booleans)
     fired = fired[fired[Column.model] != CRASH]
     fired["on"] = fired[Column.detectors].map(lambda s: frozenset(d for d in s.split(";") if d))
     fired["every"] = fired[Column.check_intervals].map(pairs)
     fired["found"] = fired[Column.detect_steps].map(pairs)
-    fired["bounds"] = check_bounds(fired)
+    fired["settings"] = check_settings(fired)
+    fired["bounds"] = fired["settings"].map(lambda on: {n: bound(n, p) for n, p in on.items()})
     fired["damaged"] = damaged(fired)
     # The fault's label (the trial id without its scenario's place, harness/config/load.py):
     # it holds what the columns do not, such as a fault model's own settings.
@@ -316,11 +317,6 @@ def measured(fired: pd.DataFrame, checks: tuple[str, ...], cost: Overheads) -> l
 def _unseen(bounds: dict[str, Bound], checks: tuple[str, ...], longest: int) -> Catch:
     """A catch by every member at once, `longest` steps after the fault."""
     return Catch(1.0, tuple(bounds[c] for c in checks), longest, longest)
-
-
-def check_bounds(trials: pd.DataFrame) -> list[dict[str, Bound]]:
-    """Each trial's checks' rollback bounds (rollbacks.bound) at their settings."""
-    return [{name: bound(name, p) for name, p in on.items()} for on in check_settings(trials)]
 
 
 def check_settings(trials: pd.DataFrame) -> list[dict[str, dict[str, Any]]]:
@@ -502,10 +498,11 @@ def estimated_overheads(shape: JobShape, trials: pd.DataFrame) -> Overheads:
     for name in ran:
         # At the dearest of the settings the run's trials gave it (the moments fingerprinted
         # too, several replays), which an option of its interval alone cannot tell apart.
-        ran_with = [on[name] for on in check_settings(fired) if name in on] or [{}]
-        per_run[name] = max(shape.overhead_pct(name, settings=p) for p in ran_with)
+        ran_with = [on[name] for on in fired["settings"] if name in on] or [{}]
+        dearest = max(ran_with, key=lambda p: shape.overhead_pct(name, settings=p))
+        per_run[name] = shape.overhead_pct(name, settings=dearest)
         for k in {""} | {str(e[name]) for e in fired["every"] if name in e}:
-            at[(name, k)] = max(shape.overhead_pct(name, int(k) if k else 1, p) for p in ran_with)
+            at[(name, k)] = shape.overhead_pct(name, int(k) if k else 1, dearest)
     return Overheads(at, per_run, [], 0.0, estimate=shape)
 
 

@@ -230,11 +230,12 @@ def _suspect_ranks(outcome: TrialResult, alerts: list[TrialAlert], stop: int) ->
 def attributed_ranks(alerts: Sequence[Alert | TrialAlert]) -> set[int]:
     """The ranks the first alert that names any names, among those of checks whose alerts
     attribute (`Detector.attributes`)."""
-    named = (a.suspect_ranks for a in alerts if a.suspect_ranks and _attributes(a.detector))
+    named = (a.suspect_ranks for a in alerts if a.suspect_ranks and attributes(a.detector))
     return set(next(named, []))
 
 
-def _attributes(name: str) -> bool:
+def attributes(name: str) -> bool:
+    """Whether check `name`'s alerts name culprits (`Detector.attributes`)."""
     return detectors.detector_class(name).attributes
 
 

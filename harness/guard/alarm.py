@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import detectors
+from harness.campaign.recovery import attributes
 from harness.core.events import Alert
 from harness.runtime import checkpoint
 
@@ -30,12 +30,8 @@ def first_check(found: list[Alert]) -> list[Alert]:
     (megatron_hash looks at the steps weight_consensus does, and was first to alert there,
     its reports hiding the majority's culprit)."""
     step = found[0].step
-    first = next((a for a in found if a.step == step and _attributes(a)), found[0])
+    first = next((a for a in found if a.step == step and attributes(a.detector)), found[0])
     return [a for a in found if (a.step, a.detector) == (first.step, first.detector)]
-
-
-def _attributes(alert: Alert) -> bool:
-    return detectors.detector_class(alert.detector).attributes
 
 
 class SDCAlarm(RuntimeError):
@@ -50,7 +46,7 @@ class SDCAlarm(RuntimeError):
         self.phase = first.phase
         # One check's alerts at one step, from every rank: a wrong reduction alarms everyone.
         # Those of a check whose alerts attribute nothing (megatron_hash's) name no suspect.
-        named = [a for a in alerts if _attributes(a)]
+        named = [a for a in alerts if attributes(a.detector)]
         self.suspect_ranks = sorted({r for a in named for r in a.suspect_ranks})
         self.suspect_nodes = sorted({n for a in named for n in a.suspect_nodes})
         self.suspect_machines = sorted({machines[r] for r in self.suspect_ranks})
