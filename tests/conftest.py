@@ -47,41 +47,46 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ["SDC_BENCH_CACHE"] = config.golden_store
 
 
-# The test files that take longest, longest first (seconds in one run on 2 cores, 2026-12-05:
-# 96, 76, 71, 49, 47, 37, 36, 35, 32, 30, 29, 29, 29, 28, 27, 26, 26, 25, 24, 22, 22, 21, 20,
-# then 19 to 10). scripts/test.sh hands out files in this order (--dist=loadfile
-# --no-loadscope-reorder) and a worker takes the next file when it runs low, so the long files
-# start first and the many short ones even out the end, instead of a long file starting last
-# while the other worker idles.
+# The test files that take longest, longest first (seconds in one run on 2 cores under three
+# workers, 2026-12-07: 141, 93, 92, 88, 70, 67, 58, 51, 48, 44, 43, 37, 36, 34, 34, 31, 30, 28,
+# 28, 26, 25, 23, 22, 21, 17, then 16 to 11). scripts/test.sh hands out files in this order
+# (--dist=loadfile --no-loadscope-reorder) and a worker takes the next file when it runs low, so
+# the long files start first and the many short ones even out the end, instead of a long file
+# starting last while the other worker idles.
 LONGEST_FIRST = (
     "test_robustness.py",
-    "test_multihost.py",
     "test_parallel.py",
-    "test_recovery.py",
-    "test_detectors.py",
-    "test_golden_store.py",
-    "test_matmul_checksum.py",
+    "test_multihost.py",
     "test_campaigns.py",
+    "test_recovery.py",
+    "test_config_errors.py",
+    "test_matmul_checksum.py",
+    "test_injectors.py",
+    "test_guarded_example.py",
+    "test_benchmarks_quick.py",
+    "test_plugin_packages.py",
+    "test_hf_trainer.py",
+    "test_lightning.py",
     "test_recipes.py",
+    "test_sweep.py",
+    "test_detectors.py",
+    "test_replica_groups.py",
     "test_sharding.py",
     "test_verdicts.py",
-    "test_guarded_example.py",
-    "test_hf_trainer.py",
-    "test_sweep.py",
-    "test_injectors.py",
+    "test_golden_store.py",
     "test_user_models.py",
-    "test_benchmarks_quick.py",
-    "test_config_errors.py",
-    "test_replica_groups.py",
-    "test_lightning.py",
-    "test_plugin_packages.py",
+    "test_custom.py",
     "test_guard_loops.py",
     "test_environment.py",
-    "test_custom.py",
-    "test_campaign.py",
-    "test_trainer.py",
+    "test_defective_unit.py",
+    "test_guard.py",
     "test_config.py",
+    "test_slurm_script.py",
+    "test_campaign.py",
     "test_rank_server.py",
+    "test_devices.py",
+    "test_regress.py",
+    "test_overhead.py",
 )
 
 

@@ -99,6 +99,7 @@ def test_other_checks_reuse_the_results_but_not_the_snapshots_their_state_is_in(
     assert without_timing(rows(tmp_path / "off")) == without_timing(rows(tmp_path / "b"))
 
 
+@pytest.mark.slow  # 10 s: the default run keeps the reuse across two campaigns above
 def test_a_sweep_of_three_fault_settings_runs_each_golden_once(tmp_path):
     store = tmp_path / "store"
     proc = sdc_bench(

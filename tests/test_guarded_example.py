@@ -236,8 +236,10 @@ def test_under_fsdp_a_rehearsal_quarantines_and_a_restart_resumes_from_the_shard
     [
         (("--parallel", "hsdp", "--shard-size", "2"),
          "--shard-size: 2 must divide the world of 2 ranks into two or more groups"),
-        (("--parallel", "hsdp", "--shard-size", "0"),  # a ZeroDivisionError traceback
-         "--shard-size: 0 must divide the world of 2 ranks"),
+        # A ZeroDivisionError traceback. In the slow set (8 s): the default run keeps the same
+        # refusal of a shard size above.
+        pytest.param(("--parallel", "hsdp", "--shard-size", "0"),
+                     "--shard-size: 0 must divide the world of 2 ranks", marks=pytest.mark.slow),
         # Checked on the loop's first forward: bit 25 of a bfloat16 product (--amp) crashed the
         # striking rank at its step with an int16 overflow, the others on a closed connection.
         (("--parallel", "fsdp", "--amp", "--inject", json.dumps(

@@ -143,8 +143,9 @@ NANS = {
         (("workload=gpt", "workload.micro_batch_size=8", "workload.context=32",
           "workload.precision=bf16-mixed"), ("gradient", "weight", "moment")),
         # The transformers Llama with the LLM recipe (bf16-mixed, clipping, warmup and cosine):
-        # the gradient's, whose suspects the sketch's alerts put in doubt.
-        (("workload=llama",), ("gradient",)),
+        # the gradient's, whose suspects the sketch's alerts put in doubt. In the slow set (18 s):
+        # the default run keeps the gpt world above, in bfloat16 over 1 MiB.
+        pytest.param(("workload=llama",), ("gradient",), marks=pytest.mark.slow),
     ],
     ids=["gpt-bf16-mixed", "llama"],
 )  # fmt: skip
