@@ -111,6 +111,9 @@ class FaultInjector(Plugin):
         self.holds: dict[Unit, list[list[tuple[int, int]]]] = {}
         # A persisting `largest` fault's elements, by the tensors at hand when it first struck.
         self.largest: dict[tuple[str, ...], list[tuple[str, int]]] = {}
+        # A persisting bit error rate's (index, bit) picks, by tensor and size, from its first
+        # strike: one broken unit's cells, not fresh bits at every step.
+        self.ber_picks: dict[tuple[str, int], list[tuple[int, int | None]]] = {}
 
     def initial_positions(self, matched: list[tuple[str, int | None]]) -> dict[str, list[int]]:
         """Seeded positions over the matched tensors, concatenated in model order. A module's
@@ -171,10 +174,16 @@ class FaultInjector(Plugin):
         if not matches(name, fault.tensor):
             return []
         if fault.ber:
-            width = bits.width(flat.dtype)
-            total = flat.numel() * width
-            count = int(self.ber_rng.binomial(total, fault.ber))
-            return [(k // width, k % width) for k in sorted(self.rng.sample(range(total), count))]
+            picks = self.ber_picks.get((name, flat.numel()))
+            if picks is None:
+                width = bits.width(flat.dtype)
+                total = flat.numel() * width
+                count = int(self.ber_rng.binomial(total, fault.ber))
+                drawn = sorted(self.rng.sample(range(total), count))
+                picks = [(k // width, k % width) for k in drawn]
+                if fault.persistence != "transient":
+                    self.ber_picks[name, flat.numel()] = picks
+            return picks
         if name in self.positions and not self.positions[name]:
             n = flat.numel()
             if self.model.grouped:

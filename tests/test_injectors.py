@@ -253,6 +253,34 @@ def test_a_persisting_largest_fault_keeps_the_elements_of_its_first_strike(persi
     assert len({(e.tensor, e.index) for e in struck}) == 2, struck
 
 
+@pytest.mark.parametrize("persistence", ["transient", "permanent", "intermittent"])
+def test_a_persisting_bit_error_rate_keeps_the_cells_of_its_first_strike(persistence):
+    """A broken unit at a bit error rate is its cells: they are struck again, and at a weight
+    the bits its first strike left are held (a strike fires only where the update changed
+    them). Fresh bits drawn at every step broke 250 new cells a step and compounded the
+    damage. A transient fault at several steps is a soft error at each: drawn anew."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64))
+    fault = FaultConfig(site="weight", model="bitflip", ber=1e-3, persistence=persistence,
+                        probability=0.6, ranks=(0,), steps=(0, 1, 2, 3, 4, 5, 6, 7),
+                        tensor="*")  # fmt: skip
+    log = EventLog(0, 0)
+    injector = FaultInjector(fault, 0, RankInfo(0, 1, 1), log, model)
+    for step in range(8):
+        with torch.no_grad():  # the update: every weight moves, so a held bit may change
+            for p in model.parameters():
+                p.mul_(0.5)
+        injector.on_update(step, model)
+    struck = [e for e in log.events if isinstance(e, ElementInject)]
+    cells = {(e.tensor, e.index, e.bit) for e in struck}
+    first = {(e.tensor, e.index, e.bit) for e in struck if e.step == struck[0].step}
+    assert len({e.step for e in struck}) >= 3 and len(first) > 2
+    if persistence == "transient":
+        assert len(cells) > 2 * len(first)
+    else:
+        assert cells == first, len(cells)
+
+
 @pytest.mark.parametrize(("persistence", "strikes"), [("transient", 1), ("permanent", 3)])
 def test_a_transient_gather_fault_strikes_the_first_of_a_steps_gathers(persistence, strikes):
     """Each micro-batch's forward gathers a group's weights again: a transient fault struck
