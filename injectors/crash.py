@@ -33,6 +33,12 @@ class Crash(FaultModel):
             raise ConfigError(
                 f"{key}.value", f"'{fault.value}' is not allowed; allowed: {', '.join(ACTIONS)}"
             )
+        if fault.scope == "reduction":
+            # A broken reduction strikes every receiver of the sum: every rank would go down.
+            raise ConfigError(
+                f"{key}.scope", "a crash takes down the process of each rank in fault.ranks, not "
+                "the sum every rank receives; allowed: rank"
+            )  # fmt: skip
 
     def corrupt(self, flat: torch.Tensor, index: int, bit: int | None = None) -> None:
         action = self.fault.value

@@ -608,6 +608,12 @@ CASES = [
     ),
     (["detectors.nan_inf.mode=panic"], "detectors.nan_inf.mode", "allowed: observe, act"),
     (["fault=grad_scale", "fault.model=crash", "fault.value=melt"], "fault.value", "raise, exit"),
+    # A broken reduction strikes every receiver: every rank's process went down, each recorded.
+    (
+        ["fault=allreduce_rank", "fault.model=crash", "fault.value=raise", "fault.scope=reduction"],
+        "fault.scope",
+        "not the sum every rank receives; allowed: rank",
+    ),
     (["fault=allreduce_rank", "fault.scope=everyone"], "fault.scope", "allowed: rank, reduction"),
     (
         ["campaign=single", "fault=allreduce_reduction", "fault.ranks=[1,2]"],
