@@ -33,7 +33,7 @@ import torch.distributed as dist
 from harness.config.schema import RunConfig, TopologyConfig, TrialSpec
 from harness.core.plugins import RankInfo
 from harness.launch import stacks
-from harness.launch.world import PEER_FAILURE, shutdown
+from harness.launch.world import raised, shutdown
 from harness.results.schema import RankResult, TrialResult
 from harness.runtime import environment
 from harness.runtime.trainer import run_trial
@@ -77,8 +77,8 @@ def crash_cause(errors: dict[int, str], size: int, hosts: list[str]) -> str:
     (by host) that reported nothing within the grace, then ranks whose collective lost a peer."""
     own, fallout = [], []
     for rank, error in sorted(errors.items()):
-        secondary = any(marker in error for marker in PEER_FAILURE)
-        (fallout if secondary else own).append(f"rank {rank} raised {error}")
+        secondary, cause = raised(rank, error)
+        (fallout if secondary else own).append(cause)
     silent: dict[str, list[int]] = {}
     for rank in range(size):
         if rank not in errors:

@@ -19,6 +19,7 @@ import gc
 import multiprocessing as mp
 import os
 import queue
+import re
 import signal
 import socket
 import threading
@@ -179,6 +180,16 @@ def describe_exit(code: int) -> str:
 
 # What a rank reports when a peer, not the rank itself, failed: its collective lost the peer.
 PEER_FAILURE = ("Connection closed by peer", "Timed out waiting", "Connection reset by peer")
+# A peer's address in gloo's message ("[127.0.0.1]:12447"): its port is ephemeral, another in
+# every world, and the same trial's row states the same cause.
+_PEER_PORT = re.compile(r"(\[[^\]\s/]+\]):\d+")
+
+
+def raised(rank: int, error: str) -> tuple[bool, str]:
+    """A rank's error as a crash cause states it, and whether it is the fallout of a peer's
+    failure rather than the rank's own."""
+    fallout = any(marker in error for marker in PEER_FAILURE)
+    return fallout, f"rank {rank} raised " + _PEER_PORT.sub(r"\1", error)
 
 
 def crash_cause(
@@ -193,12 +204,11 @@ def crash_cause(
     `where` holds, for a hung rank that was asked, its innermost frames, or None when it had not
     reached the harness yet (interpreter start or imports): those come first among the hung."""
     where = where or {}
-    dead, raised, unreached, hung, fallout = [], [], [], [], []
+    dead, own, unreached, hung, fallout = [], [], [], [], []
     for rank, code in enumerate(codes):
         if rank in errors:
-            error = errors[rank]
-            secondary = any(marker in error for marker in PEER_FAILURE)
-            (fallout if secondary else raised).append(f"rank {rank} raised {error}")
+            secondary, cause = raised(rank, errors[rank])
+            (fallout if secondary else own).append(cause)
         elif rank in finished:
             continue
         elif code is not None:
@@ -209,7 +219,7 @@ def crash_cause(
             hung.append(f"rank {rank} hung in {where[rank]}")
         else:
             hung.append(f"rank {rank} hung")
-    return "; ".join(dead + raised + unreached + hung + fallout)
+    return "; ".join(dead + own + unreached + hung + fallout)
 
 
 def cpu_ticks(pid: int) -> int | None:
