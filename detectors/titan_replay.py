@@ -37,6 +37,7 @@ from detectors.replay import Regenerated, gradients, trainable
 from harness.core.checks import CheckConfig
 from harness.core.plugins import Bucket, Detector, DetectorContext, EventLog
 from harness.core.values import integer
+from harness.errors import ConfigError
 
 
 def xor_digest(tensor: torch.Tensor) -> int:
@@ -59,8 +60,11 @@ class TitanReplay(Detector):
 
         def __post_init__(self) -> None:
             super().__post_init__()
-            if self.num_steps != -1:
-                integer("num_steps", self.num_steps, 1)
+            steps = self.num_steps
+            if isinstance(steps, bool) or not isinstance(steps, int) or (steps < 1 and steps != -1):
+                raise ConfigError(
+                    "num_steps", f"'{steps}' is not allowed; allowed: 1..inf, or -1 (every step)"
+                )
             integer("num_replays", self.num_replays, 1)
 
     @classmethod

@@ -172,12 +172,39 @@ def _composition_error(message: str, overrides: list[str]) -> str:
         base = compose(config_name="config", overrides=groups)
     node = OmegaConf.select(base, parent) if parent else base
     if not isinstance(node, DictConfig):
-        return f"{key}: unknown key"
+        return _under_no_mapping(key, base)
     message = f"{key}: unknown key; allowed: {', '.join(str(k) for k in node)}"
     if parent == "fault":  # and the keys the fault models declare of their own
         own = [f"{m}: {', '.join(keys)}" for m, keys in model_keys().items() if keys]
         message += f"; a model's own ({'; '.join(own)})" if own else ""
     return message
+
+
+def _under_no_mapping(key: str, base: DictConfig) -> str:
+    """An unknown key whose parent holds no keys in this run: the nearest node above it that is
+    a value (null: set it whole) or a mapping (its keys; a check not among the run's
+    detectors)."""
+    parts = key.split(".")
+    for n in range(len(parts) - 1, 0, -1):
+        above, child = ".".join(parts[:n]), parts[n]
+        node = OmegaConf.select(base, above, default=_ABSENT)
+        if node is None:
+            return f"{key}: unknown key; {above} is null in this run; allowed: set {above} whole"
+        if node is not _ABSENT and not isinstance(node, DictConfig):
+            return f"{key}: unknown key; {above} is a value, not a group; allowed: {above}=VALUE"
+        if isinstance(node, DictConfig):
+            keys = ", ".join(str(k) for k in node)
+            if above == "detectors":
+                return (
+                    f"{key}: unknown key; {child} is not among this run's detectors; allowed: "
+                    f"{keys}, or add {child} to detectors=[...]"
+                )
+            return f"{key}: unknown key; {above} has no {child}; allowed: {keys}"
+    return f"{key}: unknown key"
+
+
+# What OmegaConf.select returns for a key the config lacks (None is a null value's).
+_ABSENT = object()
 
 
 def resolve_out(cfg: DictConfig) -> Path:

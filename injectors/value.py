@@ -27,7 +27,7 @@ def unstored(value: str | None, dtype: str) -> tuple[float, str] | None:
     if math.isfinite(stored) and stored != 0:
         return None
     limit = torch.finfo(getattr(torch, dtype))
-    return stored, f"{limit.tiny * limit.eps:g} <= |value| <= {limit.max:g}, or inf, nan, max, zero"
+    return stored, f"{limit.tiny * limit.eps:g} <= |value| <= {limit.max:g}, or {', '.join(NAMED)}"
 
 
 class Value(FaultModel):

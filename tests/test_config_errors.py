@@ -88,6 +88,8 @@ CASES = [
     (["campaign.golden_cache=7"], "campaign.golden_cache", "allowed: true, false or a folder"),
     (["campaign.golden_cache=off"], "campaign.golden_cache", "allowed: true, false or a folder"),
     (["campaign.golden_cache=/dev/null/goldens"], "campaign.golden_cache", "not a writable"),
+    # Its permission bits let root write, yet nothing can be made there (a pseudo file system).
+    (["campaign.golden_cache=/proc/goldens"], "campaign.golden_cache", "/proc is not a writable"),
     (["fault.site=gpu"], "fault.site", "allowed: none, grad, allreduce, weight, optimizer"),
     (["campaign=single", "fault=grad_bitflip", "fault.model=melt"], "fault.model", "bitflip"),
     (["campaign=single", "fault=grad_bitflip", "fault.bit=32"], "fault.bit", "0..31"),
@@ -400,6 +402,11 @@ CASES = [
         "allowed: 1..inf",
     ),
     (
+        ["detectors=[titan_replay]", "detectors.titan_replay.num_steps=-2"],
+        "detectors.titan_replay.num_steps",
+        "'-2' is not allowed; allowed: 1..inf, or -1 (every step)",
+    ),
+    (
         ["detectors=[weight_consensus]", "detectors.weight_consensus.interval=-2"],
         "detectors.weight_consensus.interval",
         "allowed: 1..inf",
@@ -432,6 +439,11 @@ CASES = [
         ["workload.precision=16-true", "fault=grad_nan", "fault.value=100000"],
         "fault.value",
         "is stored as inf in float16",
+    ),
+    (
+        ["fault=grad_nan", "fault.value=1e40"],
+        "fault.value",
+        "<= 3.40282e+38, or nan, inf, -inf, max, zero, random",
     ),
     (["fault=loss_scale", "fault.model=swap", "fault.factor=null"], "fault.site", "one element"),
     (["fault=grad_bitflip", "fault.ber=1e-5"], "fault.bit", "draws its own bits"),
@@ -633,6 +645,14 @@ CASES = [
     (["recovery.enabled=maybe"], "recovery.enabled", "allowed: true, false"),
     (["recovery.enabled=true", "detectors=[]"], "recovery.enabled", "choose detectors"),
     (["fault.sitee=grad"], "fault.sitee", ""),
+    # A key under what holds no keys in this run: what it is, and what is allowed instead.
+    (
+        ["detectors=[nan_inf]", "detectors.replay.interval=2"],
+        "detectors.replay.interval",
+        "replay is not among this run's detectors; allowed: nan_inf, or add replay to detectors",
+    ),
+    (["campaign.overhead.steps=3"], "campaign.overhead.steps", "campaign.overhead is null"),
+    (["workload.lr.x=1"], "workload.lr.x", "workload.lr is a value, not a group"),
     (["workload.precision=16-mixed"], "workload.precision", "needs dynamic loss scaling"),
     (["workload.precision=fp8"], "workload.precision", "allowed: 32-true, bf16-true, 16-true"),
     (
@@ -644,6 +664,12 @@ CASES = [
     (["workload.lr_schedule=linear"], "workload.lr_schedule", "allowed: constant, warmup_cosine"),
     (["workload.warmup_steps=3"], "workload.warmup_steps", "needs workload.lr_schedule"),
     (["workload.betas=[0.9,1.5]"], "workload.betas", "two numbers in [0, 1)"),
+    # The rate would only climb to the run's end: the cosine and its min_lr_ratio never applied.
+    (
+        ["workload.lr_schedule=warmup_cosine", "workload.warmup_steps=30"],
+        "workload.warmup_steps",
+        "leaves the cosine no step of the 30-step run; allowed: 0..29",
+    ),
     (["workload=custom", "+workload.weight_decay=0.1"], "workload.weight_decay", "on workload"),
     # A mistyped key of a fault model's own names the keys each model declares.
     (
@@ -789,6 +815,13 @@ def test_an_out_that_cannot_be_created_is_refused_before_anything_runs(tmp_path)
         == f"sdc-bench: error: out: {blocker} is not a folder; choose an out that can be created"
     )
     assert blocker.read_text() == "the user's data\n"
+
+
+def test_an_out_where_nothing_can_be_made_is_refused_whoever_runs_it(monkeypatch, capsys):
+    """/proc's permission bits let root (CI, a container) write: its mkdir failed after the
+    config was accepted, a traceback and exit 1."""
+    line = refused_in_process(monkeypatch, capsys, Path("/proc/sdc-bench-run"), [])
+    assert line == "sdc-bench: error: out: /proc is not writable; choose another out"
 
 
 # Each ran silently before: a fault.* value that `fault.site=none` (the default) ignored, or that

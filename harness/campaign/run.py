@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -26,6 +25,7 @@ from harness.campaign.golden_store import GoldenMismatch, GoldenStore, code_vers
 from harness.campaign.recovery import run_with_recovery, scratch_folders
 from harness.config.schema import RunConfig, TopologyConfig, TrialSpec
 from harness.config.workload import release_probes
+from harness.core.values import writable
 from harness.core.vocabulary import Effect, EffectSource
 from harness.errors import ConfigError
 from harness.launch import stacks
@@ -97,7 +97,7 @@ def check_out(out: Path, run: RunConfig) -> None:
     existing = next(p for p in (out, *out.parents) if p.exists())
     if not existing.is_dir():
         raise ConfigError("out", f"{existing} is not a folder; choose an out that can be created")
-    if not os.access(existing, os.W_OK | os.X_OK):
+    if not writable(existing):
         raise ConfigError("out", f"{existing} is not writable; choose another out")
     if (out / SWEEP_CONFIG).exists():
         raise ConfigError(

@@ -33,7 +33,7 @@ from harness.config.schema import (
 )
 from harness.config.workload import MODULE_SITES, forward_modules, probe, workload_config
 from harness.core.checks import CheckConfig
-from harness.core.values import choice, flag, integer, known_keys, positive
+from harness.core.values import choice, flag, integer, known_keys, positive, writable
 from harness.errors import ConfigError
 from harness.runtime import determinism, devices, numerics
 from harness.runtime.environment import check_cpu_kernels
@@ -309,7 +309,7 @@ def golden_cache(raw: Any) -> str | None:
                           "false or a folder")  # fmt: skip
     folder = Path(raw).expanduser().resolve()
     existing = next(p for p in (folder, *folder.parents) if p.exists())
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+    if not existing.is_dir() or not writable(existing):
         raise ConfigError(
             "campaign.golden_cache", f"{existing} is not a writable folder; choose another "
             "folder, or false"

@@ -108,6 +108,12 @@ def _recipe(raw: dict[str, Any]) -> dict[str, Any]:
     warmup = integer("workload.warmup_steps", raw.get("warmup_steps", 0), 0)
     if raw.get("lr_schedule") != "warmup_cosine" and warmup:
         raise ConfigError("workload.warmup_steps", "needs workload.lr_schedule=warmup_cosine")
+    if warmup >= raw["steps"]:
+        # The rate would only climb: no cosine, and min_lr_ratio never read.
+        raise ConfigError(
+            "workload.warmup_steps", f"{warmup} leaves the cosine no step of the "
+            f"{raw['steps']}-step run; allowed: 0..{raw['steps'] - 1}"
+        )  # fmt: skip
     ratio = raw.get("min_lr_ratio", WorkloadConfig.min_lr_ratio)
     if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 0 <= ratio <= 1:
         raise ConfigError("workload.min_lr_ratio", f"'{ratio}' must be a number in [0, 1]")

@@ -3,6 +3,9 @@ the dotted key, which the commands print as one line before exiting 2."""
 
 from __future__ import annotations
 
+import os
+import tempfile
+from pathlib import Path
 from typing import Any
 
 from harness.errors import ConfigError
@@ -77,3 +80,13 @@ def above(key: str, value: Any, low: float) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not value > low:
         raise ConfigError(key, f"'{value}' must be a number > {low:g}")
     return float(value)
+
+
+def writable(folder: Path) -> bool:
+    """Whether a folder can be made in `folder`, tried (and removed): permission bits do not
+    say so for root, whom they never stop, on a read-only or pseudo file system (/proc)."""
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".sdc-bench-probe-", dir=folder))
+    except OSError:
+        return False
+    return True
