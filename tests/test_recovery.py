@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 from harness.campaign.recovery import restore_point, run_with_recovery
 from harness.config.schema import FaultConfig, TopologyConfig, TrialSpec
@@ -249,6 +250,49 @@ def test_a_corrupted_checkpoint_is_detected_and_an_older_verified_one_is_used(tm
     assert step == 3 and torch.equal(checkpoint.load(tmp_path / path)["w"], torch.full((4,), 3.0))
     assert [type(e) for e in log] == [CorruptCheckpoint] and log[0].step == 5
     assert restore_point(tmp_path, 3, []) == (1, str(tmp_path / "step_000001.pt"))
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_checksum_changed_out_of_its_text_is_a_corrupt_checkpoint_not_a_crash(tmp_path):
+    """A checksum file, or a sharded checkpoint's list, whose bytes no longer decode or parse:
+    the campaign died of a UnicodeDecodeError (a ValueError for a list line without its
+    separator) in restore_point, and a golden store entry so damaged failed every campaign."""
+    for step in (1, 3):
+        checkpoint.save(tmp_path / f"step_{step:06d}.pt", {"w": torch.full((4,), float(step))})
+    digest = tmp_path / "step_000003.pt.sha256"
+    digest.write_bytes(bytes([digest.read_bytes()[0] ^ 0x80]) + digest.read_bytes()[1:])
+    log: list[CorruptCheckpoint] = []
+    assert restore_point(tmp_path, 6, log) == (1, str(tmp_path / "step_000001.pt"))
+    assert [e.step for e in log] == [3]
+    with pytest.raises(checkpoint.CorruptCheckpoint):
+        checkpoint.load(tmp_path / "step_000003.pt")
+
+    sharded = checkpoint.save_shards(tmp_path / "dcp" / "step_000005.pt", {"w": torch.ones(4)}, 0)
+    assert checkpoint.verify(sharded)
+    listed = (sharded / checkpoint.SHARDS).read_bytes()
+    for damaged in (bytes([listed[0] ^ 0x80]) + listed[1:], listed.replace(b"  ", b" ")):
+        (sharded / checkpoint.SHARDS).write_bytes(damaged)
+        assert not checkpoint.verify(sharded)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_sharded_save_over_a_placed_snapshot_leaves_the_other_stores_files(tmp_path):
+    """A fast-forwarded trial's store holds its golden run's snapshots by hard links (the
+    golden store's too); a rollback segment saves the same step again. Into the folder, that
+    save truncated and rewrote the shared files, the golden store's among them (a save cut
+    short there left a half-written entry)."""
+    golden, trial = tmp_path / "golden", tmp_path / "trial"
+    source = checkpoint.save_shards(golden / "step_000007.pt", {"w": torch.ones(64)}, 0)
+    trial.mkdir()
+    checkpoint.place(source, trial)
+    kept = {p.name: p.read_bytes() for p in source.iterdir()}
+    again = checkpoint.save_shards(trial / "step_000007.pt", {"w": torch.full((64,), 2.0)}, 0)
+    assert {p.name: p.read_bytes() for p in source.iterdir()} == kept
+    assert checkpoint.verify(source) and checkpoint.verify(again)
+    assert sorted(p.name for p in trial.iterdir()) == ["step_000007.dcp"]
+    restored = {"w": torch.zeros(64)}
+    dcp.load(restored, checkpoint_id=again)
+    assert torch.equal(restored["w"], torch.full((64,), 2.0))
 
 
 def test_a_wrong_reduction_is_re_run_and_a_repeating_one_quarantines_only_its_node(

@@ -94,7 +94,8 @@ def _verified_bytes(path: Path) -> bytes:
     digest_file = path.with_name(path.name + ".sha256")
     if not digest_file.exists():
         raise CorruptCheckpoint(f"{path}: no checksum file")
-    if hashlib.sha256(data).hexdigest() != digest_file.read_text().strip():
+    # Bytes, not text: a checksum file whose bytes were changed may not decode at all.
+    if hashlib.sha256(data).hexdigest().encode() != digest_file.read_bytes().strip():
         raise CorruptCheckpoint(f"{path}: checksum mismatch")
     return data
 
@@ -102,13 +103,30 @@ def _verified_bytes(path: Path) -> bytes:
 def save_shards(path: Path, state: dict[str, Any], rank: int) -> Path:
     """Every rank's shards of `state` into the folder `path` with the suffix `.dcp`
     (torch.distributed.checkpoint; every rank calls it together), sealed by rank 0 once the save
-    has returned, that is once every rank's shards and the metadata are written; the folder."""
+    has returned, that is once every rank's shards and the metadata are written; the folder.
+
+    Written into a folder of its own, then put in place by rename: a folder already at `path`
+    may hold hard links to another store's files (a golden run's snapshot, `place`), which a
+    save into it would truncate and rewrite in that store too."""
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp  # sharded runs only: 0.7 s of import
 
     path = path.with_suffix(".dcp")
-    dcp.save(state, checkpoint_id=path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    together = dist.barrier if dist.is_initialized() else lambda: None
     if rank == 0:
-        seal_shards(path)
+        shutil.rmtree(tmp, ignore_errors=True)  # a save cut short
+    together()  # no rank makes the folder before rank 0 has cleared it
+    dcp.save(state, checkpoint_id=tmp)
+    if rank == 0:
+        seal_shards(tmp)
+        replaced = path.with_name(f".{path.name}.replaced")
+        shutil.rmtree(replaced, ignore_errors=True)
+        if path.exists():
+            os.replace(path, replaced)
+        os.replace(tmp, path)
+        shutil.rmtree(replaced, ignore_errors=True)  # its links: the other store keeps its files
+    together()  # in place when any rank returns
     return path
 
 
@@ -134,7 +152,11 @@ def verify(path: Path) -> bool:
 
 
 def _shards_verify(folder: Path) -> bool:
-    listed = dict(line.split("  ", 1)[::-1] for line in (folder / SHARDS).read_text().splitlines())
+    try:
+        lines = (folder / SHARDS).read_text().splitlines()
+        listed = dict(line.split("  ", 1)[::-1] for line in lines)
+    except ValueError:  # a list changed out of text (UnicodeDecodeError) or out of its lines
+        return False
     present = {p.name for p in folder.iterdir()} - {SHARDS}
     return (
         bool(listed)
