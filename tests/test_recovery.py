@@ -113,11 +113,16 @@ def test_a_fault_that_follows_the_data_ends_with_the_verdict_not_a_loop(tmp_path
     out, (row,) = _campaign(
         tmp_path,
         run_ok,
-        "topology.spares=4",
+        "topology.spares=1",
         "recovery.max_recoveries=2",
         scenarios=["site:grad,model:scale,factor:1000,ranks:[1],steps:[5],follows:data"],
     )
     assert row["recovered"] == "False" and row["recoveries"] == "2"
+    # Node 1 onto the spare, then the spare (struck in its turn) out of a world of three: the
+    # data, and the fault with it, moved to rank 0. The first alert named rank 1, the rank struck
+    # when it came; judged against every segment's struck ranks it read as a wrong attribution.
+    assert row["quarantined_nodes"] == "1;4" and row["injected_ranks"] == "0;1"
+    assert row["suspect_ranks"] == "1" and row["attribution_correct"] == "True"
     assert "step 5 alarms after every recovery" in row["recovery_verdict"]
     assert "data or the code" in row["recovery_verdict"]
     # The verdict ended it on a stopped segment, whose events are written once, with its

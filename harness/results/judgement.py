@@ -182,7 +182,7 @@ def trial_row(
         alerts=len(alerts),
         suspect_ranks=_sorted(first.suspect_ranks) if first else (),
         suspect_nodes=_sorted(first.suspect_nodes) if first else (),
-        attribution_correct=attribution(first, culprits(fault, injected_ranks), run)
+        attribution_correct=attribution(first, culprits(fault, struck_by(first, injections)), run)
         if first
         else None,
         final_loss=_number(final_loss),
@@ -240,6 +240,13 @@ def trial_row(
         events.append(Crash(cause=crash, time=0.0))
     events += alerts
     return row, [replace(e, trial_id=spec.trial_id) for e in events]
+
+
+def struck_by(alert: Alert, injections: list[Inject]) -> set[int]:
+    """The ranks the fault had struck in the run (recovery's segment) that raised `alert`: a
+    fault that follows the data strikes other ranks once recovery has moved the data, and the
+    first alert named the ranks struck when it came."""
+    return {e.rank for e in injections if e.segment == alert.segment}
 
 
 def _by_entry(mapping: dict[str, int]) -> dict[str, int]:
