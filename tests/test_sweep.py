@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import BIN, rows, sdc_bench
+from harness.analysis import report
+from tests.conftest import rows, sdc_bench
 
 # Two jobs of one tiny trial each (2 nodes, 4 steps): a low mantissa bit and the exponent MSB.
 TINY = [
@@ -56,7 +57,7 @@ def test_a_failed_job_ends_the_sweep_but_not_the_merged_report(tmp_path):
     assert (top / "multirun.yaml").read_bytes() == before
 
 
-def test_a_sweep_writes_a_merged_report_that_sdc_report_rebuilds(tmp_path):
+def test_a_sweep_writes_a_merged_report_that_sdc_report_rebuilds(tmp_path, monkeypatch):
     """Through submitit_local (each job its own process; the Slurm launcher's path), so that
     one sweep covers the launcher and the merged report."""
     proc = sweep("hydra/launcher=submitit_local", "fault.bit=0,30", cwd=tmp_path)
@@ -74,9 +75,9 @@ def test_a_sweep_writes_a_merged_report_that_sdc_report_rebuilds(tmp_path):
     jobs = (top / "sweep.md").read_text()
     assert "| 0 | `fault.bit=0` | 1 | ok |" in jobs and "| 1 | `fault.bit=30` | 1 | ok |" in jobs
 
+    # The command's own entry point, in this process (tests/test_robustness.py runs the
+    # installed command).
     (top / "report.md").unlink()
-    rebuilt = subprocess.run(
-        [str(BIN / "sdc-report"), "sweep"], cwd=tmp_path, capture_output=True, text=True
-    )
-    assert rebuilt.returncode == 0, rebuilt.stderr
+    monkeypatch.chdir(tmp_path)
+    report.main(["sweep"])
     assert (top / "report.md").read_text() == merged
