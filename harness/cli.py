@@ -181,10 +181,21 @@ def _composition_error(message: str, overrides: list[str]) -> str:
 
 
 def _under_no_mapping(key: str, base: DictConfig) -> str:
-    """An unknown key whose parent holds no keys in this run: the nearest node above it that is
-    a value (null: set it whole) or a mapping (its keys; a check not among the run's
-    detectors)."""
+    """An unknown key whose parent holds no keys in this run: a check's key where the run does
+    not choose that check (or no check has that name), else the nearest node above it that is a
+    value (null: set it whole) or a mapping (its keys)."""
     parts = key.split(".")
+    chosen = OmegaConf.select(base, "detectors", default=None) or {}
+    if parts[0] == "detectors" and len(parts) > 2 and parts[1] not in chosen:
+        name, run = parts[1], ", ".join(chosen) or "none"
+        if name in detectors.available():
+            return (
+                f"{key}: unknown key; {name} is not among this run's detectors ({run}); "
+                f"allowed: add {name} to detectors=[...]"
+            )
+        return (
+            f"{key}: unknown key; {name} is no check; allowed: {', '.join(detectors.available())}"
+        )
     for n in range(len(parts) - 1, 0, -1):
         above, child = ".".join(parts[:n]), parts[n]
         node = OmegaConf.select(base, above, default=_ABSENT)
@@ -194,11 +205,6 @@ def _under_no_mapping(key: str, base: DictConfig) -> str:
             return f"{key}: unknown key; {above} is a value, not a group; allowed: {above}=VALUE"
         if isinstance(node, DictConfig):
             keys = ", ".join(str(k) for k in node)
-            if above == "detectors":
-                return (
-                    f"{key}: unknown key; {child} is not among this run's detectors; allowed: "
-                    f"{keys}, or add {child} to detectors=[...]"
-                )
             return f"{key}: unknown key; {above} has no {child}; allowed: {keys}"
     return f"{key}: unknown key"
 

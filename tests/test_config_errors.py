@@ -649,7 +649,17 @@ CASES = [
     (
         ["detectors=[nan_inf]", "detectors.replay.interval=2"],
         "detectors.replay.interval",
-        "replay is not among this run's detectors; allowed: nan_inf, or add replay to detectors",
+        "replay is not among this run's detectors (nan_inf); allowed: add replay to detectors",
+    ),
+    (
+        ["detectors=[]", "detectors.replay.interval=2"],
+        "detectors.replay.interval",
+        "replay is not among this run's detectors (none); allowed: add replay to detectors",
+    ),
+    (
+        ["detectors.replya.interval=2"],
+        "detectors.replya.interval",
+        f"replya is no check; {EVERY_CHECK}",
     ),
     (["campaign.overhead.steps=3"], "campaign.overhead.steps", "campaign.overhead is null"),
     (["workload.lr.x=1"], "workload.lr.x", "workload.lr is a value, not a group"),
