@@ -154,9 +154,9 @@ class FaultInjector(Plugin):
             return False
         if self.fault.schedule:
             return any(e["step"] == step for e in self.schedule)
-        first = self.fault.steps[0]
         if self.fault.persistence == "transient":
             return step in self.fault.steps
+        first = self.fault.steps[0]
         if self.fault.persistence == "permanent":
             return step >= first
         draw = random.Random(f"fault-intermittent:{self.seed}:{step}").random()

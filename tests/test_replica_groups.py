@@ -27,18 +27,19 @@ def test_a_wrong_weight_shard_on_one_hsdp_replica_is_caught_and_recovered_from(
     spare takes node 1's place, and the run ends where golden does.
     The clean trial raises no alert and checkpoints after every approved step."""
     weight = "{site:weight,model:scale,factor:1000.0,ranks:[2],steps:[2]}"
+    reduction = "{site:allreduce,model:scale,factor:1000.0,scope:reduction,ranks:[1],steps:[2]}"
     out = campaign(
         run_ok, tmp_path, "recovery", "topology.parallel=hsdp", "topology.shard_size=2",
         "topology.nodes=3", "topology.ranks_per_node=2", "topology.spares=1",
         "recovery.enabled=true", "recovery.max_recoveries=1",
-        "detectors=[nan_inf,weight_consensus]", "detectors.weight_consensus.interval=1",
-        "detectors.weight_consensus.optimizer_state=true",
+        "detectors=[nan_inf,allreduce_sketch,weight_consensus]",
+        "detectors.weight_consensus.interval=1", "detectors.weight_consensus.optimizer_state=true",
         "checkpoint.interval=2", "checkpoint.keep=true", f"workload.dtype={dtype}",
-        f"campaign.scenarios=[{{site:none}},{weight}]",
+        f"campaign.scenarios=[{{site:none}},{weight},{reduction}]",
     )  # fmt: skip
-    clean, row = rows(out)
+    clean, row, summed = rows(out)
     assert clean["alerts"] == "0" and clean["golden_match"] == "True", clean
-    alerts = [e for e in events(out) if e["kind"] == "alert"]
+    alerts = [e for e in events(out) if e["kind"] == "alert" and e["trial_id"] == row["trial_id"]]
     assert {(a["detector"], a["step"], tuple(a["suspect_ranks"])) for a in alerts} == {
         ("weight_consensus", 2, (2,))
     }
@@ -46,6 +47,15 @@ def test_a_wrong_weight_shard_on_one_hsdp_replica_is_caught_and_recovered_from(
     assert (row["restore_step"], row["quarantined_nodes"]) == ("1", "1"), row
     # Consensus runs after the update; its alarm stops the next step, before its update.
     assert row["recovery_verdict"] == "rollback+quarantine at step 3 to step 1 (node 1)", row
+    # rank 1's broken reduction at step 2: every replica group's receiver of that shard gets
+    # the wrong sum, the sketch names all three (one per node), and no node can be laid on. A
+    # sharded world keeps no contributions to re-run it from: rolled back without quarantine
+    # (it had quarantined all three nodes, more than the spare), and the transient fault, met
+    # once, ends there, bit-identical to golden.
+    assert (summed["detected_by"], summed["detect_step"]) == ("allreduce_sketch", "2"), summed
+    assert summed["suspect_ranks"] == "1;3;5" and summed["quarantined_nodes"] == "", summed
+    assert summed["recovery_verdict"] == "rollback at step 2 to step -1", summed
+    assert summed["recovered"] == "True" and summed["golden_match"] == "True", summed
     # A sharded checkpoint after each approved step: every rank's shards, in one sealed folder.
     saved = [e for e in events(out) if e["kind"] == "checkpoint"]
     assert [e["step"] for e in saved if e["trial_id"] == clean["trial_id"]] == [1, 3]

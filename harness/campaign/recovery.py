@@ -4,8 +4,9 @@ rolls back to the newest verified checkpoint saved before the suspect interval a
 planned end. A loop limit turns endless recovery into a verdict.
 
 The fault lives on hardware (docs/design.md, section 5): a spare that takes over a quarantined
-node's ranks is healthy, so re-executing the same steps does not re-inject. A fault that follows the
-data (`fault.follows=data`) keeps striking, which is what the loop limit is for.
+node's ranks is healthy, so re-executing the same steps does not re-inject, and a transient fault,
+met once, is not met again when its step is re-executed (`Segment.unmet`). A fault that follows
+the data (`fault.follows=data`) keeps striking, which is what the loop limit is for.
 
 Every way a run gets back is a recovery in its row, of one of results.schema's RECOVERY_KINDS:
 the trainer's in-step retry of a wrong reduction (harness/runtime/trainer.py, `_stop_point`),
@@ -23,7 +24,15 @@ from pathlib import Path
 import detectors
 from harness.config.schema import RunConfig, Segment, TrialSpec
 from harness.core.checks import CheckConfig
-from harness.core.events import Alert, CorruptCheckpoint, Event, Locate, Retry, TrialAlert
+from harness.core.events import (
+    Alert,
+    CorruptCheckpoint,
+    Event,
+    Inject,
+    Locate,
+    Retry,
+    TrialAlert,
+)
 from harness.errors import ConfigError
 from harness.results.folder import RunFolder
 from harness.results.judgement import merge_alerts
@@ -119,6 +128,8 @@ def run_with_recovery(
     store = folder.trial_store(spec.trial_id)
     record = RecoveryRecord()
     extra_events: list[Event] = []  # the stopped segments' events, each marked with its segment
+    plain = set[int]()  # the steps whose wrong received sum was rolled back without quarantine
+    struck = set[int]()  # the steps the fault struck at in the stopped segments
     segment_run, segment_spec = run, spec
     while True:
         started = time.monotonic()
@@ -141,8 +152,12 @@ def run_with_recovery(
             a for a in merge_alerts([e for p in outcome.parts for e in p.events]) if a.step <= stop
         ]
         extra_events += [replace(e, segment=segment) for p in outcome.parts for e in p.events]
+        struck |= {e.step for e in extra_events if isinstance(e, Inject) and e.fired}
         suspects = sorted({machines.node_of(r) for r in _suspect_ranks(outcome, alerts, stop)})
         record.stops.append((stop, tuple(suspects)))
+        if _received_sum(run, alerts, suspects) and stop not in plain:
+            plain.add(stop)
+            suspects = []
         if len(record.stops) > run.recovery.max_recoveries:
             record.verdict = _verdict(record.stops)
             break
@@ -164,7 +179,9 @@ def run_with_recovery(
             f"rollback+quarantine {back} (node {nodes})" if suspects else f"rollback {back}"
         )
         segment_run = replace(run, topology=topology)
-        resume = Segment(restore + 1, path, machines.hardware(), tuple(machines.data))
+        resume = Segment(
+            restore + 1, path, machines.hardware(), tuple(machines.data), tuple(sorted(struck))
+        )
         segment_spec = replace(spec, segment=resume)
     if outcome.parts:
         if stop is not None:  # a verdict ended it: this segment's events are in extra_events
@@ -201,6 +218,18 @@ def _cannot_go_on(
         except ConfigError as error:
             return f"{topology.nodes} node(s) left, too few for {name}: {error.message}"
     return None
+
+
+def _received_sum(run: RunConfig, alerts: list[TrialAlert], suspects: list[int]) -> bool:
+    """Whether a sharded stop is a wrong received sum that names several nodes' receivers: the
+    first naming alert's, after the reduction. Rolled back to without quarantine the first time,
+    as DDP's trainer re-runs such a reduction in its step (`_stop_point`): a sharded world keeps
+    no contributions to re-run it from, and the receivers of one shard in every replica group
+    are no node the fault can be laid on. A transient fault ends there; one that strikes the
+    step again gets its receivers quarantined."""
+    first = next((a for a in alerts if a.suspect_ranks and attributes(a.detector)), None)
+    sharded = run.topology.parallel != "ddp"
+    return sharded and len(suspects) > 1 and first is not None and first.phase == "post_allreduce"
 
 
 def _retried(outcome: TrialResult, stop: int | None) -> list[int]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import math
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from harness.core.checks import CheckConfig
@@ -291,13 +291,27 @@ class Segment:
 
     `hardware[r]` is the original rank whose machine new rank r runs on (-1: a healthy spare);
     `data[r]` lists the original ranks whose micro-batches new rank r trains on, so the global
-    batch stays the same when the world shrinks.
+    batch stays the same when the world shrinks. `struck`: the steps at which the fault struck
+    in the earlier segments.
     """
 
     start_step: int
     checkpoint: str
     hardware: tuple[int, ...]
     data: tuple[tuple[int, ...], ...]
+    struck: tuple[int, ...] = ()
+
+    def unmet(self, fault: FaultConfig) -> FaultConfig:
+        """`fault` as this segment meets it: a transient fault on hardware struck once, so the
+        re-execution of its step after a rollback does not meet it again, on the same machine
+        or another (one that follows the data does: the data is still what it was)."""
+        if fault.persistence != "transient" or fault.follows != "hardware" or not self.struck:
+            return fault
+        return replace(
+            fault,
+            steps=tuple(s for s in fault.steps if s not in self.struck),
+            schedule=tuple(e for e in fault.schedule if e["step"] not in self.struck),
+        )
 
 
 def golden_id(seed: int) -> str:

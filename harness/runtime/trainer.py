@@ -200,8 +200,9 @@ def _set_up(run: RunConfig, spec: TrialSpec, info: RankInfo, store: Path) -> _Ra
 
         ctx.unsharded_copy = partial(unsharded_copy, model)
     keep = partial(_keep_strikes, last_words.path(store, spec.trial_id, info.rank), log)
+    fault = spec.segment.unmet(spec.fault) if spec.segment else spec.fault
     rank = assemble(
-        model, ctx, log, checks, spec.fault, spec.seed, hardware, forward=run.forward, keep=keep
+        model, ctx, log, checks, fault, spec.seed, hardware, forward=run.forward, keep=keep
     )
     if shards is not None:
         shards.bind(rank.bus)
