@@ -9,8 +9,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from harness.campaign.recovery import restore_point, run_with_recovery
-from harness.config.schema import FaultConfig, TopologyConfig, TrialSpec
-from harness.core.events import Alert, CorruptCheckpoint
+from harness.config.schema import FaultConfig, Segment, TopologyConfig, TrialSpec
+from harness.core.events import Alert, CorruptCheckpoint, ElementInject
 from harness.results.schema import RankResult, TrialResult
 from harness.runtime import checkpoint
 from tests.conftest import compose_run, events, rows
@@ -210,6 +210,79 @@ def _stopping(world: int, suspects: list[int], calls: list[TopologyConfig]):
                                        stopped_step=5) for r in range(world)])  # fmt: skip
 
     return execute
+
+
+def _summed_wrong(world: int, receivers: list[int], repeats: bool, specs: list[TrialSpec]):
+    """A world whose run strikes the reduction at step 2, unless the segment met the transient
+    fault already (`Segment.unmet`, as the trainer's injector gets it) or it `repeats`; a
+    struck run stops there on the sketch's alert after the reduction, naming `receivers`."""
+
+    def execute(run, spec) -> TrialResult:
+        specs.append(spec)
+        fault = spec.segment.unmet(spec.fault) if spec.segment else spec.fault
+        if 2 not in fault.steps and not repeats:
+            return TrialResult([RankResult(spec.trial_id, r, []) for r in range(world)])
+        strikes = [ElementInject(rank=r, node=r // 2, time=0.5, step=2, site="allreduce",
+                                 model="scale", tensor="w", index=0, bit=None, bits=None, old=1.0,
+                                 new=1000.0, old_bits="", new_bits="", fired=True)
+                   for r in receivers]  # fmt: skip
+        alert = Alert(rank=1, node=0, time=1.0, step=2, detector="allreduce_sketch",
+                      phase="post_allreduce", suspect_ranks=receivers, suspect_nodes=[],
+                      evidence={})  # fmt: skip
+        return TrialResult([RankResult(spec.trial_id, r, [*strikes, alert] if r == 1 else [],
+                                       stopped_step=2) for r in range(world)])  # fmt: skip
+
+    return execute
+
+
+@pytest.mark.parametrize("repeats", [False, True], ids=["transient", "repeating"])
+def test_a_sharded_wrong_sum_no_node_explains_is_rolled_back_to_before_any_quarantine(
+    tmp_path, repeats
+):
+    """Under hsdp a broken reduction's receivers are one rank per replica group: the sketch
+    names ranks 1, 3 and 5, a rank on every node. They were quarantined at once, three nodes
+    for two spares: the trial ended unrecovered. Rolled back to without quarantine first (as
+    DDP re-runs the reduction in its step), a transient fault is not met again; a repeat gets
+    its receivers quarantined, which two spares cannot cover."""
+    run = compose_run("recovery.enabled=true", "campaign=single", "topology.parallel=hsdp",
+                      "topology.shard_size=2", "topology.nodes=3", "topology.ranks_per_node=2",
+                      "topology.spares=2", "recovery.max_recoveries=2",
+                      "detectors=[allreduce_sketch]")  # fmt: skip
+    fault = FaultConfig(site="allreduce", model="scale", factor=1000.0, scope="reduction",
+                        ranks=(1,), steps=(2,))  # fmt: skip
+    specs: list[TrialSpec] = []
+    outcome = run_with_recovery(
+        run, TrialSpec("t", 0, fault), _summed_wrong(6, [1, 3, 5], repeats, specs), tmp_path
+    )
+    recovery = outcome.recovery
+    assert recovery.recoveries[0] == "rollback at step 2 to step -1", recovery.recoveries
+    assert len(specs) == 2 and specs[1].segment.struck == (2,)
+    assert specs[1].segment.hardware == tuple(range(6)), "every node where it was"
+    if repeats:
+        assert recovery.verdict.startswith("3 suspect nodes and 2 spare(s) left"), recovery
+        assert recovery.quarantined == () and len(recovery.recoveries) == 1
+    else:
+        assert recovery.verdict is None and recovery.completed and recovery.quarantined == ()
+
+
+def test_a_transient_fault_met_in_an_earlier_segment_is_not_met_again():
+    """A recovery segment re-executes steps: a transient fault on hardware struck once in
+    time; one that follows the data is met again (the data is what it was), and so is one
+    that persists."""
+    segment = Segment(0, "", (0, 1), ((0,), (1,)), struck=(2,))
+    transient = FaultConfig(site="grad", model="scale", factor=10.0, ranks=(1,), steps=(2, 5))
+    assert segment.unmet(transient).steps == (5,)
+    schedule = ({"step": 2, "rank": 1, "tensor": "w", "index": 0},
+                {"step": 5, "rank": 1, "tensor": "w", "index": 0})  # fmt: skip
+    scheduled = FaultConfig(site="grad", model="scale", factor=10.0, schedule=schedule)
+    assert [e["step"] for e in segment.unmet(scheduled).schedule] == [5]
+    for kept in (
+        FaultConfig(site="grad", model="scale", factor=10.0, ranks=(1,), steps=(2, 5),
+                    follows="data"),
+        FaultConfig(site="grad", model="scale", factor=10.0, ranks=(1,), steps=(2,),
+                    persistence="permanent"),
+    ):  # fmt: skip
+        assert segment.unmet(kept) == kept
 
 
 @pytest.mark.parametrize(
