@@ -109,6 +109,23 @@ def log(cwd: Path, attempt: str, host: namespaces.Host) -> str:
     return (cwd / f"{attempt}-{host.name}.log").read_text()
 
 
+def test_torchrun_across_three_hosts_writes_the_spawned_rows(tmp_path, hosts, spawned):
+    """One campaign, one torchrun agent per host: every row is the spawned simulation's, and
+    the faults on rank 1 (grad) and rank 2 (weight) are caught on their hosts' ranks."""
+    command, env = planned(tmp_path, PLAN, hosts)
+    assert "--nnodes=3" in command and "--rdzv-backend=c10d" in command
+    assert "GLOO_SOCKET_IFNAME" not in env
+    codes = finish(start_agents(hosts, command, env, tmp_path, "whole"), tmp_path, "whole", 240)
+    assert codes == [0, 0, 0], log(tmp_path, "whole", hosts.hosts[0])[-3000:]
+    table = without_timing(rows(tmp_path / "out"))
+    assert table == spawned
+    assert {r["effect"] for r in table} >= {"harmful", "benign"}
+    assert any(r["detected"] == "True" and r["suspect_ranks"] == "2" for r in table)
+
+
+# The slow set (45 s): the default run keeps the three hosts' rows above; torchrun's crash rows
+# and its rerun's resume are in tests/test_world.py's slow set too.
+@pytest.mark.slow
 def test_torchrun_across_three_hosts_writes_the_spawned_rows_and_resumes_after_a_host_cut(
     tmp_path, hosts, spawned
 ):

@@ -102,8 +102,8 @@ def test_torchrun_runs_the_same_worker_code_and_writes_the_same_rows(tmp_path, r
     assert spawned_rows[0]["detected"] == "True" and spawned_rows[0]["suspect_ranks"] == "3"
 
 
-# Slow set (about 2 minutes on 2 cores); the default run's twins are the torchrun test above and
-# tests/test_multihost.py (the same engine on three hosts, its crash rows and resume).
+# Slow set (about 2 minutes on 2 cores); the default run's twin is tests/test_multihost.py's
+# rows on three hosts (the same engine; its crash rows and resume are in the slow set).
 @pytest.mark.slow
 def test_torchrun_recovers_in_a_shrunk_world_and_times_overhead_as_the_spawned_world(
     tmp_path, run_ok
@@ -147,8 +147,9 @@ def test_torchrun_recovers_in_a_shrunk_world_and_times_overhead_as_the_spawned_w
     assert columns[0] == columns[1] and len(columns[0]) == 4  # header, hook, replay, consensus
 
 
-# Slow set (about 45 s on 2 cores); in the default run, tests/test_multihost.py crashes a trial by
-# cutting a host's link and resumes by rerunning the command.
+# Slow set (about 45 s on 2 cores), beside tests/test_multihost.py's host cut and rerun; the
+# default run's crash rows are the spawned world's (tests/test_robustness.py), whose causes
+# torchrun's state the same way (harness/launch/world.py, `raised`).
 @pytest.mark.slow
 def test_torchrun_records_each_crash_and_its_max_restarts_resume_the_campaign(tmp_path, run_ok):
     args = [
