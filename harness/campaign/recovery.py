@@ -152,7 +152,9 @@ def run_with_recovery(
             a for a in merge_alerts([e for p in outcome.parts for e in p.events]) if a.step <= stop
         ]
         extra_events += [replace(e, segment=segment) for p in outcome.parts for e in p.events]
-        struck |= {e.step for e in extra_events if isinstance(e, Inject) and e.fired}
+        struck |= {
+            e.step for p in outcome.parts for e in p.events if isinstance(e, Inject) and e.fired
+        }
         suspects = sorted({machines.node_of(r) for r in _suspect_ranks(outcome, alerts, stop)})
         record.stops.append((stop, tuple(suspects)))
         if _received_sum(run, alerts, suspects) and stop not in plain:
