@@ -6,11 +6,18 @@ check's behaviour under its name."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Mapping
 from importlib.metadata import EntryPoint, entry_points
+from types import MappingProxyType
 
 DETECTORS = "sdc_bench.detectors"
 FAULTS = "sdc_bench.faults"
 
 
-def installed(group: str) -> dict[str, EntryPoint]:
-    return {ep.name: ep for ep in entry_points(group=group)}
+@functools.cache
+def installed(group: str) -> Mapping[str, EntryPoint]:
+    """Read once per process: each read scans every installed distribution's metadata (about
+    10 ms here), and validation asks once per scenario's fault. A package installed while a
+    process runs is seen by the processes started after it."""
+    return MappingProxyType({ep.name: ep for ep in entry_points(group=group)})
