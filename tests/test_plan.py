@@ -426,6 +426,7 @@ ESTIMATE = ["--gpu", "h100", "--params", "7e10", "--tokens-per-step", "4e6"]
         (["{empty}"], "no trials.csv"),
         (["{trials_only}"], "no overhead.csv"),
         (["{clean_only}"], "no fault struck in"),
+        (["{crash_only}"], "no fault but crashes struck in"),
         (["{fixture}", "--sdc-rate", "-1"], "--sdc-rate: must be a number >= 0"),
         (["{fixture}", "--job-days", "0"], "--job-days: must be > 0, got 0"),
         (["{fixture}", "--gpus", "many"], "--gpus: invalid int value"),
@@ -450,8 +451,15 @@ def test_bad_input_exits_2_with_one_line(tmp_path, capsys, args, says):
     clean_only.mkdir()
     write_cells(clean_only / "trials.csv", [{"site": "none", "detectors": "nan_inf"}] * 3)
     (clean_only / "overhead.csv").write_text((FIXTURE / "0" / "overhead.csv").read_text())
+    # Every fault that struck took a process down: no silent one to weigh (it raised KeyError).
+    crash_only = tmp_path / "crash_only"
+    crash_only.mkdir()
+    crashed = {"model": "crash", "fired": "True", "effect": "crash", "detectors": "nan_inf"}
+    write_cells(crash_only / "trials.csv", [crashed] * 3)
+    (crash_only / "overhead.csv").write_text((FIXTURE / "0" / "overhead.csv").read_text())
     where = {
         "clean_only": clean_only,
+        "crash_only": crash_only,
         "missing": tmp_path / "nowhere",
         "empty": tmp_path / "empty",
         "trials_only": trials_only,

@@ -542,14 +542,16 @@ def plan(
         ran = trials[[Column.workload, Column.dtype, Column.precision]].itertuples(index=False)
         trials_on = ", ".join(sorted({ran_label(*r) for r in ran}))
         costs = replace(overheads(table), source=f"{trials_on}, on the campaign's machine")
-    if not (trials[Column.fired] == True).any():  # noqa: E712 (a column of booleans)
+    fired = trials[trials[Column.fired] == True]  # noqa: E712 (a column of booleans)
+    if not (fired[Column.model] != CRASH).any():
         runs = ", ".join(sorted(trials["run"].unique()))
+        # A crash is no silent corruption: no check's catch or miss of it is weighed.
+        but = " but crashes" if len(fired) else ""
         raise PlanError(
-            f"no fault struck in {runs}: a plan weighs the faults a campaign fired (run one with "
-            "fault scenarios)"
+            f"no fault{but} struck in {runs}: a plan weighs the silent faults a campaign fired "
+            "(run one with fault scenarios that corrupt values)"
         )
     mixed = weighed(trials)
-    fired = trials[trials[Column.fired] == True]  # noqa: E712
     if mixed and fired[Column.weight].isna().any():
         raise PlanError(
             "some runs weigh their faults by a mix and some do not: plan from the weighed runs "
