@@ -54,17 +54,31 @@ def check_group_choices(argv: list[str]) -> None:
     """Hydra answers an unknown group option with a multi-line error and exit 1; answer it here
     with the contract's one line and exit 2."""
     for arg in argv:
-        key, sep, value = arg.partition("=")
+        key, sep, _ = arg.partition("=")
         key = key.lstrip("+~")
         if not sep or key not in GROUPS:
             continue
         allowed = sorted(p.stem for p in Path(CONFIG_DIR, key).glob("*.yaml"))
         if key == "detectors":
             allowed = list(detectors.available())
-        for choice in value.strip("[]").split(","):
-            choice = choice.strip()
-            if choice and choice not in allowed:
+        for choice in _options(arg):
+            if choice not in allowed:
                 fail(f"{key}: '{choice}' is not allowed; allowed: {', '.join(allowed)}")
+
+
+def _options(arg: str) -> list[str]:
+    """Every option `arg` names, as Hydra's grammar reads it: a list, a sweep over options or
+    over lists (`detectors=[a,b],[c]`, `choice(...)`). Where Hydra cannot expand it here (glob
+    needs the config), none: Hydra's own error or the composed config's check answers it."""
+    try:
+        override = OverridesParser.create().parse_overrides([arg])[0]
+        values = (
+            list(override.sweep_iterator()) if override.is_sweep_override() else [override.value()]
+        )
+    except HydraException:
+        return []
+    flat = [v for value in values for v in (value if isinstance(value, list) else [value])]
+    return ["null" if v is None else str(v) for v in flat]
 
 
 def preflight(argv: list[str]) -> None:

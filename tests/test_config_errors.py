@@ -639,6 +639,8 @@ CASES = [
         "detectors",
         EVERY_CHECK,
     ),
+    # A sweep over sets of checks: each set's names, as Hydra's grammar reads them.
+    (["-m", "detectors=[nan_inf],[replayy]"], "detectors", "'replayy' is not allowed"),
     (["topology.nodes=0"], "topology.nodes", "1..inf"),
     (["topology.cpu_kernels=avx3"], "topology.cpu_kernels", "avx2, avx512, default, native"),
     (["topology.cpu_numerics=fast"], "topology.cpu_numerics", "allowed: emulated, native"),
@@ -813,6 +815,22 @@ def test_an_out_that_is_a_sweeps_folder_is_refused(tmp_path, monkeypatch, capsys
 def test_a_sweep_whose_jobs_write_apart_is_accepted(argv, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert cli.preflight(cli.implied_campaign(argv)) is None
+
+
+@pytest.mark.parametrize(
+    "sweep",
+    [
+        "detectors=[nan_inf,replay],[weight_consensus,allreduce_sketch]",
+        "detectors=choice([nan_inf],[replay])",
+    ],
+)
+def test_a_sweep_over_sets_of_checks_is_accepted(sweep, tmp_path, monkeypatch):
+    """Hydra reads both as a sweep over two lists; the names were split at every comma, and
+    'replay]' was refused."""
+    monkeypatch.chdir(tmp_path)
+    argv = cli.implied_campaign(["-m", "campaign=smoke", sweep])
+    cli.check_group_choices(argv)
+    assert cli.preflight(argv) is None
 
 
 def test_an_out_that_cannot_be_created_is_refused_before_anything_runs(tmp_path):
