@@ -353,13 +353,14 @@ def test_a_sweeps_growth_in_one_job_is_judged_on_the_medians_not_hidden_by_anoth
 
 
 def test_a_sweeps_jobs_compare_trial_by_trial_within_their_job(runs, tmp_path):
-    """A sweep's jobs repeat the same trial ids: a trial compares with the one of its own job."""
+    """A sweep's jobs repeat the same trial ids: a trial compares with the one of its own job
+    (a sweep over the checks: with nan_inf, and with none)."""
     sweeps = {}
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
-        for job in ("0", "1"):
-            copy(runs["baseline"], tmp_path / name / job)
-            shutil.copy(runs["baseline"] / "campaign.json", tmp_path / name / job)
+        for job, run in (("0", runs["baseline"]), ("1", runs["switched_off"])):
+            copy(run, tmp_path / name / job)
+            shutil.copy(run / "campaign.json", tmp_path / name / job)
         sweeps[name] = tmp_path / name
 
     def harm_first_trial(table):

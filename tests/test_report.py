@@ -256,9 +256,10 @@ def test_product_coverage_is_said_of_runs_with_compute_faults_alone(tmp_path):
 
 
 def test_a_run_named_twice_or_beside_its_sweep_and_another_runs_out_are_refused(tmp_path, capsys):
-    """`sdc-report R R` reported each trial twice (and so did a sweep beside one of its jobs,
-    and sdc-plan, whose n doubled); `--out` another run's folder replaced its report.md with
-    one of these trials; `--out` a file ended in a traceback."""
+    """`sdc-report R R` reported each trial twice (and so did a sweep beside one of its jobs, a
+    second run of the same campaign, and sdc-plan, whose n doubled); `--out` another run's
+    folder replaced its report.md with one of these trials; `--out` a file ended in a
+    traceback."""
     sweep = tmp_path / "sweep"
     shutil.copytree(BASELINE, sweep / "0", ignore=shutil.ignore_patterns("README.md"))
     other = tmp_path / "other"
@@ -268,6 +269,8 @@ def test_a_run_named_twice_or_beside_its_sweep_and_another_runs_out_are_refused(
     cases = [
         ([str(BASELINE), str(BASELINE)], "named with"),
         ([str(sweep), str(sweep / "0")], "named with"),
+        # Two runs of one campaign (a copy, or the same command run again) repeat its rows.
+        ([str(BASELINE), str(other)], "the same campaign as"),
         ([str(sweep), "--out", str(other)], "another run's folder"),
         ([str(sweep), "--out", str(tmp_path / "a-file")], "not a folder"),
     ]

@@ -15,7 +15,7 @@ import pandas as pd
 
 from harness.core.formats import BIT_CLASSES, classify_bit
 from harness.core.vocabulary import DAMAGING, Effect, Site
-from harness.results.folder import TRIALS_FILE
+from harness.results.folder import TRIALS_FILE, RunFolder, campaign_identity
 from harness.results.schema import (
     RECOVERY_KINDS,
     recovery_kinds,
@@ -94,6 +94,23 @@ def distinct(dirs: list[Path]) -> None:
                 )
 
 
+def _one_of_each_campaign(files: list[Path]) -> None:
+    """Tables of two runs of one campaign (config and seeds alike) hold the same rows: read
+    together, each trial would count twice and narrow every interval as if it were evidence."""
+    seen: dict[str, Path] = {}
+    for f in files:
+        record = RunFolder(f.parent).campaign_record()
+        if record is None:
+            continue
+        first = seen.setdefault(campaign_identity(record), f.parent)
+        if first != f.parent:
+            raise ReportError(
+                f"{f.parent}: the same campaign as {first} (its config and seeds), whose rows "
+                "it repeats: each trial would count twice; name one of them (sdc-regress "
+                "compares two runs)"
+            )
+
+
 def check_out(flag: str, out: Path, dirs: list[Path]) -> None:
     """Where a tool writes what it made of `dirs`: a folder, and not one that holds another
     run's trials or is a sweep's (what it writes there would replace that run's own report or
@@ -125,6 +142,7 @@ def load_trials(dirs: list[Path]) -> pd.DataFrame:
         if not found:
             raise ReportError(f"{d}: no trials.csv in it or below it")
         files += found
+    _one_of_each_campaign(files)
     frames = []
     for f in files:
         try:

@@ -31,7 +31,7 @@ from harness.errors import ConfigError
 from harness.launch import stacks
 from harness.launch.world import World, WorldStartError
 from harness.results import machine
-from harness.results.folder import RunFolder
+from harness.results.folder import RunFolder, campaign_identity
 from harness.results.judgement import Judged, golden_from, noise_band, trial_row
 from harness.results.records import Records
 from harness.results.schema import Golden, TrialResult
@@ -45,15 +45,8 @@ class CampaignError(RuntimeError):
     pass
 
 
-# RunConfig's fields that never change a row, so a campaign resumes with other values of them.
-NOT_IDENTITY = ("golden_cache",)
-
-
 def _identity(run: RunConfig) -> str:
-    content = dataclasses.asdict(run)
-    for name in NOT_IDENTITY:
-        content.pop(name)
-    return json.dumps(content, sort_keys=True, indent=1)
+    return campaign_identity(dataclasses.asdict(run))
 
 
 @dataclass(frozen=True)
@@ -70,11 +63,7 @@ def _bound_to(out: Path) -> Held | None:
     held = RunFolder(out).campaign_record()
     if held is None:
         return None
-    env, code = held.pop("environment", None), held.pop("code", None)
-    held.pop("product_coverage", None)  # measured from the config: not part of the identity
-    for name in NOT_IDENTITY:
-        held.pop(name, None)
-    return Held(json.dumps(held, sort_keys=True, indent=1), env, code)
+    return Held(campaign_identity(held), held.get("environment"), held.get("code"))
 
 
 # What Hydra's sweeper writes at the top of a sweep's folder.

@@ -24,6 +24,16 @@ from typing import Any
 CAMPAIGN_FILE = "campaign.json"
 TRIALS_FILE = "trials.csv"
 EVENTS_FILE = "events.jsonl"
+# What campaign.json holds beside the campaign itself: where and by what code it ran, a figure
+# measured from its config, and the golden store it read; none of them changes a row.
+BESIDE_CAMPAIGN = ("environment", "code", "product_coverage", "golden_cache")
+
+
+def campaign_identity(record: dict[str, Any]) -> str:
+    """The campaign a config or a campaign.json record describes: its trials' rows follow from
+    it, so two folders of one identity hold the same rows."""
+    held = {k: v for k, v in record.items() if k not in BESIDE_CAMPAIGN}
+    return json.dumps(held, sort_keys=True, indent=1)
 
 
 @dataclass(frozen=True)
