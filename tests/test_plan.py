@@ -121,6 +121,21 @@ def every_step_run(folder: Path, seeds: int = 1) -> Path:
     return write_run(folder, trials, [("nan_inf", "", 1.0, ""), ("allreduce_sketch", "", 5.0, "")])
 
 
+def test_a_check_the_trials_ran_without_a_measured_cost_is_named_as_left_out(tmp_path):
+    """overhead.csv timed nan_inf alone (a run merged with one that timed nothing): the sketch,
+    which caught every fault, was in no option, and nothing said so."""
+    on = "allreduce_sketch;nan_inf;replay"
+    trials = [trial(20 + i, 0, True, on, every="replay=5", found=f"allreduce_sketch={20 + i}")
+              for i in range(4)]  # fmt: skip
+    result = plan(*load([write_run(tmp_path / "run", trials, [("nan_inf", "", 1.0, "")])]), HAND)
+    assert {o.name for o, _ in result.ranked} == {"no checks", "nan_inf"}
+    assert result.untimed == ("allreduce_sketch", "replay every 5")
+    text = plan_report.markdown(result, "plan.png")
+    assert (
+        "Left out of every option, for want of a measured cost: allreduce_sketch, replay " in text
+    )
+
+
 def test_the_cheapest_check_is_not_the_best(tmp_path):
     found = ranked(every_step_run(tmp_path / "run"), HAND)
     assert found == pytest.approx(

@@ -525,6 +525,9 @@ class Plan:
     weighed: bool = False  # the faults weighed by the campaign's fault mix
     # Under a mix: the share of its weight whose classes have no fired trial (count for nothing).
     uncovered: float = 0.0
+    # Each check (at an interval, "name every k") the fired trials ran with no figure for its
+    # cost: in no option, so the plan says so rather than leave it out unsaid.
+    untimed: tuple[str, ...] = ()
 
     @property
     def best(self) -> tuple[Option, Loss]:
@@ -569,7 +572,15 @@ def plan(
         key=lambda ol: (ol[1].expected, ol[0].overhead_pct, len(ol[0].checks), ol[0].name),
     )
     uncovered = 1 - covered(trials, fired) if mixed else 0.0
-    return Plan(job, ranked, costs, mixed, uncovered)
+    return Plan(job, ranked, costs, mixed, uncovered, untimed(fired_faults(trials), costs))
+
+
+def untimed(fired: pd.DataFrame, cost: Overheads) -> tuple[str, ...]:
+    """The checks `fired` (`fired_faults`) ran at an interval `cost` has no figure for."""
+    ran = {(c, str(every.get(c, ""))) for on, every in zip(fired["on"], fired["every"],
+                                                           strict=True) for c in on}  # fmt: skip
+    missing = sorted(at for at in ran if cost.price(at) is None)
+    return tuple(f"{c} every {k}" if k else c for c, k in missing)
 
 
 def over_dtypes(table: pd.DataFrame) -> pd.DataFrame:

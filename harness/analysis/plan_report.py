@@ -296,6 +296,16 @@ def figure(result: Plan, path: Path) -> Path:
     return path
 
 
+def untimed_line(result: Plan) -> str:
+    """The checks the trials ran that no option holds, for want of a figure for their cost."""
+    if not result.untimed:
+        return ""
+    return (
+        f" Left out of every option, for want of a measured cost: {', '.join(result.untimed)} "
+        "(ran in the trials; time it with campaign.overhead, or plan with --costs)."
+    )
+
+
 def mix_line(result: Plan) -> str:
     """How the run's faults count: each once, or by the campaign's fault mix."""
     if result.weighed:
@@ -319,7 +329,7 @@ def markdown(
     return "\n\n".join(
         [
             header(result.job, result.overheads, derived),
-            mix_line(result),
+            mix_line(result) + untimed_line(result),
             recommendation(result),
             markdown_table(rows(result, limit)),
             f"![Expected loss against the audit interval]({image})",
