@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 from matplotlib.container import BarContainer
 
-from harness.analysis import figures, intervals, overheads, plan_report, report, tables
+from harness.analysis import figures, intervals, overheads, plan_report, regress, report, tables
 from harness.campaign import overhead
 from harness.results import schema
 from tests.rows import frame
@@ -253,6 +253,23 @@ def test_product_coverage_is_said_of_runs_with_compute_faults_alone(tmp_path):
     assert report.coverage_line(computing).startswith(
         "Product coverage: matmul_checksum checks 0.0% of 0.01 GFLOP"
     )
+
+
+@pytest.mark.parametrize(
+    "tool, argv, says",
+    [
+        ("sdc-report", ["--bogus", "x"], "unrecognized arguments: --bogus"),
+        ("sdc-report", [], "the following arguments are required: dirs"),
+        ("sdc-regress", ["a"], "the following arguments are required: current"),
+    ],
+)
+def test_a_bad_command_line_exits_2_in_one_line(tool, argv, says, capsys):
+    """argparse's own refusal printed its usage block above the error: two lines."""
+    main = {"sdc-report": report.main, "sdc-regress": regress.main}[tool]
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err == f"{tool}: {says}\n"
 
 
 def test_a_run_named_twice_or_beside_its_sweep_and_another_runs_out_are_refused(tmp_path, capsys):

@@ -39,7 +39,6 @@ judged on exactly the numbers the report shows.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import math
 import sys
@@ -54,6 +53,7 @@ from harness.analysis.tables import (
     APART,
     Cell,
     Counts,
+    OneLineParser,
     ReportError,
     catch_counts,
     cell_stats,
@@ -377,11 +377,11 @@ def environment_lines(base: Run, cur: Run) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="sdc-regress", description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(prog="sdc-regress", description=__doc__.split("\n\n")[0])
     parser.add_argument("baseline", type=Path, help="the baseline run folder (results/baseline)")
     parser.add_argument("current", type=Path, help="the run to judge against it")
-    args = parser.parse_args(argv)
     try:
+        args = parser.parse_args(argv)
         base, cur = load(args.baseline), load(args.current)
     except ReportError as exc:
         print(f"sdc-regress: {exc}", file=sys.stderr)

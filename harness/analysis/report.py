@@ -7,7 +7,6 @@ interval: a 3/3 catch rate is not a 100% detector, and the interval says so.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -20,6 +19,7 @@ from harness.analysis import figures, mix
 from harness.analysis.intervals import audit_intervals
 from harness.analysis.overheads import load_overhead, rounds_text
 from harness.analysis.tables import (
+    OneLineParser,
     ReportError,
     bit_dtypes,
     by_parallel,
@@ -400,11 +400,11 @@ def to_html(markdown: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="sdc-report", description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(prog="sdc-report", description=__doc__.split("\n\n")[0])
     parser.add_argument("dirs", nargs="+", type=Path, help="run folders or sweep folders")
     parser.add_argument("--out", type=Path, help="where to write (default: the first folder)")
-    args = parser.parse_args(argv)
     try:
+        args = parser.parse_args(argv)
         df = load_trials(args.dirs)
         check_out("--out", args.out or args.dirs[0], args.dirs)
     except ReportError as exc:

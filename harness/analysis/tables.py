@@ -6,10 +6,12 @@ planner and `sdc-regress` read runs through these.
 
 from __future__ import annotations
 
+import argparse
 import math
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
+from typing import NoReturn
 
 import pandas as pd
 
@@ -43,6 +45,13 @@ Counts = tuple[float, float]
 
 class ReportError(ValueError):
     pass
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's refusals as the tools' one line and exit 2, not its usage block over two."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ReportError(message)
 
 
 def wilson(k: float, n: float) -> tuple[float, float]:
