@@ -8,10 +8,12 @@ import os
 import re
 import subprocess
 from pathlib import Path
+from types import MappingProxyType
 
 import pytest
 import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.distributed.device_mesh import init_device_mesh
@@ -138,6 +140,16 @@ def test_all_runs_what_applies_and_says_why_it_left_the_rest_out(one_rank):
     assert set(guard.checks) | set(guard.left_out) == set(detectors.available())
     without = Guard(DDP(nn.Linear(4, 2)), "all")
     assert "needs Guard(..., replay_fn=fn)" in without.left_out["titan_replay"]
+
+
+@pytest.mark.parametrize("mapping", [MappingProxyType, OmegaConf.create], ids=["proxy", "hydra"])
+def test_check_settings_in_any_mapping_are_the_ones_that_run(one_rank, mapping):
+    """A Hydra config's DictConfig, or any mapping but a dict: its settings were validated, then
+    dropped for the defaults (matmul_checksum every step), with no word."""
+    guard = Guard(one_rank, mapping({"matmul_checksum": {"interval": 7}, "nan_inf": {}}))
+    assert set(guard.checks) == {"matmul_checksum", "nan_inf"}
+    assert guard.checks["matmul_checksum"].interval == 7
+    guard.close()
 
 
 def test_a_rehearsal_that_can_never_strike_is_refused(one_rank):

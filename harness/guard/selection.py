@@ -28,7 +28,7 @@ from harness.runtime.workloads import WorkloadConfig
 from injectors.sites import MODULE_SITES
 
 ALL = "all"
-Chosen = str | Iterable[str] | dict[str, dict[str, Any]]
+Chosen = str | Iterable[str] | Mapping[str, Mapping[str, Any]]
 # The dtypes a rehearsal strikes, as a campaign names them.
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -54,7 +54,7 @@ def select(chosen: Chosen, job: Job) -> Selection:
     """The checks `chosen` names for `job`: "all", a check's name, names, or a mapping from
     names to their settings."""
     names = named(chosen, job.mode)
-    params = chosen if isinstance(chosen, dict) else {name: {} for name in names}
+    params = chosen if isinstance(chosen, Mapping) else {name: {} for name in names}
     checks, refused = {}, {}
     for name, p in params.items():
         try:
