@@ -159,6 +159,9 @@ def main() -> None:
     parser.add_argument("--twin", action="store_true")
     parser.add_argument("--ranks-per-node", type=int, default=1)
     args = parser.parse_args()
+    for flag in ("steps", "save_every", "ranks_per_node"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')}: {getattr(args, flag)} must be at least 1")
 
     torch.set_num_threads(1)
     # One simulated node per process, so that replay finds its three nodes on one host.

@@ -189,6 +189,9 @@ def main() -> int:
     parser.add_argument("--guard-off", action="store_true")
     parser.add_argument("--twin", action="store_true")
     args = parser.parse_args()
+    for flag in ("steps", "save_every"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')}: {getattr(args, flag)} must be at least 1")
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     # One simulated node per process, so that replay finds its three nodes on one host.

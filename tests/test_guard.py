@@ -7,6 +7,7 @@ import json
 import os
 import re
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 from types import MappingProxyType
 
@@ -25,11 +26,11 @@ from detectors import allreduce_sketch as sketch
 from harness.campaign.recovery import earliest_suspect
 from harness.core import inflight
 from harness.core.events import Alert
-from harness.guard import Guard, SDCAlarm
+from harness.guard import Guard, SDCAlarm, selection
 from harness.guard.alarm import quarantine
 from harness.runtime import checkpoint
 from harness.runtime.replica import unsharded_copy
-from tests.conftest import BIN, forked_ranks
+from tests.conftest import BIN, compose_run, forked_ranks
 
 LOOP = Path(__file__).parent / "loops" / "plain_ddp.py"
 
@@ -266,10 +267,23 @@ SCALED = {"model": "scale", "factor": 2.0, "ranks": [0]}
         ({"inject": "grad"}, "^inject: 'grad' is not a fault: a mapping of fault keys"),
         ({"detectors": {"nan_inf": 5}}, "^detectors.nan_inf: 5 is not a check's settings"),
         ({"detectors": None}, "^detectors: None names no check"),
+        # A step past the loop's end, where the loop gives it: a rehearsal that never struck
+        # ended the fit clean, which read as "nothing found".
+        (
+            {"inject": {**SCALED, "site": "grad", "steps": [10]}, "steps": 6},
+            re.escape("inject.steps[0]: 10 is out of range; allowed: 0..5"),
+        ),
+        ({"steps": 0}, re.escape("steps: 0 is out of range; allowed: 1..inf")),
+        # Raw numpy errors, or failures at step 0 or at the first save, none naming the key.
+        ({"seed": "abc"}, "^seed: 'abc' is not an integer"),
+        ({"seed": -5}, re.escape("seed: -5 is out of range; allowed: 0..inf")),
+        ({"replay_fn": "loss_of"}, "^replay_fn: a function; got str 'loss_of'"),
+        ({"checkpoints": 5}, re.escape("checkpoints: a folder's path (str or Path); got int 5")),
     ],
     ids=["mode", "no-ranks-per-node", "ranks-per-node", "bare-comm-hook", "before-start",
          "first-step-module", "schedule-before-start", "riders-unridden", "inject-not-a-mapping",
-         "settings-not-a-mapping", "no-checks"],
+         "settings-not-a-mapping", "no-checks", "inject-past-the-end", "no-steps", "seed-text",
+         "seed-negative", "replay-fn-text", "checkpoints-number"],
 )  # fmt: skip
 def test_a_setting_the_guard_would_ignore_or_trip_over_later_is_refused(one_rank, settings, error):
     """A check's own `mode` (the guard's decides), a node size that is no size or does not
@@ -279,6 +293,23 @@ def test_a_setting_the_guard_would_ignore_or_trip_over_later_is_refused(one_rank
         Guard(one_rank, **settings)
     assert "\n" not in str(refused.value)
     assert _forward_hooks(one_rank) == 0 and not one_rank._comm_hooks
+
+
+def test_a_launchers_ranks_per_node_that_is_no_number_is_refused_naming_it(one_rank, monkeypatch):
+    monkeypatch.setenv("SDC_RANKS_PER_NODE", "abc")
+    with pytest.raises(ValueError, match="^SDC_RANKS_PER_NODE: 'abc' is not an integer$"):
+        Guard(one_rank)
+
+
+def test_a_replay_step_past_the_loops_end_is_refused_where_the_loop_gives_its_length():
+    """The campaigns' bound on a check's listed steps, in a job of three nodes."""
+    topology = replace(compose_run().topology, nodes=3, ranks_per_node=1)
+    job = selection.Job(topology, "observe", lambda model, batch: 0, None, steps=6)
+    with pytest.raises(ValueError, match=re.escape("detectors.replay.steps: 10 is past the run")):
+        selection.select({"replay": {"steps": [10]}}, job)
+    assert selection.select({"replay": {"steps": [5]}}, job).checks["replay"].steps == (5,)
+    unbounded = replace(job, steps=None)
+    assert selection.select({"replay": {"steps": [10]}}, unbounded).checks["replay"].steps == (10,)
 
 
 def test_a_module_neither_ddp_nor_sharded_is_refused(one_rank):

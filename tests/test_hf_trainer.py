@@ -252,16 +252,29 @@ def _retry_with_a_new_trainer(port: int, out: str, results) -> None:
     ]
     try:
         retry.train()
-        results.put((raised.is_in_train, retry.state.global_step, callback.guard.alerts))
+        got = (raised.is_in_train, retry.state.global_step, callback.guard.alerts)
+        # A rehearsal past the fit's max_steps: it ended the fit clean, never having struck.
+        late = tiny_trainer(Path(out), ddp_backend="gloo", save_strategy="no")
+        rehearsal = {"site": "grad", "model": "scale", "factor": 3.0, "ranks": [0], "steps": [5]}
+        late.callback_handler.callbacks = [
+            SDCGuardCallback(["nan_inf"], inject=rehearsal) if isinstance(c, SDCGuardCallback)
+            else c for c in late.callback_handler.callbacks
+        ]  # fmt: skip
+        try:
+            late.train()
+            results.put((*got, None))
+        except ValueError as error:
+            results.put((*got, str(error)))
     except Exception as error:  # the test reports it, not a rank's traceback
         results.put(f"{type(error).__name__}: {error}")
 
 
 def test_a_new_trainer_given_the_callback_of_one_that_raised_trains_guarded(tmp_path):
     """The callback finds the Trainer calling it; it was refused as held by two Trainers in
-    train(), the one that raised counted."""
+    train(), the one that raised counted. A rehearsal past max_steps is refused when the fit
+    begins."""
     got = one_forked_rank(tmp_path, _retry_with_a_new_trainer, str(tmp_path))
-    assert got == (True, 1, []), got
+    assert got == (True, 1, [], "inject.steps[0]: 5 is out of range; allowed: 0..0"), got
 
 
 def test_a_wrong_mode_or_check_name_is_refused_where_the_callback_is_written():

@@ -175,7 +175,16 @@ def _fits_after_an_alarm(port: int, folder: str, results) -> None:
     trainer.callbacks[trainer.callbacks.index(guard)] = fresh
     third = fit(torch.randn(8, 4))
     written = [(step, path.name) for step, path in fresh.guard.written] if fresh.guard else []
-    results.put((alarm, second, third, written, sorted(os.listdir(folder))))
+    files = sorted(os.listdir(folder))
+    # Two steps more, with a rehearsal past them: it ended the fit clean, never having struck.
+    trainer.fit_loop.epoch_loop.max_steps = 6
+    late = {"site": "grad", "model": "scale", "factor": 3.0, "ranks": [0], "steps": [50]}
+    trainer.callbacks[trainer.callbacks.index(fresh)] = SDCGuard(["nan_inf"], inject=late)
+    try:
+        beyond = fit(torch.randn(8, 4))
+    except ValueError as error:
+        beyond = str(error)
+    results.put((alarm, second, third, written, files, beyond))
 
 
 def test_after_an_alarm_the_guard_refuses_a_new_fit_and_a_new_guard_takes_the_saves_over(
@@ -185,9 +194,10 @@ def test_after_an_alarm_the_guard_refuses_a_new_fit_and_a_new_guard_takes_the_sa
     alarm, and nothing is saved then either (OnExceptionCheckpoint included); the second fit
     trained on, each checkpoint gated twice (its gate over the alarmed one). A new SDCGuard in
     its place takes the alarmed gate off: its fit's checkpoints are written, each approved and
-    recorded once (the alarmed gate had refused every one)."""
+    recorded once (the alarmed gate had refused every one). A rehearsal past max_steps is
+    refused when the fit starts."""
     folder = tmp_path / "checkpoints"
-    alarm, second, third, written, files = one_forked_rank(
+    alarm, second, third, written, files, beyond = one_forked_rank(
         tmp_path, _fits_after_an_alarm, str(folder)
     )
     assert alarm[0] == "SDCAlarm" and alarm[1].startswith("nan_inf at step 2: "), alarm
@@ -200,6 +210,7 @@ def test_after_an_alarm_the_guard_refuses_a_new_fit_and_a_new_guard_takes_the_sa
     assert third is None, third
     assert written == [(2, "step=3.ckpt"), (3, "step=4.ckpt")]
     assert files == sorted([*before, "step=3.ckpt", "step=4.ckpt"]), files
+    assert beyond == "inject.steps[0]: 50 is out of range; allowed: 0..5", beyond
 
 
 def _resumed_fit(port: int, folder: str, results) -> None:

@@ -22,7 +22,7 @@
         except SDCAlarm as alarm:
             code = alarm.exit_code                        # 86 suspect hardware, 87 not attributed
         else:
-            guard.write_costs("costs.json")               # what each check cost this job
+            guard.write_costs("costs.json")               # past warmup_steps: each check's cost
     sys.exit(code)
 
 `detectors="all"` runs every check that applies to the model's parallelism, the comm hook, the

@@ -75,24 +75,29 @@ class Guard:
         checkpoints: str | Path | None = None,
         start_step: int = 0,
         warmup_steps: int = 3,
+        steps: int | None = None,
     ):
         _check_comm_hook(comm_hook)
+        _check_callables(replay_fn, scale_loss, checkpoints)
+        integer("seed", seed, 0)
         slot = _released_slot(model)
         self.parallel, shard_size = _parallelism(model, comm_hook, slot is not None)
         self.warmup_steps = integer("warmup_steps", warmup_steps, 1)
         integer("start_step", start_step, 0)
+        if steps is not None:
+            integer("steps", steps, start_step + 1)
         rank, world = dist.get_rank(), dist.get_world_size()
         per_node = _ranks_per_node(ranks_per_node, world)
         self.model = model.module if isinstance(model, DDP) else model
         first = next(self.model.parameters())
         self.info = RankInfo(rank, world, per_node, str(first.device))
         world_topology = selection.topology(world, per_node, self.parallel, shard_size)
-        job = selection.Job(world_topology, mode, replay_fn, comm_hook, start_step)
+        job = selection.Job(world_topology, mode, replay_fn, comm_hook, start_step, steps)
         chosen = selection.select(detectors, job)
         self.checks, self.left_out = chosen.checks, chosen.left_out
         fault = None
         if inject is not None:
-            fault = selection.rehearsal(inject, self.model, world_topology, start_step)
+            fault = selection.rehearsal(inject, self.model, world_topology, start_step, steps)
             check_riders("inject", fault, self.checks)
 
         name = os.environ.get("SDC_NODE_NAME", socket.gethostname())
@@ -485,6 +490,19 @@ def _released_slot(model: nn.Module) -> comm.HookSlot | None:
     return None
 
 
+def _check_callables(replay_fn: Any, scale_loss: Any, checkpoints: Any) -> None:
+    """What the guard calls or writes into only later (a replay, a checkpoint): a value that is
+    not one failed there, on every rank, with no word of the key."""
+    for key, value in (("replay_fn", replay_fn), ("scale_loss", scale_loss)):
+        if value is not None and not callable(value):
+            raise ValueError(f"{key}: a function; got {type(value).__name__} {value!r:.60}")
+    if checkpoints is not None and not isinstance(checkpoints, str | os.PathLike):
+        raise ValueError(
+            f"checkpoints: a folder's path (str or Path); got {type(checkpoints).__name__} "
+            f"{checkpoints!r:.60}"
+        )
+
+
 def _check_comm_hook(comm_hook: Any) -> None:
     """A hook handed over without its state would fail in the first backward."""
     if comm_hook is not None and not (
@@ -504,7 +522,9 @@ def _ranks_per_node(given: int | None, world: int) -> int:
     if value is None:
         source = next((k for k in ("SDC_RANKS_PER_NODE", "LOCAL_WORLD_SIZE") if os.environ.get(k)),
                       None)  # fmt: skip
-        key, value = (source, int(os.environ[source])) if source else (key, world)
+        key, value = (source, os.environ[source]) if source else (key, world)
+    if isinstance(value, str):  # a launcher's variable: its text, whole digits only
+        value = int(value) if value.strip().isdigit() else value
     per_node = integer(key, value, 1)
     if world % per_node:
         ranks = "rank" if world == 1 else "ranks"

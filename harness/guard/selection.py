@@ -48,6 +48,7 @@ class Job:
     replay_fn: Callable | None
     comm_hook: tuple[Any, Callable] | None
     start_step: int = 0  # a resumed loop's first step
+    steps: int | None = None  # the loop's end (its last step + 1), where it is known
 
 
 def select(chosen: Chosen, job: Job) -> Selection:
@@ -147,6 +148,8 @@ def _configured(name: str, params: dict[str, Any], job: Job) -> CheckConfig:
             f"'{name}' never looks in a loop that starts at step {job.start_step} (resumed), "
             f"as set: {config.params()}"
         )
+    if job.steps is not None:  # the campaign's own bound: a step it lists is in the loop
+        check.check_steps(f"detectors.{name}", config, job.steps)
     return config
 
 
@@ -174,20 +177,25 @@ def topology(world: int, per_node: int, parallel: str, shard_size: int | None) -
 
 
 def rehearsal(
-    inject: dict[str, Any], model: nn.Module, topology: TopologyConfig, start_step: int
+    inject: dict[str, Any],
+    model: nn.Module,
+    topology: TopologyConfig,
+    start_step: int,
+    steps: int | None = None,
 ) -> FaultConfig:
-    """A rehearsal fault, validated like a campaign's, its target among `model`'s (steps are not
-    bounded: a loop has no end, but one before `start_step` is never reached). A fault at a
-    module site names what only a forward shows (the products a module makes, their dtypes):
-    the guard checks it on the loop's first forward, so it strikes from the second step on."""
+    """A rehearsal fault, validated like a campaign's, its target among `model`'s (its steps
+    bounded by the loop's end where `steps` gives it; a step before `start_step` is never
+    reached). A fault at a module site names what only a forward shows (the products a module
+    makes, their dtypes): the guard checks it on the loop's first forward, so it strikes from the
+    second step on."""
     dtype = next(model.parameters()).dtype
     if dtype not in _DTYPE_NAMES:  # its bits, factors and values would be bounded as float32's
         raise ConfigError(
             "inject", f"a rehearsal strikes a model in {', '.join(_DTYPE_NAMES.values())}; this "
             f"one's parameters are {str(dtype).removeprefix('torch.')}"
         )  # fmt: skip
-    unbounded = WorkloadConfig(
-        name="custom", steps=2**31, dtype=_DTYPE_NAMES[dtype], seed=0, micro_batches=1,
+    loop = WorkloadConfig(
+        name="custom", steps=steps or 2**31, dtype=_DTYPE_NAMES[dtype], seed=0, micro_batches=1,
         micro_batch_size=1, lr=1.0,
     )  # fmt: skip
     if not isinstance(inject, Mapping):
@@ -195,7 +203,7 @@ def rehearsal(
             "inject", f"{inject!r:.60} is not a fault: a mapping of fault keys to values, "
             "such as {'site': 'grad', 'model': 'scale', 'factor': 1000, 'steps': [5]}"
         )  # fmt: skip
-    fault = fault_config("inject", dict(inject), unbounded, topology)
+    fault = fault_config("inject", dict(inject), loop, topology)
     if not fault.clean:
         _reached(fault, start_step)
         check_target("inject", fault, model, shard_group=topology.shard_group)

@@ -86,6 +86,7 @@ class SDCGuard(pl.Callback):
         warmup_steps: int = 3,
     ):
         selection.named(detectors, mode)  # fails here, where the callback is written
+        integer("seed", seed, 0)
         if ranks_per_node is not None:
             integer("ranks_per_node", ranks_per_node, 1)
         self.options = dict(
@@ -105,8 +106,12 @@ class SDCGuard(pl.Callback):
             raise RuntimeError(f"SDCGuard: an alarm ended this fit: {self.guard.alarm}")
         _refuse_unservable(trainer, pl_module)
         per_node = self.ranks_per_node
-        if per_node is None:
-            per_node = int(os.environ.get("SDC_RANKS_PER_NODE") or trainer.num_devices)
+        if per_node is None and not os.environ.get("SDC_RANKS_PER_NODE"):
+            per_node = trainer.num_devices  # else the Guard reads and checks the variable
+        # Where the fit ends, when max_steps says (an epoch's steps may change with a
+        # GradientAccumulationScheduler): a rehearsal or a listed step past it never happens.
+        end = trainer.max_steps
+        steps = end if end > trainer.global_step else None
         precision = trainer.strategy.precision_plugin
 
         watched, child = _watched(trainer.strategy, pl_module)
@@ -124,6 +129,7 @@ class SDCGuard(pl.Callback):
             scale_loss=lambda loss, _: loss / trainer.accumulate_grad_batches,
             ranks_per_node=per_node,
             start_step=trainer.global_step,
+            steps=steps,
         )
         self._stepped = trainer.global_step
         self._module, self._strategy = pl_module, trainer.strategy

@@ -57,6 +57,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from transformers import TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
 
+from harness.core.values import integer
 from harness.guard import Guard, SDCAlarm, selection
 from harness.guard.selection import Chosen
 
@@ -77,6 +78,7 @@ class SDCGuardCallback(transformers.TrainerCallback):
         warmup_steps: int = 3,
     ):
         selection.named(detectors, mode)  # fails here, where the callback is written
+        integer("seed", seed, 0)
         self.options = dict(
             detectors=detectors, mode=mode, inject=inject, ranks_per_node=ranks_per_node,
             comm_hook=comm_hook, seed=seed, warmup_steps=warmup_steps,
@@ -111,6 +113,8 @@ class SDCGuardCallback(transformers.TrainerCallback):
             scale_loss=self._backpropagated,
             checkpoints=self.checkpoints if self.checkpoints is not None else args.output_dir,
             start_step=state.global_step,
+            # Where the fit ends: a rehearsal or a check's listed step past it never happens.
+            steps=state.max_steps if state.max_steps > state.global_step else None,
         )
         model = ddp.module
         self._hooks = [
