@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import runpy
 from pathlib import Path
 
 import pytest
@@ -304,3 +305,14 @@ def test_replay_recomputes_the_loss_of_a_model_that_returns_a_plain_dict():
     batch = {"x": torch.randn(3, 4), "labels": torch.randn(3)}
     replayed = SDCGuardCallback()._replay(model, batch)
     assert torch.equal(replayed, model(**batch)["loss"])
+
+
+@pytest.mark.parametrize("flag", ["--steps", "--save-every", "--ranks-per-node"])
+def test_the_example_refuses_a_count_below_one_before_any_process_group(flag, monkeypatch, capsys):
+    """--steps 0 trained one step and --save-every -1 saved none, both exiting 0."""
+    example = runpy.run_path(str(EXAMPLE), run_name="example")
+    monkeypatch.setattr("sys.argv", [str(EXAMPLE), "--out", "unused", flag, "0"])
+    with pytest.raises(SystemExit) as exited:
+        example["main"]()
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.endswith(f"error: {flag}: 0 must be at least 1\n")

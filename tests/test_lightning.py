@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import runpy
 import socket
 from pathlib import Path
 
@@ -331,3 +332,15 @@ def test_accumulation_a_scheduler_turns_on_under_model_parallel_is_refused_at_it
     built.accumulate_grad_batches = 2  # as GradientAccumulationScheduler sets it at an epoch
     with pytest.raises(ValueError, match="^accumulate_grad_batches: 1 is allowed under Model"):
         SDCGuard().on_before_optimizer_step(built, pl.LightningModule(), None)
+
+
+@pytest.mark.parametrize("flag", ["--steps", "--save-every"])
+def test_the_example_refuses_a_count_below_one_before_any_process_group(flag, monkeypatch, capsys):
+    """--steps 0 raised an AssertionError on every rank, --save-every 0 wrote no checkpoint and
+    exited 0."""
+    example = runpy.run_path(str(EXAMPLE), run_name="example")
+    monkeypatch.setattr("sys.argv", [str(EXAMPLE), "--out", "unused", flag, "0"])
+    with pytest.raises(SystemExit) as exited:
+        example["main"]()
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.endswith(f"error: {flag}: 0 must be at least 1\n")
