@@ -146,8 +146,11 @@ def test_all_runs_what_applies_and_says_why_it_left_the_rest_out(one_rank):
 @pytest.mark.parametrize("mapping", [MappingProxyType, OmegaConf.create], ids=["proxy", "hydra"])
 def test_check_settings_in_any_mapping_are_the_ones_that_run(one_rank, mapping):
     """A Hydra config's DictConfig, or any mapping but a dict: its settings were validated, then
-    dropped for the defaults (matmul_checksum every step), with no word."""
-    guard = Guard(one_rank, mapping({"matmul_checksum": {"interval": 7}, "nan_inf": {}}))
+    dropped for the defaults (matmul_checksum every step), with no word; a rehearsal's list in
+    one (a ListConfig) was refused as no list."""
+    fault = mapping({**SCALED, "site": "grad", "steps": mapping({"at": [2]})["at"]})
+    guard = Guard(one_rank, mapping({"matmul_checksum": {"interval": 7}, "nan_inf": {}}),
+                  inject=fault)  # fmt: skip
     assert set(guard.checks) == {"matmul_checksum", "nan_inf"}
     assert guard.checks["matmul_checksum"].interval == 7
     guard.close()

@@ -5,10 +5,21 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from harness.errors import ConfigError
+
+
+def plain(value: Any) -> Any:
+    """`value` as the checks read values: any mapping as a dict and any sequence but text as a
+    list, all the way down (a Hydra config's DictConfig and ListConfig, a MappingProxyType)."""
+    if isinstance(value, Mapping):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, Sequence) and not isinstance(value, str | bytes):
+        return [plain(v) for v in value]
+    return value
 
 
 def choice(key: str, value: Any, allowed: tuple[str, ...] | list[str]) -> str:

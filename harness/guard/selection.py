@@ -21,7 +21,7 @@ from harness.config.fault_targets import check_target
 from harness.config.faults import fault_config
 from harness.config.schema import FaultConfig, TopologyConfig
 from harness.core.checks import CheckConfig
-from harness.core.values import choice
+from harness.core.values import choice, plain
 from harness.errors import ConfigError
 from harness.runtime import user_comm
 from harness.runtime.workloads import WorkloadConfig
@@ -55,7 +55,7 @@ def select(chosen: Chosen, job: Job) -> Selection:
     """The checks `chosen` names for `job`: "all", a check's name, names, or a mapping from
     names to their settings."""
     names = named(chosen, job.mode)
-    params = chosen if isinstance(chosen, Mapping) else {name: {} for name in names}
+    params = plain(chosen) if isinstance(chosen, Mapping) else {name: {} for name in names}
     checks, refused = {}, {}
     for name, p in params.items():
         try:
@@ -82,7 +82,7 @@ def named(chosen: Chosen, mode: str) -> list[str]:
     names = registry.available() if chosen == ALL else list(chosen)
     for name in names:
         choice("detectors", name, registry.available())
-    for name, p in chosen.items() if isinstance(chosen, Mapping) else ():
+    for name, p in plain(chosen).items() if isinstance(chosen, Mapping) else ():
         if p is not None and not isinstance(p, Mapping):
             raise ConfigError(
                 f"detectors.{name}", f"{p!r:.40} is not a check's settings: a mapping of its "
@@ -203,7 +203,7 @@ def rehearsal(
             "inject", f"{inject!r:.60} is not a fault: a mapping of fault keys to values, "
             "such as {'site': 'grad', 'model': 'scale', 'factor': 1000, 'steps': [5]}"
         )  # fmt: skip
-    fault = fault_config("inject", dict(inject), loop, topology)
+    fault = fault_config("inject", plain(inject), loop, topology)
     if not fault.clean:
         _reached(fault, start_step)
         check_target("inject", fault, model, shard_group=topology.shard_group)
