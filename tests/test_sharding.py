@@ -33,7 +33,7 @@ from harness.runtime.workloads import Workload
 from tests.conftest import compose_run, forked_ranks
 
 WORLD = 4
-STEPS = 4
+STEPS = 3
 RESTART = 2
 MESHES = {"fsdp": WORLD, "hsdp": 2}
 
