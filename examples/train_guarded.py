@@ -272,7 +272,7 @@ def main() -> None:
                 model, detectors=args.detectors, mode=args.mode, inject=args.inject,
                 comm_hook=(None, hook) if hook else None, replay_fn=loss_of,
                 ranks_per_node=args.ranks_per_node, checkpoints=folder, start_step=start,
-                steps=args.steps,
+                steps=args.steps if args.steps > start else None,  # a finished run resumed
             )  # fmt: skip
         except ValueError as exc:  # a setting the guard refuses: one line, exit 2, on every rank
             if rank == 0:

@@ -7,6 +7,7 @@ spawned and before anything in `out` is touched.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from harness.config.schema import RunConfig
 from harness.core import logs, registry
 from harness.errors import ConfigError
 from harness.launch import stacks  # noqa: F401 - first: the rank server's stack dump (harness/launch/stacks.py)
+from harness.results.folder import campaign_identity
 
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "experiments")
 GROUPS = ("workload", "topology", "fault", "detectors", "campaign")
@@ -111,10 +113,18 @@ def preflight(argv: list[str]) -> None:
             _no_other_jobs(folder, len(jobs))
         # An out made from the job's own Hydra settings resolves only in the job.
         in_job = any("${hydra:" in o.input_line for o in outs)
+        seen: dict[str, int] = {}  # each job's campaign, and the job that first ran it
         for number, job in enumerate(jobs):
             where = f" (sweep job {number}: {' '.join(o for o in job if o not in shared)})"
             cfg = _composed([o for o in job if not (in_job and o.startswith("out="))])
             run = validated(cfg, where)
+            first = seen.setdefault(campaign_identity(dataclasses.asdict(run)), number)
+            if first != number:
+                fail(
+                    f"sweep: jobs {first} ({' '.join(jobs[first])}) and {number} "
+                    f"({' '.join(job)}) run the same campaign: the merged report would count "
+                    "its rows twice; allowed: values that change the campaign"
+                )
             if outs:
                 out = None if in_job else Path(cfg.out)
             else:

@@ -833,6 +833,22 @@ def test_a_sweep_over_sets_of_checks_is_accepted(sweep, tmp_path, monkeypatch):
     assert cli.preflight(argv) is None
 
 
+def test_a_sweep_whose_jobs_run_one_campaign_is_refused_before_any_job_runs(
+    tmp_path, monkeypatch, capsys
+):
+    """Both jobs ran, then the merged report refused their rows as one campaign's: exit 1."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exited:
+        cli.preflight(cli.implied_campaign(["-m", "fault=grad_bitflip", "fault.bit=3,3"]))
+    assert exited.value.code == 2
+    job = "fault=grad_bitflip fault.bit=3 campaign=single"
+    assert capsys.readouterr().err == (
+        f"sdc-bench: error: sweep: jobs 0 ({job}) and 1 ({job}) run the same campaign: the "
+        "merged report would count its rows twice; allowed: values that change the campaign\n"
+    )
+    assert not (tmp_path / "multirun").exists() and not (tmp_path / "results").exists()
+
+
 def test_an_out_that_cannot_be_created_is_refused_before_anything_runs(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("the user's data\n")

@@ -11,6 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 from types import MappingProxyType
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -154,6 +155,12 @@ def test_check_settings_in_any_mapping_are_the_ones_that_run(one_rank, mapping):
     assert set(guard.checks) == {"matmul_checksum", "nan_inf"}
     assert guard.checks["matmul_checksum"].interval == 7
     guard.close()
+
+
+def test_a_seed_of_any_integer_type_is_taken(one_rank):
+    """A numpy integer, as a script computes a seed, seeds the rehearsal as an int does."""
+    fault = {**SCALED, "site": "grad", "steps": [2]}
+    Guard(one_rank, inject=fault, seed=np.int64(3)).close()
 
 
 def test_a_rehearsal_that_can_never_strike_is_refused(one_rank):

@@ -180,6 +180,11 @@ def test_a_restart_from_the_restore_point_trains_on_cleanly(scaled_gradient, tmp
     assert summary["exit_code"] == 0 and summary["alarm"] is None and summary["alerts"] == []
     assert summary["steps"] == STEPS and len(summary["losses"]) == STEPS - 2
     assert all(math.isfinite(x) for x in summary["losses"])
+    # The same command again, as a requeued job runs it: the run is done, nothing to train (its
+    # end, --steps, bounded a guard that would start there, which refused it).
+    again, codes = example(out, "--detectors", json.dumps(EVERY), "--mode", "act",
+                           "--checkpoint-every", "2", "--resume", *GPT2)  # fmt: skip
+    assert codes == [0] * RANKS and again["steps"] == STEPS and again["losses"] == [], again
 
 
 @pytest.mark.slow

@@ -121,7 +121,7 @@ def every_step_run(folder: Path, seeds: int = 1) -> Path:
     return write_run(folder, trials, [("nan_inf", "", 1.0, ""), ("allreduce_sketch", "", 5.0, "")])
 
 
-def test_a_check_the_trials_ran_without_a_measured_cost_is_named_as_left_out(tmp_path):
+def test_a_check_the_trials_ran_without_a_measured_cost_is_named_as_left_out(tmp_path, capsys):
     """overhead.csv timed nan_inf alone (a run merged with one that timed nothing): the sketch,
     which caught every fault, was in no option, and nothing said so."""
     on = "allreduce_sketch;nan_inf;replay"
@@ -134,6 +134,8 @@ def test_a_check_the_trials_ran_without_a_measured_cost_is_named_as_left_out(tmp
     assert (
         "Left out of every option, for want of a measured cost: allreduce_sketch, replay " in text
     )
+    plan_report.main([str(tmp_path / "run"), "--out", str(tmp_path / "plan")])
+    assert "Left out of every option" in capsys.readouterr().out
 
 
 def test_the_cheapest_check_is_not_the_best(tmp_path):

@@ -482,7 +482,7 @@ def main(argv: list[str] | None = None) -> None:
     text = markdown(result, path.name, derived=args.derived)
     written.write_text("# How often to audit\n\n" + text + "\n")
     print(header(args.job, result.overheads, args.derived) + "\n")
-    print(mix_line(result) + "\n")
+    print(mix_line(result) + untimed_line(result) + "\n")
     print(markdown_table(rows(result, TOP)))
     print(recommendation(result) + "\n")
     print(f"plan: {written}\nfigure: {path}")

@@ -3,6 +3,7 @@ the dotted key, which the commands print as one line before exiting 2."""
 
 from __future__ import annotations
 
+import numbers
 import os
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -29,8 +30,10 @@ def choice(key: str, value: Any, allowed: tuple[str, ...] | list[str]) -> str:
 
 
 def integer(key: str, value: Any, low: int | None = None, high: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    """`value` as an int: any integer type (numpy's, as a script computes one), not a bool."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ConfigError(key, f"'{value}' is not an integer")
+    value = int(value)
     if (low is not None and value < low) or (high is not None and value > high):
         bounds = f"{low if low is not None else '-inf'}..{high if high is not None else 'inf'}"
         raise ConfigError(key, f"{value} is out of range; allowed: {bounds}")

@@ -79,7 +79,7 @@ class Guard:
     ):
         _check_comm_hook(comm_hook)
         _check_callables(replay_fn, scale_loss, checkpoints)
-        integer("seed", seed, 0)
+        seed = integer("seed", seed, 0)
         slot = _released_slot(model)
         self.parallel, shard_size = _parallelism(model, comm_hook, slot is not None)
         self.warmup_steps = integer("warmup_steps", warmup_steps, 1)

@@ -86,7 +86,7 @@ class SDCGuard(pl.Callback):
         warmup_steps: int = 3,
     ):
         selection.named(detectors, mode)  # fails here, where the callback is written
-        integer("seed", seed, 0)
+        seed = integer("seed", seed, 0)
         if ranks_per_node is not None:
             integer("ranks_per_node", ranks_per_node, 1)
         self.options = dict(

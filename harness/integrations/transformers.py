@@ -78,7 +78,7 @@ class SDCGuardCallback(transformers.TrainerCallback):
         warmup_steps: int = 3,
     ):
         selection.named(detectors, mode)  # fails here, where the callback is written
-        integer("seed", seed, 0)
+        seed = integer("seed", seed, 0)
         self.options = dict(
             detectors=detectors, mode=mode, inject=inject, ranks_per_node=ranks_per_node,
             comm_hook=comm_hook, seed=seed, warmup_steps=warmup_steps,
