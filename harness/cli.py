@@ -113,13 +113,15 @@ def preflight(argv: list[str]) -> None:
             _no_other_jobs(folder, len(jobs))
         # An out made from the job's own Hydra settings resolves only in the job.
         in_job = any("${hydra:" in o.input_line for o in outs)
-        seen: dict[str, int] = {}  # each job's campaign, and the job that first ran it
+        # Each job's campaign, and the job that first ran it: where the jobs write into the
+        # sweep's folder, its merged report reads them together (a swept `out` is read by none).
+        seen: dict[str, int] = {}
         for number, job in enumerate(jobs):
             where = f" (sweep job {number}: {' '.join(o for o in job if o not in shared)})"
             cfg = _composed([o for o in job if not (in_job and o.startswith("out="))])
             run = validated(cfg, where)
             first = seen.setdefault(campaign_identity(dataclasses.asdict(run)), number)
-            if first != number:
+            if first != number and not outs:
                 fail(
                     f"sweep: jobs {first} ({' '.join(jobs[first])}) and {number} "
                     f"({' '.join(job)}) run the same campaign: the merged report would count "

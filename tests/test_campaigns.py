@@ -137,6 +137,18 @@ def test_bit_sensitivity_flips_every_bit_of_the_dtype_at_each_site(dtype, width)
     assert flips == set(itertools.product(injectors.SITES, range(width)))
 
 
+def test_bit_sensitivity_under_a_mixed_precision_flips_the_bits_of_the_dtype_struck():
+    """Llama's bf16-mixed: the parameters, gradients, moments and the loss are float32, a
+    module's outputs and products bfloat16 (a fault drawing among products strikes a 16-bit
+    one too). `bit: all` took the workload's float32 for every site, bit 16 and up of a
+    bfloat16 output could never strike, and the campaign was refused."""
+    run = compose_run("campaign=bit_sensitivity", "workload=llama")
+    assert run.workload.precision == "bf16-mixed"
+    flips = {(f.site, f.bit) for f in run.scenarios if f.model == "bitflip"}
+    widths = {site: 16 if site in ("activation", "matmul") else 32 for site in injectors.SITES}
+    assert flips == {(site, bit) for site, width in widths.items() for bit in range(width)}
+
+
 def test_audit_frequency_runs_every_scenario_at_every_interval():
     run = compose_run("campaign=audit_frequency")
     per_interval = Counter(

@@ -264,6 +264,19 @@ def _struck_dtypes(
             yield name, what, dtype
 
 
+def struck_width(
+    fault: FaultConfig, model: torch.nn.Module, forward: ForwardModules | None
+) -> int | None:
+    """The bits of the narrowest dtype a module fault may strike in what it names (a 16-bit
+    output or product under a mixed precision); None at the other sites, or with no forward
+    traced, whose values are in the workload's dtype."""
+    if fault.site not in sites.MODULE_SITES or forward is None:
+        return None
+    targets = [name for name, _ in sites.matching(fault, model, forward)]
+    dtypes = {dtype for _, _, dtype in _struck_dtypes(fault, targets, forward)}
+    return min((bits.width(getattr(torch, d)) for d in dtypes), default=None)
+
+
 def _bit_in_struck_dtype(
     key: str, bit: int, fault: FaultConfig, targets: list[str], forward: ForwardModules
 ) -> None:

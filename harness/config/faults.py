@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import fields
 from typing import Any
-
-import torch
 
 import injectors
 from harness.config.schema import (
@@ -26,7 +25,7 @@ from harness.config.schema import (
 from harness.core.formats import BIT_CLASSES, FLOAT_FORMATS, unchanging_scale
 from harness.core.values import choice, int_list, integer, known_keys
 from harness.errors import ConfigError
-from injectors import bits, sites
+from injectors import sites
 from injectors.value import unstored
 
 # The keys every fault has; a model's own keys (its `Config`) come beside them.
@@ -445,17 +444,19 @@ def _value_name(value: Any) -> str:
 
 
 def expand_scenarios(
-    raw: list[dict[str, Any]], dtype: torch.dtype
+    raw: list[dict[str, Any]], width: Callable[[int, dict[str, Any]], int]
 ) -> list[tuple[int, dict[str, Any]]]:
     """Each scenario may carry `grid: {key: [values]}`; it expands to the cross product.
-    `grid: {bit: all}` is every bit of the workload's dtype, so one campaign file serves every
-    dtype."""
+    `grid: {bit: all}` is every bit of the dtype each expanded scenario strikes, `width(i,
+    scenario)` bits (the workload's dtype, or under a mixed precision a module's 16-bit output
+    or product), so one campaign file serves every dtype and precision."""
     expanded = []
     for i, scenario in enumerate(raw):
         scenario = dict(scenario)
         grid = dict(scenario.pop("grid", None) or {})
-        if grid.get("bit") == "all":
-            grid["bit"] = list(range(bits.width(dtype)))
+        every_bit = grid.get("bit") == "all"
+        if every_bit:
+            grid["bit"] = list(range(64))  # each scenario's past its width left out below
         for key, values in grid.items():
             if not isinstance(values, list | tuple):
                 raise ConfigError(
@@ -463,6 +464,13 @@ def expand_scenarios(
                     f"'{values}' is not a list of values" + ("; or 'all'" if key == "bit" else ""),
                 )
         keys = list(grid)
+        widths: dict[str, int] = {}
         for combo in itertools.product(*(grid[k] for k in keys)):
-            expanded.append((i, {**scenario, **dict(zip(keys, combo, strict=True))}))
+            chosen = {**scenario, **dict(zip(keys, combo, strict=True))}
+            if every_bit:
+                rest = {k: v for k, v in chosen.items() if k != "bit"}
+                known = widths.setdefault(repr(sorted(rest.items())), width(i, rest))
+                if chosen["bit"] >= known:
+                    continue
+            expanded.append((i, chosen))
     return expanded

@@ -7,6 +7,7 @@ Ranks only ever receive the dataclasses below, never an OmegaConf object.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping
 from dataclasses import fields, replace
@@ -17,7 +18,13 @@ import torch
 from torch import nn
 
 import detectors
-from harness.config.fault_targets import check_bucket, check_moments, check_riders, check_target
+from harness.config.fault_targets import (
+    check_bucket,
+    check_moments,
+    check_riders,
+    check_target,
+    struck_width,
+)
 from harness.config.faults import expand_scenarios, fault_config, unused_fault
 from harness.config.mix import check_mix, scenario_class
 from harness.config.schema import (
@@ -38,6 +45,7 @@ from harness.errors import ConfigError
 from harness.runtime import determinism, devices, numerics
 from harness.runtime.environment import check_cpu_kernels
 from harness.runtime.workloads import DTYPES, Workload, WorkloadConfig
+from injectors import bits
 
 TOP_KEYS = [
     "workload", "topology", "fault", "detectors", "campaign", "out", "launcher", "recovery",
@@ -372,12 +380,6 @@ def run_config(raw: dict[str, Any]) -> RunConfig:
                 "other than single)"
             )  # fmt: skip
         scenario_raw = [(0, dict(raw["fault"]))]
-    else:
-        unused_fault(str(campaign.get("name")), dict(raw.get("fault") or {}), workload, topology)
-        scenarios_raw = list(campaign.get("scenarios") or [])
-        scenario_raw = expand_scenarios(scenarios_raw, DTYPES[workload.dtype])
-        if not scenario_raw:
-            raise ConfigError("campaign.scenarios", "a campaign needs at least one scenario")
     # Names and shapes are all the fault checks need: a custom workload's dry step has built its
     # one model in this process already; any other comes from a model on `meta`, which
     # allocates nothing. A fault at a module needs what the forward runs, found by running one.
@@ -385,8 +387,24 @@ def run_config(raw: dict[str, Any]) -> RunConfig:
         model = probe(workload).model
     else:
         model = Workload(workload, device="meta").build_model()
+    traced = functools.cache(lambda: forward_modules(workload))
+    if campaign.get("name") != "single":
+        unused_fault(str(campaign.get("name")), dict(raw.get("fault") or {}), workload, topology)
+        scenarios_raw = list(campaign.get("scenarios") or [])
+
+        def width(i: int, scenario: dict[str, Any]) -> int:
+            """The bits of what the scenario strikes (`grid: {bit: all}`), its bit aside."""
+            key = f"campaign.scenarios[{i}]"
+            fault = fault_config(key, {**scenario, "bit": 0}, workload, topology)
+            module = fault.site in MODULE_SITES and not fault.clean
+            narrowest = struck_width(fault, model, traced() if module else None)
+            return narrowest or bits.width(DTYPES[workload.dtype])
+
+        scenario_raw = expand_scenarios(scenarios_raw, width)
+        if not scenario_raw:
+            raise ConfigError("campaign.scenarios", "a campaign needs at least one scenario")
     module_sites = {str(s.get("site")) for _, s in scenario_raw} & set(MODULE_SITES)
-    forward = forward_modules(workload) if module_sites else None
+    forward = traced() if module_sites else None
     overhead = overhead_config(campaign.get("overhead"))
     timed: dict[tuple[str, int | None], tuple[str, CheckConfig]] = {}
     scenarios, trials, classes = [], [], []
