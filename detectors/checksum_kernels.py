@@ -11,8 +11,9 @@ right [..., q, p]), the product's output [..., m, p] as the check measures it; `
 kernel's (the casts are repeated here, where the compiled pass fuses them into its reads);
 `flat` merges L's leading dimensions into rows. Every figure returned is float32 on the
 operands' device; the caller runs these without autograd or autocast. Compiled and eager
-figures agree within a reduction's reordering and their verdicts exactly
-(tests/unit/test_checksum_kernels.py).
+figures agree within a reduction's reordering and their verdicts exactly on the layouts tested
+(tests/unit/test_checksum_kernels.py); a value within that reordering of its bound, as a clean
+row's rounding is under a bound set far narrower than the default, may be judged either way.
 
 `Kernels("compiled")` compiles each function once per process, dtype and rank, with dynamic
 shapes, so one compile serves every shape of a run and every check made in the process.
