@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -56,7 +57,7 @@ def command(run: RunConfig, out: Path) -> str:
     pins = "".join(f"{k}={v} " for k, v in environment.pins(topo.cpu_kernels).items())
     return (
         f"{pins}torchrun {rendezvous} --nproc-per-node={topo.ranks_per_node} "
-        f"-m harness.torchrun_worker {out}{trust}"
+        f"-m harness.torchrun_worker {shlex.quote(str(out))}{trust}"
     )
 
 
@@ -98,6 +99,12 @@ def placed(topology: TopologyConfig) -> TopologyConfig:
 def main(argv: list[str] | None = None) -> None:
     logs.configure("harness.torchrun_worker")
     args = argv or sys.argv[1:]
+    if not args or args[0].startswith("-") or any(a != "--trust-plan" for a in args[1:]):
+        fail(f"arguments: OUT [--trust-plan] are allowed (the command sdc-bench printed); got "
+             f"{' '.join(args) or 'none'}", 2)  # fmt: skip
+    unset = [v for v in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE") if v not in os.environ]
+    if unset:
+        fail(f"{', '.join(unset)} unset: run it under torchrun, as sdc-bench printed it", 2)
     out = Path(args[0])
     rank = int(os.environ["RANK"])
     try:

@@ -849,6 +849,17 @@ def test_a_sweep_whose_jobs_run_one_campaign_is_refused_before_any_job_runs(
     assert not (tmp_path / "multirun").exists() and not (tmp_path / "results").exists()
 
 
+def test_an_empty_out_is_refused_before_anything_is_written(tmp_path, monkeypatch, capsys):
+    """`out=$OUT` with OUT unset: the campaign wrote campaign.json, trials.csv, the report and
+    .hydra/ into the working folder, and exited 0."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["sdc-bench", "fault=grad_nan", "out="])
+    with pytest.raises(SystemExit) as exited:
+        cli.main()
+    assert exited.value.code == 2 and list(tmp_path.iterdir()) == []
+    assert capsys.readouterr().err.startswith("sdc-bench: error: out: empty, which would write")
+
+
 def test_an_out_that_cannot_be_created_is_refused_before_anything_runs(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("the user's data\n")

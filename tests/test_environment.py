@@ -219,6 +219,32 @@ def test_a_torchrun_worker_without_the_printed_variables_exits_2_in_one_line(tmp
     assert not (tmp_path / "plan" / "campaign.json").exists()
 
 
+@pytest.mark.parametrize(
+    "args, environ, error",
+    [
+        ([], {}, "arguments: OUT [--trust-plan] are allowed (the command sdc-bench printed); "
+                 "got none"),
+        (["plan", "d"], {}, "arguments: OUT [--trust-plan] are allowed (the command sdc-bench "
+                            "printed); got plan d"),
+        (["plan"], {}, "RANK, WORLD_SIZE, LOCAL_WORLD_SIZE unset: run it under torchrun, as "
+                       "sdc-bench printed it"),
+    ],
+    ids=["no-out", "a-path-split-at-its-space", "not-under-torchrun"],
+)  # fmt: skip
+def test_the_torchrun_worker_refuses_what_it_was_not_started_with_in_one_line(
+    tmp_path, args, environ, error
+):
+    """An IndexError or a KeyError traceback; a stray argument (an unquoted path's second
+    word, a misspelled --trust-plan) was ignored."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    proc = subprocess.run(
+        [str(BIN / "python"), "-m", "harness.torchrun_worker", *args], cwd=tmp_path,
+        env={**env, **environ}, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr == f"harness.torchrun_worker: error: {error}\n"
+
+
 def test_campaign_json_records_what_the_torchrun_ranks_ran_and_rank_0_alone_validated(
     tmp_path, run_ok
 ):

@@ -46,7 +46,7 @@ def test_the_sbatch_script_starts_one_torchrun_agent_per_node_on_the_first_nodes
     tmp_path,
 ):
     fake = fake_slurm(tmp_path / "slurm")
-    out = tmp_path / "out"
+    out = tmp_path / "sdc out"  # a space: the command quotes it (it was split into two words)
     args = ["fault=grad_nan", "topology.nodes=3", "topology.ranks_per_node=2"]
     planned = sdc_bench(*args, "launcher=torchrun", f"out={out}", cwd=tmp_path)
     assert planned.returncode == 0, planned.stderr[-2000:]
@@ -68,4 +68,13 @@ def test_the_sbatch_script_starts_one_torchrun_agent_per_node_on_the_first_nodes
     assert wrong.stderr.strip() == (
         f"slurm_torchrun.sbatch: error: the plan in {out} wants 3 nodes; the job has 4 "
         "(sbatch --nodes=3)"
+    )
+    # No plan written there: a traceback, before.
+    unplanned = sbatch(tmp_path, tmp_path / "no plan", 3)
+    assert unplanned.returncode == 2
+    assert (
+        unplanned.stderr.strip().startswith(
+            f"slurm_torchrun.sbatch: error: no usable plan in {tmp_path / 'no plan'} ("
+        )
+        and len(unplanned.stderr.strip().splitlines()) == 1
     )
