@@ -183,15 +183,21 @@ RECORDED = ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA", "OPENBLAS_C
             "MKL_NUM_THREADS", "OMP_NUM_THREADS")  # fmt: skip
 
 
+def planned(run_ok, tmp_path, kernels: str, *workload: str) -> Path:
+    """SMALL (on `workload`'s overrides) planned for torchrun on 2 ranks with `kernels`."""
+    plan = tmp_path / "plan"
+    args = [*SMALL, "workload.steps=2", "campaign.noise_seeds=2", "topology.ranks_per_node=2"]
+    run_ok(*args, *workload, f"topology.cpu_kernels={kernels}", "launcher=torchrun",
+           f"out={plan}", cwd=tmp_path)  # fmt: skip
+    return plan
+
+
 def torchrun(
     run_ok, tmp_path, kernels: str, *workload: str, **variables: str
 ) -> subprocess.CompletedProcess:
     """Plan SMALL (on `workload`'s overrides) on 2 ranks with `kernels`, then run the worker
     under torchrun in an environment with only `variables` of the recorded ones."""
-    plan = tmp_path / "plan"
-    args = [*SMALL, "workload.steps=2", "campaign.noise_seeds=2", "topology.ranks_per_node=2"]
-    run_ok(*args, *workload, f"topology.cpu_kernels={kernels}", "launcher=torchrun",
-           f"out={plan}", cwd=tmp_path)  # fmt: skip
+    plan = planned(run_ok, tmp_path, kernels, *workload)
     env = {k: v for k, v in os.environ.items() if k not in RECORDED}
     env = dict(env, PATH=f"{BIN}:{env['PATH']}", **variables)
     trust = ["--trust-plan"] if workload else []
@@ -267,6 +273,9 @@ def test_campaign_json_records_what_the_torchrun_ranks_ran_and_rank_0_alone_vali
     assert env["math_settings"] == "ATEN_CPU_CAPABILITY=default MKL_CBWR=AVX2 OMP_NUM_THREADS=1"
     assert (env["threads"], env["device"], env["backend"]) == ("1", "cpu", "gloo")
     assert torch.backends.cpu.get_cpu_capability() != "DEFAULT"
+    # The plan written again, as a job script does before each resubmission: the same campaign
+    # (its device left to the ranks, campaign.json holds theirs), not "a different campaign's".
+    planned(run_ok, tmp_path, "native", *custom)
 
 
 @pytest.mark.slow

@@ -56,6 +56,7 @@ class Held:
     identity: str  # the campaign, as `_identity` writes it
     environment: dict | None  # None: written before environments were recorded
     code: dict | None  # its sources' digests (code_version); None: before they were recorded
+    device: str | None  # the device its ranks resolved (a torchrun plan leaves it to them)
 
 
 def _bound_to(out: Path) -> Held | None:
@@ -63,7 +64,8 @@ def _bound_to(out: Path) -> Held | None:
     held = RunFolder(out).campaign_record()
     if held is None:
         return None
-    return Held(campaign_identity(held), held.get("environment"), held.get("code"))
+    device = (held.get("topology") or {}).get("device")
+    return Held(campaign_identity(held), held.get("environment"), held.get("code"), device)
 
 
 # What Hydra's sweeper writes at the top of a sweep's folder.
@@ -113,6 +115,11 @@ def check_out(out: Path, run: RunConfig) -> None:
             "out", f"{out} was computed by other code ({why}): resume it with the code that "
             "started it, or choose a new out"
         )  # fmt: skip
+    # A torchrun plan's device is the ranks' to resolve (None), and campaign.json holds what
+    # they resolved: the plan written again for the same campaign is that campaign.
+    if run.topology.device is None:
+        resolved = dataclasses.replace(run.topology, device=held.device)
+        run = dataclasses.replace(run, topology=resolved)
     if held.identity != _identity(run):
         raise ConfigError(
             "out", f"{out} holds a different campaign's trials; choose a new out to keep them"
