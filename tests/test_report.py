@@ -272,6 +272,21 @@ def test_a_bad_command_line_exits_2_in_one_line(tool, argv, says, capsys):
     assert exited.value.code == 2 and err == f"{tool}: {says}\n"
 
 
+def test_a_table_of_no_trials_is_refused_in_one_line(tmp_path, capsys):
+    """A campaign stopped before its first row: sdc-report wrote a report with an empty "Runs:"
+    line and exited 0; sdc-plan said "no fault struck in : ..."."""
+    shutil.copy(BASELINE / "trials.csv", tmp_path / "trials.csv")
+    header = (tmp_path / "trials.csv").read_text().splitlines()[0]
+    (tmp_path / "trials.csv").write_text(header + "\n")
+    for tool, main in (("sdc-report", report.main), ("sdc-plan", plan_report.main)):
+        with pytest.raises(SystemExit) as exited:
+            main([str(tmp_path)])
+        err = capsys.readouterr().err
+        assert exited.value.code == 2 and err.count("\n") == 1, (tool, err)
+        assert "trials.csv holds no trials yet" in err, (tool, err)
+    assert not (tmp_path / "report.md").exists()
+
+
 def test_a_run_named_twice_or_beside_its_sweep_and_another_runs_out_are_refused(tmp_path, capsys):
     """`sdc-report R R` reported each trial twice (and so did a sweep beside one of its jobs, a
     second run of the same campaign, and sdc-plan, whose n doubled); `--out` another run's

@@ -160,6 +160,11 @@ def load_trials(dirs: list[Path]) -> pd.DataFrame:
             raise ReportError(str(exc)) from None
         frames.append(trials_frame(rows).assign(run=str(f.parent)))
     df = pd.concat(frames, ignore_index=True)
+    if df.empty:  # a report of nothing read as a run with no findings (an empty "Runs:" line)
+        raise ReportError(
+            f"{', '.join(str(d) for d in dirs)}: trials.csv holds no trials yet (a campaign "
+            "stopped before its first row): nothing to report"
+        )
     # A table written before rows kept their class: the bit's, in the dtype it indexes.
     classed = [bit_class(d, b) for d, b in zip(bit_dtypes(df), df[Column.bit], strict=True)]
     df[Column.bit_class] = df[Column.bit_class].where(df[Column.bit_class].notna(), classed)
