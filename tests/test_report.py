@@ -302,7 +302,7 @@ def test_a_run_named_twice_or_beside_its_sweep_and_another_runs_out_are_refused(
         ([str(BASELINE), str(BASELINE)], "named with"),
         ([str(sweep), str(sweep / "0")], "named with"),
         # Two runs of one campaign (a copy, or the same command run again) repeat its rows.
-        ([str(BASELINE), str(other)], "the same campaign as"),
+        ([str(other), str(sweep / "0")], "the same campaign as"),
         ([str(sweep), "--out", str(other)], "another run's folder"),
         ([str(sweep), "--out", str(tmp_path / "a-file")], "not a folder"),
     ]
