@@ -7,6 +7,7 @@ import csv
 import io
 import json
 import os
+import runpy
 import shutil
 import socket
 import subprocess
@@ -120,6 +121,16 @@ def sdc_bench(
 
 
 FORKED_RANKS = Path(__file__).parent / "loops" / "forked_ranks.py"
+
+
+def example_refusal(script: Path, monkeypatch, *args: str) -> int:
+    """An example's `main()` run in this process with `args` (and an unused --out), before any
+    process group: the code it exits with."""
+    example = runpy.run_path(str(script), run_name="example")
+    monkeypatch.setattr(sys, "argv", [str(script), "--out", "unused", *args])
+    with pytest.raises(SystemExit) as exited:
+        example["main"]()
+    return exited.value.code
 
 
 def example_ranks(

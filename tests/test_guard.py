@@ -158,9 +158,20 @@ def test_check_settings_in_any_mapping_are_the_ones_that_run(one_rank, mapping):
 
 
 def test_a_seed_of_any_integer_type_is_taken(one_rank):
-    """A numpy integer, as a script computes a seed, seeds the rehearsal as an int does."""
-    fault = {**SCALED, "site": "grad", "steps": [2]}
-    Guard(one_rank, inject=fault, seed=np.int64(3)).close()
+    """A numpy integer, as a script computes a seed, seeds the rehearsal as an int does: the
+    same element and bit drawn (it was refused as no integer)."""
+    flip = {"site": "grad", "model": "bitflip", "bit": "mantissa", "ranks": [0], "steps": [1]}
+    optimizer = torch.optim.SGD(one_rank.parameters(), lr=0.0)
+    drawn = []
+    for seed in (3, np.int64(3)):
+        guard = Guard(one_rank, inject=flip, seed=seed)
+        try:
+            for step in range(2):
+                _guarded_step(guard, one_rank, optimizer, step, 0)
+            drawn.append([(i.tensor, i.index, i.bit) for i in guard.injections])
+        finally:
+            guard.close()
+    assert len(drawn[0]) == 1 and drawn[0] == drawn[1], drawn
 
 
 def test_a_rehearsal_that_can_never_strike_is_refused(one_rank):

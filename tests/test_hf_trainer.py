@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import runpy
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,7 @@ import transformers
 import detectors
 from harness.guard import EXIT_SUSPECT_HARDWARE
 from harness.integrations.transformers import SDCGuardCallback
-from tests.conftest import example_ranks, one_forked_rank
+from tests.conftest import example_ranks, example_refusal, one_forked_rank
 
 EXAMPLE = Path(__file__).parents[1] / "examples" / "train_hf_trainer.py"
 RANKS = 4
@@ -310,9 +309,5 @@ def test_replay_recomputes_the_loss_of_a_model_that_returns_a_plain_dict():
 @pytest.mark.parametrize("flag", ["--steps", "--save-every", "--ranks-per-node"])
 def test_the_example_refuses_a_count_below_one_before_any_process_group(flag, monkeypatch, capsys):
     """--steps 0 trained one step and --save-every -1 saved none, both exiting 0."""
-    example = runpy.run_path(str(EXAMPLE), run_name="example")
-    monkeypatch.setattr("sys.argv", [str(EXAMPLE), "--out", "unused", flag, "0"])
-    with pytest.raises(SystemExit) as exited:
-        example["main"]()
-    assert exited.value.code == 2
+    assert example_refusal(EXAMPLE, monkeypatch, flag, "0") == 2
     assert capsys.readouterr().err.endswith(f"error: {flag}: 0 must be at least 1\n")

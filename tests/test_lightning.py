@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import runpy
 import socket
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from harness.errors import ConfigError
 from harness.guard import EXIT_SUSPECT_HARDWARE
 from harness.integrations.lightning import SDCGuard
-from tests.conftest import example_ranks, forked_ranks, one_forked_rank
+from tests.conftest import example_ranks, example_refusal, forked_ranks, one_forked_rank
 
 EXAMPLE = Path(__file__).parents[1] / "examples" / "train_lightning.py"
 RANKS = 4
@@ -338,9 +337,5 @@ def test_accumulation_a_scheduler_turns_on_under_model_parallel_is_refused_at_it
 def test_the_example_refuses_a_count_below_one_before_any_process_group(flag, monkeypatch, capsys):
     """--steps 0 raised an AssertionError on every rank, --save-every 0 wrote no checkpoint and
     exited 0."""
-    example = runpy.run_path(str(EXAMPLE), run_name="example")
-    monkeypatch.setattr("sys.argv", [str(EXAMPLE), "--out", "unused", flag, "0"])
-    with pytest.raises(SystemExit) as exited:
-        example["main"]()
-    assert exited.value.code == 2
+    assert example_refusal(EXAMPLE, monkeypatch, flag, "0") == 2
     assert capsys.readouterr().err.endswith(f"error: {flag}: 0 must be at least 1\n")
