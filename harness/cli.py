@@ -258,7 +258,7 @@ class _Validated:
 
 def validated(cfg: DictConfig, where: str = "") -> RunConfig:
     """The run `cfg` describes; a config error exits 2 with its line (and `where`)."""
-    if OmegaConf.to_container(cfg, resolve=False).get("out") == "":  # `out=$OUT`, OUT unset
+    if cfg.get("out") == "":  # `out=$OUT`, OUT unset
         fail(
             "out: empty, which would write the campaign's files into the working folder; "
             f"allowed: a folder's path (out=. for the working folder){where}"

@@ -506,10 +506,9 @@ def estimated_overheads(shape: JobShape, trials: pd.DataFrame) -> Overheads:
     return Overheads(at, per_run, [], 0.0, estimate=shape)
 
 
-def options(trials: pd.DataFrame, cost: Overheads) -> list[Option]:
-    """Every set of the checks the run ran (each at each interval it ran at), and no checks."""
-    names = detector_names(trials)
-    fired = fired_faults(trials)
+def options(fired: pd.DataFrame, names: list[str], cost: Overheads) -> list[Option]:
+    """Every set of the checks `names` the run ran (each at each interval it ran at in `fired`,
+    `fired_faults`), and no checks."""
     found = measured(fired, (), cost)  # no checks: every fired fault, each once
     for size in range(1, len(names) + 1):
         for checks in itertools.combinations(names, size):
@@ -564,7 +563,8 @@ def plan(
     if clash:
         raise PlanError(f"the runs give a fault class more than one weight: {'; '.join(clash)}; "
                         "plan from one mix's runs")  # fmt: skip
-    found = options(trials, costs)
+    faults = fired_faults(trials)
+    found = options(faults, detector_names(trials), costs)
     if not found:
         raise PlanError("no fired trials with measured overheads: nothing to plan from")
     ranked = sorted(
@@ -572,7 +572,7 @@ def plan(
         key=lambda ol: (ol[1].expected, ol[0].overhead_pct, len(ol[0].checks), ol[0].name),
     )
     uncovered = 1 - covered(trials, fired) if mixed else 0.0
-    return Plan(job, ranked, costs, mixed, uncovered, untimed(fired_faults(trials), costs))
+    return Plan(job, ranked, costs, mixed, uncovered, untimed(faults, costs))
 
 
 def untimed(fired: pd.DataFrame, cost: Overheads) -> tuple[str, ...]:
