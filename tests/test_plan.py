@@ -446,7 +446,8 @@ ESTIMATE = ["--gpu", "h100", "--params", "7e10", "--tokens-per-step", "4e6"]
         (["{crash_only}"], "no fault but crashes struck in"),
         (["{fixture}", "--sdc-rate", "-1"], "--sdc-rate: must be a number >= 0"),
         (["{fixture}", "--job-days", "0"], "--job-days: must be > 0, got 0"),
-        (["{fixture}", "--gpus", "many"], "--gpus: invalid int value"),
+        (["{fixture}", "--gpus", "many"], "--gpus: must be a whole number, got 'many'"),
+        (["{fixture}", "--mfu", "half"], "--mfu: must be a number, got 'half'"),
         (["{fixture}", "--gpu", "h100"], "--params: an estimate needs --gpu, --params"),
         (
             ["{fixture}", *ESTIMATE[:1], "a100", *ESTIMATE[2:]],

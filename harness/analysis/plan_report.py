@@ -396,6 +396,20 @@ def _shape(args: argparse.Namespace) -> JobShape | None:
         raise PlanError(str(exc)) from None
 
 
+def _whole(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+
+
 def parse(argv: list[str] | None) -> Arguments:
     default = Job()
     parser = _Parser(prog="sdc-plan", description=MODEL.split(":")[0] + ".")
@@ -407,15 +421,15 @@ def parse(argv: list[str] | None) -> Arguments:
         help="the job's own costs (guard.write_costs) in place of the run's overhead.csv",
     )
     parser.add_argument("--gpu", help=f"estimate costs on this GPU: {', '.join(GPUS)}")
-    parser.add_argument("--params", type=float, help="the model's parameters (with --gpu)")
-    parser.add_argument("--tokens-per-step", type=float, help="tokens per step (with --gpu)")
+    parser.add_argument("--params", type=_number, help="the model's parameters (with --gpu)")
+    parser.add_argument("--tokens-per-step", type=_number, help="tokens per step (with --gpu)")
     replicas = f"data-parallel replicas (default {REPLICAS}, with --gpu)"
-    parser.add_argument("--replicas", type=int, help=replicas)
+    parser.add_argument("--replicas", type=_whole, help=replicas)
     mfu = f"the step's share of the GPU's peak (default {MFU:g}, with --gpu)"
-    parser.add_argument("--mfu", type=float, help=mfu)
+    parser.add_argument("--mfu", type=_number, help=mfu)
     for f in fields(Job):
         flag, what, _ = FLAGS[f.name]
-        kind = int if f.type in ("int", int) else float
+        kind = _whole if f.type in ("int", int) else _number
         value = getattr(default, f.name)
         parser.add_argument(flag, type=kind, help=f"{what} (default {value:g})")
     once = "count every fired fault once, whatever the campaign's fault mix"
