@@ -4,7 +4,8 @@ An event is something a rank, or the harness judging a trial, saw happen: an inj
 check's alert or warning, a checkpoint, a stop, a retry of a reduction, a crash. Each kind is a
 class with a class-level `kind` name and typed fields; `KINDS` maps each name to its class and
 `ALL` lists every concrete class. A rank's events are stamped with its `rank`, `node` and `time`
-by the log that records them (harness.core.plugins.EventLog); the harness's own events
+by the log that records them (harness.core.plugins.EventLog), positions in the world that ran
+(after a quarantine, a spare holds the replaced node's number); the harness's own events
 (`trial_alert`, `crash`, `corrupt_checkpoint`) carry their time themselves. Two envelope fields
 are set on the way out: `trial_id` when the trial is judged, `segment` when recovery restarted
 the trial and the event came from an earlier segment.
