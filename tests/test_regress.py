@@ -484,3 +484,66 @@ def test_runs_of_other_workloads_do_not_compare_trial_by_trial(tmp_path):
         "same environment, other workloads (workload.steps 20 -> 30): a trial id of one run is "
         "not the other's trial, and their rows do not compare trial by trial"
     ]
+
+
+def trials(cell: dict, n: int, caught: dict[str, int], **extra: object) -> list[dict]:
+    """`n` fired, harmful trials of one cell, with nan_inf and replay on, the first
+    `caught[d]` of them caught by detector d."""
+    rows = []
+    for i in range(n):
+        by = [d for d, k in caught.items() if i < k]
+        rows.append(dict(cell, trial_id=f"{cell['model']}{i}", seed=str(i), fired="True",
+                         effect="harmful", detectors="nan_inf;replay", detected=str(bool(by)),
+                         detected_by=";".join(by), **extra))  # fmt: skip
+    return rows
+
+
+STUCK = dict(site="grad", model="stuck", bit_class="-")
+SCALE = dict(site="grad", model="scale", factor="1000", bit_class="-")
+NAN = dict(site="grad", model="value", value="nan", bit_class="-")
+
+
+def test_a_detector_that_loses_a_cell_another_still_catches_regresses():
+    """replay goes from 10/10 to 0/10 on stuck gradients that nan_inf still catches: the cell's
+    any-detector rate holds, and replay's own over all cells (35/60 before, 25/60 now) within
+    its noise, so only the detector's rate in the cell shows it."""
+    base = frame(*trials(STUCK, 10, {"replay": 10, "nan_inf": 10}),
+                 *trials(SCALE, 50, {"replay": 25}))  # fmt: skip
+    cur = frame(*trials(STUCK, 10, {"nan_inf": 10}), *trials(SCALE, 50, {"replay": 25}))
+    assert regress.detector_drops(base, cur) == [] and regress.cell_drops(base, cur) == []
+    cell = "grad / stuck / mlp / float32"
+    assert regress.detector_cell_drops(base, cur) == [
+        regress._finding("catch rate fell", f"replay, {cell}, {trials} trials",
+                         "10/10 = 100% [72%, 100%]", "0/10 = 0% [0%, 28%]")
+        for trials in ("fired", "harmful or latent")
+    ]  # fmt: skip
+    # A detector the current run does not run at all falls in every table above, once.
+    off = frame(*(dict(r, detectors="nan_inf", detected_by="nan_inf" * (r["detected"] == "True"))
+                  for r in trials(STUCK, 10, {"nan_inf": 10})))  # fmt: skip
+    assert regress.detector_cell_drops(frame(*trials(STUCK, 10, {"replay": 10})), off) == []
+
+
+def test_dropping_a_scenario_is_no_fall_of_the_cells_both_runs_share():
+    """nan_inf catches 10/10 NaN gradients and 0/10 scaled ones: the current run drops the NaN
+    cell and keeps the other row for row. Pooled over each run's own cells, nan_inf's rate
+    went from 10/20 to 0/10 and read as a fall; over the cells both share, it is 0/10 both."""
+    base = frame(*trials(NAN, 10, {"nan_inf": 10}), *trials(SCALE, 10, {}))
+    cur = frame(*trials(SCALE, 10, {}))
+    assert regress.detector_drops(base, cur) == []
+    assert regress.uncompared_cells(base, cur) == ["grad / value / mlp / float32 / value nan"]
+
+
+def test_a_false_positive_rate_that_rose_regresses():
+    """1 clean trial of 60 with an alert, then 30 of 60: only a detector with none before was
+    judged."""
+
+    def clean(alerting: int) -> pd.DataFrame:
+        return frame(*(dict(trial_id=f"c{i}", site="none", detectors="replay",
+                            alert_detectors="replay" if i < alerting else "",
+                            alerts=str(int(i < alerting))) for i in range(60)))  # fmt: skip
+
+    assert regress.false_positive_rises(clean(1), clean(30)) == [
+        regress._finding("false positive rate rose", "replay", "1/60 = 2% [0%, 9%]",
+                         "30/60 = 50% [38%, 62%]"),
+    ]  # fmt: skip
+    assert regress.false_positive_rises(clean(1), clean(3)) == []  # within the noise

@@ -4,11 +4,15 @@ Exit 0 when nothing regressed, 1 with a table of what did, 2 with one line on ba
 folder, no trials.csv, missing columns, two runs that share no scenario cell), before anything is
 compared. A regression is:
 
-- a catch rate that fell: per detector (the report's catch-rate table) and per scenario cell
-  (site, model, bit class and the settings that tell scenarios apart), the current 95% Wilson
+- a catch rate that fell: per detector (the report's catch-rate table, over the scenario cells
+  both runs hold, so that a scenario dropped or added moves no rate), per scenario cell (site,
+  model, bit class and the settings that tell scenarios apart), and per detector in each cell
+  (a check that stops catching a cell another check still catches), the current 95% Wilson
   upper bound below the baseline's lower bound,
   so that the seed-to-seed noise of two runs of the same code is never one;
-- a new false positive: a detector with no alert in the baseline's clean trials has one now;
+- a false positive: a detector with no alert in the baseline's clean trials has one now, or
+  its rate of clean trials with an alert rose (the current lower bound above the baseline's
+  upper bound);
 - an overhead (a check's against the hook, the hook's own against plain DDP) more than 25%
   above the baseline's and more than 5 percentage points, with every current round above
   every baseline round (`overhead_low_pct` and `overhead_high_pct`): a 4-rank world on 2
@@ -55,14 +59,18 @@ from harness.analysis.tables import (
     Counts,
     OneLineParser,
     ReportError,
+    by_cell,
     catch_counts,
     cell_stats,
+    detector_names,
     false_positive_counts,
     load_trials,
     markdown_table,
+    named,
     rate_text,
     wilson,
 )
+from harness.core.vocabulary import DAMAGING
 from harness.results import machine
 from harness.results.folder import TRIALS_FILE
 from harness.results.schema import HOOK
@@ -153,10 +161,24 @@ def _finding(kind: str, where: str, baseline: str, current: str) -> dict[str, st
     return {"regression": kind, "where": where, "baseline": baseline, "current": current}
 
 
+def _shared(base: pd.DataFrame, cur: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Both runs' fired trials in the scenario cells both hold: a rate pooled over each run's
+    own cells moves with the scenario mix (a cell dropped that a check caught all of)."""
+    before, after = by_cell(base), by_cell(cur)
+    both = [key for key in before if key in after]
+
+    def kept(cells: dict[tuple[str, ...], pd.DataFrame], like: pd.DataFrame) -> pd.DataFrame:
+        return pd.concat([cells[key] for key in both]) if both else like.iloc[:0]
+
+    return kept(before, base), kept(after, cur)
+
+
 def detector_drops(base: pd.DataFrame, cur: pd.DataFrame) -> list[dict[str, str]]:
-    """Per detector and per trial set (all fired, non-masked, harmful). A detector the baseline
-    ran and the current run lacks caught nothing in it: switching a check off is a regression."""
+    """Per detector and per trial set (all fired, non-masked, harmful), over the cells both runs
+    hold. A detector the baseline ran and the current run lacks caught nothing in it:
+    switching a check off is a regression."""
     found = []
+    base, cur = _shared(base, cur)
     current = catch_counts(cur)
     for trials, by in catch_counts(base).items():
         now = current[trials]
@@ -191,6 +213,39 @@ def cell_drops(base: pd.DataFrame, cur: pd.DataFrame) -> list[dict[str, str]]:
                 found.append(
                     _finding("catch rate fell", where, rate_text(*was), rate_text(*counted))
                 )
+    return found
+
+
+def _caught(trials: pd.DataFrame, detector: str) -> Counts:
+    return int(named(trials[Column.detected_by], detector).sum()), len(trials)
+
+
+def detector_cell_drops(base: pd.DataFrame, cur: pd.DataFrame) -> list[dict[str, str]]:
+    """Per detector and scenario cell, over the trials it ran in (in both runs): a check that
+    stopped catching a cell another still catches moves neither the cell's rate nor, among
+    many cells, its own. A check the current run does not run there is `detector_drops`'s."""
+    found = []
+    after = by_cell(cur)
+    names = _cells(base)
+    for key, was_trials in by_cell(base).items():
+        now_trials = after.get(key)
+        if now_trials is None:
+            continue
+        for detector in detector_names(was_trials):
+            was_on = was_trials[named(was_trials[Column.detectors], detector)]
+            now_on = now_trials[named(now_trials[Column.detectors], detector)]
+            if now_on.empty:
+                continue
+            for label, was, now in (
+                ("fired", was_on, now_on),
+                ("harmful or latent", *(t[t[Column.effect].isin(DAMAGING)]
+                                        for t in (was_on, now_on))),
+            ):  # fmt: skip
+                was_caught, now_caught = _caught(was, detector), _caught(now, detector)
+                if fell(was_caught, now_caught):
+                    where = f"{detector}, {names[key].name}, {label} trials"
+                    text = rate_text(*was_caught), rate_text(*now_caught)
+                    found.append(_finding("catch rate fell", where, *text))
     return found
 
 
@@ -233,7 +288,9 @@ def new_blind_spots(base: pd.DataFrame, cur: pd.DataFrame) -> list[dict[str, str
     return found
 
 
-def new_false_positives(base: pd.DataFrame, cur: pd.DataFrame) -> list[dict[str, str]]:
+def false_positive_rises(base: pd.DataFrame, cur: pd.DataFrame) -> list[dict[str, str]]:
+    """A detector with no alert in the baseline's clean trials that has one now, and one whose
+    rate rose: the current lower bound above the baseline's upper bound."""
     before = false_positive_counts(base)
     found = []
     for detector, now in false_positive_counts(cur).items():
@@ -241,6 +298,10 @@ def new_false_positives(base: pd.DataFrame, cur: pd.DataFrame) -> list[dict[str,
         if now[0] > 0 and (was is None or was[0] == 0):
             text = rate_text(*was) if was is not None else "not run"
             found.append(_finding("new false positive", detector, text, rate_text(*now)))
+        elif was is not None and fell(now, was):
+            found.append(
+                _finding("false positive rate rose", detector, rate_text(*was), rate_text(*now))
+            )
     return found
 
 
@@ -316,7 +377,8 @@ def regressions(base: Run, cur: Run) -> list[dict[str, str]]:
     return [
         *detector_drops(base.trials, cur.trials),
         *cell_drops(base.trials, cur.trials),
-        *new_false_positives(base.trials, cur.trials),
+        *detector_cell_drops(base.trials, cur.trials),
+        *false_positive_rises(base.trials, cur.trials),
         *overhead_growth(base.overhead, cur.overhead),
         *new_blind_spots(base.trials, cur.trials),
     ]

@@ -217,7 +217,7 @@ def detector_names(df: pd.DataFrame) -> list[str]:
     return sorted({d for ds in df[Column.detectors] for d in ds.split(";") if d})
 
 
-def _names(column: pd.Series, name: str) -> pd.Series:
+def named(column: pd.Series, name: str) -> pd.Series:
     """Whether each `;`-joined entry of `column` names `name`."""
     return column.map(lambda s: name in s.split(";")).astype(bool)
 
@@ -235,8 +235,8 @@ def catch_counts(df: pd.DataFrame) -> dict[str, dict[str, Counts]]:
         found[label] = {ANY: (int(subset[Column.detected].sum()), len(subset))}
         for d in detector_names(df):
             # Over the trials in which the detector ran: a merged sweep mixes detector sets.
-            on = subset[_names(subset[Column.detectors], d)]
-            found[label][d] = (int(_names(on[Column.detected_by], d).sum()), len(on))
+            on = subset[named(subset[Column.detectors], d)]
+            found[label][d] = (int(named(on[Column.detected_by], d).sum()), len(on))
     return found
 
 
@@ -375,21 +375,28 @@ class Cell:
         return blind_spot(self.harmful)
 
 
+CELL_KEY = (Column.site, Column.model, *APART, Column.bit_class)
+
+
+def by_cell(df: pd.DataFrame) -> dict[tuple[str, ...], pd.DataFrame]:
+    """The fired trials of each scenario cell, by the cell's key (Cell.key)."""
+    fired = df[df[Column.fired] == True]  # noqa: E712
+    groups = as_text(fired, APART).groupby(list(CELL_KEY), dropna=False)
+    return {(*key[:-1], key[-1] or "-"): g for key, g in groups}
+
+
 def cell_stats(df: pd.DataFrame) -> list[Cell]:
     """Catch counts per scenario cell (Cell), among fired and among harmful or latent trials
     (the damage a blind spot lets through)."""
-    fired = df[df[Column.fired] == True]  # noqa: E712
     found = []
-    for (site, model, *apart, klass), g in as_text(fired, APART).groupby(
-        [Column.site, Column.model, *APART, Column.bit_class], dropna=False
-    ):
+    for (site, model, *apart, klass), g in by_cell(df).items():
         harmful = g[g[Column.effect].isin(DAMAGING)]
         effects = ", ".join(f"{e} {c}" for e, c in g[Column.effect].value_counts().items())
         found.append(
             Cell(
                 site=site,
                 model=model,
-                bit_class=klass or "-",
+                bit_class=klass,
                 fired=(int(g[Column.detected].sum()), len(g)),
                 harmful=(int(harmful[Column.detected].sum()), len(harmful)),
                 effects=effects,
@@ -465,8 +472,8 @@ def sees_and_misses(df: pd.DataFrame) -> list[dict[str, object]]:
     for key, g in as_text(fired, told).groupby(keys, dropna=False):
         row = _named(keys, key)
         for d in detector_names(df):
-            on = g[_names(g[Column.detectors], d)]
-            caught = _names(on[Column.detected_by], d)
+            on = g[named(g[Column.detectors], d)]
+            caught = named(on[Column.detected_by], d)
             row[d] = rate_text(int(caught.sum()), len(on)) if len(on) else "-"
         row["harmful"] = int((g[Column.effect] == Effect.HARMFUL).sum())
         rows.append(row)
@@ -534,8 +541,8 @@ def by_parallel(df: pd.DataFrame) -> list[dict[str, object]]:
         for d in detector_names(cell):
             row = {**_named(keys, key), "detector": d}
             for mode in modes:
-                on = cell[(cell[Column.parallel] == mode) & _names(cell[Column.detectors], d)]
-                caught = int(_names(on[Column.detected_by], d).sum())
+                on = cell[(cell[Column.parallel] == mode) & named(cell[Column.detectors], d)]
+                caught = int(named(on[Column.detected_by], d).sum())
                 row[mode] = rate_text(caught, len(on)) if len(on) else "not run"
             rows.append(row)
     return rows
@@ -548,8 +555,8 @@ def false_positive_counts(df: pd.DataFrame) -> dict[str, Counts]:
     clean = df[df[Column.site] == Site.NONE]
     found = {}
     for d in detector_names(df):
-        on = clean[_names(clean[Column.detectors], d)]
-        found[d] = (int(_names(on[Column.alert_detectors], d).sum()), len(on))
+        on = clean[named(clean[Column.detectors], d)]
+        found[d] = (int(named(on[Column.alert_detectors], d).sum()), len(on))
     return found
 
 
