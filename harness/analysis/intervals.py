@@ -8,7 +8,7 @@ import math
 
 import pandas as pd
 
-from harness.analysis.tables import SWEPT, as_text, rate_text, sweep_columns
+from harness.analysis.tables import SWEPT, as_text, rate_text, silent_fired, sweep_columns
 from harness.results.trial_row import Column
 
 
@@ -27,7 +27,7 @@ def interval_outcomes(df: pd.DataFrame) -> pd.DataFrame:
     precision, as text), the check's interval there, whether the check itself caught the fault
     (whichever alerted first) and its time to detection."""
     rows = []
-    fired = as_text(df[df[Column.fired] == True], SWEPT)  # noqa: E712
+    fired = as_text(silent_fired(df), SWEPT)
     for r in fired.itertuples(index=False):
         found = pairs(r.detect_steps)
         for check, k in pairs(r.check_intervals).items():

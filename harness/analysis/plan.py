@@ -47,12 +47,14 @@ from harness.analysis.overheads import (
 )
 from harness.analysis.rollbacks import Bound, bound, steps_lost
 from harness.analysis.tables import (
+    CRASH,
     PUBLISHED,
     Counts,
     ReportError,
     damaged,
     detector_names,
     load_trials,
+    silent_fired,
     wilson,
 )
 from harness.results.costs import JobCosts
@@ -74,7 +76,6 @@ LLAMA3_SOURCE = (
 )
 # The check that also looks before every checkpoint (detectors/weight_consensus.py).
 CONSENSUS = "weight_consensus"
-CRASH = "crash"  # the fault model that takes a process down (injectors/crash.py)
 # Sets drawn against the interval (every single check is drawn too).
 NAMED_SETS = {
     frozenset(s)
@@ -243,8 +244,7 @@ def loss(option: Option, job: Job) -> Loss:
 def fired_faults(trials: pd.DataFrame) -> pd.DataFrame:
     """The fired trials but crashes (no SDC), with the columns `measured` reads as sets and
     mappings, and each check's settings (`settings`) and rollback bound (`bounds`)."""
-    fired = trials[trials[Column.fired] == True].copy()  # noqa: E712 (a column of booleans)
-    fired = fired[fired[Column.model] != CRASH]
+    fired = silent_fired(trials).copy()
     fired["on"] = fired[Column.detectors].map(lambda s: frozenset(d for d in s.split(";") if d))
     fired["every"] = fired[Column.check_intervals].map(pairs)
     fired["found"] = fired[Column.detect_steps].map(pairs)

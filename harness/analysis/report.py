@@ -19,6 +19,7 @@ from harness.analysis import figures, mix
 from harness.analysis.intervals import audit_intervals
 from harness.analysis.overheads import load_overhead, rounds_text
 from harness.analysis.tables import (
+    CRASH,
     OneLineParser,
     ReportError,
     bit_dtypes,
@@ -121,7 +122,13 @@ def effects_line(df: pd.DataFrame) -> str:
     line = ", ".join(f"{e} {effects[e]}" for e in sorted(effects.index))
     unfired = never_struck(df)
     faults = "fault" if unfired == 1 else "faults"
-    return line + (f"; {unfired} planned {faults} never struck (effect none)" if unfired else "")
+    if unfired:
+        line += f"; {unfired} planned {faults} never struck (effect none)"
+    crashes = int((df[Column.model] == CRASH).sum())
+    if crashes:
+        line += (f"; {crashes} {'trial' if crashes == 1 else 'trials'} of the crash model left "
+                 "out of the catch rates (a process taken down, no silent corruption)")  # fmt: skip
+    return line
 
 
 def summary(df: pd.DataFrame) -> str:
@@ -208,7 +215,8 @@ DEFINITIONS = """## Definitions (docs/design.md, section 5)
 - A trial whose checks act (act mode, recovery) takes the effect of its **observe twin**,
   the same scenario and seed with every check observing (`effect_from`); `contained` and
   `recovered` say what the checks achieved, the loss columns what the acting run ended with.
-- **catch rate** = detected / fired; per detector over the trials in which it ran.
+- **catch rate** = detected / fired; per detector over the trials in which it ran. The crash
+  model's trials (a process taken down, no silent corruption) count in no catch rate.
 - **blind spot**: a scenario cell with harmful or latent trials whose catch rate among them has
   a 95% Wilson upper bound below 50%."""
 

@@ -37,6 +37,9 @@ Z95 = 1.959963984540054
 PUBLISHED = ("nan_inf", "replay", "weight_consensus")
 TRIAL_SETS = ("all fired", "non-masked", "harmful")
 ANY = "any detector"
+# The fault model that takes a process down (injectors/crash.py): no silent corruption, so no
+# check can catch or miss it. Its trials count among the effects (crash), never in a catch rate.
+CRASH = "crash"
 
 # (k, n): k successes in n trials; under a weighed fault mix (harness/analysis/mix.py) the
 # weighed share times the effective number of trials, so neither need be whole.
@@ -222,9 +225,14 @@ def named(column: pd.Series, name: str) -> pd.Series:
     return column.map(lambda s: name in s.split(";")).astype(bool)
 
 
+def silent_fired(df: pd.DataFrame) -> pd.DataFrame:
+    """The fired trials of faults that corrupt values: all but the crash model's (CRASH)."""
+    return df[(df[Column.fired] == True) & (df[Column.model] != CRASH)]  # noqa: E712
+
+
 def catch_counts(df: pd.DataFrame) -> dict[str, dict[str, Counts]]:
     """(k, n) caught per trial set (TRIAL_SETS) and per column (ANY, then each detector)."""
-    fired = df[df[Column.fired] == True]  # noqa: E712 (a column of booleans)
+    fired = silent_fired(df)
     subsets = (
         fired,
         fired[fired[Column.effect] != Effect.MASKED],
@@ -284,7 +292,7 @@ def setting_columns(df: pd.DataFrame, always: tuple[str, ...] = ()) -> list[str]
     more than one value of, a blank counting (a defective unit at its default rate beside one
     at 10%). A clean trial, which has no steps, adds none, nor does a bit flip's blank factor
     beside one scaling's x10."""
-    fired = as_text(df[df[Column.fired] == True], SETTINGS)  # noqa: E712
+    fired = as_text(silent_fired(df), SETTINGS)
     told = fired.groupby([Column.site, Column.model])[list(SETTINGS)].nunique(dropna=False)
     return [
         c for c in SETTINGS
@@ -380,7 +388,7 @@ CELL_KEY = (Column.site, Column.model, *APART, Column.bit_class)
 
 def by_cell(df: pd.DataFrame) -> dict[tuple[str, ...], pd.DataFrame]:
     """The fired trials of each scenario cell, by the cell's key (Cell.key)."""
-    fired = df[df[Column.fired] == True]  # noqa: E712
+    fired = silent_fired(df)
     groups = as_text(fired, APART).groupby(list(CELL_KEY), dropna=False)
     return {(*key[:-1], key[-1] or "-"): g for key, g in groups}
 
@@ -465,7 +473,7 @@ def sees_and_misses(df: pd.DataFrame) -> list[dict[str, object]]:
     """Per scenario (site, model, scope, persistence, bit class; workload, dtype, precision and
     the other settings where the trials hold several): what share of fired trials each detector
     caught, with n and a 95% Wilson interval. A dash: the detector was not on in those trials."""
-    fired = df[df[Column.fired] == True]  # noqa: E712
+    fired = silent_fired(df)
     told = [*sweep_columns(df), *setting_columns(df, always=(Column.scope, Column.persistence))]
     keys = [Column.site, Column.model, *told, Column.bit_class]
     rows = []
@@ -530,7 +538,7 @@ def by_parallel(df: pd.DataFrame) -> list[dict[str, object]]:
     modes = sorted(set(df[Column.parallel]))  # ddp, fsdp, hsdp: replicas first, as names sort
     if len(modes) < 2:
         return []
-    fired = df[df[Column.fired] == True]  # noqa: E712 (booleans)
+    fired = silent_fired(df)
     swept = [c for c in sweep_columns(df) if c != Column.dtype]
     told = [*swept, *setting_columns(df)]
     if fired[Column.bit_class].fillna("").nunique() > 1:

@@ -10,6 +10,7 @@ from statistics import NormalDist
 import pandas as pd
 import pytest
 
+from harness.analysis import report
 from harness.analysis.intervals import (
     INTERVAL_COLUMNS,
     audit_intervals,
@@ -587,3 +588,23 @@ def test_clean_trials_add_no_setting_column():
     faults = [dict(r, fault_steps="10") for r in F32_MISSED]
     rows = cells(classed(*faults, {"site": "none", "fault_steps": ""}))
     assert [list(r) for r in rows] == [["site", "model", "bit class", *CELL_COLUMNS]]
+
+
+def test_the_crash_model_is_left_out_of_every_catch_rate_and_said():
+    """A process taken down is no silent corruption: no check can catch or miss it. Two crash
+    trials beside five NaN gradients nan_inf caught made its rate 5/7 and a 'grad / crash'
+    cell of 0/2; the plan already left them out."""
+    nan = dict(site="grad", model="value", value="nan", fired="True", effect="harmful",
+               detectors="nan_inf", detected="True", detected_by="nan_inf")  # fmt: skip
+    crash = dict(site="grad", model="crash", value="raise", fired="True", effect="crash",
+                 detectors="nan_inf")  # fmt: skip
+    df = frame(*(dict(nan, trial_id=f"n{i}") for i in range(5)),
+               *(dict(crash, trial_id=f"c{i}") for i in range(2)))  # fmt: skip
+    counts = catch_counts(df)
+    assert counts["all fired"]["nan_inf"] == (5, 5) and counts["non-masked"][ANY] == (5, 5)
+    assert [c.model for c in cell_stats(df)] == ["value"]
+    assert {r["model"] for r in sees_and_misses(df)} == {"value"}
+    assert report.effects_line(df) == (
+        "crash 2, harmful 5; 2 trials of the crash model left out of the catch rates "
+        "(a process taken down, no silent corruption)"
+    )
