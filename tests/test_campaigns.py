@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import injectors
+from harness.analysis.tables import blind_spot
 from harness.cli import CONFIG_DIR
 from harness.config.schema import RunConfig
 from harness.runtime import checkpoint
@@ -41,6 +42,9 @@ def test_every_campaign_composes_and_validates(name):
     run = compose_run(f"campaign={name}")
     assert run.campaign == name
     assert run.trials and len(run.trials) == len(run.scenarios) * run.seeds
+    # The harm threshold is the workload's, the same in every standard campaign: smoke, CI's
+    # own, alone reads fewer reference runs.
+    assert run.noise_seeds == 5 or name == "smoke"
     assert len({t.trial_id for t in run.trials}) == len(run.trials)
 
 
@@ -98,6 +102,9 @@ def test_command_line_detectors_win_over_a_campaigns_choice():
 def test_blind_spots_cover_site_model_persistence_and_scope_against_every_detector():
     run = compose_run("campaign=blind_spots")
     assert set(run.detectors) == EVERY_DETECTOR | {"megatron_hash"}
+    # Each cell holds one scenario's seeds: a cell none of them caught must be able to be a
+    # blind spot (at 3 seeds, 0/3's upper bound is 56%, and the table could never say yes).
+    assert blind_spot((0, run.seeds))
     # The models it names (a model joins once the file names it), each at every place and
     # persistence: element and grouped models everywhere, contribution models only in a
     # reduction (and a one-element loss has nothing to swap or burst); `crash`, which takes a
