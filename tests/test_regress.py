@@ -543,7 +543,7 @@ def test_a_false_positive_rate_that_rose_regresses():
                             alerts=str(int(i < alerting))) for i in range(60)))  # fmt: skip
 
     assert regress.false_positive_rises(clean(1), clean(30)) == [
-        regress._finding("false positive rate rose", "replay", "1/60 = 2% [0%, 9%]",
+        regress._finding("false positive rate rose", "replay", "1/60 = 2% [0.3%, 9%]",
                          "30/60 = 50% [38%, 62%]"),
     ]  # fmt: skip
     assert regress.false_positive_rises(clean(1), clean(3)) == []  # within the noise

@@ -197,13 +197,26 @@ def damaged(df: pd.DataFrame) -> pd.Series:
     return df[Column.effect].isin(DAMAGING) | (df[Column.replicas_agree] == False)  # noqa: E712
 
 
+def percent(x: float) -> str:
+    """A share in whole percent, but one a whole percent would round to 0% or 100% (a bound
+    of 0.2% is no 0%)."""
+    if x in (0, 1) or 0.005 <= x < 0.995:
+        return f"{x:.0%}"
+    for digits in (1, 2, 3):
+        text = f"{x:.{digits}%}"
+        if float(text[:-1]) not in (0, 100):
+            break
+    return text
+
+
 def rate_text(k: float, n: float) -> str:
     if n == 0:
         return "n=0"
     lo, hi = wilson(k, n)
+    shares = f"{percent(k / n)} [{percent(lo)}, {percent(hi)}]"
     if float(k).is_integer() and float(n).is_integer():
-        return f"{k:.0f}/{n:.0f} = {k / n:.0%} [{lo:.0%}, {hi:.0%}]"
-    return f"{k / n:.0%} [{lo:.0%}, {hi:.0%}] weighed, n = {n:.1f}"
+        return f"{k:.0f}/{n:.0f} = {shares}"
+    return f"{shares} weighed, n = {n:.1f}"
 
 
 def markdown_table(rows: list[dict[str, object]]) -> str:
