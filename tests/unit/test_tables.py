@@ -115,6 +115,9 @@ def test_rate_text_shows_count_rate_and_interval_in_percent():
     assert rate_text(3, 10) == f"3/10 = 30% [{round(lo * 100)}%, {round(hi * 100)}%]"
     assert rate_text(0, 10) == "0/10 = 0% [0%, 28%]"
     assert rate_text(10, 10) == "10/10 = 100% [72%, 100%]"
+    # A bound that whole percent would print as 0% or 100% is neither: the digits it needs.
+    assert rate_text(0, 1920) == "0/1920 = 0% [0%, 0.2%]"
+    assert rate_text(1919, 1920) == "1919/1920 = 99.9% [99.7%, 99.99%]"
 
 
 def test_rate_text_of_no_trials():
