@@ -251,3 +251,17 @@ def test_a_broken_reduction_is_attributed_to_the_node_it_names(suspects, correct
     row = _row(REDUCTION, parts)
     assert row.injected_ranks == (0, 1, 2, 3) and row.detected
     assert row.attribution_correct is correct
+
+
+def test_each_checks_own_first_alert_is_judged_for_attribution():
+    """The row's attribution is its first alert's: a later check that names healthy ranks (as
+    megatron_hash does where rank 0 is wrong) left no trace in the row. `attributions` holds
+    each check's own first alert's verdict, as `detect_steps` holds its step."""
+    first = _alert(1, 3, "pre_allreduce", [1], detector="nan_inf")
+    healthy = _alert(0, 9, "post_update", [0, 2, 3], detector="megatron_hash")
+    named_late = _alert(1, 12, "post_update", [1], detector="megatron_hash")
+    parts = [_part(0, [healthy]), _part(1, [_inject(1, 3), first, named_late], digest="x")]
+    row = _row(GRAD_NAN, parts + [_part(2), _part(3)])
+    assert (row.first_detector, row.attribution_correct) == ("nan_inf", True)
+    assert row.attributions == {"megatron_hash": False, "nan_inf": True}
+    assert row.detect_steps == {"megatron_hash": 9, "nan_inf": 3}

@@ -237,7 +237,7 @@ def detector_cell_drops(base: pd.DataFrame, cur: pd.DataFrame) -> list[dict[str,
             if now_on.empty:
                 continue
             for label, was, now in (
-                ("fired", was_on, now_on),
+                ("all fired", was_on, now_on),
                 ("harmful or latent", *(t[t[Column.effect].isin(DAMAGING)]
                                         for t in (was_on, now_on))),
             ):  # fmt: skip

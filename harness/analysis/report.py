@@ -35,6 +35,7 @@ from harness.analysis.tables import (
     harmful_escapes,
     load_trials,
     markdown_table,
+    own_attributions,
     per_trial,
     recovery,
     sees_and_misses,
@@ -107,6 +108,17 @@ def escape_section(df: pd.DataFrame, folder: Path) -> str:
     text += markdown_table(rows)
     path = figures.escape_impact(harmful_escapes(df), escape_cell(df), folder / "escapes.png")
     return text + f"\n![Loss damage of the harmful faults no detector caught](figures/{path.name})"
+
+
+def own_attribution_text(df: pd.DataFrame) -> str:
+    rows = own_attributions(df)
+    if not rows:
+        return ""
+    return (
+        "\nEach check's own first alert at or after the injection, whether or not it came "
+        "first: among the trials it caught, those whose suspects were the culprits and no other "
+        "rank (a check that names healthy ranks shows here).\n\n" + markdown_table(rows)
+    )
 
 
 def never_struck(df: pd.DataFrame) -> int:
@@ -321,7 +333,8 @@ def write_report(df: pd.DataFrame, out: Path, dirs: list[Path] | None = None) ->
         "## False positives (clean trials)\n\n"
         f"All detectors: {per_trial(df)}\n\n" + markdown_table(false_positives(df)),
         "## Time to detection, containment and attribution\n\n"
-        + markdown_table(detection_times(df)),
+        + markdown_table(detection_times(df))
+        + own_attribution_text(df),
         escape_section(df, folder),
     ]
     sharded = by_parallel(df)

@@ -602,6 +602,23 @@ def _plural(count: int, noun: str) -> str:
     return noun if count == 1 else noun + "s"
 
 
+def own_attributions(df: pd.DataFrame) -> list[dict[str, object]]:
+    """Per check, over the fired trials it caught: whether its own first alert named the
+    culprits and nothing else (`attributions`), the first detector's or not. Empty for a table
+    written before the column."""
+    fired = silent_fired(df)
+    judged = fired[Column.attributions].map(
+        lambda text: dict(item.split("=") for item in text.split(";")) if text else {}
+    )
+    rows = []
+    for d in detector_names(df):
+        verdicts = [v[d] == "True" for v in judged if d in v]
+        if verdicts:
+            rows.append({"detector": d, "its first alert names the culprits alone":
+                         rate_text(sum(verdicts), len(verdicts))})  # fmt: skip
+    return rows
+
+
 def detection_times(df: pd.DataFrame) -> list[dict[str, object]]:
     caught = df[df[Column.detected] == True]  # noqa: E712
     rows = []

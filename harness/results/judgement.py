@@ -9,6 +9,7 @@ import math
 import statistics
 from collections import Counter
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 from harness.config.schema import FaultConfig, RunConfig, TrialSpec
 from harness.core.events import (
@@ -35,6 +36,8 @@ from harness.core.vocabulary import (
 )
 from harness.results.schema import Golden, RankResult, RecoveryRecord
 from harness.results.trial_row import TrialRow
+
+V = TypeVar("V", int, bool)  # a `name=value` column's values
 
 
 def noise_band(goldens: list[Golden]) -> float:
@@ -150,6 +153,7 @@ def trial_row(
     injected_ranks = {e.rank for e in injections}
     caught = [a for a in alerts if fired and a.step >= inject_step]
     first = caught[0] if caught else None
+    own_first = _first_alert_by_check(caught)
 
     final_loss = worst_loss(parts)
     bit, bit_dtype = _bit(fault, injections, run.workload.dtype)
@@ -207,9 +211,15 @@ def trial_row(
         start_step=spec.segment.start_step if spec.segment else 0,
         damage=_sorted(damage(judged.parts)),
         effect_from=judged.source,
-        # Each check's own first alert at or after the injection: its time to detection even
-        # when another check alerted first.
-        detect_steps=_by_entry(_first_alert_by_check(caught)),
+        # Each check's own first alert at or after the injection: its time to detection and
+        # its attribution even when another check alerted first.
+        detect_steps=_by_entry({d: a.step for d, a in own_first.items()}),
+        attributions=_by_entry(
+            {
+                d: attribution(a, culprits(fault, struck_by(a, injections)), run)
+                for d, a in own_first.items()
+            }
+        ),  # fmt: skip
         # The audit interval of each periodic check in this trial (a scenario may set them).
         check_intervals=_by_entry(
             {
@@ -249,16 +259,16 @@ def struck_by(alert: Alert, injections: list[Inject]) -> set[int]:
     return {e.rank for e in injections if e.segment == alert.segment}
 
 
-def _by_entry(mapping: dict[str, int]) -> dict[str, int]:
+def _by_entry(mapping: dict[str, V]) -> dict[str, V]:
     """A `name=value` column's entries in the order of their text, as the table has always
     listed them."""
     return dict(sorted(mapping.items(), key=lambda kv: f"{kv[0]}={kv[1]}"))
 
 
-def _first_alert_by_check(caught: list[TrialAlert]) -> dict[str, int]:
-    first: dict[str, int] = {}
+def _first_alert_by_check(caught: list[TrialAlert]) -> dict[str, TrialAlert]:
+    first: dict[str, TrialAlert] = {}
     for alert in caught:
-        first.setdefault(alert.detector, alert.step)
+        first.setdefault(alert.detector, alert)
     return first
 
 

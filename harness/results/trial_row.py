@@ -95,6 +95,10 @@ class TrialRow:
     start_step: int = _extra(0)
     check_intervals: dict[str, int] = _extra(factory=dict)
     detect_steps: dict[str, int] = _extra(factory=dict)
+    # Whether each check's own first alert at or after the injection named the culprits and
+    # nothing else (`attribution_correct` is the first alert's): a check that names healthy
+    # ranks shows here even where another check alerted first.
+    attributions: dict[str, bool] = _extra(factory=dict)
     damage: tuple[str, ...] = _extra(())
     effect_from: EffectSource = _extra(EffectSource.RUN)
     warnings: tuple[str, ...] = _extra(())
@@ -173,8 +177,9 @@ def _decoder(hint: Any) -> Callable[[str], Any]:
         item = _decoder(args[0])
         return lambda text: tuple(item(x) for x in text.split(";")) if text else ()
     if origin is dict:
+        value = _decoder(args[1])
         return lambda text: (
-            {k: int(v) for k, v in (x.split("=", 1) for x in text.split(";"))} if text else {}
+            {k: value(v) for k, v in (x.split("=", 1) for x in text.split(";"))} if text else {}
         )
     if origin in (typing.Union, types.UnionType):
         options = [_decoder(a) for a in args if a is not type(None)]
@@ -266,7 +271,8 @@ def _cells_of(hint: Any) -> str:
     if origin is tuple:
         return f"`;`-joined {_cells_of(args[0])}s"
     if origin is dict:
-        return "`name=integer`, `;`-joined"
+        value = {int: "integer", bool: "True|False"}[args[1]]
+        return f"`name={value}`, `;`-joined"
     if isinstance(hint, type) and issubclass(hint, StrEnum):
         return " / ".join(f"`{m.value}`" for m in hint)
     words = {bool: "`True` / `False`", int: "integer", float: "number", str: "text"}

@@ -32,6 +32,7 @@ from harness.analysis.tables import (
     false_positive_counts,
     false_positives,
     markdown_table,
+    own_attributions,
     per_trial,
     rate_text,
     sees_and_misses,
@@ -611,3 +612,22 @@ def test_the_crash_model_is_left_out_of_every_catch_rate_and_said():
         "crash 2, harmful 5; 2 trials of the crash model left out of the catch rates "
         "(a process taken down, no silent corruption)"
     )
+
+
+def test_each_checks_own_attribution_is_tabulated_first_or_not():
+    """megatron_hash never alerts first in these trials, yet it names healthy ranks in one of
+    its two catches: the first detector's table cannot show that; this one does."""
+    caught = dict(site="grad", model="scale", fired="True", effect="harmful", detected="True",
+                  detectors="nan_inf;megatron_hash", first_detector="nan_inf")  # fmt: skip
+    df = frame(
+        dict(caught, trial_id="a", detected_by="megatron_hash;nan_inf",
+             attributions="megatron_hash=False;nan_inf=True"),
+        dict(caught, trial_id="b", detected_by="megatron_hash;nan_inf",
+             attributions="megatron_hash=True;nan_inf=True"),
+        dict(caught, trial_id="c", detected_by="nan_inf", attributions="nan_inf=True"),
+        dict(caught, trial_id="d", detected="False", detected_by="", attributions=""),
+    )  # fmt: skip
+    assert own_attributions(df) == [
+        {"detector": "megatron_hash", "its first alert names the culprits alone": rate_text(1, 2)},
+        {"detector": "nan_inf", "its first alert names the culprits alone": rate_text(3, 3)},
+    ]
