@@ -33,6 +33,12 @@ class Crash(FaultModel):
             raise ConfigError(
                 f"{key}.value", f"'{fault.value}' is not allowed; allowed: {', '.join(ACTIONS)}"
             )
+        for name, unset in (("elements", 1), ("select", "random"), ("index", None)):
+            if getattr(fault, name) != unset:
+                raise ConfigError(
+                    f"{key}.{name}", "a crash takes its rank's process down at the first element "
+                    f"it reaches; leave it {unset if unset is not None else 'unset'}"
+                )  # fmt: skip
         if fault.scope == "reduction":
             # A broken reduction strikes every receiver of the sum: every rank would go down.
             raise ConfigError(

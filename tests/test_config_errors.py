@@ -954,6 +954,47 @@ IGNORED_OR_MISTYPED = [
         "must be in (0, 1) or 1 (every product)",
     ),
     (["campaign=default", "fault=grad_nan"], "campaign", "use campaign=single"),
+    # A schedule that is no list raised TypeError; 0 or false ran as no schedule.
+    *(
+        (
+            ["campaign=single", "fault=weight_bitflip", f"fault.schedule={bad}"],
+            "fault.schedule",
+            f"'{shown}' is not a list of {{step, rank, tensor, index[, bit]}}",
+        )
+        for bad, shown in (("5", "5"), ("true", "True"), ("0", "0"))
+    ),  # fmt: skip
+    # A crash takes its process down at the first element: what it would strike was ignored.
+    *(
+        (
+            [
+                "campaign=single",
+                "fault=grad_scale",
+                "fault.model=crash",
+                "fault.value=raise",
+                "fault.factor=null",
+                extra,
+            ],
+            f"fault.{name}",
+            "a crash takes its rank's process down at the first element it reaches; leave it",
+        )
+        for extra, name in (
+            ("fault.elements=5", "elements"),
+            ("fault.select=largest", "select"),
+            ("fault.index=3", "index"),
+        )
+    ),  # fmt: skip
+    # A swap's or burst's index at a module site was clamped to the output's end.
+    (
+        [
+            "campaign=single",
+            "fault.site=activation",
+            "fault.model=swap",
+            "fault.tensor=fc2",
+            "fault.index=999999",
+        ],
+        "fault.index",
+        "999999 is out of range: the output struck in 'fc2' has",
+    ),  # fmt: skip
 ]
 
 

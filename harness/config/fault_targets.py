@@ -81,6 +81,9 @@ def check_target(
             _backward_reaches(key, fault, [name for name, _ in matched], forward)
     if fault.site in sites.MODULE_SITES and forward is not None:
         targets = [name for name, _ in matched]
+        if fault.index is not None:  # a grouped model's first element (past the end: clamped)
+            for name in targets:
+                _within(f"{key}.index", fault, name, fault.index, forward)
         if fault.model == "defective_unit":
             _lane_in_a_product(key, fault, targets, forward)
         elif fault.ber is None:

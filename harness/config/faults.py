@@ -416,8 +416,10 @@ def _schedule(
 ) -> tuple[dict[str, Any], ...]:
     """An explicit list of injections: {step, rank, tensor, index[, bit]} each, a bit among
     `width`."""
-    if not raw:
+    if raw is None:
         return ()
+    if not isinstance(raw, list | tuple):  # 0 or false read as no schedule; 5 raised TypeError
+        raise ConfigError(key, f"'{raw}' is not a list of {{step, rank, tensor, index[, bit]}}")
     entries = []
     for i, entry in enumerate(raw):
         k = f"{key}[{i}]"
