@@ -39,6 +39,33 @@ def test_resume_drops_a_torn_row_and_the_events_of_unfinished_trials(tmp_path):
     assert records.goldens() == {0: Golden(0, 1.0, "d")}
 
 
+@pytest.mark.parametrize(
+    ("damaged", "says"),
+    [
+        ("trials", "trials.csv, line 2: its cells do not match the header's"),
+        ("events", "events.jsonl, line 1: not a whole JSON record"),
+        ("goldens", "golden.jsonl, line 1: not a whole JSON record"),
+    ],
+)
+def test_resume_refuses_a_record_damaged_before_its_last_line(tmp_path, damaged, says):
+    """A row cut short but ending in a newline read as a finished trial: the trial never ran
+    again, and the campaign died with a traceback after every other trial. A cut line of
+    events or goldens raised JSONDecodeError. Each is one line, before anything runs."""
+    records = Records(tmp_path)
+    for trial_id in ("a", "b"):
+        records.add_trial(_row(trial_id), [Crash(trial_id=trial_id, cause="hung", time=0.0)])
+    records.add_golden(Golden(0, 1.0, "d"))
+    records.add_golden(Golden(1, 1.0, "e"))
+    path = {"trials": records.trials, "events": records.events, "goldens": records.golden_file}
+    lines = path[damaged].read_text().splitlines(keepends=True)
+    at = 1 if damaged == "trials" else 0  # the trials' header first
+    lines[at] = lines[at][:20] + "\n"
+    path[damaged].write_text("".join(lines))
+    with pytest.raises(ConfigError, match="damaged") as refused:
+        Records(tmp_path).resume()
+    assert refused.value.key == "out" and says in str(refused.value)
+
+
 def test_checkpoint_round_trip_and_a_flipped_byte_is_caught(tmp_path):
     path = tmp_path / "store" / "step_000009.pt"
     state = {"step": 9, "model": {"w": torch.arange(6, dtype=torch.float32)}}

@@ -7,15 +7,22 @@ events of trials that have no row are discarded, so nothing is counted twice.
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 from pathlib import Path
 
 from harness.core.events import Event, to_record
+from harness.errors import ConfigError
 from harness.results.folder import RunFolder
 from harness.results.schema import Golden, read_goldens
-from harness.results.trial_row import Column, TrialRow, header_line, row_line
+from harness.results.trial_row import (
+    Column,
+    TrialRow,
+    TrialRowError,
+    header_line,
+    read_trials,
+    row_line,
+)
 
 
 def _append_lines(path: Path, text: str) -> None:
@@ -33,6 +40,32 @@ def _drop_torn_tail(path: Path) -> None:
             f.truncate(data.rfind(b"\n") + 1)
 
 
+DAMAGED = "a damaged record; restore the file, or choose a new out"
+
+
+def _damaged(path: Path, n: int) -> ConfigError:
+    return ConfigError("out", f"{path}, line {n}: not a whole JSON record: {DAMAGED}")
+
+
+def _record(path: Path, n: int, line: str) -> dict:
+    """Line `n` of a JSON-lines file as its record; a damaged one is refused."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        raise _damaged(path, n) from None
+    if not isinstance(record, dict):
+        raise _damaged(path, n)
+    return record
+
+
+def _event_trial(path: Path, n: int, line: str) -> str:
+    """The trial an event names, as a row does."""
+    trial = _record(path, n, line).get(Column.trial_id)
+    if trial is None:
+        raise _damaged(path, n)
+    return trial
+
+
 class Records:
     """trials.csv, events.jsonl and golden.jsonl of one campaign folder."""
 
@@ -41,25 +74,34 @@ class Records:
         self.trials, self.events, self.golden_file = folder.trials, folder.events, folder.goldens
 
     def resume(self) -> set[str]:
-        """Make the files consistent after an interruption; return the finished trial ids."""
+        """Make the files consistent after an interruption; return the finished trial ids.
+        A line damaged before the last (not cut by an interruption, which only tears the
+        last) is refused, naming its file and line: a row read as a finished trial would
+        never run again."""
         done: set[str] = set()
         if self.trials.exists():
             _drop_torn_tail(self.trials)
-            with open(self.trials, newline="", encoding="utf-8") as f:
-                done = {row[Column.trial_id] for row in csv.DictReader(f)}
+            try:
+                _, rows = read_trials(self.trials)
+            except TrialRowError as exc:
+                raise ConfigError("out", f"{exc}: {DAMAGED}") from None
+            done = {row.trial_id for row in rows}
         if self.events.exists():
             _drop_torn_tail(self.events)
-            kept = [
-                line
-                for line in self.events.read_text(encoding="utf-8").splitlines(keepends=True)
-                if json.loads(line)[Column.trial_id]
-                in done  # an event names its trial as a row does
-            ]
+            lines = self.events.read_text(encoding="utf-8").splitlines(keepends=True)
+            kept = [line for n, line in enumerate(lines, 1)
+                    if _event_trial(self.events, n, line) in done]  # fmt: skip
             tmp = self.events.with_name(".events.jsonl.tmp")
             tmp.write_text("".join(kept), encoding="utf-8")
             os.replace(tmp, self.events)
         if self.golden_file.exists():
             _drop_torn_tail(self.golden_file)
+            lines = self.golden_file.read_text(encoding="utf-8").splitlines()
+            for n, line in enumerate(lines, 1):
+                try:
+                    Golden(**_record(self.golden_file, n, line))
+                except TypeError:
+                    raise _damaged(self.golden_file, n) from None
         return done
 
     def goldens(self) -> dict[int, Golden]:
