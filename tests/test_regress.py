@@ -15,7 +15,7 @@ import pandas as pd
 import pytest
 import torch
 
-from harness.analysis import regress
+from harness.analysis import regress, report, tables
 from harness.analysis.regress import load, regressions
 from harness.campaign import overhead
 from harness.results import machine, schema
@@ -547,3 +547,24 @@ def test_a_false_positive_rate_that_rose_regresses():
                          "30/60 = 50% [38%, 62%]"),
     ]  # fmt: skip
     assert regress.false_positive_rises(clean(1), clean(3)) == []  # within the noise
+
+
+def test_an_interrupted_run_is_refused_and_its_report_says_so(runs, tmp_path):
+    """A nightly stopped after its first trials compared as 'no regression' (the cells it had
+    not reached were listed as not compared), and its report read as a whole campaign's."""
+    stopped = tmp_path / "stopped"
+    shutil.copytree(runs["baseline"], stopped)
+    lines = (stopped / "trials.csv").read_text().splitlines(keepends=True)
+    (stopped / "trials.csv").write_text("".join(lines[:3]))
+    proc = sdc_regress(runs["baseline"], stopped)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
+    assert proc.stderr.count("\n") == 1
+    assert f"the current run is incomplete ({stopped}: 2 of 8 planned trials)" in proc.stderr
+    assert sdc_regress(stopped, runs["baseline"]).returncode == 2
+    report = regress_report(stopped, tmp_path / "report")
+    assert f"**Incomplete**: {stopped}: 2 of 8 planned trials" in report
+    assert "**Incomplete**" not in regress_report(runs["baseline"], tmp_path / "whole")
+
+
+def regress_report(run: Path, out: Path) -> str:
+    return report.write_report(tables.load_trials([run]), out).read_text()

@@ -1,8 +1,8 @@
 """`sdc-regress BASELINE_DIR CURRENT_DIR`: did coverage drop or overhead grow since the baseline?
 
 Exit 0 when nothing regressed, 1 with a table of what did, 2 with one line on bad input (a missing
-folder, no trials.csv, missing columns, two runs that share no scenario cell), before anything is
-compared. A regression is:
+folder, no trials.csv, missing columns, two runs that share no scenario cell, a run whose campaign
+stopped before its end), before anything is compared. A regression is:
 
 - a catch rate that fell: per detector (the report's catch-rate table, over the scenario cells
   both runs hold, so that a scenario dropped or added moves no rate), per scenario cell (site,
@@ -68,6 +68,7 @@ from harness.analysis.tables import (
     markdown_table,
     named,
     rate_text,
+    unfinished,
     wilson,
 )
 from harness.core.vocabulary import DAMAGING
@@ -448,6 +449,15 @@ def main(argv: list[str] | None = None) -> None:
     except ReportError as exc:
         print(f"sdc-regress: {exc}", file=sys.stderr)
         sys.exit(2)
+    for which, run in (("baseline", base), ("current", cur)):
+        stopped = unfinished(run.trials)
+        if stopped:
+            # Its cells' rates, and the share of clean trials, are of a part of the campaign:
+            # a nightly stopped early passed as "no regression".
+            print(f"sdc-regress: the {which} run is incomplete ({'; '.join(stopped)}): finish "
+                  "it (rerun its command with the same out) before comparing",
+                  file=sys.stderr)  # fmt: skip
+            sys.exit(2)
     base, cur, blanked = aligned(base, cur)
     missing = uncompared_cells(base.trials, cur.trials)
     if missing and len(missing) == len(cell_stats(base.trials)):

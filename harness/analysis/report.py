@@ -40,6 +40,7 @@ from harness.analysis.tables import (
     recovery,
     sees_and_misses,
     sweep_columns,
+    unfinished,
     wilson,
 )
 from harness.core.events import Sensitivity, from_record, of, to_record
@@ -108,6 +109,18 @@ def escape_section(df: pd.DataFrame, folder: Path) -> str:
     text += markdown_table(rows)
     path = figures.escape_impact(harmful_escapes(df), escape_cell(df), folder / "escapes.png")
     return text + f"\n![Loss damage of the harmful faults no detector caught](figures/{path.name})"
+
+
+def incomplete_line(df: pd.DataFrame) -> str:
+    """Said where a run's campaign stopped before its end: its rates are of the trials that
+    ran, and its clean and faulty trials may not be in their planned shares."""
+    stopped = unfinished(df)
+    if not stopped:
+        return ""
+    return (
+        f"  \n**Incomplete**: {'; '.join(stopped)} (an interrupted campaign: rerun its command "
+        "with the same out to finish it); every figure below is of the trials that ran"
+    )
 
 
 def own_attribution_text(df: pd.DataFrame) -> str:
@@ -312,7 +325,7 @@ def write_report(df: pd.DataFrame, out: Path, dirs: list[Path] | None = None) ->
         f"Trials: {len(df)}; workloads: {', '.join(sorted(df[Column.workload].unique()))}; "
         f"dtypes: {', '.join(sorted(df[Column.dtype].unique()))}; "
         f"precisions: {', '.join(sorted(df[Column.precision].fillna('not recorded').unique()))}; "
-        "effects: " + effects_line(df),
+        "effects: " + effects_line(df) + incomplete_line(df),
         "Rates are k/n with a 95% Wilson interval. Catch rate = detected / fired "
         "(docs/design.md §5); "
         "`detected` means an alert at or after the first step in which the injection changed a "

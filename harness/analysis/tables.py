@@ -174,6 +174,18 @@ def load_trials(dirs: list[Path]) -> pd.DataFrame:
     return df
 
 
+def unfinished(df: pd.DataFrame) -> list[str]:
+    """Each run whose campaign.json plans trials its trials.csv does not hold yet (a campaign
+    interrupted before its end), as "FOLDER: K of N planned trials"."""
+    found = []
+    for run, trials in df.groupby("run"):
+        record = RunFolder(Path(run)).campaign_record() or {}
+        planned = {t.get("trial_id") for t in record.get("trials", [])}
+        if planned - set(trials[Column.trial_id]):
+            found.append(f"{run}: {len(trials)} of {len(planned)} planned trials")
+    return found
+
+
 def _framed(value: object) -> object:
     """A field as a frame holds it: a list or mapping as its cell's text (pandas groups and
     compares text), an enum as its plain text, None as a missing value."""
