@@ -117,5 +117,25 @@ def test_a_campaign_recorded_by_an_older_harness_is_refused_as_other_code(tmp_pa
     (tmp_path / "campaign.json").write_text(json.dumps(record))
     check_out(tmp_path, run)
     (tmp_path / "campaign.json").write_text(json.dumps(record | {"seeds": run.seeds + 1}))
-    with pytest.raises(ConfigError, match="different campaign"):
+    with pytest.raises(
+        ConfigError, match=r"different campaign's trials \(this command changes seeds 2 -> 1"
+    ):
         check_out(tmp_path, run)
+
+
+def test_a_resume_may_change_how_a_run_is_kept_alive_not_what_it_computes(tmp_path):
+    """A world slow to start names topology.startup_timeout_s; raised, the resume was refused
+    as another campaign's. Timeouts and checkpoint.keep change no row; a setting that does is
+    named in the refusal."""
+    run = compose_run("campaign=single", "fault=grad_nan")
+    record = {**dataclasses.asdict(run), "code": code_version(run.workload)}
+    (tmp_path / "campaign.json").write_text(json.dumps(record))
+    kept_alive = dataclasses.replace(
+        run,
+        topology=dataclasses.replace(run.topology, startup_timeout_s=120.0, trial_timeout_s=900.0),
+        checkpoint=dataclasses.replace(run.checkpoint, keep=not run.checkpoint.keep),
+    )
+    check_out(tmp_path, kept_alive)
+    steps = dataclasses.replace(run, workload=dataclasses.replace(run.workload, lr=0.5))
+    with pytest.raises(ConfigError, match=r"\(this command changes workload.lr 0.003 -> 0.5\)"):
+        check_out(tmp_path, steps)

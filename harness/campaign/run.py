@@ -31,7 +31,7 @@ from harness.errors import ConfigError
 from harness.launch import stacks
 from harness.launch.world import World, WorldStartError
 from harness.results import machine
-from harness.results.folder import RunFolder, campaign_identity
+from harness.results.folder import RunFolder, campaign_identity, identity_changes
 from harness.results.judgement import Judged, golden_from, noise_band, trial_row
 from harness.results.records import Records
 from harness.results.schema import Golden, TrialResult
@@ -120,10 +120,14 @@ def check_out(out: Path, run: RunConfig) -> None:
     if run.topology.device is None:
         resolved = dataclasses.replace(run.topology, device=held.device)
         run = dataclasses.replace(run, topology=resolved)
-    if held.identity != _identity(run):
+    identity = _identity(run)
+    if held.identity != identity:
+        changed = identity_changes(held.identity, identity)
+        shown = "; ".join(changed[:4]) + ("; ..." if len(changed) > 4 else "")
         raise ConfigError(
-            "out", f"{out} holds a different campaign's trials; choose a new out to keep them"
-        )
+            "out", f"{out} holds a different campaign's trials (this command changes {shown}); "
+            "choose a new out to keep them"
+        )  # fmt: skip
 
 
 def bind(out: Path, run: RunConfig, ranks: list[environment.RankEnvironment]) -> None:

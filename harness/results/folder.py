@@ -29,11 +29,38 @@ EVENTS_FILE = "events.jsonl"
 BESIDE_CAMPAIGN = ("environment", "code", "product_coverage", "golden_cache")
 
 
+# How a run is kept alive and tidied, not what it computes: a resume may change them (a
+# timeout raised after a world was slow to start). campaign.json keeps the first run's.
+LIVENESS = {"topology": ("startup_timeout_s", "trial_timeout_s"), "checkpoint": ("keep",)}
+
+
 def campaign_identity(record: dict[str, Any]) -> str:
     """The campaign a config or a campaign.json record describes: its trials' rows follow from
     it, so two folders of one identity hold the same rows."""
     held = {k: v for k, v in record.items() if k not in BESIDE_CAMPAIGN}
+    for section, keys in LIVENESS.items():
+        if isinstance(held.get(section), dict):
+            held[section] = {k: v for k, v in held[section].items() if k not in keys}
     return json.dumps(held, sort_keys=True, indent=1)
+
+
+def identity_changes(before: str, after: str) -> list[str]:
+    """The settings two identities differ in, a section's own keys by their dotted names
+    ("workload.lr 0.003 -> 0.5"), a list of trials or scenarios by its name alone."""
+    was, now = json.loads(before), json.loads(after)
+    changes = []
+    for key in sorted(set(was) | set(now)):
+        a, b = was.get(key), now.get(key)
+        if a == b:
+            continue
+        if isinstance(a, dict) and isinstance(b, dict):
+            changes += [f"{key}.{k} {a.get(k)} -> {b.get(k)}"
+                        for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]  # fmt: skip
+        elif isinstance(a, list | dict) or isinstance(b, list | dict):
+            changes.append(key)
+        else:
+            changes.append(f"{key} {a} -> {b}")
+    return changes
 
 
 @dataclass(frozen=True)
