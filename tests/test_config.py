@@ -36,14 +36,6 @@ def test_single_campaign_runs_the_fault_keys_seeds_times():
     assert {t.fault.factor for t in run.trials} == {1000.0}
 
 
-@pytest.mark.parametrize("dtype, width", [("float32", 32), ("bfloat16", 16)])
-def test_bit_sensitivity_grids_every_bit_of_the_workload_dtype(dtype, width):
-    run = compose_run("campaign=bit_sensitivity", f"workload.dtype={dtype}")
-    cells = {(t.fault.site, t.fault.bit) for t in run.trials}
-    sites = {"grad", "allreduce", "weight", "optimizer", "activation", "loss", "matmul"}
-    assert cells == {(site, bit) for site in sites for bit in range(width)}
-
-
 def test_golden_runs_snapshot_the_step_before_each_fault_first_strikes():
     run = compose_run("campaign=smoke")
     assert {t.fault.first_step for t in run.trials} == {0, 3, 5}

@@ -1031,6 +1031,33 @@ def test_a_matmul_faults_bits_are_those_of_the_value_it_strikes():
     assert scores.scenarios[0].bit == 20
 
 
+def test_the_loss_and_the_moments_are_checked_in_their_own_dtypes():
+    """The loss is float32 from a 16-bit model's scores, and the moments take the weights'
+    dtype (a user's optimizer its own): bits 16-31 of a bfloat16 run's loss were refused, and a
+    value or factor no dtype there holds ran (an overflowed value as a crash row, 1e-50 stored
+    as 0 under a row that said 1e-50, x1.001 on bfloat16 moments never striking)."""
+    one = ("campaign=single", "workload.steps=4", "fault.ranks=[1]", "fault.steps=[2]")
+    loss_bit = compose_run(*one, "workload.dtype=bfloat16", "fault.site=loss",
+                           "fault.model=bitflip", "fault.bit=30")  # fmt: skip
+    assert loss_bit.scenarios[0].bit == 30 and loss_bit.forward.loss == ("float32",)
+    refused = [
+        (("fault.site=loss", "fault.model=value", "fault.value=1e39"),
+         "fault.value: 1e+39 is stored as inf in float32, the dtype of the loss"),
+        (("fault.site=optimizer", "fault.model=value", "fault.value=1e-50"),
+         "fault.value: 1e-50 is stored as 0 in float32"),
+        (("workload.dtype=bfloat16", "fault.site=optimizer", "fault.model=scale",
+          "fault.factor=1.001"), "fault.factor: 1.001 rounds back to every element in bfloat16"),
+        (("workload=custom", "fault.site=optimizer", "fault.model=value", "fault.value=1e39"),
+         "1e+39 is stored as inf in float32, the dtype of the optimizer's moments"),
+        (("workload=custom", "fault.site=optimizer", "fault.model=bitflip", "fault.bit=40"),
+         "40 is outside float32, the dtype of the optimizer's moments; allowed: 0..31"),
+    ]  # fmt: skip
+    for overrides, says in refused:
+        with pytest.raises(ConfigError) as caught:
+            compose_run(*one, *overrides)
+        assert says in str(caught.value), (overrides, str(caught.value))
+
+
 def test_a_module_fault_under_a_16_bit_dtype_takes_the_values_of_a_float32_product():
     """Under bf16-true (16-true) the workload is 16-bit but attention's score and value products
     are float32: a bit, bits, a factor and a value that float32 holds strike them, and were

@@ -63,9 +63,9 @@ def check_target(
                 at = f"{key}.schedule[{i}]"
                 _within(f"{at}.index", fault, entry["tensor"], entry["index"], forward)
                 if entry.get("bit") is not None:
-                    _bit_in_struck_dtype(f"{at}.bit", entry["bit"], fault, [entry["tensor"]],
-                                         forward)  # fmt: skip
-            _written_in_struck_dtypes(key, fault, sorted(set(named)), forward)
+                    struck = list(_struck_dtypes(fault, [entry["tensor"]], forward))
+                    _bit_in_struck_dtype(f"{at}.bit", entry["bit"], struck)
+            _written_in_struck_dtypes(key, fault, list(_struck_dtypes(fault, named, forward)))
         if shard_group is not None and fault.site in sites.SHARD_HELD:
             for i, entry in enumerate(fault.schedule):
                 _in_shard(f"{key}.schedule[{i}]", fault, model, entry, shard_group)
@@ -88,9 +88,15 @@ def check_target(
             _lane_in_a_product(key, fault, targets, forward)
         elif fault.ber is None:
             _elements_in_module(key, fault, targets, forward)
+        struck = list(_struck_dtypes(fault, targets, forward))
         if isinstance(fault.bit, int):
-            _bit_in_struck_dtype(f"{key}.bit", fault.bit, fault, targets, forward)
-        _written_in_struck_dtypes(key, fault, targets, forward)
+            _bit_in_struck_dtype(f"{key}.bit", fault.bit, struck)
+        _written_in_struck_dtypes(key, fault, struck)
+    if fault.site == "loss" and forward is not None:
+        struck = [("loss", dtype) for dtype in forward.loss]
+        if isinstance(fault.bit, int):
+            _bit_in_struck_dtype(f"{key}.bit", fault.bit, struck)
+        _written_in_struck_dtypes(key, fault, struck)
     if shard_group is not None and fault.site in sites.SHARD_HELD and fault.tensor != sites.RIDERS:
         sizes = _held(key, fault, model, [name for name, _ in matched], shard_group)
     else:
@@ -257,93 +263,109 @@ def _backward_reaches(
 
 def _struck_dtypes(
     fault: FaultConfig, targets: list[str], forward: ForwardModules
-) -> Iterator[tuple[str, str, str]]:
-    """(module, what the fault strikes there, one of its dtypes) for every dtype the fault may
+) -> Iterator[tuple[str, str]]:
+    """(what the fault strikes in a module, one of its dtypes) for every dtype the fault may
     strike in `targets`: under a mixed precision a module's output or products are 16-bit
     (autocast) where the workload's dtype is float32."""
     for name in targets:
         what, dtypes = _struck(fault, forward, name)
         for dtype in dtypes:
-            yield name, what, dtype
+            yield f"{what} of '{name}'", dtype
 
 
 def struck_width(
     fault: FaultConfig, model: torch.nn.Module, forward: ForwardModules | None
 ) -> int | None:
     """The bits of the narrowest dtype a module fault may strike in what it names (a 16-bit
-    output or product under a mixed precision); None at the other sites, or with no forward
-    traced, whose values are in the workload's dtype."""
-    if fault.site not in sites.MODULE_SITES or forward is None:
+    output or product under a mixed precision), or of the loss; None at the other sites, or
+    with no forward traced, whose values are in the workload's dtype."""
+    if forward is None:
         return None
-    targets = [name for name, _ in sites.matching(fault, model, forward)]
-    dtypes = {dtype for _, _, dtype in _struck_dtypes(fault, targets, forward)}
+    if fault.site == "loss":
+        dtypes = set(forward.loss)
+    elif fault.site in sites.MODULE_SITES:
+        targets = [name for name, _ in sites.matching(fault, model, forward)]
+        dtypes = {dtype for _, dtype in _struck_dtypes(fault, targets, forward)}
+    else:
+        return None
     return min((bits.width(getattr(torch, d)) for d in dtypes), default=None)
 
 
-def _bit_in_struck_dtype(
-    key: str, bit: int, fault: FaultConfig, targets: list[str], forward: ForwardModules
-) -> None:
+# (what the fault strikes, one of its dtypes): a module's output or product, the loss, a
+# parameter's moments.
+Struck = list[tuple[str, str]]
+
+
+def check_moment_values(key: str, fault: FaultConfig, optimizer: torch.optim.Optimizer) -> None:
+    """A fault at site optimizer against the dtypes of the moments a stepped optimizer holds (a
+    user's optimizer may keep them in float32 beside 16-bit weights)."""
+    dtypes = {
+        str(state[m].dtype).removeprefix("torch.")
+        for state in optimizer.state.values()
+        for m in sites.MOMENTS
+        if m in state
+    }
+    struck = [("optimizer's moments", dtype) for dtype in sorted(dtypes)]
+    if isinstance(fault.bit, int):
+        _bit_in_struck_dtype(f"{key}.bit", fault.bit, struck)
+    _written_in_struck_dtypes(key, fault, struck)
+
+
+def _bit_in_struck_dtype(key: str, bit: int, struck: Struck) -> None:
     """A bit index (`key`: the fault's, or a schedule entry's) within every dtype the fault may
     strike: a bit past one's width could never strike (the rank would raise)."""
-    for name, what, dtype in _struck_dtypes(fault, targets, forward):
+    for what, dtype in struck:
         width = bits.width(getattr(torch, dtype))
         if bit >= width:
             raise ConfigError(
-                key, f"{bit} is outside {dtype}, the dtype of the {what} of '{name}'; allowed: "
+                key, f"{bit} is outside {dtype}, the dtype of the {what}; allowed: "
                 f"0..{width - 1}, or a class (sign, exponent_msb, exponent, mantissa), drawn in "
                 "the dtype struck"
             )  # fmt: skip
 
 
-def _written_in_struck_dtypes(
-    key: str, fault: FaultConfig, targets: list[str], forward: ForwardModules
-) -> None:
-    """What a module fault writes (its flipped bits, a scale, a value) held by every dtype it
-    may strike in `targets`, for a fault with a schedule as for one that draws (the workload's
-    dtype says nothing of a module's outputs and products: harness/config/faults.py)."""
+def _written_in_struck_dtypes(key: str, fault: FaultConfig, struck: Struck) -> None:
+    """What a fault writes (its flipped bits, a scale, a value) held by every dtype it may
+    strike, for a fault with a schedule as for one that draws (the workload's dtype says
+    nothing of a module's outputs and products, of the loss, or of a user's optimizer's
+    moments: harness/config/faults.py)."""
     if fault.nbits > 1:
-        _bits_in_struck_dtype(key, fault, targets, forward)
+        _bits_in_struck_dtype(key, fault, struck)
     if fault.factor is not None and "scale" in (fault.model, fault.burst_model):
-        _scale_in_struck_dtype(key, fault, targets, forward)
+        _scale_in_struck_dtype(key, fault, struck)
     if "value" in (fault.model, fault.burst_model):
-        _value_in_struck_dtype(key, fault, targets, forward)
+        _value_in_struck_dtype(key, fault, struck)
 
 
-def _bits_in_struck_dtype(
-    key: str, fault: FaultConfig, targets: list[str], forward: ForwardModules
-) -> None:
+def _bits_in_struck_dtype(key: str, fault: FaultConfig, struck: Struck) -> None:
     """`nbits` flipped bits within every dtype the fault may strike (the rank would raise)."""
-    for name, what, dtype in _struck_dtypes(fault, targets, forward):
+    for what, dtype in struck:
         width = bits.width(getattr(torch, dtype))
         if fault.nbits > width:
             raise ConfigError(
                 f"{key}.nbits", f"{fault.nbits} bits do not fit in {dtype}, the dtype of the "
-                f"{what} of '{name}'; allowed: 1..{width}"
+                f"{what}; allowed: 1..{width}"
             )  # fmt: skip
 
 
-def _value_in_struck_dtype(
-    key: str, fault: FaultConfig, targets: list[str], forward: ForwardModules
-) -> None:
+def _value_in_struck_dtype(key: str, fault: FaultConfig, struck: Struck) -> None:
     """A finite value that every dtype the fault may strike stores as itself, not as an
     infinity or zero."""
-    for name, what, dtype in _struck_dtypes(fault, targets, forward):
+    for what, dtype in struck:
         lost = unstored(fault.value, dtype)
         if lost is not None:
             stored, allowed = lost
             raise ConfigError(
                 f"{key}.value", f"{fault.value} is stored as {stored:g} in {dtype}, the dtype of "
-                f"the {what} of '{name}'; allowed: {allowed}"
+                f"the {what}; allowed: {allowed}"
             )  # fmt: skip
 
 
-def _scale_in_struck_dtype(
-    key: str, fault: FaultConfig, targets: list[str], forward: ForwardModules
-) -> None:
+def _scale_in_struck_dtype(key: str, fault: FaultConfig, struck: Struck) -> None:
     """A scale factor that changes an element of the widest dtype the fault may strike: a
     module's output or products may be bfloat16 (autocast) where the workload's dtype is
     float32, and round away a factor float32 keeps."""
-    dtypes = {dtype for _, _, dtype in _struck_dtypes(fault, targets, forward)}
+    dtypes = {dtype for _, dtype in struck}
     if not dtypes:
         return
     widest = max(dtypes, key=lambda dtype: FLOAT_FORMATS[dtype][1])

@@ -55,13 +55,14 @@ def _fault_site(key: str, value: Any) -> str:
 
 
 def _width(site: str, workload: WorkloadConfig) -> int:
-    """The bits a fault at `site` may name: its workload dtype's, but at a module site the
-    widest format's: a module's outputs and products may be wider than the workload's
-    (attention's float32 scores under bf16-true), and their own dtypes, traced from a forward,
-    bound the bits there (harness/config/fault_targets.py)."""
-    if site in sites.MODULE_SITES:
-        return max(width for width, _ in FLOAT_FORMATS.values())
-    return FLOAT_FORMATS[workload.dtype][0]
+    """The bits a fault at `site` may name: its workload dtype's, but elsewhere (a module site,
+    the loss, a user's optimizer's moments) the widest format's: a module's outputs and
+    products may be wider than the workload's (attention's float32 scores under bf16-true), and
+    the dtypes a forward trace or a stepped optimizer records bound the bits there
+    (harness/config/fault_targets.py)."""
+    if _in_workload_dtype(site, workload):
+        return FLOAT_FORMATS[workload.dtype][0]
+    return max(width for width, _ in FLOAT_FORMATS.values())
 
 
 def _fault_values(
@@ -291,12 +292,19 @@ def _read_by_the_fault(key: str, fault: FaultConfig) -> None:
             raise ConfigError(f"{key}.{name}", why)
 
 
-# The sites whose tensors hold the workload's dtype. A module site's outputs and products may
-# be 16-bit where it is float32 (autocast's products) or float32 where it is 16-bit (attention's
-# scores): their values are checked in the dtypes a forward trace records
-# (harness/config/fault_targets.py). The loss and optimizer moments may be float32 under a
-# 16-bit dtype.
+# The sites whose tensors hold the workload's dtype, with the moments of the built-in workloads'
+# AdamW (made like their weights). A module site's outputs and products may be 16-bit where it
+# is float32 (autocast's products) or float32 where it is 16-bit (attention's scores), the loss
+# is float32 from 16-bit scores, and a user's optimizer may keep float32 moments: their values
+# are checked in the dtypes a forward trace or a stepped optimizer records
+# (harness/config/fault_targets.py).
 IN_WORKLOAD_DTYPE = ("grad", "allreduce", "weight", "gather")
+
+
+def _in_workload_dtype(site: str, workload: WorkloadConfig) -> bool:
+    return site in IN_WORKLOAD_DTYPE or (site == "optimizer" and workload.name != "custom")
+
+
 # The one element of the loss: nothing to exchange, and its range is that element.
 ONE_ELEMENT = {"loss"}
 
@@ -309,7 +317,7 @@ def _changes_a_value(
     if site in ONE_ELEMENT and (model == "swap" or values["value"] == "random"):
         what = "swap exchanges two elements" if model == "swap" else "random draws within its range"
         raise ConfigError(f"{key}.site", f"{what}, and the {site} is one element")
-    if site not in IN_WORKLOAD_DTYPE:
+    if not _in_workload_dtype(site, workload):
         return
     if model == "burst" and values.get("burst_model"):
         model = values["burst_model"]  # a burst corrupts each of its elements with it

@@ -20,6 +20,7 @@ from torch import nn
 import detectors
 from harness.config.fault_targets import (
     check_bucket,
+    check_moment_values,
     check_moments,
     check_riders,
     check_target,
@@ -46,6 +47,10 @@ from harness.runtime import determinism, devices, numerics
 from harness.runtime.environment import check_cpu_kernels
 from harness.runtime.workloads import DTYPES, Workload, WorkloadConfig
 from injectors import bits
+
+# The sites whose faults are checked against one forward's trace: the modules it runs, and the
+# loss's dtype.
+TRACED_SITES = (*MODULE_SITES, "loss")
 
 TOP_KEYS = [
     "workload", "topology", "fault", "detectors", "campaign", "out", "launcher", "recovery",
@@ -396,15 +401,15 @@ def run_config(raw: dict[str, Any]) -> RunConfig:
             """The bits of what the scenario strikes (`grid: {bit: all}`), its bit aside."""
             key = f"campaign.scenarios[{i}]"
             fault = fault_config(key, {**scenario, "bit": 0}, workload, topology)
-            module = fault.site in MODULE_SITES and not fault.clean
+            module = fault.site in TRACED_SITES and not fault.clean
             narrowest = struck_width(fault, model, traced() if module else None)
             return narrowest or bits.width(DTYPES[workload.dtype])
 
         scenario_raw = expand_scenarios(scenarios_raw, width)
         if not scenario_raw:
             raise ConfigError("campaign.scenarios", "a campaign needs at least one scenario")
-    module_sites = {str(s.get("site")) for _, s in scenario_raw} & set(MODULE_SITES)
-    forward = traced() if module_sites else None
+    traced_sites = {str(s.get("site")) for _, s in scenario_raw} & set(TRACED_SITES)
+    forward = traced() if traced_sites else None
     overhead = overhead_config(campaign.get("overhead"))
     timed: dict[tuple[str, int | None], tuple[str, CheckConfig]] = {}
     scenarios, trials, classes = [], [], []
@@ -434,6 +439,7 @@ def run_config(raw: dict[str, Any]) -> RunConfig:
             stepped = stepped or _stepped_optimizer(workload)  # once, for every such scenario
             named = f"workload.optimizer ({workload.optimizer.get('_target_')})"
             check_moments(key, stepped, named)
+            check_moment_values(key, fault, stepped)
         scenarios.append(fault)
         classes.append((key, not fault.clean, mix))
         for s in range(seeds):

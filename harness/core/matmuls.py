@@ -21,6 +21,7 @@ whatever backend the call would take.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -200,6 +201,9 @@ class ForwardModules:
     # `fault.product` counts, from 1).
     output_sizes: dict[str, int]
     product_traces: dict[str, tuple[TracedProduct, ...]]
+    # The loss's dtype, what a fault at site loss strikes: float32 from a 16-bit model's
+    # scores (harness/losses.py), a user's loss its own (blank: not traced).
+    loss: tuple[str, ...] = ()
 
     def product(self, name: str, k: int) -> TracedProduct:
         """The `k`-th product (from 1, as `fault.product` counts) of module `name`."""
@@ -343,8 +347,11 @@ def watching(model: nn.Module, watch: Watch) -> Iterator[Watch]:
 
 
 def traced(model: nn.Module, forward: Callable[[], Any]) -> ForwardModules:
-    """The modules one call of `forward` (a forward of `model`) runs, those that multiply, and
-    how many products each makes."""
+    """The modules one call of `forward` (a forward of `model` and its loss) runs, those that
+    multiply, how many products each makes, and the loss's dtype."""
     with watching(model, Watch(MatmulCall.compute, expands=lambda _: True, traces=True)) as watch:
-        forward()
-    return watch.traced()
+        loss = forward()
+    found = watch.traced()
+    if isinstance(loss, torch.Tensor) and loss.is_floating_point():
+        found = dataclasses.replace(found, loss=_names({loss.dtype}))
+    return found
