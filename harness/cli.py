@@ -8,8 +8,10 @@ spawned and before anything in `out` is touched.
 from __future__ import annotations
 
 import dataclasses
+import signal
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import hydra
 from hydra import compose, initialize_config_dir
@@ -294,18 +296,31 @@ def app(cfg: DictConfig) -> None:
         return
     try:
         trials = run_campaign(run, out)
+        df = tables.load_trials([trials.parent])
+        path = report.write_report(df, out)
     except ConfigError as exc:
         fail(str(exc))
     except CampaignError as exc:
         print(f"sdc-bench: campaign failed: {exc}", file=sys.stderr)
         sys.exit(1)
-    except KeyboardInterrupt:
-        print(f"sdc-bench: interrupted; rerun with out={out} to resume", file=sys.stderr)
-        sys.exit(130)
-    df = tables.load_trials([trials.parent])
-    path = report.write_report(df, out)
+    except KeyboardInterrupt as exc:
+        interrupted(exc, f"rerun with out={out} to resume")
     print(report.summary(df))
     print(f"trials: {trials}\nreport: {path}")
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, what a scheduler sends to stop a job: it ends a campaign as Ctrl-C does."""
+
+
+def _terminate(_signum: int, _frame: object) -> None:
+    raise Terminated
+
+
+def interrupted(exc: KeyboardInterrupt, then: str) -> NoReturn:
+    """One line, and the shell's code for the signal: 130 for Ctrl-C, 143 for SIGTERM."""
+    print(f"sdc-bench: interrupted; {then}", file=sys.stderr)
+    sys.exit(143 if isinstance(exc, Terminated) else 130)
 
 
 def model_keys() -> dict[str, list[str]]:
@@ -337,10 +352,14 @@ def implied_campaign(argv: list[str]) -> list[str]:
 
 
 def main() -> None:
-    logs.configure("sdc-bench")
-    argv = model_keys_added(implied_campaign(sys.argv[1:]))
-    sys.argv[1:] = argv
-    store_installed_detectors()
-    check_group_choices(argv)
-    preflight(argv)
-    app()
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        logs.configure("sdc-bench")
+        argv = model_keys_added(implied_campaign(sys.argv[1:]))
+        sys.argv[1:] = argv
+        store_installed_detectors()
+        check_group_choices(argv)
+        preflight(argv)
+        app()
+    except KeyboardInterrupt as exc:  # before a campaign began: nothing to resume yet
+        interrupted(exc, "nothing was run")

@@ -239,18 +239,24 @@ def _reference_and_interrupted(tmp_path, stop_signal: int, run_ok):
     return args, reference, out, child.returncode, stderr, watcher.pids
 
 
-# SIGKILL (the harder case: nothing runs after it) in the default run; SIGINT in the slow one.
+# SIGKILL (the harder case: nothing runs after it) in the default run; SIGINT and SIGTERM (a
+# scheduler's stop: it exited 143 in silence, its world folder left behind) in the slow one.
 @pytest.mark.parametrize(
     "stop_signal",
-    [pytest.param(signal.SIGINT, marks=pytest.mark.slow), signal.SIGKILL],
-    ids=["SIGINT", "SIGKILL"],
+    [
+        pytest.param(signal.SIGINT, marks=pytest.mark.slow),
+        pytest.param(signal.SIGTERM, marks=pytest.mark.slow),
+        signal.SIGKILL,
+    ],
+    ids=["SIGINT", "SIGTERM", "SIGKILL"],
 )
 def test_an_interrupted_campaign_resumes_to_the_same_rows(tmp_path, run_ok, stop_signal):
     args, reference, out, code, stderr, pids = _reference_and_interrupted(
         tmp_path, stop_signal, run_ok
     )
-    if stop_signal == signal.SIGINT:
-        assert code == 130 and "rerun with out=" in stderr
+    if stop_signal != signal.SIGKILL:
+        assert code == 128 + stop_signal and "rerun with out=" in stderr, stderr
+        assert "Traceback" not in stderr and not (out / "world").exists(), stderr
     assert 2 <= len(rows(out)) < 6
     # Orphaned ranks notice their parent is gone and leave within a trial plus a second.
     assert not _wait_gone(pids, 30)

@@ -64,10 +64,23 @@ def context(cpu_kernels: str, folder: Path, preload: tuple[str, ...] = ()) -> Ba
             loaded = keep.union(preload)
             modules = [_LOADED_BY.get(p, p) for p in sorted(loaded)]
             forkserver.set_forkserver_preload(PRELOAD + modules)
-            with stacks.written_by_ranks_into(folder):
+            with stacks.written_by_ranks_into(folder), _deaf_to_ctrl_c():
                 forkserver.ensure_running()
             _environment, _preloaded = wanted, loaded
     return get_context("forkserver")
+
+
+@contextlib.contextmanager
+def _deaf_to_ctrl_c():
+    """The server starts ignoring SIGINT, as do the ranks it forks (a disposition to ignore
+    outlives exec and fork): Ctrl-C reaches the terminal's whole process group, and the
+    parent, which stops the world, answers it. The server's imports (seconds) and each rank
+    printed a KeyboardInterrupt traceback of their own."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def pid() -> int | None:
