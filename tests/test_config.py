@@ -137,3 +137,13 @@ def test_a_scale_factor_is_checked_in_the_widest_dtype_its_targets_compute_in():
         with pytest.raises(ConfigError, match="1.001 rounds back to every element in bfloat16"):
             compose_run(*mixed, f"fault.site={site}", "fault.tensor=head")
     assert compose_run(*mixed, "fault.tensor=head", "fault.factor=1.01").scenarios[0].factor == 1.01
+
+
+@pytest.mark.parametrize(
+    "preset", sorted(p.stem for p in (Path(CONFIG_DIR) / "fault").glob("*.yaml"))
+)
+def test_every_fault_preset_composes_in_bfloat16(preset):
+    """A preset names what it strikes, not a float32 bit index: grad_bitflip's exponent-MSB
+    flip was bit 30, refused under bfloat16 (allowed 0..15)."""
+    run = compose_run("campaign=single", f"fault={preset}", "workload.dtype=bfloat16")
+    assert run.workload.dtype == "bfloat16" and len(run.scenarios) == 1
