@@ -248,7 +248,14 @@ class FaultInjector(Plugin):
             if touched is None:
                 touched = self.model.corrupt_many(flat, picks)
                 self._hold(unit, flat, touched)
+            # One event per element: a rate's bits may land several in one element.
+            struck: dict[int, tuple[float, str, list[int] | None]] = {}
             for (index, _), (old, old_bits), hit in zip(picks, before, touched, strict=True):
+                if index in struck:  # only a rate's bits repeat an element, each a list
+                    struck[index][2].extend(hit or [])
+                else:
+                    struck[index] = (old, old_bits, None if hit is None else list(hit))
+            for index, (old, old_bits, hit) in struck.items():
                 self._record(step, name, flat, index, old, old_bits, hit)
 
     def _hold(self, unit: Unit, flat: torch.Tensor, touched: list[list[int] | None]) -> None:

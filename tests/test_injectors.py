@@ -281,6 +281,34 @@ def test_a_persisting_bit_error_rate_keeps_the_cells_of_its_first_strike(persist
         assert cells == first, len(cells)
 
 
+@pytest.mark.parametrize("persistence", ["transient", "permanent"])
+def test_a_rate_striking_one_element_twice_makes_one_event_with_both_bits(persistence):
+    """Two bits of a rate landing in one element made two events, each naming one bit with
+    both flips in its patterns: the element counted twice, each bit misstated. A held cell
+    struck again names the bits it holds; its patterns show those the update had changed."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8, bias=False)
+    fault = FaultConfig(site="weight", model="bitflip", ber=0.03, persistence=persistence,
+                        ranks=(0,), steps=(0, 1, 2, 3), tensor="*")  # fmt: skip
+    log = EventLog(0, 0)
+    injector = FaultInjector(fault, 0, RankInfo(0, 1, 1), log, model)
+    for step in range(4):
+        with torch.no_grad():
+            model.weight.mul_(0.5)  # the update: an exponent moves, a held bit may change
+        injector.on_update(step, model)
+    struck = [e for e in log.events if isinstance(e, ElementInject)]
+    assert any(len(e.bits) > 1 for e in struck)
+    for step in {e.step for e in struck}:
+        indices = [e.index for e in struck if e.step == step]
+        assert len(indices) == len(set(indices)), step
+    for e in struck:
+        flipped, named = int(e.old_bits, 16) ^ int(e.new_bits, 16), sum(1 << b for b in e.bits)
+        if persistence == "transient" or e.step == struck[0].step:
+            assert flipped == named, e
+        else:
+            assert flipped & ~named == 0, e
+
+
 @pytest.mark.parametrize(("persistence", "strikes"), [("transient", 1), ("permanent", 3)])
 def test_a_transient_gather_fault_strikes_the_first_of_a_steps_gathers(persistence, strikes):
     """Each micro-batch's forward gathers a group's weights again: a transient fault struck
