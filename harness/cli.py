@@ -352,7 +352,7 @@ def implied_campaign(argv: list[str]) -> list[str]:
 
 
 def main() -> None:
-    signal.signal(signal.SIGTERM, _terminate)
+    previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         logs.configure("sdc-bench")
         argv = model_keys_added(implied_campaign(sys.argv[1:]))
@@ -363,3 +363,5 @@ def main() -> None:
         app()
     except KeyboardInterrupt as exc:  # before a campaign began: nothing to resume yet
         interrupted(exc, "nothing was run")
+    finally:  # in-process callers (tests, notebooks) keep their own
+        signal.signal(signal.SIGTERM, previous)

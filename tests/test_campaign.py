@@ -109,7 +109,8 @@ def test_rerun_resumes_without_duplicates_and_refuses_another_campaign(tmp_path,
     complete = (out / "trials.csv").read_text().splitlines(keepends=True)
     # An interruption mid-write: the last row torn, the trial before it never recorded.
     (out / "trials.csv").write_text("".join(complete[:2]) + complete[3][:25])
-    run_ok(*args, f"out={out}", cwd=tmp_path)
+    resumed = run_ok(*args, f"out={out}", cwd=tmp_path)
+    assert f"resuming {out}: 1 of 3 trials already recorded" in resumed.stderr
     expected = list(csv.DictReader(io.StringIO("".join(complete))))
     assert len(expected) == 3
     # The finished campaign had dropped its golden snapshots: the golden runs ran again (same
@@ -120,6 +121,11 @@ def test_rerun_resumes_without_duplicates_and_refuses_another_campaign(tmp_path,
     ids = [r["trial_id"] for r in rows(out)]
     per_trial = {json.loads(line)["trial_id"] for line in (out / "events.jsonl").open()}
     assert per_trial == set(ids)
+    # Finished: rerun, it starts no world (seconds) and writes the report again.
+    (out / "report.md").unlink()
+    again = run_ok(*args, f"out={out}", cwd=tmp_path)
+    assert f"{out}: every trial is recorded; nothing to run" in again.stderr
+    assert (out / "report.md").exists() and without_timing(rows(out)) == without_timing(expected)
 
     before = (out / "trials.csv").read_bytes()
     proc = sdc_bench(*args, "workload.lr=0.01", f"out={out}", cwd=tmp_path, timeout=60)

@@ -189,13 +189,16 @@ def write(path: Path, table: list[dict[str, object]]) -> Path:
     return path
 
 
+def wanted(run: RunConfig, out: Path) -> bool:
+    """Whether `measure` has a table to write: the campaign asks for one (`campaign.overhead`)
+    with detectors to time, and a resumed campaign has not written it yet."""
+    return run.overhead is not None and bool(run.detectors) and not (out / OVERHEAD_FILE).exists()
+
+
 def measure(run: RunConfig, out: Path, execute: Execute) -> Path | None:
     """Time the campaign's detectors in the world `execute` runs trials in, and write
-    out/overhead.csv. Nothing when the campaign does not ask (`campaign.overhead` null) or has
-    no detector; a resumed campaign keeps the table it already wrote."""
-    if run.overhead is None or not run.detectors:
-        return None
+    out/overhead.csv (`wanted`); the table a resumed campaign already wrote, or None."""
     path = out / OVERHEAD_FILE
-    if path.exists():
-        return path
+    if not wanted(run, out):
+        return path if path.exists() else None
     return write(path, rows(run, ratios(run, execute)))

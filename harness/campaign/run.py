@@ -374,6 +374,14 @@ def run_campaign(run: RunConfig, out: Path, executor: Executor | None = None) ->
     """Run every pending trial of `run` into `out`, in spawned worlds unless `executor` says
     where; return trials.csv."""
     campaign, folder = Campaign(run, out), RunFolder(out)
+    recorded = len(run.trials) - sum(not p.golden for p in campaign.pending)
+    if recorded:
+        logger.info("resuming %s: %d of %d trials already recorded", out, recorded,
+                    len(run.trials))  # fmt: skip
+    if not campaign.pending and not overhead.wanted(run, out):
+        # Nothing to run: no world to start (seconds), only the report to write again.
+        logger.info("%s: every trial is recorded; nothing to run", out)
+        return campaign.records.trials
     if run.recovery.enabled:
         scratch_folders(out, run)
     if executor is None:
