@@ -434,7 +434,12 @@ def overheads(table: pd.DataFrame) -> Overheads:
     scale = 1 + (hook or 0.0) / 100
     at = {a: c * scale for a, c in at.items()}
     per_run = {d: c * scale for d, c in per_run.items()}
-    rounds = {a: (low * scale, high * scale) for a, (low, high) in rounds.items()}
+    # The range's ends are the hook's and the checks' lowest rounds together, and their
+    # highest: a check's highest share times the hook's median understated the high end.
+    low_scale, high_scale = (
+        (scale, scale) if hook_rounds is None else tuple(1 + h / 100 for h in hook_rounds)
+    )
+    rounds = {a: (low * low_scale, high * high_scale) for a, (low, high) in rounds.items()}
     return Overheads(at, per_run, noise, hook, rounds=rounds, hook_rounds=hook_rounds)
 
 
