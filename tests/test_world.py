@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from harness.launch import stacks
-from harness.launch.world import crash_cause
+from harness.launch.world import CAUSE_CHARACTERS, crash_cause, describe
 from harness.runtime import environment
 from tests.conftest import BIN, FAST, rows, without_timing
 
@@ -212,6 +212,17 @@ def test_a_crash_names_its_root_cause_before_the_peers_that_lost_it():
     # The peer's port is ephemeral, another in every world: the same trial states one cause.
     other_world = crash_cause([None, None, -9, None], {0}, {1: f"{closed}:44432"})
     assert other_world == killed
+
+
+def test_a_long_error_is_cut_at_a_word_and_says_so():
+    """A peer's gloo message ran past 300 characters and was cut mid-word ("... an error. GL"),
+    reading as the whole message."""
+    sentence = "the peer closed its connection while reporting an error "
+    text = describe(RuntimeError(sentence * 8))
+    assert text.endswith(" ...") and len(text) <= len("RuntimeError: ") + CAUSE_CHARACTERS + 4
+    kept = text.removeprefix("RuntimeError: ").removesuffix(" ...")
+    assert (sentence * 8).startswith(kept + " ")  # whole words only
+    assert describe(RuntimeError("short\nsecond line")) == "RuntimeError: short"
 
 
 def test_a_hung_ranks_cause_names_the_innermost_frames_of_its_main_thread():

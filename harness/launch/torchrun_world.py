@@ -33,7 +33,7 @@ import torch.distributed as dist
 from harness.config.schema import RunConfig, TopologyConfig, TrialSpec
 from harness.core.plugins import RankInfo
 from harness.launch import stacks
-from harness.launch.world import raised, shutdown
+from harness.launch.world import describe, raised, shutdown
 from harness.results.schema import RankResult, TrialResult
 from harness.runtime import environment
 from harness.runtime.trainer import run_trial
@@ -61,11 +61,6 @@ class Task:
     world: int
     run: RunConfig
     spec: TrialSpec
-
-
-def describe(exc: BaseException) -> str:
-    lines = str(exc).splitlines() or [""]
-    return f"{type(exc).__name__}: {lines[0][:300]}"
 
 
 def _ranks(ranks: list[int]) -> str:

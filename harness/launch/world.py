@@ -151,12 +151,24 @@ def _rank_main(
     os._exit(0)
 
 
+# A rank's error in the crash cause: its first line, up to this many characters.
+CAUSE_CHARACTERS = 300
+
+
+def describe(exc: BaseException) -> str:
+    """An error as a crash cause names it: its type and first line, cut at a word with an
+    ellipsis where it runs past CAUSE_CHARACTERS (a cut mid-word read as the whole message)."""
+    line = (str(exc).splitlines() or [""])[0]
+    if len(line) > CAUSE_CHARACTERS:
+        line = line[:CAUSE_CHARACTERS].rsplit(" ", 1)[0] + " ..."
+    return f"{type(exc).__name__}: {line}"
+
+
 def _report_error(results: mp.Queue, rank: int, exc: Exception) -> NoReturn:
     """Hand the error to the parent, with the line that raised it, and leave."""
-    lines = str(exc).splitlines() or [""]
     frames = traceback.extract_tb(exc.__traceback__)
     where = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
-    results.put(("error", rank, f"{type(exc).__name__}: {lines[0][:300]}{where}"))
+    results.put(("error", rank, f"{describe(exc)}{where}"))
     results.close()
     results.join_thread()
     os._exit(1)
