@@ -244,8 +244,10 @@ def _retried(outcome: TrialResult, stop: int | None) -> list[int]:
 def _suspect_ranks(outcome: TrialResult, alerts: list[TrialAlert], stop: int) -> set[int]:
     """The ranks a stop at step `stop` suspects: the node that sub-group reductions located
     when a repeated reduction fault named none (harness/runtime/locate.py), else those the
-    first alert that names any names, as the row's attribution takes them (the guard's alarm
-    too, which orders one phase's alerts by time, not by check).
+    first alert that names any names, among the checks whose alerts attribute (the guard's
+    alarm too, which orders one phase's alerts by time, not by check). The row's
+    `attribution_correct` judges the first alert, which may name none (a NaN seen after the
+    reduction), and its `attributions` each check's first.
     Not every alert's: a check after the reduction that cannot tell the ranks apart may name
     them all, and their union quarantined every healthy node and left the faulty one."""
     located = {
