@@ -180,7 +180,7 @@ def unfinished(df: pd.DataFrame) -> list[str]:
     found = []
     for run, trials in df.groupby("run"):
         record = RunFolder(Path(run)).campaign_record() or {}
-        planned = {t.get("trial_id") for t in record.get("trials", [])}
+        planned = {t.get(Column.trial_id) for t in record.get("trials", [])}
         if planned - set(trials[Column.trial_id]):
             found.append(f"{run}: {len(trials)} of {len(planned)} planned trials")
     return found
