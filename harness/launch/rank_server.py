@@ -73,14 +73,18 @@ def context(cpu_kernels: str, folder: Path, preload: tuple[str, ...] = ()) -> Ba
 @contextlib.contextmanager
 def _deaf_to_ctrl_c():
     """The server starts ignoring SIGINT, as do the ranks it forks (a disposition to ignore
-    outlives exec and fork): Ctrl-C reaches the terminal's whole process group, and the
-    parent, which stops the world, answers it. The server's imports (seconds) and each rank
-    printed a KeyboardInterrupt traceback of their own."""
+    outlives exec and fork; a blocked mask does not reach it): Ctrl-C reaches the terminal's
+    whole process group, and the parent, which stops the world, answers it. The server's
+    imports (seconds) and each rank printed a KeyboardInterrupt traceback of their own. The
+    parent blocks SIGINT meanwhile, which Linux keeps pending though ignored: a Ctrl-C while
+    the server starts is answered once it has, not lost."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def pid() -> int | None:

@@ -303,7 +303,15 @@ class World:
         # From a thread: each start waits for the rank server, and a server stuck in its imports
         # must not hold the world's start past its timeout.
         threading.Thread(target=self._start_ranks, daemon=True, name="sdc-world-start").start()
-        self.environments = self._await_start()
+        try:
+            self.environments = self._await_start()
+        except KeyboardInterrupt:
+            # The server and its ranks ignore SIGINT (rank_server): the ranks started go, and the
+            # server with them, mid-import or mid-fork (left alone, it went on into the world's
+            # removed folder and printed a traceback).
+            self.kill()
+            rank_server.stop()
+            raise
         refused = environment.refusal(topology.cpu_kernels, self.environments)
         if refused:
             self.kill()
@@ -311,6 +319,8 @@ class World:
 
     def _start_ranks(self) -> None:
         for proc in self.procs:
+            if not self.alive:  # killed while it started
+                return
             try:
                 proc.start()
             except (OSError, EOFError):  # the server was stopped while it hung
@@ -403,13 +413,13 @@ class World:
         return crash_cause(codes, finished, errors, where), dumps
 
     def kill(self) -> None:
+        self.alive = False
         started = [proc for proc in self.procs if proc.pid is not None]
         for proc in started:
             if proc.is_alive():
                 proc.kill()
         for proc in started:
             proc.join(timeout=5)
-        self.alive = False
 
     def close(self) -> None:
         if not self.alive:
