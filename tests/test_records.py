@@ -66,6 +66,16 @@ def test_resume_refuses_a_record_damaged_before_its_last_line(tmp_path, damaged,
     assert refused.value.key == "out" and says in str(refused.value)
 
 
+def test_resume_takes_an_empty_trials_file_for_no_trial_yet(tmp_path):
+    """A header torn by an interruption is cut to nothing: no row, not a damaged one."""
+    records = Records(tmp_path)
+    records.trials.write_text("trial_id,se")
+    records.events.write_text("")
+    assert Records(tmp_path).resume() == set() and records.trials.read_text() == ""
+    records.add_trial(_row("a"), [])
+    assert Records(tmp_path).resume() == {"a"}
+
+
 def test_checkpoint_round_trip_and_a_flipped_byte_is_caught(tmp_path):
     path = tmp_path / "store" / "step_000009.pt"
     state = {"step": 9, "model": {"w": torch.arange(6, dtype=torch.float32)}}
@@ -132,10 +142,30 @@ def test_a_resume_may_change_how_a_run_is_kept_alive_not_what_it_computes(tmp_pa
     (tmp_path / "campaign.json").write_text(json.dumps(record))
     kept_alive = dataclasses.replace(
         run,
-        topology=dataclasses.replace(run.topology, startup_timeout_s=120.0, trial_timeout_s=900.0),
+        topology=dataclasses.replace(run.topology, startup_timeout_s=120.0),
         checkpoint=dataclasses.replace(run.checkpoint, keep=not run.checkpoint.keep),
     )
     check_out(tmp_path, kept_alive)
+    # A trial past its own timeout is a crash row that names it: rows judged under two cutoffs.
+    patient = dataclasses.replace(
+        run, topology=dataclasses.replace(run.topology, trial_timeout_s=900.0)
+    )
+    with pytest.raises(ConfigError, match=r"changes topology.trial_timeout_s"):
+        check_out(tmp_path, patient)
     steps = dataclasses.replace(run, workload=dataclasses.replace(run.workload, lr=0.5))
     with pytest.raises(ConfigError, match=r"\(this command changes workload.lr 0.003 -> 0.5\)"):
         check_out(tmp_path, steps)
+
+
+def test_a_refusal_names_the_settings_before_what_derives_from_them(tmp_path):
+    """A whole float given for an integer (30.0 for the YAML's 30) is the same campaign; it read
+    as another one naming nothing. A workload's width is named before the forward's trace
+    and the trials it changes, which are named alone (they printed whole, a thousand
+    characters, first)."""
+    run = compose_run("campaign=smoke")
+    record = {**dataclasses.asdict(run), "code": code_version(run.workload)}
+    (tmp_path / "campaign.json").write_text(json.dumps(record))
+    check_out(tmp_path, compose_run("campaign=smoke", "topology.collective_timeout_s=30.0"))
+    with pytest.raises(ConfigError) as refused:
+        check_out(tmp_path, compose_run("campaign=smoke", "workload.hidden=48"))
+    assert "(this command changes workload.hidden 256 -> 48; forward); choose" in str(refused.value)

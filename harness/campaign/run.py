@@ -379,8 +379,10 @@ def run_campaign(run: RunConfig, out: Path, executor: Executor | None = None) ->
         logger.info("resuming %s: %d of %d trials already recorded", out, recorded,
                     len(run.trials))  # fmt: skip
     if not campaign.pending and not overhead.wanted(run, out):
-        # Nothing to run: no world to start (seconds), only the report to write again.
+        # Nothing to run: no world to start (seconds), only the report to write again, and the
+        # golden snapshots to drop where a run stopped after its last row or now keeps none.
         logger.info("%s: every trial is recorded; nothing to run", out)
+        campaign.finish()
         return campaign.records.trials
     if run.recovery.enabled:
         scratch_folders(out, run)

@@ -29,9 +29,15 @@ EVENTS_FILE = "events.jsonl"
 BESIDE_CAMPAIGN = ("environment", "code", "product_coverage", "golden_cache")
 
 
-# How a run is kept alive and tidied, not what it computes: a resume may change them (a
-# timeout raised after a world was slow to start). campaign.json keeps the first run's.
-LIVENESS = {"topology": ("startup_timeout_s", "trial_timeout_s"), "checkpoint": ("keep",)}
+# How a run starts and is tidied, not what it computes: a resume may change them (a timeout
+# raised after a world was slow to start). campaign.json keeps the first run's. A trial's own
+# timeout is not among them: a trial past it is a crash row that names it.
+LIVENESS = {"topology": ("startup_timeout_s",), "checkpoint": ("keep",)}
+
+
+# What campaign.json derives from its other settings (the trials from the scenarios and seeds,
+# the forward's trace from the workload): named last, and by name alone, in a refusal.
+DERIVED = ("trials", "scenarios", "forward")
 
 
 def campaign_identity(record: dict[str, Any]) -> str:
@@ -41,26 +47,42 @@ def campaign_identity(record: dict[str, Any]) -> str:
     for section, keys in LIVENESS.items():
         if isinstance(held.get(section), dict):
             held[section] = {k: v for k, v in held[section].items() if k not in keys}
-    return json.dumps(held, sort_keys=True, indent=1)
+    return json.dumps(_canonical(held), sort_keys=True, indent=1)
+
+
+def _canonical(value: Any) -> Any:
+    """A whole float as the integer it equals: 30.0 given on the command line is the YAML's 30."""
+    if isinstance(value, dict):
+        return {k: _canonical(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_canonical(v) for v in value]
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
 
 
 def identity_changes(before: str, after: str) -> list[str]:
-    """The settings two identities differ in, a section's own keys by their dotted names
-    ("workload.lr 0.003 -> 0.5"), a list of trials or scenarios by its name alone."""
-    was, now = json.loads(before), json.loads(after)
-    changes = []
-    for key in sorted(set(was) | set(now)):
-        a, b = was.get(key), now.get(key)
-        if a == b:
-            continue
-        if isinstance(a, dict) and isinstance(b, dict):
-            changes += [f"{key}.{k} {a.get(k)} -> {b.get(k)}"
-                        for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]  # fmt: skip
-        elif isinstance(a, list | dict) or isinstance(b, list | dict):
-            changes.append(key)
-        else:
-            changes.append(f"{key} {a} -> {b}")
-    return changes
+    """The settings two identities differ in, by their dotted names ("workload.lr 0.003 ->
+    0.5"), what derives from them (DERIVED) last and by name alone."""
+    found: list[str] = []
+    _changes("", json.loads(before), json.loads(after), found)
+    return sorted(found, key=lambda change: change.split(".")[0].split(" ")[0] in DERIVED)
+
+
+def _changes(name: str, was: Any, now: Any, found: list[str]) -> None:
+    if was == now:
+        return
+    if isinstance(was, dict) and isinstance(now, dict) and name not in DERIVED:
+        for key in sorted(set(was) | set(now)):
+            _changes(f"{name}.{key}" if name else key, was.get(key), now.get(key), found)
+    elif (
+        name.split(".")[0] in DERIVED
+        or isinstance(was, list | dict)
+        or isinstance(now, list | dict)
+    ):
+        found.append(name)
+    else:
+        found.append(f"{name} {was} -> {now}")
 
 
 @dataclass(frozen=True)

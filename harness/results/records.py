@@ -81,6 +81,7 @@ class Records:
         done: set[str] = set()
         if self.trials.exists():
             _drop_torn_tail(self.trials)
+        if self.trials.exists() and self.trials.stat().st_size:  # a torn header: no row yet
             try:
                 _, rows = read_trials(self.trials)
             except TrialRowError as exc:
