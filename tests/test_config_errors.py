@@ -1051,6 +1051,13 @@ def test_the_loss_and_the_moments_are_checked_in_their_own_dtypes():
          "1e+39 is stored as inf in float32, the dtype of the optimizer's moments"),
         (("workload=custom", "fault.site=optimizer", "fault.model=bitflip", "fault.bit=40"),
          "40 is outside float32, the dtype of the optimizer's moments; allowed: 0..31"),
+        # A schedule's bits too (bit 40 of the loss ran, and crashed its rank).
+        (("fault.site=loss", "fault.model=bitflip",
+          "fault.schedule=[{step:2,rank:1,tensor:loss,index:0,bit:40}]"),
+         "fault.schedule[0].bit: 40 is outside float32, the dtype of the loss"),
+        (("workload=custom", "fault.site=optimizer", "fault.model=bitflip",
+          "fault.schedule=[{step:2,rank:1,tensor:conv1.weight.exp_avg,index:0,bit:40}]"),
+         "fault.schedule[0].bit: 40 is outside float32, the dtype of the optimizer's moments"),
     ]  # fmt: skip
     for overrides, says in refused:
         with pytest.raises(ConfigError) as caught:

@@ -52,6 +52,8 @@ def check_target(
         if size is not None and entry["index"] >= size:
             message = f"{entry['index']} is out of range; allowed: 0..{size - 1}"
             raise ConfigError(f"{at}.index", message)
+    if fault.site == "loss" and forward is not None:
+        _values_in(key, fault, [("loss", dtype) for dtype in forward.loss])
     if fault.schedule:
         if fault.site in sites.MODULE_SITES and forward is not None:
             named = [entry["tensor"] for entry in fault.schedule]
@@ -89,11 +91,6 @@ def check_target(
         elif fault.ber is None:
             _elements_in_module(key, fault, targets, forward)
         struck = list(_struck_dtypes(fault, targets, forward))
-        if isinstance(fault.bit, int):
-            _bit_in_struck_dtype(f"{key}.bit", fault.bit, struck)
-        _written_in_struck_dtypes(key, fault, struck)
-    if fault.site == "loss" and forward is not None:
-        struck = [("loss", dtype) for dtype in forward.loss]
         if isinstance(fault.bit, int):
             _bit_in_struck_dtype(f"{key}.bit", fault.bit, struck)
         _written_in_struck_dtypes(key, fault, struck)
@@ -305,9 +302,17 @@ def check_moment_values(key: str, fault: FaultConfig, optimizer: torch.optim.Opt
         for m in sites.MOMENTS
         if m in state
     }
-    struck = [("optimizer's moments", dtype) for dtype in sorted(dtypes)]
-    if isinstance(fault.bit, int):
-        _bit_in_struck_dtype(f"{key}.bit", fault.bit, struck)
+    _values_in(key, fault, [("optimizer's moments", dtype) for dtype in sorted(dtypes)])
+
+
+def _values_in(key: str, fault: FaultConfig, struck: Struck) -> None:
+    """Every bit the fault names (its own, its schedule's) and what it writes, held by every
+    dtype it strikes (a site whose dtype is not the workload's: the loss, a user's moments)."""
+    named = [(f"{key}.bit", fault.bit)] if isinstance(fault.bit, int) else []
+    named += [(f"{key}.schedule[{i}].bit", e["bit"]) for i, e in enumerate(fault.schedule)
+              if e.get("bit") is not None]  # fmt: skip
+    for at, bit in named:
+        _bit_in_struck_dtype(at, bit, struck)
     _written_in_struck_dtypes(key, fault, struck)
 
 
