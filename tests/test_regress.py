@@ -568,3 +568,12 @@ def test_an_interrupted_run_is_refused_and_its_report_says_so(runs, tmp_path):
 
 def regress_report(run: Path, out: Path) -> str:
     return report.write_report(tables.load_trials([run]), out).read_text()
+
+
+def test_a_drop_the_cells_own_rate_shows_is_named_once_per_table():
+    """replay alone caught the cell, 10/10, and now 0/10: the cell's rate and replay's pooled
+    rate name it; the per-detector cell table named it a third time."""
+    base = frame(*trials(STUCK, 10, {"replay": 10}))
+    cur = frame(*trials(STUCK, 10, {}))
+    assert regress.cell_drops(base, cur) and regress.detector_drops(base, cur)
+    assert regress.detector_cell_drops(base, cur) == []

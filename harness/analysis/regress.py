@@ -37,8 +37,9 @@ Across environments these are not compared at all, since a masked trial there ma
 from rounding alone; every regression above is a rate with its interval and compares either
 way.
 
-Every count comes from the report's own functions (harness.analysis.report), so a regression is
-judged on exactly the numbers the report shows.
+Every count comes from the report's own functions (harness.analysis.tables), so a regression is
+judged on the numbers the report shows, but for the per-detector rates, which pool only the cells
+both runs hold.
 """
 
 from __future__ import annotations
@@ -223,15 +224,20 @@ def _caught(trials: pd.DataFrame, detector: str) -> Counts:
 
 def detector_cell_drops(base: pd.DataFrame, cur: pd.DataFrame) -> list[dict[str, str]]:
     """Per detector and scenario cell, over the trials it ran in (in both runs): a check that
-    stopped catching a cell another still catches moves neither the cell's rate nor, among
-    many cells, its own. A check the current run does not run there is `detector_drops`'s."""
+    stopped catching a cell another check still catches, which moves neither the cell's rate
+    nor, among many cells, its own. Where the cell's rate fell too, `cell_drops` names it; a
+    check the current run does not run there is `detector_drops`'s."""
     found = []
     after = by_cell(cur)
-    names = _cells(base)
+    before, now_cells = _cells(base), _cells(cur)
     for key, was_trials in by_cell(base).items():
         now_trials = after.get(key)
         if now_trials is None:
             continue
+        cell_fell = {
+            "all fired": fell(before[key].fired, now_cells[key].fired),
+            "harmful or latent": fell(before[key].harmful, now_cells[key].harmful),
+        }
         for detector in detector_names(was_trials):
             was_on = was_trials[named(was_trials[Column.detectors], detector)]
             now_on = now_trials[named(now_trials[Column.detectors], detector)]
@@ -243,8 +249,8 @@ def detector_cell_drops(base: pd.DataFrame, cur: pd.DataFrame) -> list[dict[str,
                                         for t in (was_on, now_on))),
             ):  # fmt: skip
                 was_caught, now_caught = _caught(was, detector), _caught(now, detector)
-                if fell(was_caught, now_caught):
-                    where = f"{detector}, {names[key].name}, {label} trials"
+                if fell(was_caught, now_caught) and not cell_fell[label]:
+                    where = f"{detector}, {before[key].name}, {label} trials"
                     text = rate_text(*was_caught), rate_text(*now_caught)
                     found.append(_finding("catch rate fell", where, *text))
     return found

@@ -271,8 +271,9 @@ def _cells_of(hint: Any) -> str:
     if origin is tuple:
         return f"`;`-joined {_cells_of(args[0])}s"
     if origin is dict:
-        value = {int: "integer", bool: "True|False"}[args[1]]
-        return f"`name={value}`, `;`-joined"
+        if args[1] is bool:  # no `|`: it would end a markdown table's cell
+            return "`name=True` / `name=False`, `;`-joined"
+        return "`name=integer`, `;`-joined"
     if isinstance(hint, type) and issubclass(hint, StrEnum):
         return " / ".join(f"`{m.value}`" for m in hint)
     words = {bool: "`True` / `False`", int: "integer", float: "number", str: "text"}
