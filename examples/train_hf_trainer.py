@@ -22,6 +22,8 @@ machine, so that replay has the three nodes it needs under `--standalone`.
 Writes DIR/rank<r>.json: {"digest", "unguarded" (the twin's digest), "steps", "checks",
 "left_out", "alerts", "warnings", "alarm" (detector, step, suspect_ranks, suspect_machines),
 "exit_code", "step_ms", "unguarded_step_ms"} (the median step, on_step_end to on_step_end),
+DIR/costs.json (what each check cost, `sdc-plan --costs`) when a clean fit trained past the
+guard's warm-up,
 and exits with the first fit's `exit_code` that is not 0: the alarm's (86 suspect hardware, 87 not
 attributed); 2 with one line for a setting the callback refuses.
 """
@@ -133,6 +135,12 @@ def guarded(args: argparse.Namespace, out: Path, inject: dict | None) -> dict:
                            "suspect_machines": alarm.suspect_machines}  # fmt: skip
         record["exit_code"] = alarm.exit_code
     checked = guard.guard if guard else None
+    if (
+        checked
+        and record["alarm"] is None
+        and checked.step - checked.start_step > checked.warmup_steps
+    ):
+        checked.write_costs(out / "costs.json")  # costs() raises within the warm-up
     return record | {
         "digest": digest(trainer.model),
         "steps": trainer.state.global_step,

@@ -74,6 +74,9 @@ def test_a_clean_fit_with_every_check_is_bit_identical_to_the_trainer_without_it
         assert record["step_ms"] > 0 and record["unguarded_step_ms"] > 0
     assert len({r["digest"] for r in records}) == 1, "the replicas agree"
     assert saved(out / "checkpoints") == [f"checkpoint-{n}" for n in range(1, STEPS + 1)]
+    # What sdc-plan --costs reads, as the other examples write it (this one wrote none).
+    costs = json.loads((out / "costs.json").read_text())
+    assert costs["steps"] > 0 and set(costs["checks"]) == set(records[0]["checks"])
 
 
 def test_a_scaled_gradient_stops_the_fit_at_its_step_and_sets_aside_what_it_may_have_touched(
