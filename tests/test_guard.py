@@ -1003,3 +1003,29 @@ def test_a_link_to_a_suspect_checkpoint_leaves_the_checkpoint_moved(tmp_path):
     quarantine(tmp_path, _alarm(5, 3), written)
     assert (tmp_path / "suspect" / "step=4.ckpt").read_text() == "weights"
     assert not (tmp_path / "step=4.ckpt").exists()
+
+
+def _unlooked_rank(rank: int, store: str, results) -> None:
+    """Consensus every 50 steps of a 4-step loop with no checkpoint: this rank's warnings."""
+    _joined(rank, store)
+    model = DDP(nn.Linear(4, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = Guard(model, {"weight_consensus": {"interval": 50}, "nan_inf": {}})
+    try:
+        for step in range(4):
+            _guarded_step(guard, model, optimizer, step, rank)
+        results.put((rank, [(w.detector, w.what) for w in guard.warnings]))
+    except Exception as error:  # the test reports it, not a rank's traceback
+        results.put((rank, f"{type(error).__name__}: {error}"))
+    finally:
+        guard.close()
+        dist.destroy_process_group()
+
+
+def test_a_check_that_has_not_looked_says_so_among_the_warnings(tmp_path):
+    """A plan's interval longer than the job: consensus was listed as running, with no word
+    that it never compared anything (sdc-bench refuses such a setting; the guard, whose loop
+    may checkpoint where consensus also looks, says so instead)."""
+    got = _forked_world(tmp_path, _unlooked_rank)
+    said = [("weight_consensus", "has not looked in steps 0..3")]
+    assert got == dict.fromkeys(range(FROZEN_WORLD), said), got

@@ -14,6 +14,7 @@ import math
 import os
 import socket
 import sys
+import time
 import weakref
 from collections.abc import Callable
 from functools import partial
@@ -183,9 +184,20 @@ class Guard:
 
     @property
     def warnings(self) -> list[CheckWarning]:
-        """What a check could not judge on this rank (replay: "not deterministic")."""
+        """What a check could not judge on this rank (replay: "not deterministic"), and each
+        check that has not looked in the steps guarded so far (consensus every 50 steps of a
+        40-step job): on, and yet it compared nothing."""
         self.bus.resolve()
-        return of(CheckWarning, self.log.events)
+        steps = range(self.start_step, self.step)
+        unlooked = [
+            CheckWarning(rank=self.info.rank, node=self.info.node, time=time.time(),
+                         step=self.step - 1, detector=name, evidence=config.params(),
+                         what=f"has not looked in steps {steps.start}..{steps.stop - 1}")
+            for name, config in self.checks.items()
+            if steps and not registry.detector_class(name).looks_in(
+                config, steps, self.checkpointed.__contains__)
+        ]  # fmt: skip
+        return of(CheckWarning, self.log.events) + unlooked
 
     @property
     def injections(self) -> list[Inject]:
