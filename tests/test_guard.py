@@ -333,6 +333,24 @@ def test_a_replay_step_past_the_loops_end_is_refused_where_the_loop_gives_its_le
     assert selection.select({"replay": {"steps": [10]}}, unbounded).checks["replay"].steps == (10,)
 
 
+def test_a_check_that_never_looks_in_the_loops_steps_is_left_out_or_refused():
+    """megatron_hash every 10 steps of a 6-step fit ran under "all" and compared nothing;
+    consensus every 50 may still look before a checkpoint, and is kept (its warnings say
+    whether it looked)."""
+    topology = replace(compose_run().topology, nodes=3, ranks_per_node=1)
+    job = selection.Job(topology, "observe", None, None, steps=6)
+    chosen = selection.select("all", job)
+    assert "megatron_hash" not in chosen.checks
+    assert chosen.left_out["megatron_hash"].startswith("'megatron_hash' never looks in a loop "
+                                                       "of steps 0..5")  # fmt: skip
+    with pytest.raises(ValueError, match="'megatron_hash' never looks in a loop of steps 0..5"):
+        selection.select(["megatron_hash"], job)
+    assert (
+        "weight_consensus" in selection.select({"weight_consensus": {"interval": 50}}, job).checks
+    )
+    assert "megatron_hash" in selection.select("all", replace(job, steps=None)).checks
+
+
 def test_a_module_neither_ddp_nor_sharded_is_refused(one_rank):
     with pytest.raises(ValueError, match="^model: a DistributedDataParallel module or a module"):
         Guard(one_rank.module)

@@ -150,6 +150,12 @@ def _configured(name: str, params: dict[str, Any], job: Job) -> CheckConfig:
         )
     if job.steps is not None:  # the campaign's own bound: a step it lists is in the loop
         check.check_steps(f"detectors.{name}", config, job.steps)
+        # Whatever the loop's checkpoints (before which consensus also looks): never.
+        if not check.looks_in(config, range(job.start_step, job.steps), lambda _: True):
+            raise _DoesNotApply(
+                f"'{name}' never looks in a loop of steps {job.start_step}..{job.steps - 1}, as "
+                f"set: {config.params()}"
+            )
     return config
 
 
