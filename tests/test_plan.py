@@ -39,6 +39,7 @@ from harness.analysis.plan import (
     plan,
 )
 from harness.campaign import overhead
+from harness.guard import selection
 from harness.results import schema
 from harness.results.costs import CheckCost, JobCosts, priced
 from tests.conftest import compose_run
@@ -242,6 +243,12 @@ def test_a_consensus_option_is_set_with_checkpoints_at_its_interval(tmp_path):
     # the interval above where the interval does not divide the job's, and said.
     assert option.overrides(500).endswith("checkpoint.interval=500")
     assert option.overrides(520).endswith("checkpoint.interval=550")
+    # The guard takes a mapping, not Hydra's overrides: printed as one, it selects the option.
+    guarded = option.guard_detectors()
+    assert guarded == '{"weight_consensus": {"interval": 50}}'
+    topology = replace(compose_run().topology, nodes=3, ranks_per_node=1)
+    job = selection.Job(topology, "act", None, None)
+    assert selection.select(json.loads(guarded), job).checks["weight_consensus"].interval == 50
     caught = [trial(20 + i, 0, True, "weight_consensus", "weight_consensus=50",
                     "weight_consensus=49") for i in range(4)]  # fmt: skip
     often = write_run(tmp_path / "often", caught, [("weight_consensus", 50, 0.5, "")])
@@ -342,6 +349,16 @@ def test_the_range_carries_each_checks_lowest_and_highest_round(tmp_path):
     assert (nothing.low, nothing.high) == pytest.approx((tables.wilson(4, 4)[0] * 20, 20))
 
 
+def test_no_checks_in_a_job_is_no_guard_attached(tmp_path):
+    """Given to the guard as printed (`detectors=[]`), 'no checks' still attached its hook, a
+    few percent the option never priced."""
+    folder = every_step_run(tmp_path / "run")
+    overhead.write(folder / schema.OVERHEAD_FILE, [{"detector": "nan_inf", "overhead_pct": 50.0}])
+    result = plan(*load([folder]), replace(HAND, sdc_rate=1e-12))
+    assert result.best[0].name == "no checks" and result.best[0].guard_detectors() == ""
+    assert "In a job: attach no guard" in plan_report.recommendation(result)
+
+
 def test_the_rounds_of_overheads_pooled_over_dtypes_are_left_out():
     """One run's rounds span its own noise, not the median over another dtype's run too."""
     table = pd.DataFrame(
@@ -420,6 +437,7 @@ def test_sdc_plan_on_the_notebook_fixture_writes_its_plan_and_figure(tmp_path, c
     # A high rate pays for replay; every 5 steps audits the faults' step 10 as every step does
     # (the same harmful faults caught), for a quarter of the overhead.
     assert "detectors=[replay] detectors.replay.interval=5" in printed
+    assert 'the examples\' --detectors):\n\n    {"replay": {"interval": 5}}' in printed
     text = (tmp_path / "plan.md").read_text()
     assert "| 1 | replay | 5 |" in text and "--sdc-rate 0.0001" in text
     assert (tmp_path / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -28,6 +28,7 @@ it.
 from __future__ import annotations
 
 import itertools
+import json
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -191,6 +192,14 @@ class Option:
         divides it."""
         k = dict(self.intervals).get(CONSENSUS)
         return job_every if k is None else -(-job_every // k) * k
+
+    def guard_detectors(self) -> str:
+        """The guard's `detectors` for this option (Guard, the Lightning and Trainer
+        callbacks, the examples' --detectors), as JSON; "" for no checks, which is no guard."""
+        if not self.checks:
+            return ""
+        every = dict(self.intervals)
+        return json.dumps({c: {"interval": every[c]} if c in every else {} for c in self.checks})
 
     def overrides(self, job_every: int = 1) -> str:
         """The Hydra overrides (sdc-bench, or your training config) that set this option for a

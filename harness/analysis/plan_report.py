@@ -30,6 +30,7 @@ from harness.analysis.mix import weighed
 # harness.analysis.plan imports harness.analysis.report, whose figures module picks the Agg backend
 # on its first import (a batch job has no display) and leaves a notebook's backend alone after that.
 from harness.analysis.plan import (
+    CONSENSUS,
     FIGURE_FILE,
     LLAMA3_SOURCE,
     NAMED_SETS,
@@ -237,7 +238,21 @@ def recommendation(result: Plan) -> str:
             f"{option.checkpoint_every(every)} steps, the least multiple of its interval at or "
             f"above --checkpoint-every {every}, and its rollbacks are priced so."
         )
-    return text + f"\n\nSet it with{run}:\n\n    {option.overrides(every)}"
+    text += f"\n\nSet it with{run}:\n\n    {option.overrides(every)}"
+    guarded = option.guard_detectors()
+    if not guarded:
+        return text + (
+            "\n\nIn a job: attach no guard (its hook alone costs a few percent of the step; this "
+            "option prices none)."
+        )
+    checkpoints = (
+        f", checkpointing every {option.checkpoint_every(every)} steps"
+        if CONSENSUS in dict(option.intervals) else ""
+    )  # fmt: skip
+    return text + (
+        f"\n\nIn a guarded job (Guard, SDCGuard, SDCGuardCallback: `detectors=`; the examples' "
+        f"--detectors){checkpoints}:\n\n    {guarded}"
+    )
 
 
 def _drawn(result: Plan) -> list[tuple[str, ...]]:
