@@ -49,7 +49,7 @@ from detectors.product_bounds import (
     product_of,
     roundoff,
 )
-from harness.core.checks import CheckConfig
+from harness.core.checks import CheckConfig, looks_at_multiples
 from harness.core.matmuls import MatmulCall, on_grad, tapped
 from harness.core.plugins import Detector, DetectorContext, EventLog
 from harness.core.values import above, choice, flag, fraction, integer
@@ -158,6 +158,11 @@ class MatmulChecksum(Detector):
         if config.fraction < 1 or config.interval > 1:
             return 0
         return super().first_suspect_step(config, alarm_step, checkpointed)
+
+    @classmethod
+    def looks(cls, config: Config, steps: range, checkpointed: Callable[[int], bool]) -> int:
+        """Counted: its checked steps in `steps` (module docstring: every `interval`-th)."""
+        return looks_at_multiples(config.interval, steps)
 
     def __init__(self, config: Config, ctx: DetectorContext, log: EventLog):
         super().__init__(config, ctx, log)

@@ -44,7 +44,7 @@ from torch import nn
 
 from detectors.fingerprint import signs
 from harness.core import inflight
-from harness.core.checks import CheckConfig
+from harness.core.checks import CheckConfig, looks_at_multiples
 from harness.core.plugins import Bucket, Detector, DetectorContext, EventLog
 from harness.core.values import choice, fraction, int_list, integer
 from harness.errors import ConfigError
@@ -143,9 +143,12 @@ class Replay(Detector):
         return config.steps is None or max(config.steps) >= start_step
 
     @classmethod
-    def looks(cls, config: Config, steps: range, checkpointed: Callable[[int], bool]) -> int | None:
-        """Listed steps: those of them in `steps`, counted (it has no interval to price by)."""
-        return None if config.steps is None else sum(s in steps for s in config.steps)
+    def looks(cls, config: Config, steps: range, checkpointed: Callable[[int], bool]) -> int:
+        """Counted: listed steps in `steps`, or its audits there (a window of steps measured
+        holds a whole number of them, which its length over the interval need not be)."""
+        if config.steps is not None:
+            return sum(s in steps for s in config.steps)
+        return looks_at_multiples(config.interval, steps)
 
     @classmethod
     def check_topology(cls, config: Config, topology: Any) -> None:

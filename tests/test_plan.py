@@ -25,6 +25,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import pytest
 
+import detectors
 from harness.analysis import plan_report, report, tables
 from harness.analysis.estimates import JobShape
 from harness.analysis.plan import (
@@ -33,6 +34,7 @@ from harness.analysis.plan import (
     Overheads,
     amortized,
     estimated_overheads,
+    job_overheads,
     load,
     over_dtypes,
     overheads,
@@ -43,6 +45,7 @@ from harness.guard import selection
 from harness.results import schema
 from harness.results.costs import CheckCost, JobCosts, priced
 from tests.conftest import compose_run
+from tests.rows import frame
 from tests.rows import write as write_cells
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "sweep"
@@ -694,3 +697,22 @@ def test_an_estimated_cost_reads_the_checks_settings(tmp_path):
         priced[optimizer_state] = estimated_overheads(shape, trials).at[("weight_consensus", "10")]
     assert priced[True] == pytest.approx(3 * priced[False])
     assert priced[False] == pytest.approx(shape.overhead_pct("weight_consensus", 10))
+
+
+def test_the_jobs_replay_is_priced_per_audit_it_ran():
+    """Measured over steps 3..29 at every 5 it audited 5 times, not 27 / 5 = 5.4: priced by its
+    interval, each audit came out 7% cheap."""
+    measured = range(3, 30)
+    looks = detectors.detector_class("replay").looks(
+        compose_run("detectors=[replay]").detectors["replay"], measured, lambda _: False
+    )
+    assert looks == 5
+    replay = CheckCost(0.01, math.nan, interval=5, looks=looks)
+    costs = priced(
+        JobCosts(step_time_s=0.1, steps=len(measured), warmup=3, device="cpu", parallel="ddp",
+                 world_size=4, checks={"replay": replay}, hook=CheckCost(0.0, math.nan))
+    )  # fmt: skip
+    trials = frame(trial(10, 0, True, "replay", "replay=5", "replay=10"))
+    found = job_overheads(costs, "costs.json", trials)
+    per_audit = costs.checks["replay"].overhead_pct * len(measured) / 5
+    assert found.per_run["replay"] == pytest.approx(per_audit)

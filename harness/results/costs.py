@@ -22,8 +22,9 @@ class CheckCost:
     seconds_per_step: float
     overhead_pct: float
     interval: int | None = None  # the check runs every `interval` steps; None: every step
-    # Its looks in the steps measured, where they are not one every `interval` steps (listed
-    # steps, extra looks before checkpoints): its figure is that many looks' cost; None: regular.
+    # Its looks in the steps measured, where the check counts them (replay's audits, listed
+    # steps, extra looks before checkpoints): its figure is that many looks' cost; None: priced
+    # by its interval.
     looks: int | None = None
 
 
