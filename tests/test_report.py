@@ -132,6 +132,18 @@ def test_the_effects_figure_draws_each_scenario_cell(monkeypatch, tmp_path):
     assert labels == ["grad / scale / x10", "grad / scale / x1e+06"]
 
 
+def test_the_effects_figure_leaves_out_faults_that_never_struck(monkeypatch, tmp_path):
+    """A planned fault that never struck (effect none) is counted apart: its share was left
+    undrawn, and the cell's bar ended short of 1."""
+    scale = {"site": "grad", "model": "scale", "factor": 10.0}
+    df = frame(dict(scale, fired=True, effect="benign"), dict(scale, fired=False, effect="none"),
+               dict(scale, fired=True, effect="harmful"))  # fmt: skip
+    drawn = kept_open(monkeypatch)
+    figures.effects_by_scenario(df, tmp_path / "effects.png")
+    ends = [bar.get_x() + bar.get_width() for bar in drawn[0].axes[0].patches]
+    assert max(ends) == pytest.approx(1.0)
+
+
 def test_time_to_detection_histogram_draws_every_caught_trial(monkeypatch, tmp_path):
     caught = {"fired": True, "detected": True, "detectors": "replay", "detected_by": "replay",
               "first_detector": "replay"}  # fmt: skip

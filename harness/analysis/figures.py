@@ -73,8 +73,9 @@ def catch_rate_by_detector(df: pd.DataFrame, detectors: list[str], wilson, path:
 
 def effects_by_scenario(df: pd.DataFrame, path: Path) -> Path:
     """Masked / benign / latent / harmful / crash shares per scenario cell (site, model, the
-    columns that tell the trials' scenarios apart, bit class; tables.cell_label names each)."""
-    faulty = df[df[Column.site] != Site.NONE]
+    columns that tell the trials' scenarios apart, bit class; tables.cell_label names each),
+    of the trials with an effect: a planned fault that never struck is counted apart."""
+    faulty = df[(df[Column.site] != Site.NONE) & (df[Column.effect] != Effect.NONE)]
     columns = [Column.site, Column.model, *scenario_columns(df), Column.bit_class]
     named = as_text(faulty, columns)
     cells = named[columns].apply(lambda row: cell_label(row.to_dict()), axis=1)
