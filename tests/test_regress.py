@@ -15,7 +15,7 @@ import pandas as pd
 import pytest
 import torch
 
-from harness.analysis import regress, report, tables
+from harness.analysis import plan_report, regress, report, tables
 from harness.analysis.regress import load, regressions
 from harness.campaign import overhead
 from harness.results import machine, schema
@@ -549,7 +549,7 @@ def test_a_false_positive_rate_that_rose_regresses():
     assert regress.false_positive_rises(clean(1), clean(3)) == []  # within the noise
 
 
-def test_an_interrupted_run_is_refused_and_its_report_says_so(runs, tmp_path):
+def test_an_interrupted_run_is_refused_and_its_report_says_so(runs, tmp_path, capsys):
     """A nightly stopped after its first trials compared as 'no regression' (the cells it had
     not reached were listed as not compared), and its report read as a whole campaign's."""
     stopped = tmp_path / "stopped"
@@ -561,6 +561,11 @@ def test_an_interrupted_run_is_refused_and_its_report_says_so(runs, tmp_path):
     assert proc.stderr.count("\n") == 1
     assert f"the current run is incomplete ({stopped}: 2 of 8 planned trials)" in proc.stderr
     assert sdc_regress(stopped, runs["baseline"]).returncode == 2
+    with pytest.raises(SystemExit) as refused:  # sdc-plan alike
+        plan_report.main([str(stopped), "--gpu", "h100", "--params", "1e9",
+                          "--tokens-per-step", "1e6"])  # fmt: skip
+    assert refused.value.code == 2
+    assert f"sdc-plan: incomplete: {stopped}: 2 of 8 planned trials" in capsys.readouterr().err
     report = regress_report(stopped, tmp_path / "report")
     assert f"**Incomplete**: {stopped}: 2 of 8 planned trials" in report
     assert "**Incomplete**" not in regress_report(runs["baseline"], tmp_path / "whole")

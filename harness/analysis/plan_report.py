@@ -46,7 +46,13 @@ from harness.analysis.plan import (
     load,
     plan,
 )
-from harness.analysis.tables import ReportError, check_out, markdown_table, rate_text
+from harness.analysis.tables import (
+    ReportError,
+    check_out,
+    markdown_table,
+    rate_text,
+    unfinished,
+)
 from harness.results.costs import JobCosts
 from harness.results.trial_row import Column
 
@@ -478,6 +484,12 @@ def main(argv: list[str] | None = None) -> None:
     try:
         args = parse(argv)
         trials, table = load(args.dirs, need_overhead=args.costs is None and args.shape is None)
+        stopped = unfinished(trials)
+        if stopped:  # its rates are a part of the campaign's, as sdc-regress refuses them
+            raise PlanError(
+                f"incomplete: {'; '.join(stopped)}; finish it (rerun its command with the same "
+                "out) before planning"
+            )
         try:
             check_out("--out", args.out or args.dirs[0], args.dirs)
         except ReportError as exc:
