@@ -672,11 +672,18 @@ def _partly_frozen_rank(rank: int, store: str, results) -> None:
     checks = {"replay": {"interval": 1}, "titan_replay": {"num_steps": -1}}
     guard = Guard(model, checks, mode="observe", replay_fn=_square_loss,
                   ranks_per_node=1, inject=fault)  # fmt: skip
+    _steps_reported(guard, model, optimizer, rank, 3, results, lambda g: sorted(
+        (a.detector, a.step, tuple(a.suspect_ranks)) for a in g.alerts
+    ))  # fmt: skip
+
+
+def _steps_reported(guard: Guard, model, optimizer, rank: int, steps: int, results, found) -> None:
+    """`steps` guarded steps on this forked rank, then (rank, found(guard)) in `results`, or the
+    error: the guard closed and the group destroyed either way."""
     try:
-        for step in range(3):
+        for step in range(steps):
             _guarded_step(guard, model, optimizer, step, rank)
-        alerts = sorted((a.detector, a.step, tuple(a.suspect_ranks)) for a in guard.alerts)
-        results.put((rank, alerts))
+        results.put((rank, found(guard)))
     except Exception as error:  # the test reports it, not a rank's traceback
         results.put((rank, f"{type(error).__name__}: {error}"))
     finally:
@@ -1029,15 +1036,8 @@ def _unlooked_rank(rank: int, store: str, results) -> None:
     model = DDP(nn.Linear(4, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     guard = Guard(model, {"weight_consensus": {"interval": 50}, "nan_inf": {}})
-    try:
-        for step in range(4):
-            _guarded_step(guard, model, optimizer, step, rank)
-        results.put((rank, [(w.detector, w.what) for w in guard.warnings]))
-    except Exception as error:  # the test reports it, not a rank's traceback
-        results.put((rank, f"{type(error).__name__}: {error}"))
-    finally:
-        guard.close()
-        dist.destroy_process_group()
+    _steps_reported(guard, model, optimizer, rank, 4, results,
+                    lambda g: [(w.detector, w.what) for w in g.warnings])  # fmt: skip
 
 
 def test_a_check_that_has_not_looked_says_so_among_the_warnings(tmp_path):
