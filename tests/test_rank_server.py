@@ -9,6 +9,8 @@ import os
 import sys
 from pathlib import Path
 
+from torch._inductor.runtime import cache_dir_utils
+
 from harness.launch import rank_server
 
 
@@ -51,3 +53,20 @@ def test_a_changed_variable_or_a_missing_package_starts_a_new_server_and_less_do
     assert rank_server.pid() not in (first, second)
     assert _rank_sees(ctx, tmp_path) == "set"
     assert _rank_sees(ctx, tmp_path, _write_imported) == ""
+
+
+def test_the_variable_torch_writes_at_its_first_dynamo_import_starts_no_new_server(
+    tmp_path, monkeypatch
+):
+    """torch._dynamo's import writes TORCHINDUCTOR_CACHE_DIR into its process's environment
+    (its disk cache's folder, torch._inductor.runtime.cache_dir_utils.cache_dir): the server's
+    preload imports it, and the parent does at its first optimizer, after the first world.
+    Read as a changed environment, it started a second server in every process that ran two
+    worlds: a campaign's second world after a crash, each test's second campaign."""
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    rank_server.context("avx2", tmp_path)
+    first = rank_server.pid()
+    cache_dir_utils.cache_dir()  # what importing torch._dynamo does, once per process
+    assert "TORCHINDUCTOR_CACHE_DIR" in os.environ
+    rank_server.context("avx2", tmp_path)
+    assert rank_server.pid() == first

@@ -56,6 +56,15 @@ def context(cpu_kernels: str, folder: Path, preload: tuple[str, ...] = ()) -> Ba
     workload back to the mlp keeps its server. A new one imports what the old one had as well,
     when its environment is the same. A new server writes its stack file in `folder`."""
     global _environment, _preloaded
+    # torch._dynamo's first import in a process writes its disk cache's folder into the
+    # environment (TORCHINDUCTOR_CACHE_DIR): the server's preload imports it, the parent at its
+    # first optimizer, after its first world. Written here first, as torch would write it, the
+    # parent's later import changes nothing; read as a changed environment, it started a
+    # second server (seconds of CPU) for every process's second world. Imported here, where a
+    # world starts: at the module's import, every command's start took a second longer.
+    from torch._inductor.runtime import cache_dir_utils
+
+    cache_dir_utils.cache_dir()
     with environment.pinned(cpu_kernels):
         wanted = {k: v for k, v in os.environ.items() if k not in _NOT_COMPARED}
         if wanted != _environment or not _preloaded.issuperset(preload):
