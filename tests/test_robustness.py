@@ -207,6 +207,30 @@ def test_a_world_whose_rank_cannot_start_is_reported_and_started_afresh(tmp_path
     assert sum("world did not start" in line for line in lines) == 1
 
 
+def test_a_ctrl_c_while_the_command_imports_torch_ends_in_one_line(tmp_path):
+    """The signal lands once the command's process has loaded torch's library, a second or more
+    before any of sdc-bench's own code could answer it (harness/entry.py). The child's SIGINT
+    is made the default first: a shell that starts this suite in the background ignores it, and
+    its children inherit that."""
+    child = subprocess.Popen(
+        [str(BIN / "sdc-bench"), f"out={tmp_path / 'run'}"],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    maps = Path(f"/proc/{child.pid}/maps")
+    deadline = time.monotonic() + 60
+    while "libtorch" not in maps.read_text():
+        assert time.monotonic() < deadline and child.poll() is None
+        time.sleep(0.01)
+    child.send_signal(signal.SIGINT)
+    _, stderr = child.communicate(timeout=60)
+    assert (child.returncode, stderr) == (130, "sdc-bench: interrupted; nothing was run\n")
+    assert not (tmp_path / "run").exists()
+
+
 def _reference_and_interrupted(tmp_path, stop_signal: int, run_ok):
     # 6 trials of 8 steps, each fast-forwarded to its fault at step 5: the signal lands after
     # the second row, with four still to come. One seed: the golden runs are the two noise
