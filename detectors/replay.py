@@ -93,6 +93,14 @@ def gradients(loss: torch.Tensor, params: Sequence[nn.Parameter]) -> tuple[torch
     return torch.autograd.grad(loss, params, allow_unused=True, materialize_grads=True)
 
 
+def as_sent(grads: list[torch.Tensor], divided_by: float) -> list[torch.Tensor]:
+    """The recomputed gradient as the checks saw the step's own: divided where the collective's
+    input was divided before them (`Bucket.divided_by`, FSDP2's float16 pre-divide), by the same
+    division in the same dtype, so bit for bit. Compared undivided, every replay of a float16
+    FSDP step differed from its own by that factor."""
+    return grads if divided_by == 1 else [g / divided_by for g in grads]
+
+
 class Replay(Detector):
     name = "replay"
     recomputes_batches = True
@@ -190,6 +198,7 @@ class Replay(Detector):
         self.own_count = 0
         self.own_dots: dict[str, torch.Tensor] = {}
         self.own_sq: float | torch.Tensor = 0.0
+        self.divided_by: float = 1
 
     def _audited(self, step: int) -> bool:
         if self.config.steps is not None:
@@ -205,6 +214,7 @@ class Replay(Detector):
     def on_local_grad(self, step: int, bucket: Bucket) -> None:
         if not self._audited(step):
             return
+        self.divided_by = bucket.divided_by
         for name, grad in bucket.tensors:
             dot, sq = _project_on_device(name, grad)
             self.own_dots[name] = dot
@@ -231,7 +241,7 @@ class Replay(Detector):
             total_loss, count = total_loss + loss.detach().double(), count + 1
         total_loss = total_loss / count
         dots, sq = {}, 0.0
-        for name, g in zip(names, grads, strict=True):
+        for name, g in zip(names, as_sent(grads, self.divided_by), strict=True):
             dots[name], part = _project_on_device(name, g)
             sq = sq + part
         return total_loss, dots, sq

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from detectors.replay import Regenerated, gradients, trainable
+from detectors.replay import Regenerated, as_sent, gradients, trainable
 from harness.core.checks import CheckConfig
 from harness.core.plugins import Bucket, Detector, DetectorContext, EventLog
 from harness.core.values import integer
@@ -76,6 +76,7 @@ class TitanReplay(Detector):
         self.data = ctx.replay_data or Regenerated(ctx)
         self.losses: list[float] = []
         self.grads: dict[str, int] = {}
+        self.divided_by: float = 1
 
     def _checked(self, step: int) -> bool:
         return self.config.num_steps == -1 or step < self.config.num_steps
@@ -87,6 +88,7 @@ class TitanReplay(Detector):
 
     def on_local_grad(self, step: int, bucket: Bucket) -> None:
         if self._checked(step):
+            self.divided_by = bucket.divided_by
             self.grads |= {name: xor_digest(g) for name, g in bucket.tensors}
 
     def _replay(self, model: nn.Module, step: int) -> tuple[list[float], dict[str, int]]:
@@ -100,7 +102,8 @@ class TitanReplay(Detector):
                 list(part) if grads is None else [a + b for a, b in zip(grads, part, strict=True)]
             )
             losses.append(loss.item())
-        return losses, {n: xor_digest(g) for (n, _), g in zip(named, grads, strict=True)}
+        sent = as_sent(grads, self.divided_by)
+        return losses, {n: xor_digest(g) for (n, _), g in zip(named, sent, strict=True)}
 
     def on_audit(self, step: int) -> None:
         if not self._checked(step):

@@ -164,6 +164,27 @@ def test_replays_on_a_gathered_replica_name_the_rank_and_change_no_weight(
             assert named == {(rank,)}, (row["trial_id"], check, named)
 
 
+def test_float16_replays_recompute_the_gradient_as_fsdp_divided_it(run_ok, tmp_path):
+    """FSDP2 divides a float16 reduce-scatter input by about sqrt(W) (its guard against
+    overflow, 2 on 4 ranks) before the `grad` site, where the replays fingerprint it. Compared
+    with the undivided recomputation, both alarmed at every audited step of a clean trial,
+    naming every rank; recomputed and divided as FSDP divides, they agree bit for bit and still
+    name the rank whose local gradient was scaled. The mlp: the division is the model's size
+    whatever its size, and exact comparison leaves no tolerance to hide a factor in."""
+    out = tmp_path / "float16"
+    scaled = "{site:grad,model:scale,factor:8.0,ranks:[1],steps:[2]}"
+    run_ok("workload.steps=4", "campaign.seeds=1", "campaign.noise_seeds=2",
+           "workload.dtype=float16", *FSDP, f"campaign.scenarios=[{{site:none}},{scaled}]",
+           "detectors=[replay,titan_replay]", "detectors.replay.interval=1",
+           "detectors.replay.compare=exact", "detectors.titan_replay.num_steps=-1",
+           f"out={out}", cwd=tmp_path)  # fmt: skip
+    clean, struck = rows(out)
+    assert clean["alerts"] == "0", clean
+    first = {(a["detector"], a["step"], tuple(a["suspect_ranks"])) for a in events(out)
+             if a["kind"] == "alert" and a["trial_id"] == struck["trial_id"]}  # fmt: skip
+    assert first == {("replay", 2, (1,)), ("titan_replay", 2, (1,))}, first
+
+
 def test_a_sharded_golden_is_never_a_replicated_ones():
     """The golden store keys a golden by how its world trains: fsdp, hsdp and ddp runs of the
     same workload and seed reduce in different collectives, so their goldens differ."""

@@ -57,6 +57,10 @@ class Bucket:
     # and compresses the bucket after the riders were taken (harness/runtime/comm.py).
     contribution: float = 1.0
     wire: torch.dtype | None = None
+    # What the local gradient was divided by before a check sees it: FSDP2 divides a float16
+    # reduce-scatter input by about sqrt(world) (harness/runtime/sharding.py, `predivide`); 1
+    # elsewhere. A check that recomputes the gradient divides it the same way to compare.
+    divided_by: float = 1.0
     # The whole summed rider region (every plug-in's slots and the unused ones), when it exists.
     rider_region: torch.Tensor | None = None
     # Sharded (harness/runtime/shard_sites.py): a reduce-scatter input is `shards` rows, one per

@@ -36,7 +36,7 @@ from harness.core import inflight
 from harness.core.bus import PluginBus
 from harness.core.plugins import Bucket
 from harness.core.stopwatch import HOOK
-from harness.runtime.sharding import GroupLayout, ShardSites
+from harness.runtime.sharding import GroupLayout, ShardSites, predivide
 
 
 class ShardedBuckets:
@@ -71,7 +71,8 @@ class ShardedBuckets:
 
     def _local(self, layout: GroupLayout, flat: torch.Tensor, averaged: bool) -> None:
         bus = self._bus()
-        self._whole(layout, flat, lambda bucket: bus.local_grad(self.step, bucket))
+        divided_by = 1 if averaged else predivide(self.world_size)
+        self._whole(layout, flat, lambda bucket: bus.local_grad(self.step, bucket), divided_by)
         # Averaged over the shard group, then under HSDP over the replicas: 1 / world in all.
         # Summed (float16), the input was divided before this site and the rest comes after
         # the received shard's (harness/runtime/sharding.py).
@@ -108,7 +109,7 @@ class ShardedBuckets:
         if not backward:
             self._whole(layout, flat, lambda bucket: self._bus().gathered(self.step, bucket))
 
-    def _whole(self, layout: GroupLayout, flat: torch.Tensor, visit) -> None:
+    def _whole(self, layout: GroupLayout, flat: torch.Tensor, visit, divided_by: float = 1) -> None:
         """`visit` a parameter-major copy of a (shard group, shard numel) buffer, then write
         the copy back into it; with no plug-in on the bus (the runs without checks or faults),
         no copy at all."""
@@ -124,7 +125,7 @@ class ShardedBuckets:
             )
             tensors.append((span.name, copy[at : at + math.prod(span.shape)].view(span.shape)))
             at += n
-        visit(self._bucket(layout, copy, tensors))
+        visit(self._bucket(layout, copy, tensors, divided_by=divided_by))
         at = 0
         for span in layout.spans:
             n = layout.world * span.length
@@ -139,6 +140,7 @@ class ShardedBuckets:
         buffer: torch.Tensor,
         tensors: list[tuple[str, torch.Tensor]],
         contribution: float = 1.0,
+        divided_by: float = 1,
     ) -> Bucket:
         return Bucket(
             layout.index,
@@ -146,6 +148,7 @@ class ShardedBuckets:
             tensors,
             is_last=layout.index == self.groups - 1,
             contribution=contribution,
+            divided_by=divided_by,
             shards=layout.world,
             shard=layout.rank,
         )

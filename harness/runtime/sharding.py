@@ -152,6 +152,16 @@ class GroupLayout:
         return flat[span.offset : span.offset + span.length]
 
 
+def predivide(world_size: int) -> int:
+    """What FSDP2 divides a summed (float16) reduce-scatter input by before the collective, the
+    rest of the mean after it: torch's `_get_gradient_divide_factors` with no divide factor set
+    (2 on 2 or 4 ranks, 4 on 8). Exact, a power of two, but where a quotient is subnormal."""
+    factor = 1
+    while world_size % factor == 0 and world_size / factor > factor:
+        factor *= 2
+    return factor
+
+
 @dataclass(frozen=True)
 class ShardSites:
     """The harness's callbacks on a sharded step's collectives, None where nothing runs. Each
