@@ -95,3 +95,7 @@ def test_megatrons_hash_under_hsdp_compares_each_shard_with_replica_group_0s(run
     assert clean["alerts"] == "0" and clean["golden_match"] == "True", clean
     assert (third["detect_step"], third["suspect_ranks"]) == ("1", "3"), third
     assert (first["detect_step"], first["suspect_ranks"]) == ("1", "2"), first
+    # Two replica groups, 2 against 2, and neither holds the golden weights (the groups average
+    # their gradients, so the wrong shard's steps reached both): no side is the healthy one, and
+    # every rank is named. A tie's most common digest was rank 0's: "2;3" both times before.
+    assert (third["divergent_ranks"], first["divergent_ranks"]) == ("0;1;2;3", "0;1;2;3")

@@ -201,7 +201,7 @@ def trial_row(
         fault_steps=_sorted(fault.steps),
         golden_match=matches_golden(parts, golden),
         replicas_agree=None if parts is None else len({p.weights_digest for p in parts}) == 1,
-        divergent_ranks=_sorted(divergent_ranks(parts)),
+        divergent_ranks=_sorted(divergent_ranks(parts, golden)),
         noise_band=band,
         stopped_step=next(
             (p.stopped_step for p in parts or [] if p.stopped_step is not None), None
@@ -361,12 +361,17 @@ def attribution(first: TrialAlert, culprits: set[int], run: RunConfig) -> bool:
     return bool(first.suspect_nodes) and set(first.suspect_nodes) == nodes
 
 
-def divergent_ranks(parts: list[RankResult] | None) -> list[int]:
-    """Ranks whose final weights differ from the most common replica's."""
+def divergent_ranks(parts: list[RankResult] | None, golden: Golden) -> list[int]:
+    """Ranks whose final weights differ from those a strict majority of the replicas holds, or,
+    with no strict majority (an HSDP world's two replica groups split 2 against 2), from the
+    golden run's: the most common digest of a tie is the first rank's, which named the healthy
+    group whenever rank 0's was struck. Where no replica holds the golden weights either, no
+    side can be called the healthy one, and every rank is named."""
     if not parts:
         return []
-    majority, _ = Counter(p.weights_digest for p in parts).most_common(1)[0]
-    return [p.rank for p in parts if p.weights_digest != majority]
+    common, count = Counter(p.weights_digest for p in parts).most_common(1)[0]
+    reference = common if 2 * count > len(parts) else golden.weights_digest
+    return [p.rank for p in parts if p.weights_digest != reference]
 
 
 def step_time(parts: list[RankResult] | None) -> float | None:

@@ -94,9 +94,23 @@ def test_damage_names_each_broken_invariant():
 def test_divergent_ranks_are_those_off_the_most_common_replica():
     parts = world(rank(0, digest="a"), rank(1, digest="b"), rank(2, digest="a"),
                   rank(3, digest="a"))  # fmt: skip
-    assert divergent_ranks(parts) == [1]
-    assert divergent_ranks(world()) == []
-    assert divergent_ranks(None) == []
+    assert divergent_ranks(parts, GOLDEN) == [1]
+    assert divergent_ranks(world(), GOLDEN) == []
+    assert divergent_ranks(None, GOLDEN) == []
+
+
+@pytest.mark.parametrize("struck", [(0, 1), (2, 3)])
+def test_with_no_majority_the_divergent_ranks_are_those_off_the_golden_run(struck):
+    """Two replica groups of an HSDP world split 2 against 2 (or two DDP ranks 1 against 1):
+    the most common digest was whichever came first, rank 0's, so the healthy group was named
+    whenever rank 0's was struck. The golden run (same seed) tells them apart; where neither
+    side holds it, no side can be called the healthy one."""
+    parts = [rank(r, digest="wrong" if r in struck else "gold") for r in range(4)]
+    assert divergent_ranks(parts, GOLDEN) == list(struck)
+    both = [rank(r, digest="a" if r < 2 else "b") for r in range(4)]
+    assert divergent_ranks(both, GOLDEN) == [0, 1, 2, 3]
+    three = [rank(0, digest="a"), rank(1, digest="b"), rank(2, digest="gold")]
+    assert divergent_ranks(three, GOLDEN) == [0, 1]
 
 
 # the effect
