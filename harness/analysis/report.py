@@ -355,8 +355,10 @@ def write_report(df: pd.DataFrame, out: Path, dirs: list[Path] | None = None) ->
         sections.append(
             "## Catch rate by parallelism\n\nThe same faults with replicas (ddp), sharded "
             "(fsdp) and sharded within replica groups (hsdp): each detector's catch rate among "
-            "the fired trials it ran in; `not run` where the check or the site does not exist "
-            "under that parallelism (docs/design.md, section 3).\n\n" + markdown_table(sharded)
+            "the fired trials it ran in; `not run` where the check did not run beside that fault "
+            "there (it does not exist under that parallelism, docs/design.md, section 3, or the "
+            "run left it out), `no trials` where no run under it held the fault.\n\n"
+            + markdown_table(sharded)
         )
     by_interval = audit_intervals(df)
     if by_interval:

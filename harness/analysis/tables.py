@@ -574,9 +574,12 @@ def by_parallel(df: pd.DataFrame) -> list[dict[str, object]]:
         for d in detector_names(cell):
             row = {**_named(keys, key), "detector": d}
             for mode in modes:
-                on = cell[(cell[Column.parallel] == mode) & named(cell[Column.detectors], d)]
+                at = cell[cell[Column.parallel] == mode]
+                on = at[named(at[Column.detectors], d)]
                 caught = int(named(on[Column.detected_by], d).sum())
-                row[mode] = rate_text(caught, len(on)) if len(on) else "not run"
+                # The check did not run beside this fault there, or no run there held the fault.
+                missing = "not run" if len(at) else "no trials"
+                row[mode] = rate_text(caught, len(on)) if len(on) else missing
             rows.append(row)
     return rows
 

@@ -532,6 +532,20 @@ def test_the_parallelism_table_keeps_each_scenario_apart():
     ]
 
 
+def test_a_fault_one_parallelism_never_ran_reads_no_trials_not_not_run():
+    """`not run`: the check did not run beside that fault there (it does not exist under that
+    parallelism, or the run left it out); `no trials`: the runs under it held no such fault. A
+    ddp run without the fsdp run's x1e6 fault read `not run`, as if the check did not apply."""
+    ddp = [dict(r, detectors="grad_stats;nan_inf") for r in [*X10_MISSED, *X1E6_CAUGHT]]
+    rows = by_parallel(classed(*ddp, *(dict(r, parallel="fsdp") for r in X10_MISSED)))
+    assert [(r["factor"], r["detector"], r["ddp"], r["fsdp"]) for r in rows] == [
+        ("10", "grad_stats", rate_text(0, 5), "not run"),
+        ("10", "nan_inf", rate_text(0, 5), rate_text(0, 5)),
+        ("1e+06", "grad_stats", rate_text(0, 5), "no trials"),
+        ("1e+06", "nan_inf", rate_text(5, 5), "no trials"),
+    ]
+
+
 def test_a_table_without_the_precision_column_beside_one_with_it_is_told_apart():
     """A report merging a job written before `precision` existed with one written after: the
     blank and 32-true cells are two, and the table shows why."""
