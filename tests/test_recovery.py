@@ -265,6 +265,33 @@ def test_a_sharded_wrong_sum_no_node_explains_is_rolled_back_to_before_any_quara
         assert recovery.verdict is None and recovery.completed and recovery.quarantined == ()
 
 
+def test_a_stop_naming_every_node_is_rolled_back_to_without_quarantine(tmp_path):
+    """A check that cannot tell the ranks apart names all of them (a NaN in one FSDP optimizer
+    shard reaches every rank's gathered weights): quarantined at once, every node was lost, and
+    the trial ended "4 suspect nodes and 1 spare(s) left". Rolled back to without quarantine,
+    the transient fault is not met again and the trial ends recovered, every node in place."""
+    run = compose_run("recovery.enabled=true", "campaign=single", "topology.parallel=fsdp",
+                      "topology.spares=1", "recovery.max_recoveries=1", "checkpoint.interval=2",
+                      "detectors=[nan_inf]")  # fmt: skip
+    fault = FaultConfig(site="optimizer", model="value", value="nan", ranks=(1,), steps=(3,))
+    specs: list[TrialSpec] = []
+
+    def execute(run, spec) -> TrialResult:
+        specs.append(spec)
+        if spec.segment is not None:  # the transient fault struck once in time: a clean run
+            return TrialResult([RankResult(spec.trial_id, r) for r in range(4)])
+        alert = Alert(rank=0, node=0, time=1.0, step=5, detector="nan_inf",
+                      phase="pre_allreduce", suspect_ranks=[0, 1, 2, 3], suspect_nodes=[],
+                      evidence={})  # fmt: skip
+        return TrialResult([RankResult(spec.trial_id, r, [alert] if r == 0 else [],
+                                       stopped_step=5) for r in range(4)])  # fmt: skip
+
+    recovery = run_with_recovery(run, TrialSpec("t", 0, fault), execute, tmp_path).recovery
+    assert recovery.recoveries == ["rollback at step 5 to step -1"], recovery.recoveries
+    assert recovery.verdict is None and recovery.completed and recovery.quarantined == ()
+    assert specs[1].segment.hardware == tuple(range(4)), "every node where it was"
+
+
 def test_a_transient_fault_met_in_an_earlier_segment_is_not_met_again():
     """A recovery segment re-executes steps: a transient fault on hardware struck once in
     time; one that follows the data is met again (the data is what it was), and so is one
@@ -296,8 +323,9 @@ def test_a_transient_fault_met_in_an_earlier_segment_is_not_met_again():
         # on grounds it does not have, and the loop went on to quarantine them.
         (("detectors=[replay]", "recovery.max_recoveries=3"), [1], 2,
          "2 node(s) left, too few for replay: replay needs at least 3 nodes"),
-        # Every node suspected, no spare.
-        (("recovery.max_recoveries=3",), [0, 1, 2, 3], 1, "no healthy node left to run on"),
+        # Every node suspected, no spare: rolled back to without quarantine first (no node to
+        # lay the fault on), then, met again, nothing left to run on.
+        (("recovery.max_recoveries=3",), [0, 1, 2, 3], 2, "no healthy node left to run on"),
     ],
     ids=["fsdp-without-a-spare", "ddp-below-replay", "every-node"],
 )  # fmt: skip
@@ -313,8 +341,9 @@ def test_recovery_ends_with_a_verdict_where_the_world_left_cannot_run_the_trial(
     assert outcome.recovery.verdict.startswith(verdict), outcome.recovery.verdict
     # Decided before that recovery quarantines any node: only the earlier recoveries' are
     # (before, the sharded world lost one suspect before the verdict, and the world of four
-    # suspects three).
-    assert len(outcome.recovery.quarantined) == runs - 1, outcome.recovery.quarantined
+    # suspects three), and a rollback that suspected every node quarantined none.
+    plain = len(suspects) == 4
+    assert len(outcome.recovery.quarantined) == runs - 1 - plain, outcome.recovery.quarantined
 
 
 def test_a_corrupted_checkpoint_is_detected_and_an_older_verified_one_is_used(tmp_path):

@@ -157,7 +157,7 @@ def run_with_recovery(
         }
         suspects = sorted({machines.node_of(r) for r in _suspect_ranks(outcome, alerts, stop)})
         record.stops.append((stop, tuple(suspects)))
-        if _received_sum(run, alerts, suspects) and stop not in plain:
+        if _no_culprit(run, alerts, suspects, machines) and stop not in plain:
             plain.add(stop)
             suspects = []
         if len(record.stops) > run.recovery.max_recoveries:
@@ -220,6 +220,19 @@ def _cannot_go_on(
         except ConfigError as error:
             return f"{topology.nodes} node(s) left, too few for {name}: {error.message}"
     return None
+
+
+def _no_culprit(
+    run: RunConfig, alerts: list[TrialAlert], suspects: list[int], machines: Machines
+) -> bool:
+    """Whether a stop names no node the fault can be laid on: a sharded wrong received sum
+    (below), or every node of the world, named by a check that cannot tell the ranks apart (a
+    NaN in one FSDP optimizer shard reaches every rank's gathered weights). Rolled back to
+    without quarantine the first time at that step; a fault that strikes it again gets its
+    suspects quarantined, or the verdict that the world cannot spare them. Quarantined at once,
+    every node was lost: the sharded trial ended unrecovered, the DDP one on one node."""
+    everyone = len(suspects) > 1 and len(suspects) == len(machines.nodes)
+    return everyone or _received_sum(run, alerts, suspects)
 
 
 def _received_sum(run: RunConfig, alerts: list[TrialAlert], suspects: list[int]) -> bool:
