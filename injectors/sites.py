@@ -23,6 +23,8 @@ MODULE_SITES = ("activation", "matmul")
 # The sites where a sharded rank holds only its own chunk of each parameter (dim 0, as FSDP2's
 # `fully_shard` splits it: `torch.chunk`, so the last ranks of a short dim 0 hold nothing).
 SHARD_HELD = ("allreduce", "weight", "optimizer")
+# The sites of what training makes of a gradient: a frozen parameter has none of them.
+TRAINED_ONLY = ("grad", "allreduce", "optimizer")
 # The sites whose tensors carry over from step to step: a strike finds what the last one left.
 STATE_SITES = ("weight", "optimizer")
 RIDERS = "riders"
@@ -47,6 +49,10 @@ def targets(
         # FSDP's last ranks may hold nothing of a short dim 0: a fault drawn there would never
         # strike, so only the parameters this rank's shard holds part of are reachable.
         params = [(n, p) for n, p in params if local(p).numel()]
+    if site in TRAINED_ONLY:
+        # A frozen parameter (requires_grad False) gets no gradient, so no reduction and no
+        # moments either: a fault named there could never strike, and `*` must not draw one.
+        params = [(n, p) for n, p in params if p.requires_grad]
     if site == "optimizer":
         # Sharded: a rank's own shard of the moments, whose size shows when it is at hand.
         return [(f"{n}.{k}", None if sharded else p.numel()) for n, p in params for k in MOMENTS]

@@ -611,6 +611,23 @@ CASES = [
         "fault.phase",
         "backward: product 1 of 'body' multiplies a frozen weight, which no gradient reaches",
     ),
+    # A frozen weight gets no gradient, no reduction and no moments: a fault on one there was
+    # accepted and never struck (and `*` could draw it).
+    *(
+        (
+            [
+                "workload=custom",
+                "workload.model._target_=tests.fixtures_custom.FrozenNet",
+                f"fault.site={site}",
+                "fault.model=scale",
+                "fault.factor=1000",
+                f"fault.tensor={tensor}",
+            ],
+            "fault.tensor",
+            f"'{tensor}' matches nothing at site {site} (trainable parameters: a frozen one",
+        )
+        for site, tensor in (("grad", "body.weight"), ("optimizer", "body.weight.exp_avg"))
+    ),  # fmt: skip
     ([*FSDP, "fault=weight_bitflip", "fault.index=0"], "fault.index", "in the rank's own shard"),
     (["fault=grad_scale", "fault.bucket=1"], "fault.bucket", "reduce in 1 bucket; allowed: 0..0"),
     (

@@ -25,6 +25,9 @@ from injectors.value import unstored
 SITE_TARGETS = {
     "activation": " (modules whose forward runs and returns a floating-point tensor)",
     "matmul": " (modules in whose forward a matrix multiply runs)",
+    **dict.fromkeys(
+        sites.TRAINED_ONLY, " (trainable parameters: a frozen one gets no gradient, sum or moment)"
+    ),
 }
 
 
