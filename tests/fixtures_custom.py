@@ -54,6 +54,15 @@ class FrozenNet(torch.nn.Module):
         return self.head(torch.relu(self.body(x.flatten(1))))
 
 
+class UnusedNet(FrozenNet):
+    """A layer its forward never uses, trainable: DDP without find_unused_parameters fails at
+    the step after the first, FSDP2's reduce-scatter leaves it out of its layout."""
+
+    def __init__(self):
+        super().__init__()
+        self.spare = torch.nn.Linear(64, 10)
+
+
 class IrreproducibleNet(torch.nn.Module):
     """Dropout drawn from a generator of its own seeded by the OS: no seeding of torch's
     generators makes two computations of a micro-batch agree (a non-deterministic op's

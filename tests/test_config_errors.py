@@ -628,6 +628,12 @@ CASES = [
         )
         for site, tensor in (("grad", "body.weight"), ("optimizer", "body.weight.exp_avg"))
     ),  # fmt: skip
+    (
+        ["workload=custom", "workload.model._target_=tests.fixtures_custom.UnusedNet"],
+        "workload.model",
+        "'tests.fixtures_custom.UnusedNet' leaves spare.weight, spare.bias without a gradient in "
+        "a dry step",
+    ),
     ([*FSDP, "fault=weight_bitflip", "fault.index=0"], "fault.index", "in the rank's own shard"),
     (["fault=grad_scale", "fault.bucket=1"], "fault.bucket", "reduce in 1 bucket; allowed: 0..0"),
     (

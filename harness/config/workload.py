@@ -218,6 +218,7 @@ def _dry_step(cfg: WorkloadConfig) -> None:
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise TypeError(f"returned {type(loss).__name__}, not a scalar tensor")
             loss.backward()
+        _every_parameter_trained(cfg, model)
         key = "workload.optimizer"
         workload.build_optimizer(model).step()
     except ConfigError:
@@ -229,6 +230,20 @@ def _dry_step(cfg: WorkloadConfig) -> None:
             key,
             f"'{target}' failed in a dry step of one micro-batch: {type(exc).__name__}: {first}",
         ) from None
+
+
+def _every_parameter_trained(cfg: WorkloadConfig, model: nn.Module) -> None:
+    """A trainable parameter the loss does not reach fails the ranks' training: DDP (no
+    `find_unused_parameters`) raises at the next step, and FSDP2's reduce-scatter leaves it out
+    of the fixed layout (harness/runtime/sharding.py). Frozen, it trains as intended."""
+    unused = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    if unused:
+        raise ConfigError(
+            "workload.model", f"'{cfg.model['_target_']}' leaves {', '.join(unused[:4])}"
+            f"{' ...' if len(unused) > 4 else ''} without a gradient in a dry step of one "
+            "micro-batch: data-parallel training refuses a parameter the loss does not reach; "
+            "freeze it (requires_grad_(False)) or leave it out of the model"
+        )  # fmt: skip
 
 
 MODULE_SITES = tuple(s.value for s in vocabulary.MODULE_SITES)
