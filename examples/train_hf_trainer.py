@@ -29,6 +29,7 @@ attributed); 2 with one line for a setting the callback refuses.
 """
 
 import argparse
+import gc
 import hashlib
 import json
 import os
@@ -117,6 +118,20 @@ def checks(value: str) -> str | list | dict:
     return value if value == "all" else json.loads(value)
 
 
+def unguarded(args: argparse.Namespace) -> dict:
+    """The twin: the same fit without the callback, its digest and step time. Its Trainer (and
+    the DDP wrapper in it) is gone when this returns: kept to the end of `main`, it was freed at
+    the interpreter's exit, after the process group, and a rank could wait forever in DDP's
+    reducer tearing down gloo's threads."""
+    clock = StepClock()
+    twin = trainer_for(args.out / "twin", args, [clock])
+    twin.train()
+    record = {"unguarded": digest(twin.model), "unguarded_step_ms": clock.median_ms()}
+    del twin
+    gc.collect()  # the Trainer and its accelerator hold each other
+    return record
+
+
 def guarded(args: argparse.Namespace, out: Path, inject: dict | None) -> dict:
     """One Trainer with the callback (or without, `--guard-off`), checkpoints into
     out/checkpoints; what this rank saw."""
@@ -179,10 +194,7 @@ def main() -> None:
     record: dict = {"unguarded": None, "unguarded_step_ms": None}
     try:
         if args.twin:
-            clock = StepClock()
-            twin = trainer_for(args.out / "twin", args, [clock])
-            twin.train()
-            record |= {"unguarded": digest(twin.model), "unguarded_step_ms": clock.median_ms()}
+            record |= unguarded(args)
         record |= guarded(args, args.out, args.inject)
         if args.rehearse is not None:
             record["rehearsal"] = guarded(args, args.out / "rehearsal", args.rehearse)
