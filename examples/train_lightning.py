@@ -192,6 +192,10 @@ def main() -> int:
     for flag in ("steps", "save_every"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')}: {getattr(args, flag)} must be at least 1")
+    world = int(os.environ.get("WORLD_SIZE", RANKS))
+    if world != RANKS:  # Lightning's own mismatch of devices and world read as a refusal
+        launch = f"torchrun --nproc-per-node={RANKS}"
+        parser.error(f"the example runs on {RANKS} processes ({launch}), not {world}")
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     # One simulated node per process, so that replay finds its three nodes on one host.

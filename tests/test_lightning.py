@@ -339,3 +339,13 @@ def test_the_example_refuses_a_count_below_one_before_any_process_group(flag, mo
     exited 0."""
     assert example_refusal(EXAMPLE, monkeypatch, flag, "0") == 2
     assert capsys.readouterr().err.endswith(f"error: {flag}: 0 must be at least 1\n")
+
+
+def test_the_example_refuses_a_world_it_is_not_laid_out_for(monkeypatch, capsys):
+    """Its data and strategy are laid out for 4 processes: on 2, Lightning's own mismatch of
+    `devices` and the world size came out as one of the callback's refusals."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert example_refusal(EXAMPLE, monkeypatch) == 2
+    assert capsys.readouterr().err.endswith(
+        f"error: the example runs on {RANKS} processes (torchrun --nproc-per-node={RANKS}), not 2\n"
+    )
