@@ -125,8 +125,10 @@ FORKED_RANKS = Path(__file__).parent / "loops" / "forked_ranks.py"
 
 def example_refusal(script: Path, monkeypatch, *args: str) -> int:
     """An example's `main()` run in this process with `args` (and an unused --out), before any
-    process group: the code it exits with."""
+    process group: the code it exits with. In a folder of its own: an example that does not
+    refuse trains and writes there, not into the working tree."""
     example = runpy.run_path(str(script), run_name="example")
+    monkeypatch.chdir(tempfile.mkdtemp(prefix="sdc-refusal-"))
     monkeypatch.setattr(sys, "argv", [str(script), "--out", "unused", *args])
     with pytest.raises(SystemExit) as exited:
         example["main"]()

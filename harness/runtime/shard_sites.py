@@ -47,6 +47,8 @@ class ShardedBuckets:
         # The reduced shard the optimizer steps on: HSDP's all-reduce follows the reduce-scatter.
         self.final_stage = "all_reduce" if hsdp else "reduce_scatter"
         self.world_size = world_size
+        # What FSDP divides a summed (float16) input by before the reduce-scatter.
+        self.predivided_by = predivide(world_size)
         # Per group: what a rank contributes of its input (`Bucket.contribution`), this rank's
         # row of the summed riders, and where each plug-in's lies in it.
         self.riders: dict[int, tuple[float, torch.Tensor, list[tuple[int, int, int]]]] = {}
@@ -71,7 +73,7 @@ class ShardedBuckets:
 
     def _local(self, layout: GroupLayout, flat: torch.Tensor, averaged: bool) -> None:
         bus = self._bus()
-        divided_by = 1 if averaged else predivide(self.world_size)
+        divided_by = 1 if averaged else self.predivided_by
         self._whole(layout, flat, lambda bucket: bus.local_grad(self.step, bucket), divided_by)
         # Averaged over the shard group, then under HSDP over the replicas: 1 / world in all.
         # Summed (float16), the input was divided before this site and the rest comes after
