@@ -169,15 +169,13 @@ def test_float16_replays_recompute_the_gradient_as_fsdp_divided_it(run_ok, tmp_p
     overflow, 2 on 4 ranks) before the `grad` site, where the replays fingerprint it. Compared
     with the undivided recomputation, both alarmed at every audited step of a clean trial,
     naming every rank; recomputed and divided as FSDP divides, they agree bit for bit and still
-    name the rank whose local gradient was scaled. The mlp: the division is the model's size
-    whatever its size, and exact comparison leaves no tolerance to hide a factor in."""
-    out = tmp_path / "float16"
+    name the rank whose local gradient was scaled. On a gpt of three blocks (four FSDP groups,
+    1.3 MB of float16 gradients), compared exactly: no tolerance to hide a factor in."""
     scaled = "{site:grad,model:scale,factor:8.0,ranks:[1],steps:[2]}"
-    run_ok("workload.steps=4", "campaign.seeds=1", "campaign.noise_seeds=2",
-           "workload.dtype=float16", *FSDP, f"campaign.scenarios=[{{site:none}},{scaled}]",
-           "detectors=[replay,titan_replay]", "detectors.replay.interval=1",
-           "detectors.replay.compare=exact", "detectors.titan_replay.num_steps=-1",
-           f"out={out}", cwd=tmp_path)  # fmt: skip
+    checks = ["detectors=[replay,titan_replay]", "detectors.replay.interval=1",
+              "detectors.replay.compare=exact", "detectors.titan_replay.num_steps=-1"]  # fmt: skip
+    out = campaign(run_ok, tmp_path, "float16", "workload.dtype=float16", "workload.layers=3",
+                   *FSDP, f"campaign.scenarios=[{{site:none}},{scaled}]", *checks)  # fmt: skip
     clean, struck = rows(out)
     assert clean["alerts"] == "0", clean
     first = {(a["detector"], a["step"], tuple(a["suspect_ranks"])) for a in events(out)
