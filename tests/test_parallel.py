@@ -175,7 +175,8 @@ def test_float16_replays_recompute_the_gradient_as_fsdp_divided_it(run_ok, tmp_p
     checks = ["detectors=[replay,titan_replay]", "detectors.replay.interval=1",
               "detectors.replay.compare=exact", "detectors.titan_replay.num_steps=-1"]  # fmt: skip
     out = campaign(run_ok, tmp_path, "float16", "workload.dtype=float16", "workload.layers=3",
-                   *FSDP, f"campaign.scenarios=[{{site:none}},{scaled}]", *checks)  # fmt: skip
+                   "workload.steps=3", *FSDP, f"campaign.scenarios=[{{site:none}},{scaled}]",
+                   *checks, micro_batch_size=2)  # fmt: skip
     clean, struck = rows(out)
     assert clean["alerts"] == "0", clean
     first = {(a["detector"], a["step"], tuple(a["suspect_ranks"])) for a in events(out)
