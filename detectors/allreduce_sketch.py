@@ -12,7 +12,8 @@ Why a faulty reduction cannot forge this in step with the data:
   is exact), not a sum. A contribution that is missing (drop), counted twice (duplicate) or
   last step's (stale) leaves a tag of 0, 2 (step + 1) or step: a known answer that a reduction
   handling contributions consistently cannot keep right without being right, and it names the
-  rank whose contribution was wrong. A rider slot corrupted in the reduction breaks either a
+  rank whose contribution was wrong (a tag of no such answer was struck after its sender wrote
+  it: the receiver that sees it is named). A rider slot corrupted in the reduction breaks either a
   tag or the equality of the summed projections with the received data's projection.
 - Fresh weights every step, from a seed all ranks share (step and chunk index): the bucket is
   viewed as BLOCKS rows (WIDE_BLOCKS, longer ones, from 10 MiB of float32), and element (b, c)
@@ -368,8 +369,13 @@ class AllreduceSketch(Detector):
             bad = {r: t for r, t in enumerate(tag_values) if t != step + 1}
             senders = [r for r, p in enumerate(projections) if not math.isfinite(p)]
             if bad:
-                verdicts = {r: _tag_verdict(t, step) for r, t in bad.items()}
-                self.alert(step, "post_allreduce", sorted(bad), evidence | {"tags": verdicts})
+                # A tag of a known answer names the sender whose contribution was summed wrong;
+                # one no way of summing contributions gives was struck after the sender wrote
+                # it, in the reduction or here: this receiver is named, as for a struck slot.
+                known = {r: _known_answer(t, step) for r, t in bad.items()}
+                named = {r if answer else rank for r, answer in known.items()}
+                verdicts = {r: known[r] or f"corrupted (tag {t})" for r, t in bad.items()}
+                self.alert(step, "post_allreduce", sorted(named), evidence | {"tags": verdicts})
             elif senders and not was_changed and not math.isfinite(received):
                 reason = {"reason": "contribution not finite"}
                 self.alert(step, "post_allreduce", senders, evidence | reason)
@@ -398,14 +404,16 @@ def _chunk(bucket: Bucket, row: int) -> int | str:
     return bucket.index if bucket.shards == 1 else f"{bucket.index}.{row}"
 
 
-def _tag_verdict(tag: float, step: int) -> str:
+def _known_answer(tag: float, step: int) -> str | None:
+    """What a sender's wrong tag says of its contribution, where a reduction handling it
+    consistently gives that tag; None for any other."""
     if tag == 0:
         return "missing from the sum"
     if tag == 2 * (step + 1):
         return "counted twice"
     if tag == step:
         return "from the previous step"
-    return f"corrupted (tag {tag})"
+    return None
 
 
 DETECTOR = AllreduceSketch

@@ -14,9 +14,12 @@ from harness.core.plugins import Bucket, DetectorContext, EventLog, RankInfo
 WORLD, STEP = 4, 3
 
 
-def _named(kernels: str, grads: list[torch.Tensor], struck_slot: int | None) -> list[list[int]]:
-    """Each receiver's alerts' suspects, the sum right; `struck_slot`: the rider slot holding
-    that sender's projection made NaN on receiver 1 alone, after the collective."""
+def _named(
+    kernels: str, grads: list[torch.Tensor], struck: tuple[int, float] | None
+) -> list[list[int]]:
+    """Each receiver's alerts' suspects, the sum right; `struck`: a rider slot (1 + r: sender
+    r's tag, 1 + WORLD + r: its projection) and the value written there on receiver 1 alone,
+    after the collective."""
     data = tuple((r,) for r in range(WORLD))
     ranks = []
     for r in range(WORLD):
@@ -29,8 +32,8 @@ def _named(kernels: str, grads: list[torch.Tensor], struck_slot: int | None) -> 
     for r, (check, bucket, log) in enumerate(ranks):
         bucket.buffer.copy_(sum(grads))
         riders = summed.clone()
-        if struck_slot is not None and r == 1:
-            riders[1 + WORLD + struck_slot] = float("nan")
+        if struck is not None and r == 1:
+            riders[struck[0]] = struck[1]
         bucket.riders[id(check)] = riders
         check.on_reduced_grad(STEP, bucket)
         log.verdicts.resolve()
@@ -47,4 +50,16 @@ def test_a_contribution_not_finite_names_its_sender_and_a_struck_slot_its_receiv
     grads = [torch.randn(4096, generator=gen) for _ in range(WORLD)]
     poisoned = [*grads[:3], grads[3].clone().index_fill_(0, torch.tensor([7]), float("nan"))]
     assert _named(kernels, poisoned, None) == [[3]] * WORLD
-    assert _named(kernels, grads, struck_slot=3) == [[1]]
+    assert _named(kernels, grads, struck=(1 + WORLD + 3, float("nan"))) == [[1]]
+
+
+@pytest.mark.parametrize("kernels", ["native", "eager"])
+def test_a_garbled_tag_names_its_receiver_and_a_known_answer_its_sender(kernels):
+    """Sender 2's tag (STEP + 1 = 4) garbled on receiver 1 alone, by a flip of its lowest
+    exponent bit (to 2, a value no way of summing contributions gives): no sender wrote it, and
+    receiver 1 names itself. A tag of 0 there reads as sender 2's contribution missing from the
+    sum, the one answer the slots give for it: the sender is named."""
+    gen = torch.Generator().manual_seed(1)
+    grads = [torch.randn(4096, generator=gen) for _ in range(WORLD)]
+    assert _named(kernels, grads, struck=(1 + 2, 2.0)) == [[1]]
+    assert _named(kernels, grads, struck=(1 + 2, 0.0)) == [[2]]
