@@ -933,6 +933,38 @@ def test_an_alarm_on_megatron_hash_names_no_machine():
     assert attributed_ranks([replay, consensus]) == {0}
 
 
+def test_a_sharded_wrong_sum_names_its_receivers_machines_only_when_it_strikes_again(tmp_path):
+    """HSDP on four machines, two replica groups of two: a wrong received sum of shard 1, seen
+    by its receivers in both groups (ranks 1 and 3), named host1 and host3 (exit 86, "restart
+    without" them), where a campaign's recovery rolls back without quarantine: no machine
+    explains it. Now exit 87 the first time at its step; after the restart, struck again at
+    that step (quarantine.json's earlier incident), its receivers' machines are named. A DDP
+    job re-runs a wrong reduction in its step, and names them at once; so does a sharded one
+    whose receivers share a machine."""
+    from harness.guard.alarm import EXIT_SUSPECT_HARDWARE, EXIT_UNATTRIBUTED, earlier_incidents
+
+    machines = [f"host{r}" for r in range(4)]
+    alerts = [
+        Alert(step=6, detector="allreduce_sketch", phase="post_allreduce", suspect_ranks=[r],
+              suspect_nodes=[r], evidence={}, rank=r, node=r)
+        for r in (1, 3)
+    ]  # fmt: skip
+    first = SDCAlarm(alerts, machines, 6, sharded=True)
+    assert (first.exit_code, first.suspect_machines) == (EXIT_UNATTRIBUTED, ["host1", "host3"])
+    quarantine(tmp_path, first, [])
+    assert earlier_incidents(tmp_path) == ((6, "post_allreduce"),)
+    again = SDCAlarm(alerts, machines, 6, sharded=True, earlier=earlier_incidents(tmp_path))
+    assert again.exit_code == EXIT_SUSPECT_HARDWARE
+    assert again.again().exit_code == EXIT_SUSPECT_HARDWARE
+    later = SDCAlarm(
+        [replace(a, step=7) for a in alerts], machines, 7, True, ((6, "post_allreduce"),)
+    )
+    assert later.exit_code == EXIT_UNATTRIBUTED
+    assert SDCAlarm(alerts, machines, 6).exit_code == EXIT_SUSPECT_HARDWARE
+    shared = SDCAlarm(alerts, ["a", "b", "a", "b"], 6, sharded=True)
+    assert (shared.exit_code, shared.suspect_machines) == (EXIT_SUSPECT_HARDWARE, ["b"])
+
+
 def test_the_alarms_suspect_interval_is_the_earliest_any_alert_puts_in_doubt():
     """Consensus every step on weights and moments alarms first at step 5, vouching for step
     4's checkpoint; nan_inf, in the same step, cannot tell the fault from weights step 4's

@@ -20,6 +20,7 @@ import pytest
 from harness.analysis import plan_report
 from harness.analysis.plan import job_overheads, load
 from harness.guard import EXIT_SUSPECT_HARDWARE
+from harness.guard.alarm import EXIT_UNATTRIBUTED
 from harness.results.costs import JobCosts
 from tests.conftest import BIN
 
@@ -140,6 +141,25 @@ def test_a_wrong_weight_on_one_hsdp_replica_group_stops_every_rank_with_86(tmp_p
     assert [r["alarm"] for r in ranks] == [alarm] * 6
     assert EXIT_SUSPECT_HARDWARE in exit_codes(proc)
     assert exit_codes(proc) <= {EXIT_SUSPECT_HARDWARE, -15}
+
+
+@pytest.mark.slow
+def test_a_wrong_hsdp_sum_stops_every_rank_with_87(tmp_path):
+    """Shard 1's sum x1000 as rank 1's reduction hands it out at step 2, on four machines in two
+    replica groups of two: the sketch on its receivers in both groups (ranks 1 and 3) alerts,
+    and the guard named machines 1 and 3 (86, "restart without" them), where no machine
+    explains the sum and a campaign rolls back without quarantine: 87 on every rank. Slow (a
+    sharded world of four); the rule's default-run test is tests/test_guard.py's."""
+    fault = {"site": "allreduce", "scope": "reduction", "model": "scale", "factor": 1000.0,
+             "ranks": [1], "steps": [2]}  # fmt: skip
+    checks = {"nan_inf": {}, "allreduce_sketch": {}}
+    ranks, proc = loop(tmp_path, 4, "--parallel", "hsdp", "--detectors", json.dumps(checks),
+                       "--inject", json.dumps(fault))  # fmt: skip
+    alarm = {"detector": "allreduce_sketch", "step": 2, "suspect_ranks": [1, 3],
+             "exit_code": EXIT_UNATTRIBUTED}  # fmt: skip
+    assert [r["alarm"] for r in ranks] == [alarm] * 4
+    assert EXIT_UNATTRIBUTED in exit_codes(proc)
+    assert exit_codes(proc) <= {EXIT_UNATTRIBUTED, -15}
 
 
 @pytest.mark.slow

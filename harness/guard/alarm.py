@@ -37,10 +37,20 @@ def first_check(found: list[Alert]) -> list[Alert]:
 class SDCAlarm(RuntimeError):
     """A check in act mode found silent data corruption; every rank raises it together."""
 
-    def __init__(self, alerts: list[Alert], machines: list[str], first_suspect: int):
+    def __init__(
+        self,
+        alerts: list[Alert],
+        machines: list[str],
+        first_suspect: int,
+        sharded: bool = False,
+        earlier: tuple[tuple[int, str], ...] = (),
+    ):
+        """`sharded`: an FSDP2 or HSDP job's; `earlier`: the (step, phase) of the incidents
+        recorded before this one (quarantine.json's)."""
         first = alerts[0]
         self.alerts = alerts
         self.machines = machines
+        self.sharded, self.earlier = sharded, earlier
         self.detector = first.detector
         self.step = first.step
         self.phase = first.phase
@@ -53,6 +63,14 @@ class SDCAlarm(RuntimeError):
         self.first_suspect_step = first_suspect
         self.evidence = first.evidence
         attributed = 0 < len(self.suspect_machines) < len(set(machines))
+        # A sharded reduction's wrong sum, seen after it by the receivers of one shard in
+        # several replica groups: their machines are no culprit the sum can be laid on, and a
+        # sharded job keeps no contributions to re-run it from. Not named the first time at its
+        # step, as a campaign's recovery rolls it back without quarantine
+        # (harness/campaign/recovery.py); struck there again after the restart, they are.
+        received_sum = sharded and self.phase == "post_allreduce" and len(self.suspect_machines) > 1
+        if received_sum and (self.step, self.phase) not in earlier:
+            attributed = False
         self.exit_code = EXIT_SUSPECT_HARDWARE if attributed else EXIT_UNATTRIBUTED
         super().__init__(
             f"{self.detector} at step {self.step}: suspect ranks {self.suspect_ranks} "
@@ -64,7 +82,9 @@ class SDCAlarm(RuntimeError):
         """The same alarm as a fresh exception. The guard keeps one it never raises: a raised
         one carries the loop's frames in its traceback, and kept by the guard those would keep
         the loop's model and process group alive past its end."""
-        return SDCAlarm(self.alerts, self.machines, self.first_suspect_step)
+        return SDCAlarm(
+            self.alerts, self.machines, self.first_suspect_step, self.sharded, self.earlier
+        )
 
     def record(self) -> dict[str, Any]:
         """What quarantine.json holds."""
@@ -125,6 +145,13 @@ def quarantine(folder: Path, alarm: SDCAlarm, written: list[tuple[int, Path]]) -
         tmp = folder / f".{QUARANTINE}.tmp"
         tmp.write_text(json.dumps(record, indent=1, default=str))
         os.replace(tmp, folder / QUARANTINE)
+
+
+def earlier_incidents(folder: Path | None) -> tuple[tuple[int, str], ...]:
+    """The (step, phase) of each incident quarantine.json in `folder` records."""
+    if folder is None:
+        return ()
+    return tuple((i.get("step"), i.get("phase")) for i in _incidents(folder))
 
 
 def _incidents(folder: Path) -> list[dict[str, Any]]:

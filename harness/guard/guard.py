@@ -41,7 +41,13 @@ from harness.core.stopwatch import HOOK, Stopwatch
 from harness.core.values import integer
 from harness.errors import ConfigError
 from harness.guard import selection
-from harness.guard.alarm import SDCAlarm, first_check, quarantine, suspected
+from harness.guard.alarm import (
+    SDCAlarm,
+    earlier_incidents,
+    first_check,
+    quarantine,
+    suspected,
+)
 from harness.results.costs import CheckCost, JobCosts, combined, priced
 from harness.runtime import checkpoint, comm
 from harness.runtime.assembly import assemble
@@ -413,9 +419,7 @@ class Guard:
         if alarm is None:
             return
         self.alarm = alarm
-        # Without a folder of the guard's, quarantine.json goes beside the checkpoints the
-        # trainer wrote (Lightning's ModelCheckpoint under SDCGuard's default).
-        folder = self.folder or (self.written[-1][1].parent if self.written else None)
+        folder = self._alarm_folder()
         try:
             if folder is not None and self.info.rank == 0:
                 quarantine(folder, alarm, self.written)
@@ -430,6 +434,11 @@ class Guard:
             # Training ends here: nothing the guard did may still be in flight when it does.
             self.close()
         raise alarm.again()
+
+    def _alarm_folder(self) -> Path | None:
+        """Where quarantine.json goes: without a folder of the guard's, beside the checkpoints
+        the trainer wrote (Lightning's ModelCheckpoint under SDCGuard's default)."""
+        return self.folder or (self.written[-1][1].parent if self.written else None)
 
     def _agreed_alarm(self) -> SDCAlarm | None:
         self.bus.resolve()
@@ -447,7 +456,11 @@ class Guard:
             key=lambda a: (a.step, PHASE_ORDER[a.phase], a.time),
         )
         since = recovery.earliest_suspect(found, self.checks, self.checkpointed.__contains__)
-        return SDCAlarm(first_check(found), self.machines, since)
+        sharded, earlier = self.parallel != "ddp", ()
+        if sharded:  # rank 0's reading on every rank: each rank's alarm ends with one code
+            mine = earlier_incidents(self._alarm_folder()) if self.info.rank == 0 else ()
+            earlier = inflight.gather_objects(mine)[0]
+        return SDCAlarm(first_check(found), self.machines, since, sharded, earlier)
 
 
 def _module_fault(
