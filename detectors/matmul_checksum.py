@@ -186,10 +186,12 @@ class MatmulChecksum(Detector):
         return True
 
     def _key(self, step: int, module: str) -> str:
+        """`module#n`: the n-th product the module made in the step, counted from 1 as
+        `fault.product` counts it, so that an alert names the product a fault there names."""
         if step != self.calls_step:
             self.calls, self.calls_step, self.precisions = {}, step, {}
         n = self.calls[module] = self.calls.get(module, 0) + 1
-        return f"{module or 'model'}#{n - 1}"
+        return f"{module or 'model'}#{n}"
 
     def _sampled(self, step: int, key: str) -> bool:
         if self.config.fraction >= 1.0:

@@ -466,7 +466,7 @@ def test_products_of_1d_operands_are_checked(wrong):
     if wrong is None:
         assert broken == set() and max(found.values()) < 0.5, found
     else:
-        assert f"model#{wrong - 1} output" in broken, found
+        assert f"model#{wrong} output" in broken, found
 
 
 class Methods(torch.nn.Module):
@@ -499,16 +499,16 @@ def test_products_in_tensor_method_form_are_checked(wrong):
     check = _watched(model, () if wrong is None else (Scaled(wrong),))
     model(torch.randn(4, 6, 16, generator=torch.Generator().manual_seed(1))).backward()
     found = {key: float(ratio) for _, _, key, ratio in check.found}
-    outputs = {f"model#{k} output" for k in range(4)}
+    outputs = {f"model#{k} output" for k in range(1, 5)}
     assert outputs <= found.keys(), found
-    assert {"model#0 weight gradient", "model#1 input gradient", "model#3 input gradient"} <= (
+    assert {"model#1 weight gradient", "model#2 input gradient", "model#4 input gradient"} <= (
         found.keys()
     ), found
     broken = {key for key, ratio in found.items() if not ratio <= 1.0}
     if wrong is None:
         assert broken == set() and max(found.values()) < 0.5, found
     else:
-        assert f"model#{wrong - 1} output" in broken, found
+        assert f"model#{wrong} output" in broken, found
 
 
 def _checked(model: torch.nn.Module, kernels: str, *inputs: torch.Tensor) -> dict[str, float]:
@@ -539,8 +539,8 @@ def test_a_broadcast_operands_gradient_is_left_out_and_the_rest_checked_clean(ke
     not one product: left out. The outputs and the other operands' gradients are checked, and
     a clean step stays inside the bound."""
     found = _checked(Broadcasts(), kernels, torch.tensor(1.0))
-    checked = {"model#0 output", "model#0 weight gradient", "model#1 output",
-               "model#1 input gradient"}  # fmt: skip
+    checked = {"model#1 output", "model#1 weight gradient", "model#2 output",
+               "model#2 input gradient"}  # fmt: skip
     assert set(found) == checked and max(found.values()) < 0.5, found
 
 
@@ -571,8 +571,8 @@ def test_empty_products_are_left_out_and_the_step_goes_on(kernels):
     step goes on (the C kernel once read an empty addend through a null pointer and took the
     process down). A product of an empty inner dimension is its addend, checked clean."""
     found = _checked(Empties(), kernels, torch.randn(5, 16, generator=torch.Generator()))
-    checked = {"model#2 output", "model#2 weight gradient", "line#1 output",
-               "line#1 weight gradient"}  # fmt: skip
+    checked = {"model#3 output", "model#3 weight gradient", "line#2 output",
+               "line#2 weight gradient"}  # fmt: skip
     assert set(found) == checked and max(found.values()) < 0.5, found
 
 
@@ -590,8 +590,8 @@ def test_a_product_changed_in_place_keeps_its_backward_checks(kernels):
         )
         data = torch.randn(*shape)
         found[shape] = _checked(torch.nn.Sequential(model, _Squares()), kernels, data)
-    checked = {f"0.{m}#0 {entry}" for m in (0, 2) for entry in ("output", "weight gradient")}
-    checked.add("0.2#0 input gradient")
+    checked = {f"0.{m}#1 {entry}" for m in (0, 2) for entry in ("output", "weight gradient")}
+    checked.add("0.2#1 input gradient")
     for shape, ratios in found.items():
         assert set(ratios) == checked and max(ratios.values()) < 0.5, (shape, ratios)
 
@@ -613,7 +613,7 @@ def test_a_backward_that_reaches_one_operand_leaves_nothing_for_the_next():
     (y * 3).sum().backward(retain_graph=True)
     (y**3).sum().backward()
     gradients = [(key, float(r)) for _, phase, key, r in check.found if phase != "forward"]
-    assert ("2#0 input gradient" in dict(gradients)) and max(r for _, r in gradients) < 0.5
+    assert ("2#1 input gradient" in dict(gradients)) and max(r for _, r in gradients) < 0.5
 
 
 class Doubles(torch.nn.Module):
@@ -636,7 +636,7 @@ def test_float64_products_are_left_out_and_the_step_goes_on(kernels):
     """The checks' figures are float32: a float64 product is left out (its Linear with a bias
     once raised in the bias's norm and stopped the step), and the float32 one is checked."""
     found = _checked(Doubles(), kernels, torch.randn(4, 16, generator=torch.Generator()))
-    assert set(found) == {"line#0 output", "line#0 weight gradient"}, found
+    assert set(found) == {"line#1 output", "line#1 weight gradient"}, found
     assert max(found.values()) < 0.5, found
 
 
@@ -704,12 +704,12 @@ def test_convolutions_are_checked_forward(wrong, dtype):
     # Fault targets at site matmul, one product each.
     plain = Patches()
     assert traced(plain, lambda: plain(x.float())).products["embed"] == 1
-    assert {"embed#0 output", "mix#0 output", "line#0 output", "head#0 output"} == set(found)
+    assert {"embed#1 output", "mix#1 output", "line#1 output", "head#1 output"} == set(found)
     broken = {key for key, ratio in found.items() if not ratio <= 1.0}
     if wrong is None:
         assert broken == set() and max(found.values()) < 0.5, found
     else:
-        assert broken == {["embed", "mix", "line"][wrong - 1] + "#0 output"}, found
+        assert broken == {["embed", "mix", "line"][wrong - 1] + "#1 output"}, found
 
 
 @pytest.fixture
@@ -774,9 +774,9 @@ def test_the_bound_follows_the_float32_precision_torch_allows_each_backend(preci
         with torch.no_grad():
             model(x, image)
         found = {key: float(ratio) for _, _, key, ratio in check.found}
-        assert set(found) == {"line#0 output", "conv#0 output"}
+        assert set(found) == {"line#1 output", "conv#1 output"}
         if wrong is not None:
-            assert not found[["line#0 output", "conv#0 output"][wrong - 1]] <= 1.0, found
+            assert not found[["line#1 output", "conv#1 output"][wrong - 1]] <= 1.0, found
         elif setting == "tf32":
             assert max(found.values()) < 0.5, found
         else:
@@ -893,5 +893,5 @@ def test_an_alarm_on_weights_an_earlier_update_left_wrong_suspects_that_update()
     check = _watched(model, step_of=lambda: 6)
     workload.loss(model, workload.batch(6, 2, 0)).backward()
     broken = [key for _, _, key, ratio in check.found if not float(ratio) <= 1.0]
-    assert broken == ["fc2#0 input gradient"], check.found
+    assert broken == ["fc2#1 input gradient"], check.found
     assert MatmulChecksum.first_suspect_step(check.config, 6, lambda _: True) <= 4
