@@ -55,17 +55,18 @@ class JobCosts:
 
     @classmethod
     def read(cls, path: Path) -> JobCosts:
-        """A file `write` wrote; ValueError naming what is wrong with any other."""
+        """A file `write` wrote; ValueError naming what is wrong with any other, and the first
+        figure no guard writes (a file edited by hand, or damaged): sdc-plan would plan on it."""
         try:
             data = json.loads(path.read_text())
             entry = _entry(data["hook"])
-            return cls(
+            costs = cls(
                 step_time_s=float(data["step_time_s"]),
-                steps=int(data["steps"]),
-                warmup=int(data["warmup"]),
+                steps=data["steps"],
+                warmup=data["warmup"],
                 device=str(data["device"]),
                 parallel=str(data["parallel"]),
-                world_size=int(data["world_size"]),
+                world_size=data["world_size"],
                 checks={str(name): _entry(c) for name, c in data["checks"].items()},
                 hook=entry,
                 injection=_entry(data["injection"]) if data.get("injection") else None,
@@ -74,18 +75,50 @@ class JobCosts:
             raise ValueError(f"{path}: cannot read it ({exc.strerror})") from None
         except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"{path}: not a costs file from guard.write_costs ({exc})") from None
+        unwritten = _unwritten(costs)
+        if unwritten:
+            raise ValueError(f"{path.name}: {unwritten}; not a figure guard.write_costs writes")
+        return costs
 
 
 def _entry(data: dict[str, Any]) -> CheckCost:
     cost = CheckCost(
         seconds_per_step=float(data["seconds_per_step"]),
         overhead_pct=float(data["overhead_pct"]),
-        interval=None if data.get("interval") is None else int(data["interval"]),
-        looks=None if data.get("looks") is None else int(data["looks"]),
+        interval=data.get("interval"),
+        looks=data.get("looks"),
     )
     if not math.isfinite(cost.overhead_pct):
         raise ValueError("an overhead that is not a number")
     return cost
+
+
+def _unwritten(costs: JobCosts) -> str | None:
+    """The first figure of `costs` outside what the guard writes, as `key: value, what is
+    allowed`; None where there is none."""
+
+    def whole(value: object, least: int) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+    if not (math.isfinite(costs.step_time_s) and costs.step_time_s > 0):
+        return f"step_time_s: {costs.step_time_s:g}, seconds > 0"
+    for key, least in (("steps", 1), ("warmup", 0), ("world_size", 1)):
+        if not whole(getattr(costs, key), least):
+            return f"{key}: {getattr(costs, key)}, a whole number >= {least}"
+    parts = {f"checks.{name}": c for name, c in costs.checks.items()}
+    parts |= {"hook": costs.hook, **({"injection": costs.injection} if costs.injection else {})}
+    for key, part in parts.items():
+        for field in ("seconds_per_step", "overhead_pct"):
+            if not getattr(part, field) >= 0:
+                return f"{key}.{field}: {getattr(part, field):g}, a figure >= 0"
+        if part.interval is not None and not whole(part.interval, 1):
+            return f"{key}.interval: {part.interval}, a whole number of steps >= 1, or null"
+        if part.looks is not None and not (whole(part.looks, 0) and part.looks <= costs.steps):
+            return (
+                f"{key}.looks: {part.looks}, a whole number from 0 to the {costs.steps} steps "
+                "measured, or null"
+            )
+    return None
 
 
 def combined(per_rank: list[JobCosts]) -> JobCosts:

@@ -3,6 +3,7 @@ each rank's, percentages against the step without the guard, and the file sdc-pl
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import replace
 
@@ -55,3 +56,42 @@ def test_the_file_reads_back_what_was_written_and_a_bad_one_is_named(tmp_path):
     replace(costs, hook=CheckCost(0.2, math.nan)).write(tmp_path / "unpriced.json")
     with pytest.raises(ValueError, match="unpriced.json: .*not a number"):
         JobCosts.read(tmp_path / "unpriced.json")
+
+
+@pytest.mark.parametrize(
+    ("edit", "refusal"),
+    [
+        ({"checks": {"nan_inf": {"overhead_pct": -50}}}, "checks.nan_inf.overhead_pct: -50"),
+        ({"hook": {"overhead_pct": -1}}, "hook.overhead_pct: -1"),
+        (
+            {"checks": {"replay": {"seconds_per_step": -0.1}}},
+            "checks.replay.seconds_per_step: -0.1",
+        ),
+        ({"checks": {"replay": {"looks": -3}}}, "checks.replay.looks: -3"),
+        ({"checks": {"replay": {"looks": 100}}}, "checks.replay.looks: 100, .* 10 steps"),
+        ({"checks": {"replay": {"interval": 0}}}, "checks.replay.interval: 0"),
+        ({"world_size": 0}, "world_size: 0"),
+        ({"steps": 0}, "steps: 0"),
+        ({"steps": 17.9}, "steps: 17.9"),
+        ({"warmup": -1}, "warmup: -1"),
+        ({"step_time_s": 0}, "step_time_s: 0"),
+        ({"step_time_s": -0.05}, "step_time_s: -0.05"),
+    ],
+)
+def test_a_figure_no_guard_writes_is_refused_naming_its_key(tmp_path, edit, refusal):
+    """A costs file edited by hand, or damaged: sdc-plan planned on a negative overhead (a check
+    recommended at -45% of the step), on more looks than steps measured, or on a fraction of a
+    step (17.9 read as 17), and exited 0."""
+    path = tmp_path / "costs.json"
+    priced(rank_costs(step=1.0, nan_inf=0.1, replay=0.2, hook=0.2)).write(path)
+    data = json.loads(path.read_text())
+    for key, value in edit.items():
+        if isinstance(value, dict):
+            for name, fields in value.items():
+                target = data[key][name] if key == "checks" else data[key]
+                target.update(fields if key == "checks" else {name: fields})
+        else:
+            data[key] = value
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=f"costs.json: {refusal}"):
+        JobCosts.read(path)
