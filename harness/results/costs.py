@@ -77,7 +77,7 @@ class JobCosts:
             raise ValueError(f"{path}: not a costs file from guard.write_costs ({exc})") from None
         unwritten = _unwritten(costs)
         if unwritten:
-            raise ValueError(f"{path.name}: {unwritten}; not a figure guard.write_costs writes")
+            raise ValueError(f"{path}: {unwritten}; not a figure guard.write_costs writes")
         return costs
 
 
