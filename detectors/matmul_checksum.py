@@ -186,8 +186,9 @@ class MatmulChecksum(Detector):
         return True
 
     def _key(self, step: int, module: str) -> str:
-        """`module#n`: the n-th product the module made in the step, counted from 1 as
-        `fault.product` counts it, so that an alert names the product a fault there names."""
+        """`module#n`: the n-th product the innermost running module made in the step, from 1,
+        as `fault.product` counts a module's products in one run of its forward: in a step of
+        one micro-batch, an alert's `fc#2` is the product `fault.product=2` strikes in `fc`."""
         if step != self.calls_step:
             self.calls, self.calls_step, self.precisions = {}, step, {}
         n = self.calls[module] = self.calls.get(module, 0) + 1
