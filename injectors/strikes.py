@@ -140,7 +140,9 @@ class Unit(Site):
         self.rate = self.fault.settings.rate
         self.machine = injector.hardware[injector.info.rank]
         self.step, self.made = -1, 0  # products made in the step so far
-        # The call being struck (by id()), the module that made it and its place in the step:
+        self.by_module: dict[str, int] = {}  # and by the module that made them
+        # The call being struck (by id()), the module that made it and its place among that
+        # module's products in the step (from 1, as matmul_checksum's alerts name them):
         # products run one at a time, operands hook, product, output hook.
         self.hit: tuple[int, str, int] | None = None
 
@@ -158,11 +160,13 @@ class Unit(Site):
         if tensor != "*" and not any(matches(m, tensor) for m in call.stack):
             return
         if step != self.step:
-            self.step, self.made = step, 0
+            self.step, self.made, self.by_module = step, 0, {}
         self.made += 1
+        module = call.module
+        place = self.by_module[module] = self.by_module.get(module, 0) + 1
         seed = f"defective-unit:{self.injector.seed}:{self.machine}:{step}:{self.made}"
         if random.Random(seed).random() < self.rate:
-            self.hit = (id(call), call.stack[-1] if call.stack else "", self.made)
+            self.hit = (id(call), module, place)
 
     def on_matmul_output(
         self, step: int, call: MatmulCall, output: torch.Tensor

@@ -85,11 +85,11 @@ def test_products_are_struck_from_the_first_step_at_the_rate_and_again_in_a_reru
     assert abs(len(struck) - n / 4) <= 3 * (n * 0.25 * 0.75) ** 0.5, (len(struck), n)
     assert all(e.lane == 3 and e.lanes == 8 and e.fired and e.elements > 0 for e in struck)
     assert len({e.bit for e in struck}) == 1  # one broken bit, in every struck product
-    places = {(e.step, e.product) for e in struck}
+    places = {(e.step, e.tensor, e.product) for e in struck}
     again = _struck(_run(["workload=gpt"], 0.25, seed=0, steps=steps, first=first))
-    assert {(e.step, e.product) for e in again} == places
+    assert {(e.step, e.tensor, e.product) for e in again} == places
     other = _struck(_run(["workload=gpt"], 0.25, seed=1, steps=steps, first=first))
-    assert {(e.step, e.product) for e in other} != places
+    assert {(e.step, e.tensor, e.product) for e in other} != places
 
 
 WORKLOADS = {
@@ -113,11 +113,11 @@ def test_every_struck_product_is_caught_in_its_step_naming_the_rank(workload):
     alerts = rank.alerts()
     assert {a.step for a in alerts} == {e.step for e in struck}
     assert all(a.suspect_ranks == [0] for a in alerts)
-    # Each struck product's module is among the failing products its step's alert lists.
-    for event in struck:
-        named = {p.split("#")[0] for a in alerts if a.step == event.step
+    # The failing products each step's alert lists are the struck ones, by module and place.
+    for step in {e.step for e in struck}:
+        named = {p.split(" ")[0] for a in alerts if a.step == step
                  for p in a.evidence["products"]}  # fmt: skip
-        assert event.tensor in named, (event.tensor, named)
+        assert named == {f"{e.tensor}#{e.product}" for e in struck if e.step == step}, step
 
 
 @pytest.mark.parametrize(
