@@ -1,5 +1,6 @@
 """`value`: set the element to a number, `nan`, `inf`, `-inf`, `max` (largest finite), `zero`,
-or `random` (uniform over the tensor's current range, seeded)."""
+or `random` (uniform over the tensor's current range, seeded: a fault that persists repeats
+its first draw, `FaultInjector._redraw`, placed in the range at each strike)."""
 
 from __future__ import annotations
 
