@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from harness.campaign.recovery import restore_point, run_with_recovery
+from harness.campaign.recovery import loop_verdict, restore_point, run_with_recovery
 from harness.config.schema import FaultConfig, Segment, TopologyConfig, TrialSpec
 from harness.core.events import Alert, CorruptCheckpoint, ElementInject
 from harness.results.schema import RankResult, TrialResult
@@ -108,6 +108,23 @@ def test_without_a_spare_the_world_shrinks_and_the_loss_stays_in_the_noise_band(
     assert row["effect_from"] == "observe twin"
     report = (out / "report.md").read_text()
     assert "## Recovery" in report and "3 nodes (shrunk)" in report
+
+
+def test_the_loop_limit_after_rollbacks_that_replaced_nothing_blames_no_data_or_code():
+    """A permanent NaN in one FSDP weight: nan_inf names every node at step 7, so the stop is
+    rolled back without quarantine; struck again there, with recovery.max_recoveries 1 the
+    trial ends. Its verdict read "alarms after every recovery, on replaced hardware: the fault
+    is in the data or the code, not a node", where nothing was replaced and the fault is one
+    node's."""
+    stops = [(7, (0, 1, 2, 3)), (7, (0, 1, 2, 3))]
+    verdict = loop_verdict(stops, quarantined=[])
+    assert verdict == (
+        "step 7 alarms again after 1 rollback(s) that replaced no node, and "
+        "recovery.max_recoveries allows no more: its suspects (node 0, 1, 2, 3) were not "
+        "quarantined"
+    )
+    assert "data or the code" in loop_verdict(stops, quarantined=[1])
+    assert loop_verdict([(4, ()), (4, ())], []).endswith("allows no more: none named")
 
 
 def test_a_fault_that_follows_the_data_ends_with_the_verdict_not_a_loop(tmp_path, run_ok):

@@ -161,7 +161,7 @@ def run_with_recovery(
             plain.add(stop)
             suspects = []
         if len(record.stops) > run.recovery.max_recoveries:
-            record.verdict = _verdict(record.stops)
+            record.verdict = loop_verdict(record.stops, machines.quarantined)
             break
         # Consensus also runs before every checkpoint (`checkpoint.after`).
         first = earliest_suspect(alerts, run.checks(spec), run.checkpoint.after) if alerts else stop
@@ -285,8 +285,20 @@ def attributes(name: str) -> bool:
     return detectors.detector_class(name).attributes
 
 
-def _verdict(history: list[tuple[int, tuple[int, ...]]]) -> str:
+def loop_verdict(history: list[tuple[int, tuple[int, ...]]], quarantined: list[int]) -> str:
+    """Why the trial ended at the loop limit (`recovery.max_recoveries`), from its stops (step,
+    suspect nodes) and the nodes its recoveries quarantined. Rollbacks that replaced no node (a
+    stop no node explains: rolled back without quarantine) say nothing of the data or the code:
+    the suspects of a repeat were left unquarantined by the limit."""
     steps = {s for s, _ in history}
+    if not quarantined:
+        step, suspects = history[-1]
+        nodes = ", ".join(map(str, suspects))
+        left = f"its suspects (node {nodes}) were not quarantined" if suspects else "none named"
+        return (
+            f"step {step} alarms again after {len(history) - 1} rollback(s) that replaced no "
+            f"node, and recovery.max_recoveries allows no more: {left}"
+        )
     if len(steps) == 1:
         return (
             f"step {history[0][0]} alarms after every recovery, on replaced hardware: the fault "
