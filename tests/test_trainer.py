@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from datetime import timedelta
 
 import torch
+import torch.distributed as dist
+from torch import nn
 
 from harness.config.schema import FaultConfig, TrialSpec
+from harness.core.bus import PluginBus
+from harness.core.plugins import EventLog, RankInfo
 from harness.launch.world import World
+from harness.results.schema import RankResult
+from harness.runtime.comm import HookState
+from harness.runtime.trainer import StopPoint
 from harness.runtime.workloads import Workload
-from tests.conftest import compose_run
+from tests.conftest import compose_run, forked_ranks
 
 
 def _reference_final_loss(run, seed: int) -> float:
@@ -94,3 +102,37 @@ def test_float16_training_stays_finite_where_a_gradient_element_is_zero():
             optimizer.step()
             optimizer.zero_grad()
         assert all(torch.isfinite(p).all() for p in model.parameters()), name
+
+
+def _approvals(rank: int, store: str, results) -> None:
+    """Rank 0 approves the checkpoint, rank 1 does not; what the stop point hands each back,
+    observing and acting."""
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+        timeout=timedelta(seconds=30),
+    )  # fmt: skip
+    bus, info = PluginBus([]), RankInfo(rank, 2, 1)
+    state = HookState(bus, nn.Linear(2, 2), 2)
+    got = []
+    for acting in (False, True):
+        point = StopPoint(bus, acting, RankResult("t", rank), state, EventLog(rank, rank), info)
+        got.append(point.reached(3, extra=torch.tensor(rank == 0)))
+    results.put((rank, got))
+    dist.destroy_process_group()
+
+
+def test_a_checkpoint_is_approved_by_every_rank_or_by_none(tmp_path):
+    """A check's approval is its rank's (`Plugin.approves_checkpoint`): weight_consensus's is
+    the same everywhere, a plug-in's may not be. Each rank took its own, so DDP's rank 0 wrote
+    a checkpoint rank 1 refused, and FSDP's ranks would have entered the sharded save apart
+    (one waiting in its collective forever). The stop point sums them over the world."""
+    ctx = forked_ranks(tmp_path)
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_approvals, args=(r, str(tmp_path / "store"), results))
+             for r in range(2)]  # fmt: skip
+    for p in procs:
+        p.start()
+    got = dict(results.get(timeout=60) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+    assert got == {0: [[1.0], [1.0]], 1: [[1.0], [1.0]]}

@@ -153,7 +153,8 @@ class Plugin:
     def on_update(self, step: int, model: nn.Module) -> None: ...
 
     def approves_checkpoint(self, step: int, model: nn.Module) -> bool | torch.Tensor:
-        """True, or a 0-d bool tensor that the trainer reads with the step's verdicts."""
+        """True, or a 0-d bool tensor that the trainer reads with the step's verdicts: this
+        rank's approval; a checkpoint is written where every rank's checks approve it."""
         return True
 
 

@@ -270,9 +270,13 @@ class Guard:
             )
         step = self.step - 1
         self.checkpointed.add(step)
-        approval = self.bus.checkpoint_approved(step, self.model)
+        # Each rank's checks approve on their own (`Plugin.approves_checkpoint`): every rank
+        # saves or none, or a sharded save's ranks enter its collectives apart.
+        approvals = self.bus.checkpoint_approved(step, self.model).float()
         with self.bus.charged(HOOK):
-            approved = bool(self.bus.verdicts.read(approval))
+            dist.all_reduce(approvals)
+            inflight.hold(approvals)
+            approved = self.bus.verdicts.read(approvals) == self.info.world_size
         self._raise_if_alarmed()
         return approved
 

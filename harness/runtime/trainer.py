@@ -65,8 +65,11 @@ class StopPoint:
 
     With a check in act mode (`acting`), one small collective: a rank-local verdict (say, a
     sketch mismatch on one receiver) must stop every rank. The decision, this rank's pending
-    verdicts and `extra` come back in one read (`extra`'s values are returned; without a check in
-    act mode the verdicts and `extra` are read all the same).
+    verdicts and `extra` come back in one read (`extra`'s values, summed over the world, are
+    returned; without a check in act mode the verdicts and `extra` are read all the same, and
+    `extra` summed in a collective of its own). Summed, since each rank's checks approve a
+    checkpoint on their own (`Plugin.approves_checkpoint`): every rank must write it or none,
+    or FSDP's ranks enter the sharded save apart.
 
     With recovery on, the hook `state` keeps the step's local contributions: when every rank
     alarmed on the received sum alone, the reduction itself was wrong and names no node; it is
@@ -87,6 +90,10 @@ class StopPoint:
         """Raise TrialStopped on every rank when a check stops the step; else `extra`'s values.
         `may_retry`: before the optimizer step, where the reduction can still be re-run."""
         if not self.acting:
+            if extra is not None:
+                extra = extra.reshape(-1).float()
+                dist.all_reduce(extra)
+                inflight.hold(extra)
             return self.bus.resolve(extra)
         stop, reduction, values = self._agreed(extra)
         if may_retry and self._reduction_alone(stop, reduction):
@@ -105,11 +112,11 @@ class StopPoint:
 
     def _agreed(self, extra: torch.Tensor | None) -> tuple[float, float, list[float]]:
         """[ranks stopping on their own evidence, ranks alarmed on the received sum alone] over
-        the world, and `extra`'s values, in one collective and one read."""
+        the world, and `extra`'s values summed over it, in one collective and one read."""
         flags = self.bus.stop_flags()
-        dist.all_reduce(flags)
-        inflight.hold(flags)
         both = flags if extra is None else torch.cat([flags, extra.reshape(-1).to(flags.dtype)])
+        dist.all_reduce(both)
+        inflight.hold(both)
         stop, reduction, *values = self.bus.resolve(both)
         return stop, reduction, values
 
@@ -275,8 +282,8 @@ def _step(rank: _Rank, step: int, store: Path) -> torch.Tensor:
     if rank.run.checkpoint.after(step):
         # Observe mode reads its verdicts here, with the checks' approval.
         approved = bus.checkpoint_approved(step, model)
-        (approved,) = rank.stop_point.reached(step, extra=approved)
-        if approved:
+        (approvals,) = rank.stop_point.reached(step, extra=approved)
+        if approvals == rank.info.world_size:
             folder = store / rank.spec.trial_id
             sharded = rank.shards is not None
             _checkpoint(folder, step, model, optimizer, rank.info, rank.log, sharded)
