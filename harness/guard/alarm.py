@@ -151,7 +151,7 @@ def earlier_incidents(folder: Path | None) -> tuple[tuple[int, str], ...]:
     """The (step, phase) of each incident quarantine.json in `folder` records."""
     if folder is None:
         return ()
-    return tuple((i.get("step"), i.get("phase")) for i in _incidents(folder))
+    return tuple((i.get("step"), i.get("phase")) for i in _incidents(folder) if isinstance(i, dict))
 
 
 def _incidents(folder: Path) -> list[dict[str, Any]]:
