@@ -104,7 +104,7 @@ def preflight(argv: list[str]) -> None:
         if several and any(not _per_job(o) for o in outs):
             fail(
                 "out: a sweep's jobs each write into their own folder under hydra.sweep.dir; "
-                "leave out unset (or sweep it: one folder per job)"
+                "leave out unset (or name one per job: out=DIR/${hydra:job.num})"
             )
         from harness.analysis.sweep import planned_jobs  # here: a rank needs no pandas
 
@@ -116,10 +116,12 @@ def preflight(argv: list[str]) -> None:
         # An out made from the job's own Hydra settings resolves only in the job.
         in_job = any("${hydra:" in o.input_line for o in outs)
         # Each job's campaign, and the job that first ran it: where the jobs write into the
-        # sweep's folder, its merged report reads them together (a swept `out` is read by none).
+        # sweep's folder, its merged report reads them together (a swept `out` is read by none:
+        # its jobs' folders are each its own run's).
         seen: dict[str, int] = {}
+        writers: dict[Path, int] = {}  # each job's folder, and the first job writing into it
         for number, job in enumerate(jobs):
-            where = f" (sweep job {number}: {' '.join(o for o in job if o not in shared)})"
+            where = f" (sweep job {number}: {_own(job, shared)})"
             cfg = _composed([o for o in job if not (in_job and o.startswith("out="))])
             run = validated(cfg, where)
             first = seen.setdefault(campaign_identity(dataclasses.asdict(run)), number)
@@ -134,6 +136,14 @@ def preflight(argv: list[str]) -> None:
             else:
                 out = None if folder is None else folder / str(number)
             if out is not None:
+                other = writers.setdefault(out.resolve(), number)
+                if other != number:
+                    # Swept beside another key, `out` repeats: the later job was refused as
+                    # another campaign only once the first had run.
+                    fail(
+                        f"out: sweep jobs {other} ({_own(jobs[other], shared)}) and {number} "
+                        f"({_own(job, shared)}) both write into {out}; allowed: one out per job"
+                    )
                 try:
                     check_out(out, run)
                 except ConfigError as exc:
@@ -146,6 +156,11 @@ def preflight(argv: list[str]) -> None:
         check_out(Path(cfg.out), run)
     except ConfigError as exc:
         fail(str(exc))
+
+
+def _own(job: list[str], shared: set[str]) -> str:
+    """A sweep job's overrides that not every job shares."""
+    return " ".join(o for o in job if o not in shared)
 
 
 def _no_other_jobs(folder: Path, launched: int) -> None:

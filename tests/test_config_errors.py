@@ -765,9 +765,27 @@ def test_a_sweep_of_several_jobs_into_one_out_is_refused_before_any_job_runs(tmp
                      f"hydra.sweep.dir={sweep}", cwd=tmp_path, timeout=60)  # fmt: skip
     assert proc.returncode == 2 and proc.stderr.strip() == (
         "sdc-bench: error: out: a sweep's jobs each write into their own folder under "
-        "hydra.sweep.dir; leave out unset (or sweep it: one folder per job)"
+        "hydra.sweep.dir; leave out unset (or name one per job: out=DIR/${hydra:job.num})"
     )
     assert not out.exists() and not sweep.exists()
+
+
+def test_a_swept_out_beside_another_swept_key_is_refused_where_jobs_share_a_folder(
+    tmp_path, monkeypatch, capsys
+):
+    """Two outs for four jobs: jobs 0 and 1 ran into them, then job 2 was refused as another
+    campaign's, after half the sweep had run. Refused before any job, naming both."""
+    monkeypatch.chdir(tmp_path)
+    a, b = tmp_path / "a", tmp_path / "b"
+    argv = ["-m", "fault=grad_scale", "fault.factor=10,1000", f"out={a},{b}"]
+    with pytest.raises(SystemExit) as exited:
+        cli.preflight(cli.implied_campaign(argv))
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        f"sdc-bench: error: out: sweep jobs 0 (fault.factor=10 out={a}) and 2 "
+        f"(fault.factor=1000 out={a}) both write into {a}; allowed: one out per job"
+    )
+    assert not a.exists() and not b.exists()
 
 
 def test_a_sweep_with_a_bad_job_is_refused_before_any_job_runs(tmp_path):
@@ -831,7 +849,7 @@ def test_an_out_that_is_a_sweeps_folder_is_refused(tmp_path, monkeypatch, capsys
     [
         ["-m", "detectors=[nan_inf,replay]", "out=one"],  # a list, not a sweep: one job
         ["-m", "fault=grad_scale", "fault.factor=10,1000", "out=runs/${hydra:job.num}"],
-        ["-m", "fault=grad_scale", "fault.factor=10,1000", "out=a,b"],
+        ["-m", "fault=grad_scale", "out=a,b"],  # out alone swept: one job each
         ["-m", "fault=grad_scale", "fault.factor=10,1000"],
     ],
 )
