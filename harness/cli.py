@@ -16,6 +16,7 @@ from typing import NoReturn
 import hydra
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
+from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
@@ -36,6 +37,7 @@ from harness.results.folder import campaign_identity
 
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "experiments")
 GROUPS = ("workload", "topology", "fault", "detectors", "campaign")
+LAUNCHER = "hydra/launcher"  # how a sweep's jobs run (docs/campaigns.md)
 
 
 def fail(message: str) -> None:
@@ -60,11 +62,14 @@ def check_group_choices(argv: list[str]) -> None:
     for arg in argv:
         key, sep, _ = arg.partition("=")
         key = key.lstrip("+~")
-        if not sep or key not in GROUPS:
+        if not sep or key not in (*GROUPS, LAUNCHER):
             continue
         allowed = sorted(p.stem for p in Path(CONFIG_DIR, key).glob("*.yaml"))
         if key == "detectors":
             allowed = list(detectors.available())
+        if key == LAUNCHER:  # Hydra's own and its plug-ins' (submitit's), beside ours
+            with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+                allowed = GlobalHydra.instance().config_loader().get_group_options(LAUNCHER)
         for choice in _options(arg):
             if choice not in allowed:
                 fail(f"{key}: '{choice}' is not allowed; allowed: {', '.join(allowed)}")

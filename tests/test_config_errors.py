@@ -656,6 +656,8 @@ CASES = [
         "allowed: one rank",
     ),
     (["workload=transformer"], "workload", f"allowed: {', '.join(WORKLOADS)}"),
+    # Hydra's multi-line error, exit 1: the launcher group is Hydra's, not the harness's.
+    (["hydra/launcher=nosuch"], "hydra/launcher", "allowed: basic, submitit_local"),
     (["workload.dtype=float8"], "workload.dtype", "allowed: float32, bfloat16, float16"),
     (
         ["detectors=[nan_inf,oracle]"],
