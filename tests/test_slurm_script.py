@@ -26,7 +26,11 @@ def fake_slurm(folder: Path) -> Path:
     return folder
 
 
-def sbatch(tmp_path: Path, out: Path, nodes: int) -> subprocess.CompletedProcess:
+def sbatch(
+    tmp_path: Path, out: Path | None, nodes: int | str, **variables: str
+) -> subprocess.CompletedProcess:
+    """The script as Slurm runs it, `variables` set over (or, where empty, unset from) its
+    environment."""
     fake = tmp_path / "slurm"
     env = dict(
         os.environ,
@@ -37,9 +41,12 @@ def sbatch(tmp_path: Path, out: Path, nodes: int) -> subprocess.CompletedProcess
         SDC_MAX_RESTARTS="2",
         SDC_PYTHON=sys.executable,
     )
+    env.update(variables)
+    env = {k: v for k, v in env.items() if v}
     return subprocess.run(
-        ["bash", str(SCRIPT), str(out)], env=env, capture_output=True, text=True, timeout=120
-    )
+        ["bash", str(SCRIPT), *([] if out is None else [str(out)])],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
 
 
 def test_the_sbatch_script_starts_one_torchrun_agent_per_node_on_the_first_nodes_rendezvous(
@@ -78,3 +85,27 @@ def test_the_sbatch_script_starts_one_torchrun_agent_per_node_on_the_first_nodes
         )
         and len(unplanned.stderr.strip().splitlines()) == 1
     )
+
+
+def test_bad_input_to_the_sbatch_script_exits_2_with_one_line_before_srun(tmp_path):
+    """A port or a restart count torchrun cannot take went into the srun line (exit 0), to
+    fail on every node; a missing variable or OUT ended with bash's own message, exit 1, and
+    an empty node count with Python's traceback."""
+    fake = fake_slurm(tmp_path / "slurm")
+    out = tmp_path / "out"
+    for variables, line in [
+        ({"SDC_RDZV_PORT": "abc"}, "SDC_RDZV_PORT: 'abc' is not allowed; allowed: a port"),
+        ({"SDC_RDZV_PORT": "70000"}, "SDC_RDZV_PORT: '70000' is not allowed"),
+        ({"SDC_MAX_RESTARTS": "-3"}, "SDC_MAX_RESTARTS: '-3' is not allowed; allowed: a whole"),
+        ({"SLURM_JOB_NODELIST": ""}, "SLURM_JOB_NODELIST is not set: run it with sbatch"),
+        ({"SLURM_JOB_NUM_NODES": "x"}, "SLURM_JOB_NUM_NODES: 'x' is not allowed"),
+    ]:
+        done = sbatch(tmp_path, out, 3, **variables)
+        assert done.returncode == 2, (variables, done.stderr)
+        assert done.stderr.startswith(f"slurm_torchrun.sbatch: error: {line}"), done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    usage = sbatch(tmp_path, None, 3)
+    assert (usage.returncode, usage.stderr.strip()) == (
+        2, "slurm_torchrun.sbatch: error: usage: sbatch --nodes=N scripts/slurm_torchrun.sbatch OUT"
+    )  # fmt: skip
+    assert not (fake / "srun.args").exists()
