@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from harness.analysis import report
+from harness.analysis import sweep as sweep_report
 from tests.conftest import rows, sdc_bench
 
 # Two jobs of one tiny trial each (2 nodes, 4 steps): a low mantissa bit and the exponent MSB.
@@ -74,6 +75,15 @@ def test_a_sweep_writes_a_merged_report_that_sdc_report_rebuilds(tmp_path, monke
     assert (top / "report.html").exists() and any((top / "figures").glob("*.png"))
     jobs = (top / "sweep.md").read_text()
     assert "| 0 | `fault.bit=0` | 1 | ok |" in jobs and "| 1 | `fault.bit=30` | 1 | ok |" in jobs
+    # Job 1 as an interrupt before its trial left it: sweep.md said "ok", with 0 trials.
+    held = (top / "1" / "trials.csv").read_text()
+    (top / "1" / "trials.csv").write_text(held.splitlines(keepends=True)[0])
+    sweep_report.write_merged_report(top)
+    assert (
+        "| 1 | `fault.bit=30` | 0 | **incomplete** (0 of 1 planned trials) |"
+        in (top / "sweep.md").read_text()
+    )
+    (top / "1" / "trials.csv").write_text(held)
 
     # The command's own entry point, in this process (tests/test_robustness.py runs the
     # installed command).

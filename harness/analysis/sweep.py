@@ -94,10 +94,13 @@ def write_merged_report(sweep_dir: Path, planned: list[list[str]] | None = None)
     ]
     for job in jobs:
         name = str(job.relative_to(sweep_dir))
+        held = int(counts.get(str(job), 0))
+        # An interrupted job (rerunning the sweep resumes it) holds fewer than it plans.
+        planned = len((RunFolder(job).campaign_record() or {}).get("trials", []))
         status = "**no trials.csv**" if job in missing else "ok"
-        lines.append(
-            f"| {name} | `{varied[name] or '-'}` | {int(counts.get(str(job), 0))} | {status} |"
-        )
+        if job not in missing and held < planned:
+            status = f"**incomplete** ({held} of {planned} planned trials)"
+        lines.append(f"| {name} | `{varied[name] or '-'}` | {held} | {status} |")
     for i in range(len(unstarted)):
         lines.append(f"| - | `{varied[f'not started {i}'] or '-'}` | 0 | **not started** |")
     (sweep_dir / SWEEP_FILE).write_text("\n".join(lines) + "\n", encoding="utf-8")
