@@ -324,7 +324,9 @@ def app(cfg: DictConfig) -> None:
         print(f"sdc-bench: campaign failed: {exc}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt as exc:
-        interrupted(exc, f"rerun with out={out} to resume")
+        # A sweep's job resumes with its sweep: rerun alone, its folder is no sweep's job.
+        again = "the sweep's command" if HydraConfig.get().mode == RunMode.MULTIRUN else None
+        interrupted(exc, f"rerun {again or f'with out={out}'} to resume")
     print(report.summary(df))
     print(f"trials: {trials}\nreport: {path}")
 
