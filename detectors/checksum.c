@@ -295,15 +295,21 @@ static inline void judge(verdict *v, float actual, float expected, float limit,
 
 static float verdict_of(const verdict *v) { return v->nan ? NAN : v->worst; }
 
+/* What a float32 norm may lose to squares below the smallest normal: product_bounds.NORM_SLACK,
+ * by which each norm in a limit is taken larger. */
+#define NORM_SLACK 0x1p-47f
+
 /* The limit of a row (product_bounds.bounded_ratio): its norm, read (`own_norm`) or bounded by
  * its left operand's times the right's Frobenius norm and its addend's norm, and the check's
  * own sums. */
 static inline float limit_of(const limits *lm, float row_norm, float left_norm, float right_fro,
                              float sums_norm, float addend_norm) {
+    left_norm += NORM_SLACK, right_fro += NORM_SLACK, sums_norm += NORM_SLACK;
     if (!lm->rows)
         return left_norm * (right_fro * lm->fro_row + sums_norm * lm->sums) +
-               addend_norm * lm->row;
-    return row_norm * lm->row + left_norm * (right_fro * lm->fro + sums_norm * lm->sums);
+               (addend_norm + NORM_SLACK) * lm->row;
+    return (row_norm + NORM_SLACK) * lm->row +
+           left_norm * (right_fro * lm->fro + sums_norm * lm->sums);
 }
 
 /* Room for BLOCK rows of each of the widths given (each read into scratch of its own) and for

@@ -22,7 +22,10 @@ autocast kernel's operand casts are repeated here exactly). Row i of P passes wh
                                        + (u_a (sqrt(q) + sqrt(p)) + sqrt(2) u_i) ||L_i|| ||R||_F
                                        + (sqrt(q) u_a + sqrt(2) u_i) ||L_i|| ||R e|| ] + p tiny
 
-with s = `sigmas` and tiny float32's smallest normal. Two terms read a cheaper upper bound: a
+with s = `sigmas` and tiny float32's smallest normal, each norm taken NORM_SLACK larger: a
+float32 sum of squares drops those below tiny (elements under 2^-63), so a row of about 1e-23
+(an attention score gradient's under a sharp softmax, in float16) had a norm of 0, a bound of
+p tiny, and its sum's own float32 rounding read as a fault. Two terms read a cheaper upper bound: a
 32- or 64-bit product reads ||L_i|| ||R||_F + ||a_i|| for ||P_i|| (Cauchy-Schwarz and the
 triangle inequality, a_i the row's addend, beta times: a bias large beside a small input row
 is most of what the output rounds), and a weight gradient dR = L^T dP, checked by its
@@ -75,6 +78,9 @@ from harness.core.matmuls import MatmulCall
 
 F32 = torch.float32
 TINY = torch.finfo(F32).tiny
+# What a float32 norm of up to 2^32 elements may lose to squares below TINY, each under 2^-126:
+# sqrt(2^32 2^-126). Next to a norm of 1e-10 it is 7e-5 of it; the C kernel's is the same.
+NORM_SLACK = 2.0**-47
 # The operands' rounding inside a float32 kernel, by the precision torch lets its backend use.
 PRECISION_ROUNDING = {"tf32": 2.0**-11, "bf16": 2.0**-8}
 
@@ -282,14 +288,15 @@ def bounded_ratio(
     Cauchy-Schwarz bound ||L_i|| ||R||_F stands for ||P_i||, plus `addend_norm` (the norm of the
     row's addend, beta times) where the product adds one; read, it is detectors/norms.py's."""
     # Products and sums, not `alpha=` arguments: a compiled check would specialise on those.
+    right_fro, right_sums_norm = right_fro + NORM_SLACK, right_sums_norm + NORM_SLACK
+    left_norm = left_norm + NORM_SLACK
     if row_norm is None:
         per_left = right_fro * (bound.fro + bound.row) + right_sums_norm * bound.sums
-        limit = left_norm * per_left.unsqueeze(-1)
-        if addend_norm is not None:
-            limit = limit + addend_norm * bound.row
+        addend = NORM_SLACK if addend_norm is None else addend_norm + NORM_SLACK
+        limit = left_norm * per_left.unsqueeze(-1) + addend * bound.row
     else:
         per_left = right_fro * bound.fro + right_sums_norm * bound.sums
-        limit = row_norm * bound.row + left_norm * per_left.unsqueeze(-1)
+        limit = (row_norm + NORM_SLACK) * bound.row + left_norm * per_left.unsqueeze(-1)
     ratio = (actual - expected).abs_().div_(limit.add_(bound.floor))
     return torch.where(torch.isfinite(expected), ratio, 0.0).amax()
 
