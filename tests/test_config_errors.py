@@ -772,6 +772,14 @@ def test_a_sweep_of_several_jobs_into_one_out_is_refused_before_any_job_runs(tmp
     assert not out.exists() and not sweep.exists()
 
 
+def preflight_refusal(argv: list[str], capsys) -> str:
+    """The one line the command's check of a sweep exits 2 with, before Hydra starts."""
+    with pytest.raises(SystemExit) as exited:
+        cli.preflight(cli.implied_campaign(argv))
+    assert exited.value.code == 2
+    return capsys.readouterr().err.strip()
+
+
 def test_a_swept_out_beside_another_swept_key_is_refused_where_jobs_share_a_folder(
     tmp_path, monkeypatch, capsys
 ):
@@ -780,10 +788,7 @@ def test_a_swept_out_beside_another_swept_key_is_refused_where_jobs_share_a_fold
     monkeypatch.chdir(tmp_path)
     a, b = tmp_path / "a", tmp_path / "b"
     argv = ["-m", "fault=grad_scale", "fault.factor=10,1000", f"out={a},{b}"]
-    with pytest.raises(SystemExit) as exited:
-        cli.preflight(cli.implied_campaign(argv))
-    assert exited.value.code == 2
-    assert capsys.readouterr().err.strip() == (
+    assert preflight_refusal(argv, capsys) == (
         f"sdc-bench: error: out: sweep jobs 0 (fault.factor=10 out={a}) and 2 "
         f"(fault.factor=1000 out={a}) both write into {a}; allowed: one out per job"
     )
@@ -813,10 +818,7 @@ def test_a_sweep_into_a_folder_holding_a_job_it_does_not_launch_is_refused(
     (sweep / "1" / ".hydra" / "overrides.yaml").write_text("- fault.factor=1000\n")
     monkeypatch.chdir(tmp_path)
     argv = ["-m", "fault=grad_scale", "fault.factor=10", f"hydra.sweep.dir={sweep}"]
-    with pytest.raises(SystemExit) as exited:
-        cli.preflight(cli.implied_campaign(argv))
-    assert exited.value.code == 2
-    assert capsys.readouterr().err.strip() == (
+    assert preflight_refusal(argv, capsys) == (
         f"sdc-bench: error: hydra.sweep.dir: {sweep} holds job 1 (fault.factor=1000), which this "
         "sweep of 1 job does not launch: its reports would count that job's trials; choose a new "
         "hydra.sweep.dir"
