@@ -178,6 +178,28 @@ def test_report_without_overhead_has_escapes_and_no_overhead_section(tmp_path):
     assert "figures/escapes.png" in images_render_from_disk(out)
 
 
+def test_a_report_of_trials_no_check_ran_in_claims_nothing_of_checks(tmp_path):
+    """A campaign of `detectors=[]` (the faults' effects alone): its report said "All
+    detectors: 0 alerts", that clean trials ended bit-identical "with checks observing", and
+    drew a catch-rate figure of no bars."""
+    out = escaped_trials(tmp_path / "run")
+    with open(out / "trials.csv", newline="") as f:
+        table = list(csv.DictReader(f))
+    for row in table:
+        row.update(detectors="", detected="False", detected_by="", first_detector="",
+                   alert_detectors="", alerts="0", detect_step="", ttd_steps="",
+                   ttd_seconds="", loss_delta="" if row["effect"] == "harmful" else
+                   row["loss_delta"])  # fmt: skip
+    with open(out / "trials.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(table[0]))
+        writer.writeheader()
+        writer.writerows(table)
+    text = report.write_report(tables.load_trials([out]), out).read_text()
+    assert "No check ran in these trials." in text and "All detectors" not in text
+    assert "## Detectors observe only" not in text and "catch_rate.png" not in text
+    assert "figures/escapes.png" in images_render_from_disk(out)
+
+
 def test_sweep_report_merges_every_jobs_overhead_next_to_its_floor(tmp_path):
     root = sweep(tmp_path / "sweep")
     merged = overheads.load_overhead([root])

@@ -155,6 +155,9 @@ def escape_impact(escaped: pd.DataFrame, cell: list[str], path: Path) -> Path:
             ax.scatter(np.full((~np.isfinite(delta)).sum(), edge), y + jitter[~np.isfinite(delta)],
                        marker="x", color="black", s=20)  # fmt: skip
     ax.set_xscale("log")
+    if not len(finite):  # crosses alone: no loss change to scale the axis by
+        ax.set_xticks([edge], ["NaN/Inf"])
+        ax.minorticks_off()
     ax.set_yticks(range(len(groups)), [" / ".join(str(k) or "-" for k in key) for key, _ in groups])
     ax.set_xlabel("|final loss - golden final loss|" + ("  (x: NaN/Inf)" if lost else ""))
     return _save(fig, path)

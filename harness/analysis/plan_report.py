@@ -248,8 +248,8 @@ def recommendation(result: Plan) -> str:
     guarded = option.guard_detectors()
     if not guarded:
         return text + (
-            "\n\nIn a job: attach no guard (its hook alone costs a few percent of the step; this "
-            "option prices none)."
+            "\n\nIn a job: attach no guard (attached with no check, its hook still costs part of "
+            "every step, the hook's own figure above; this option prices none)."
         )
     checkpoints = (
         f", checkpointing every {option.checkpoint_every(every)} steps"

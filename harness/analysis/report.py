@@ -344,7 +344,11 @@ def write_report(df: pd.DataFrame, out: Path, dirs: list[Path] | None = None) ->
         "## What each detector sees and misses\n\nFired trials caught by each detector, per "
         "scenario (k/n, 95% Wilson interval).\n\n" + markdown_table(sees_and_misses(df)),
         "## False positives (clean trials)\n\n"
-        f"All detectors: {per_trial(df)}\n\n" + markdown_table(false_positives(df)),
+        + (
+            f"All detectors: {per_trial(df)}\n\n" + markdown_table(false_positives(df))
+            if detector_names(df)
+            else "No check ran in these trials."
+        ),
         "## Time to detection, containment and attribution\n\n"
         + markdown_table(detection_times(df))
         + own_attribution_text(df),
@@ -382,7 +386,7 @@ def write_report(df: pd.DataFrame, out: Path, dirs: list[Path] | None = None) ->
         sections.append(extra)
     sections.append(_figures(df, folder))
     clean = df[df[Column.site] == Site.NONE]
-    if len(clean):
+    if len(clean) and detector_names(df):  # with no check, nothing observed
         same = int(clean[Column.golden_match].sum())
         sections.append(
             "## Detectors observe only\n\nClean trials whose final weights are bit-identical to "
@@ -401,8 +405,11 @@ def _write(path: Path, text: str) -> Path:
 
 
 def _figures(df: pd.DataFrame, folder: Path) -> str:
-    rates = figures.catch_rate_by_detector(
-        df, detector_names(df), wilson, folder / "catch_rate.png"
+    checks = detector_names(df)
+    rates = (
+        figures.catch_rate_by_detector(df, checks, wilson, folder / "catch_rate.png")
+        if checks
+        else None  # no check ran: no bar to draw
     )
     drawn = [
         ("Catch rate by detector (95% Wilson intervals)", rates),
