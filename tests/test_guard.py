@@ -295,6 +295,8 @@ SCALED = {"model": "scale", "factor": 2.0, "ranks": [0]}
             re.escape("inject.steps[0]: 10 is out of range; allowed: 0..5"),
         ),
         ({"steps": 0}, re.escape("steps: 0 is out of range; allowed: 1..inf")),
+        # A restart from the last step's checkpoint: "12 is out of range; allowed: 13..inf".
+        ({"steps": 12, "start_step": 12}, "^steps: 12: a loop resumed at step 12 has no step left"),
         # Raw numpy errors, or failures at step 0 or at the first save, none naming the key.
         ({"seed": "abc"}, "^seed: 'abc' is not an integer"),
         ({"seed": -5}, re.escape("seed: -5 is out of range; allowed: 0..inf")),
@@ -303,7 +305,8 @@ SCALED = {"model": "scale", "factor": 2.0, "ranks": [0]}
     ],
     ids=["mode", "no-ranks-per-node", "ranks-per-node", "bare-comm-hook", "before-start",
          "first-step-module", "schedule-before-start", "riders-unridden", "inject-not-a-mapping",
-         "settings-not-a-mapping", "no-checks", "inject-past-the-end", "no-steps", "seed-text",
+         "settings-not-a-mapping", "no-checks", "inject-past-the-end", "no-steps", "complete",
+         "seed-text",
          "seed-negative", "replay-fn-text", "checkpoints-number"],
 )  # fmt: skip
 def test_a_setting_the_guard_would_ignore_or_trip_over_later_is_refused(one_rank, settings, error):

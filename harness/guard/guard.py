@@ -92,6 +92,13 @@ class Guard:
         self.warmup_steps = integer("warmup_steps", warmup_steps, 1)
         integer("start_step", start_step, 0)
         if steps is not None:
+            if start_step > 0 and integer("steps", steps) <= start_step:
+                # A job restarted from its last step's checkpoint (restore_point) has none left.
+                raise ConfigError(
+                    "steps", f"{steps}: a loop resumed at step {start_step} has no step left to "
+                    f"train (the job is complete where restore_point returned its last step); "
+                    f"allowed: {start_step + 1}..inf"
+                )  # fmt: skip
             integer("steps", steps, start_step + 1)
         rank, world = dist.get_rank(), dist.get_world_size()
         per_node = _ranks_per_node(ranks_per_node, world)
