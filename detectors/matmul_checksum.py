@@ -185,14 +185,18 @@ class MatmulChecksum(Detector):
     def watches_matmuls(self) -> bool:
         return True
 
-    def _key(self, step: int, module: str) -> str:
-        """`module#n`: the n-th product the innermost running module made in the step, from 1,
-        as `fault.product` counts a module's products in one run of its forward: in a step of
-        one micro-batch, an alert's `fc#2` is the product `fault.product=2` strikes in `fc`."""
+    def _key(self, step: int, stack: tuple[str, ...]) -> str:
+        """`module#n`: the innermost running module, and the n-th product made in the step
+        while it ran, its children's counted, from 1, as `fault.product` counts a module's
+        products in one run of its forward: in a step of one micro-batch, an alert's
+        `blocks.0#2` is the product `fault.tensor=blocks.0 fault.product=2` strikes (the score
+        product, after its child `blocks.0.qkv`'s)."""
         if step != self.calls_step:
             self.calls, self.calls_step, self.precisions = {}, step, {}
-        n = self.calls[module] = self.calls.get(module, 0) + 1
-        return f"{module or 'model'}#{n}"
+        running = stack or ("",)  # "": no module of the model's runs (the root's own)
+        for name in running:
+            self.calls[name] = self.calls.get(name, 0) + 1
+        return f"{running[-1] or 'model'}#{self.calls[running[-1]]}"
 
     def _sampled(self, step: int, key: str) -> bool:
         if self.config.fraction >= 1.0:
@@ -235,7 +239,7 @@ class MatmulChecksum(Detector):
             self._take_operands(step, call)
 
     def _take_operands(self, step: int, call: MatmulCall) -> None:
-        key = self._key(step, call.module)
+        key = self._key(step, call.stack)
         if call.func in convolutions.FUNCS:
             if self._sampled(step, key) and convolutions.checkable(call):
                 self.convolutions[id(call)] = (call, key)

@@ -140,9 +140,10 @@ class Unit(Site):
         self.rate = self.fault.settings.rate
         self.machine = injector.hardware[injector.info.rank]
         self.step, self.made = -1, 0  # products made in the step so far
-        self.by_module: dict[str, int] = {}  # and by the module that made them
-        # The call being struck (by id()), the module that made it and its place among that
-        # module's products in the step (from 1, as matmul_checksum's alerts name them):
+        self.by_module: dict[str, int] = {}  # and while each module ran, its children's too
+        # The call being struck (by id()), the module that made it and its place among the
+        # products made while that module ran in the step (from 1, as fault.product counts
+        # them and matmul_checksum's alerts name them):
         # products run one at a time, operands hook, product, output hook.
         self.hit: tuple[int, str, int] | None = None
 
@@ -162,8 +163,10 @@ class Unit(Site):
         if step != self.step:
             self.step, self.made, self.by_module = step, 0, {}
         self.made += 1
-        module = call.module
-        place = self.by_module[module] = self.by_module.get(module, 0) + 1
+        running = call.stack or ("",)  # every running module's count, as matmul_checksum's
+        for name in running:
+            self.by_module[name] = self.by_module.get(name, 0) + 1
+        module, place = running[-1], self.by_module[running[-1]]
         seed = f"defective-unit:{self.injector.seed}:{self.machine}:{step}:{self.made}"
         if random.Random(seed).random() < self.rate:
             self.hit = (id(call), module, place)

@@ -54,6 +54,26 @@ class FrozenNet(torch.nn.Module):
         return self.head(torch.relu(self.body(x.flatten(1))))
 
 
+class FrozenView(torch.nn.Module):
+    """A frozen weight multiplied through a view of it, as a hand-written layer does."""
+
+    def __init__(self):
+        super().__init__()
+        weight = torch.randn(64, 28 * 28, generator=torch.Generator().manual_seed(0)) / 28
+        self.w = torch.nn.Parameter(weight, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.w.t()
+
+
+class FrozenViewNet(FrozenNet):
+    """FrozenNet with its frozen layer a FrozenView."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = FrozenView()
+
+
 class UnusedNet(FrozenNet):
     """A layer its forward never uses, trainable: DDP without find_unused_parameters fails at
     the step after the first, FSDP2's reduce-scatter leaves it out of its layout."""

@@ -611,6 +611,20 @@ CASES = [
         "fault.phase",
         "backward: product 1 of 'body' multiplies a frozen weight, which no gradient reaches",
     ),
+    # Through a view of it (x @ w.t()): accepted, and never struck (fired False).
+    (
+        [
+            "workload=custom",
+            "workload.model._target_=tests.fixtures_custom.FrozenViewNet",
+            "fault.site=matmul",
+            "fault.model=scale",
+            "fault.factor=1000",
+            "fault.phase=backward",
+            "fault.tensor=body",
+        ],
+        "fault.phase",
+        "backward: product 1 of 'body' multiplies a frozen weight, which no gradient reaches",
+    ),
     # A frozen weight gets no gradient, no reduction and no moments: a fault on one there was
     # accepted and never struck (and `*` could draw it).
     *(

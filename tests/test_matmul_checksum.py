@@ -927,3 +927,27 @@ def test_rows_whose_squares_underflow_are_inside_their_bound(kernels):
     weights[5] *= 1e-23
     found = _checked(TinyRows(), kernels, x, weights)
     assert len(found) == 5 and max(found.values()) < 0.5, found
+
+
+@pytest.mark.parametrize(
+    ("module", "product", "named"),
+    [
+        ("blocks.0", 2, "blocks.0#2 attention scores output"),  # after its child qkv's product
+        ("blocks.1", 3, "blocks.1#3 attention values output"),
+        ("blocks.0.qkv", 1, "blocks.0.qkv#1 output"),
+    ],
+)
+def test_an_alert_names_the_product_as_fault_product_counts_it(module, product, named):
+    """gpt's attention runs in its block's own forward, after the child `qkv`: a fault at
+    `fault.tensor=blocks.0 fault.product=2` (the score product) was named `blocks.0#1`, the
+    block's own products counted without its children's."""
+    run = compose_run(
+        "campaign=single", "workload=gpt", "topology.nodes=1", "fault.site=matmul",
+        "fault.model=scale", "fault.factor=8.0", f"fault.tensor={module}",
+        f"fault.product={product}", "fault.steps=[1]",
+    )  # fmt: skip
+    rank = Rank(run, run.scenarios[0], seed=0)
+    for step in range(2):
+        rank.train(step)
+    (alert,) = rank.alerts()
+    assert alert.step == 1 and alert.evidence["products"] == [named], alert.evidence

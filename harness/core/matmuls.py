@@ -271,11 +271,14 @@ class Watch(TorchFunctionMode):
         """A product made, in every running module's record."""
         operand = call.args[call.second] if len(call.args) > call.second else None
         held = isinstance(operand, torch.Tensor)
+        # A frozen weight as the product takes it, or a view of it (`x @ w.t()`): the trace runs
+        # without grad, where a view of any weight needs none, so the weight itself says.
+        weight = operand._base if held and operand._base is not None else operand
         made = TracedProduct(
             output.numel(), _names({output.dtype}),
             output.shape[1 if call.func in CONVOLUTIONS else -1] if output.dim() else 1,
             operand.numel() if held else 0, _names({operand.dtype} if held else set()),
-            isinstance(operand, nn.Parameter) and not operand.requires_grad,
+            isinstance(weight, nn.Parameter) and not weight.requires_grad,
         )  # fmt: skip
         for name in call.stack:
             self.made.setdefault(name, set()).add(output.dtype)
