@@ -144,8 +144,9 @@ class ContributionInject(Inject):
 @dataclass(frozen=True, kw_only=True)
 class LaneInject(Inject):
     """A defective unit struck one matrix multiply (`tensor`: the innermost module whose forward
-    made it; `product`: its place among that module's products in the step, from 1, as
-    matmul_checksum's alerts name it, `fc#2`): `bit` flipped
+    made it; `product`: its place among the products made in the step while that module ran,
+    its children's counted, from 1, as `fault.product` counts and matmul_checksum's alerts name
+    it, `fc#2`): `bit` flipped
     in the outputs of lane `lane` of `lanes`, every one of its `elements`; the output's L2 norm
     before and after (non-finite as strings). `index` and `bits` stay None so that every
     inject record has them."""
