@@ -1031,6 +1031,27 @@ def test_a_checkpoint_a_trainer_saved_under_one_name_several_times_is_set_aside_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["quarantine.json", "suspect"]
 
 
+def test_a_link_a_trainer_keeps_to_a_suspect_checkpoint_goes_beside_it(tmp_path):
+    """Lightning's ModelCheckpoint(save_last="link") keeps last.ckpt as a link it makes itself,
+    not through the strategy's save: the move left it in place, pointing at nothing, where a
+    user resuming from the newest *.ckpt took it. It goes beside its file, still to it."""
+    for step in (3, 4):
+        (tmp_path / f"step={step}.ckpt").write_text(f"{step}")
+    (tmp_path / "last.ckpt").symlink_to("step=4.ckpt")
+    written = [(3, tmp_path / "step=3.ckpt"), (4, tmp_path / "step=4.ckpt")]
+    quarantine(tmp_path, _alarm(5, 4), written)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "quarantine.json",
+        "step=3.ckpt",
+        "suspect",
+    ]
+    link = tmp_path / "suspect" / "last.ckpt"
+    assert link.is_symlink() and link.read_text() == "4"
+    record = json.loads((tmp_path / "quarantine.json").read_text())
+    assert record["set_aside"] == ["step=4.ckpt", "last.ckpt"]
+    assert record["moved_to"] == ["suspect/step=4.ckpt", "suspect/last.ckpt"]
+
+
 def test_a_set_aside_that_fails_still_records_the_incident_and_restore_point_passes_it(
     tmp_path,
 ):

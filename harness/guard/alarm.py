@@ -123,6 +123,9 @@ def quarantine(folder: Path, alarm: SDCAlarm, written: list[tuple[int, Path]]) -
     # mount's server keeps its own), by its place in `folder` (the job may run elsewhere).
     found = {_place(folder, path): _identity(path) for path in suspects}
     set_aside, moved = [], []
+    # The links a trainer keeps to one of them (Lightning's last.ckpt with save_last="link"),
+    # which the move would leave pointing at nothing: each goes beside its file, to it.
+    links = {path: _links_to(path) for path in suspects}
     try:
         for path in suspects:
             aside = path.parent / SUSPECT
@@ -132,8 +135,15 @@ def quarantine(folder: Path, alarm: SDCAlarm, written: list[tuple[int, Path]]) -
             path.rename(into)
             if digest.exists():
                 digest.rename(into.with_name(into.name + ".sha256"))
-            set_aside.append(path.name)
-            moved.append(str(into.relative_to(folder) if into.is_relative_to(folder) else into))
+            placed = [(path.name, into)]
+            for link in links[path]:
+                beside = _free(aside / link.name)
+                beside.symlink_to(into.name)
+                link.unlink()
+                placed.append((link.name, beside))
+            for name, at in placed:
+                set_aside.append(name)
+                moved.append(str(at.relative_to(folder) if at.is_relative_to(folder) else at))
     finally:
         # Written whatever the moves did (a folder that cannot be renamed on an object store's
         # mount): set_aside, the checkpoints' names; moved_to, where each went (from this
@@ -145,6 +155,12 @@ def quarantine(folder: Path, alarm: SDCAlarm, written: list[tuple[int, Path]]) -
         tmp = folder / f".{QUARANTINE}.tmp"
         tmp.write_text(json.dumps(record, indent=1, default=str))
         os.replace(tmp, folder / QUARANTINE)
+
+
+def _links_to(path: Path) -> list[Path]:
+    """The links beside `path`, in its folder, that lead to it."""
+    target = path.resolve()
+    return [p for p in path.parent.iterdir() if p.is_symlink() and p.resolve() == target]
 
 
 def earlier_incidents(folder: Path | None) -> tuple[tuple[int, str], ...]:
