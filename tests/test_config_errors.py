@@ -598,32 +598,23 @@ CASES = [
         "fault.bit",
         "31 is outside bfloat16, the dtype of the product 1 of 'fc1'",
     ),
-    (
-        [
-            "workload=custom",
-            "workload.model._target_=tests.fixtures_custom.FrozenNet",
-            "fault.site=matmul",
-            "fault.model=scale",
-            "fault.factor=1000",
-            "fault.phase=backward",
-            "fault.tensor=body",
-        ],
-        "fault.phase",
-        "backward: product 1 of 'body' multiplies a frozen weight, which no gradient reaches",
-    ),
-    # Through a view of it (x @ w.t()): accepted, and never struck (fired False).
-    (
-        [
-            "workload=custom",
-            "workload.model._target_=tests.fixtures_custom.FrozenViewNet",
-            "fault.site=matmul",
-            "fault.model=scale",
-            "fault.factor=1000",
-            "fault.phase=backward",
-            "fault.tensor=body",
-        ],
-        "fault.phase",
-        "backward: product 1 of 'body' multiplies a frozen weight, which no gradient reaches",
+    # A Linear's frozen weight, and one multiplied through a view of it (x @ w.t()): that one
+    # was accepted, and never struck (fired False).
+    *(
+        (
+            [
+                "workload=custom",
+                f"workload.model._target_=tests.fixtures_custom.{net}",
+                "fault.site=matmul",
+                "fault.model=scale",
+                "fault.factor=1000",
+                "fault.phase=backward",
+                "fault.tensor=body",
+            ],
+            "fault.phase",
+            "backward: product 1 of 'body' multiplies a frozen weight, which no gradient reaches",
+        )
+        for net in ("FrozenNet", "FrozenViewNet")
     ),
     # A frozen weight gets no gradient, no reduction and no moments: a fault on one there was
     # accepted and never struck (and `*` could draw it).
