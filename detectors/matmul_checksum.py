@@ -50,7 +50,7 @@ from detectors.product_bounds import (
     roundoff,
 )
 from harness.core.checks import CheckConfig, looks_at_multiples
-from harness.core.matmuls import MatmulCall, on_grad, tapped
+from harness.core.matmuls import MatmulCall, StepProducts, on_grad, tapped
 from harness.core.plugins import Detector, DetectorContext, EventLog
 from harness.core.values import above, choice, flag, fraction, integer
 
@@ -175,7 +175,7 @@ class MatmulChecksum(Detector):
         # with the step's verdicts).
         self.open: dict[int, tuple[MatmulCall, Checked]] = {}
         self.convolutions: dict[int, tuple[MatmulCall, str]] = {}  # a convolution checked: key
-        self.calls, self.calls_step = dict[str, int](), -1  # products per module in that step
+        self.products = StepProducts()  # where each product of the step stands
         self.found: list[tuple[int, str, str, torch.Tensor]] = []  # (step, phase, key, ratio)
         self.kernels = Kernels(config.kernels)
         self.eager_instead = config.kernels == "native" and native_checksum.load() is None
@@ -186,17 +186,13 @@ class MatmulChecksum(Detector):
         return True
 
     def _key(self, step: int, stack: tuple[str, ...]) -> str:
-        """`module#n`: the innermost running module, and the n-th product made in the step
-        while it ran, its children's counted, from 1, as `fault.product` counts a module's
-        products in one run of its forward: in a step of one micro-batch, an alert's
-        `blocks.0#2` is the product `fault.tensor=blocks.0 fault.product=2` strikes (the score
-        product, after its child `blocks.0.qkv`'s)."""
-        if step != self.calls_step:
-            self.calls, self.calls_step, self.precisions = {}, step, {}
-        running = stack or ("",)  # "": no module of the model's runs (the root's own)
-        for name in running:
-            self.calls[name] = self.calls.get(name, 0) + 1
-        return f"{running[-1] or 'model'}#{self.calls[running[-1]]}"
+        """`module#n` (harness/core/matmuls.py, StepProducts): in a step of one micro-batch, an
+        alert's `blocks.0#2` is the product `fault.tensor=blocks.0 fault.product=2` strikes (the
+        score product, after its child `blocks.0.qkv`'s)."""
+        if step != self.products.step:
+            self.precisions = {}
+        module, n = self.products.place(step, stack)
+        return f"{module or 'model'}#{n}"
 
     def _sampled(self, step: int, key: str) -> bool:
         if self.config.fraction >= 1.0:

@@ -20,7 +20,7 @@ from torch import nn
 
 from harness.core.dtensors import local
 from harness.core.events import ContributionInject, LaneInject
-from harness.core.matmuls import CONVOLUTIONS, MatmulCall
+from harness.core.matmuls import CONVOLUTIONS, MatmulCall, StepProducts
 from harness.core.plugins import Bucket, Plugin, matches
 from injectors import bits, sites
 
@@ -140,11 +140,10 @@ class Unit(Site):
         self.rate = self.fault.settings.rate
         self.machine = injector.hardware[injector.info.rank]
         self.step, self.made = -1, 0  # products made in the step so far
-        self.by_module: dict[str, int] = {}  # and while each module ran, its children's too
+        self.products = StepProducts()  # and where each stands, as matmul_checksum names it
         # The call being struck (by id()), the module that made it and its place among the
-        # products made while that module ran in the step (from 1, as fault.product counts
-        # them and matmul_checksum's alerts name them):
-        # products run one at a time, operands hook, product, output hook.
+        # products made while that module ran (StepProducts): products run one at a time,
+        # operands hook, product, output hook.
         self.hit: tuple[int, str, int] | None = None
 
     def watches_matmuls(self) -> bool:
@@ -161,12 +160,9 @@ class Unit(Site):
         if tensor != "*" and not any(matches(m, tensor) for m in call.stack):
             return
         if step != self.step:
-            self.step, self.made, self.by_module = step, 0, {}
+            self.step, self.made = step, 0
         self.made += 1
-        running = call.stack or ("",)  # every running module's count, as matmul_checksum's
-        for name in running:
-            self.by_module[name] = self.by_module.get(name, 0) + 1
-        module, place = running[-1], self.by_module[running[-1]]
+        module, place = self.products.place(step, call.stack)
         seed = f"defective-unit:{self.injector.seed}:{self.machine}:{step}:{self.made}"
         if random.Random(seed).random() < self.rate:
             self.hit = (id(call), module, place)

@@ -316,6 +316,7 @@ def write_report(df: pd.DataFrame, out: Path, dirs: list[Path] | None = None) ->
     out.mkdir(parents=True, exist_ok=True)
     folder = out / "figures"
     folder.mkdir(exist_ok=True)
+    checks = detector_names(df)  # none: a campaign of the faults' effects alone
     sections = [
         "# SDC detection coverage report",
         f"Runs: {', '.join(sorted(df['run'].unique()))}  ",
@@ -346,7 +347,7 @@ def write_report(df: pd.DataFrame, out: Path, dirs: list[Path] | None = None) ->
         "## False positives (clean trials)\n\n"
         + (
             f"All detectors: {per_trial(df)}\n\n" + markdown_table(false_positives(df))
-            if detector_names(df)
+            if checks
             else "No check ran in these trials."
         ),
         "## Time to detection, containment and attribution\n\n"
@@ -386,7 +387,7 @@ def write_report(df: pd.DataFrame, out: Path, dirs: list[Path] | None = None) ->
         sections.append(extra)
     sections.append(_figures(df, folder))
     clean = df[df[Column.site] == Site.NONE]
-    if len(clean) and detector_names(df):  # with no check, nothing observed
+    if len(clean) and checks:  # with no check, nothing observed
         same = int(clean[Column.golden_match].sum())
         sections.append(
             "## Detectors observe only\n\nClean trials whose final weights are bit-identical to "

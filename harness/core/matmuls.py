@@ -162,6 +162,29 @@ class _Gathered:
             self.seen(made)
 
 
+class StepProducts:
+    """Where each product of a step stands: its innermost running module, and its place among
+    the products made in the step while that module ran, its children's counted, from 1, as
+    `fault.product` counts a module's products in one run of its forward (the same in a step of
+    one micro-batch). One numbering for matmul_checksum's alerts and a defective unit's events."""
+
+    __slots__ = ("step", "counts")
+
+    def __init__(self) -> None:
+        self.step = -1
+        self.counts: dict[str, int] = {}
+
+    def place(self, step: int, stack: tuple[str, ...]) -> tuple[str, int]:
+        """The next product of `step`, made while the modules of `stack` run: (module, place);
+        module "" where none of the model's runs (the root's own)."""
+        if step != self.step:
+            self.step, self.counts = step, {}
+        running = stack or ("",)
+        for name in running:
+            self.counts[name] = self.counts.get(name, 0) + 1
+        return running[-1], self.counts[running[-1]]
+
+
 @dataclass(frozen=True)
 class TracedProduct:
     """The K-th product of a module's forward as a matmul fault strikes it, over the module's

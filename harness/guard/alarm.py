@@ -125,7 +125,7 @@ def quarantine(folder: Path, alarm: SDCAlarm, written: list[tuple[int, Path]]) -
     set_aside, moved = [], []
     # The links a trainer keeps to one of them (Lightning's last.ckpt with save_last="link"),
     # which the move would leave pointing at nothing: each goes beside its file, to it.
-    links = {path: _links_to(path) for path in suspects}
+    links = _links_to(suspects)
     try:
         for path in suspects:
             aside = path.parent / SUSPECT
@@ -157,10 +157,16 @@ def quarantine(folder: Path, alarm: SDCAlarm, written: list[tuple[int, Path]]) -
         os.replace(tmp, folder / QUARANTINE)
 
 
-def _links_to(path: Path) -> list[Path]:
-    """The links beside `path`, in its folder, that lead to it."""
-    target = path.resolve()
-    return [p for p in path.parent.iterdir() if p.is_symlink() and p.resolve() == target]
+def _links_to(paths: list[Path]) -> dict[Path, list[Path]]:
+    """Each of `paths` with the links beside it, in its folder, that lead to it (each folder
+    listed once)."""
+    found: dict[Path, list[Path]] = {path: [] for path in paths}
+    by_target = {path.resolve(): path for path in paths}
+    for folder in {path.parent for path in paths}:
+        for entry in folder.iterdir():
+            if entry.is_symlink() and entry.resolve() in by_target:
+                found[by_target[entry.resolve()]].append(entry)
+    return found
 
 
 def earlier_incidents(folder: Path | None) -> tuple[tuple[int, str], ...]:
