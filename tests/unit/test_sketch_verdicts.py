@@ -54,12 +54,18 @@ def test_a_contribution_not_finite_names_its_sender_and_a_struck_slot_its_receiv
 
 
 @pytest.mark.parametrize("kernels", ["native", "eager"])
-def test_a_garbled_tag_names_its_receiver_and_a_known_answer_its_sender(kernels):
+@pytest.mark.parametrize(
+    ("size", "dtype"),
+    [(4096, torch.float32), (600_000, torch.bfloat16)],
+    ids=["small", "1.2MB-bf16"],
+)
+def test_a_garbled_tag_names_its_receiver_and_a_known_answer_its_sender(kernels, size, dtype):
     """Sender 2's tag (STEP + 1 = 4) garbled on receiver 1 alone, by a flip of its lowest
     exponent bit (to 2, a value no way of summing contributions gives): no sender wrote it, and
     receiver 1 names itself. A tag of 0 there reads as sender 2's contribution missing from the
-    sum, the one answer the slots give for it: the sender is named."""
+    sum, the one answer the slots give for it: the sender is named. On a bucket of 1.2 MB of
+    bfloat16 gradients as on a small float32 one."""
     gen = torch.Generator().manual_seed(1)
-    grads = [torch.randn(4096, generator=gen) for _ in range(WORLD)]
+    grads = [torch.randn(size, generator=gen).to(dtype) for _ in range(WORLD)]
     assert _named(kernels, grads, struck=(1 + 2, 2.0)) == [[1]]
     assert _named(kernels, grads, struck=(1 + 2, 0.0)) == [[2]]
