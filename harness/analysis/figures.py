@@ -13,6 +13,7 @@ from harness.analysis.tables import (
     catch_counts,
     cell_label,
     scenario_columns,
+    silent_fired,
     sweep_columns,
 )
 from harness.core.vocabulary import Effect, Site
@@ -117,7 +118,8 @@ def catch_heatmap(df: pd.DataFrame, dtype: str, path: Path) -> Path | None:
 
 
 def detection_delay(df: pd.DataFrame, path: Path) -> Path | None:
-    caught = df[df[Column.detected] == True]  # noqa: E712
+    fired = silent_fired(df)
+    caught = fired[fired[Column.detected] == True]  # noqa: E712
     if caught.empty:
         return None
     ttd = pd.to_numeric(caught[Column.ttd_steps], errors="coerce")

@@ -635,7 +635,10 @@ def own_attributions(df: pd.DataFrame) -> list[dict[str, object]]:
 
 
 def detection_times(df: pd.DataFrame) -> list[dict[str, object]]:
-    caught = df[df[Column.detected] == True]  # noqa: E712
+    """Per first detector, how soon it caught the silent faults it caught first (the crash
+    model's trials left out, as from every catch rate)."""
+    fired = silent_fired(df)
+    caught = fired[fired[Column.detected] == True]  # noqa: E712
     rows = []
     for d, g in caught.groupby(Column.first_detector):
         ttd = g[Column.ttd_steps]

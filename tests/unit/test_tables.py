@@ -29,6 +29,7 @@ from harness.analysis.tables import (
     catch_rates,
     cell_stats,
     cells,
+    detection_times,
     false_positive_counts,
     false_positives,
     markdown_table,
@@ -616,14 +617,21 @@ def test_the_crash_model_is_left_out_of_every_catch_rate_and_said():
                detectors="nan_inf", detected="True", detected_by="nan_inf")  # fmt: skip
     crash = dict(site="grad", model="crash", value="raise", fired="True", effect="crash",
                  detectors="nan_inf")  # fmt: skip
-    df = frame(*(dict(nan, trial_id=f"n{i}") for i in range(5)),
-               *(dict(crash, trial_id=f"c{i}") for i in range(2)))  # fmt: skip
+    # A crash a check saw (say, the NaN a dying rank left behind) is still no catch to time.
+    seen = dict(crash, detected="True", detected_by="nan_inf", first_detector="nan_inf",
+                ttd_steps="9")  # fmt: skip
+    caught = dict(nan, first_detector="nan_inf", ttd_steps="0")
+    df = frame(*(dict(caught, trial_id=f"n{i}") for i in range(5)),
+               *(dict(crash, trial_id=f"c{i}") for i in range(2)),
+               dict(seen, trial_id="c2"))  # fmt: skip
     counts = catch_counts(df)
     assert counts["all fired"]["nan_inf"] == (5, 5) and counts["non-masked"][ANY] == (5, 5)
+    [times] = detection_times(df)
+    assert times["n"] == 5 and times["ttd steps (median / max)"] == "0 / 0"
     assert [c.model for c in cell_stats(df)] == ["value"]
     assert {r["model"] for r in sees_and_misses(df)} == {"value"}
     assert report.effects_line(df) == (
-        "crash 2, harmful 5; 2 trials of the crash model left out of the catch rates "
+        "crash 3, harmful 5; 3 trials of the crash model left out of the catch rates "
         "(a process taken down, no silent corruption)"
     )
 
