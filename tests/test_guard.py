@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import re
 import subprocess
+import weakref
 from dataclasses import replace
 from pathlib import Path
 from types import MappingProxyType
@@ -109,6 +111,27 @@ def _ended() -> None:
     waits for: a hang, one run in four, where a test ended right after a backward."""
     inflight.quiesce()
     dist.destroy_process_group()
+
+
+def test_the_group_outlives_the_ddp_module_until_the_guard_lets_go_at_exit(tmp_path):
+    """DDP's C++ reducer destroys the group it holds the last reference to with the GIL held,
+    joining a gloo worker that may still wait for the GIL (harness/core/inflight.py): a guarded
+    loop that destroyed the group and then left the function holding its model hung 3 runs in
+    90. The guard keeps the group for Python to free, after the worker's last frees."""
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    model = DDP(nn.Linear(4, 2))
+    group = weakref.ref(model.process_group)
+    guard = Guard(model, detectors=["nan_inf"])
+    model(torch.ones(3, 4)).sum().backward()
+    guard.close()
+    dist.destroy_process_group()
+    del model, guard
+    gc.collect()
+    assert group() is not None, "the reducer would have destroyed it"
+    inflight.at_exit()
+    gc.collect()
+    assert group() is None
 
 
 def test_the_sketch_refuses_a_hook_it_cannot_verify_and_names_the_checks_allowed(one_rank):

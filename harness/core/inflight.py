@@ -15,6 +15,14 @@ collective and drops (FSDP's own, DTensor's, the loop's) cannot be held from her
 which the guard runs when it closes and at exit (before the interpreter finalises), sleeps a
 moment with the GIL released so that a backend thread that waits to free one can.
 
+The join itself is the last hazard. A group freed from Python is destroyed with the GIL
+released (torch binds it so), but DDP's C++ reducer frees it with the GIL held: a loop that
+calls destroy_process_group and then leaves the function holding its DDP module (a return, or
+`sys.exit` unwinding it) destroys the group there, joining a gloo worker that still waits for
+the GIL to free the last collective's tensors. It hung 3 runs in 90 of the guarded example on
+a loaded 2-core machine. So the guard `keep`s its module's group referenced from Python, and
+`at_exit` lets go of it there, after `quiesce`: never the reducer's to destroy.
+
 `gather_objects` is `all_gather_object` over held tensors.
 """
 
@@ -29,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 _held: list[torch.Tensor] = []
+_kept: list[dist.ProcessGroup] = []
 _lock = threading.Lock()
 
 
@@ -62,6 +71,24 @@ def quiesce(seconds: float = 0.1) -> None:
     while it can take the GIL. Registered to run at exit, before the interpreter finalises."""
     drain(timeout_s=2.0)
     time.sleep(seconds)
+
+
+def keep(group: dist.ProcessGroup) -> None:
+    """Keep `group` referenced from Python until `at_exit`, so that no C++ owner (DDP's reducer)
+    holds the last reference and destroys it with the GIL held."""
+    with _lock:
+        if not any(g is group for g in _kept):
+            _kept.append(group)
+
+
+def at_exit() -> None:
+    """`quiesce`, then let go of the groups `keep` held: one that is freed here is destroyed
+    with the GIL released, so a backend thread that still frees a tensor can take it."""
+    quiesce()
+    with _lock:
+        kept = _kept[:]
+        _kept.clear()
+    del kept
 
 
 def gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:

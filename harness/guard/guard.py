@@ -176,9 +176,11 @@ class Guard:
         self._last_end: Any = None
         self.closed = False
         # Once per process, before the interpreter finalises, whether or not the loop closed
-        # the guard (harness/core/inflight.py).
-        atexit.unregister(inflight.quiesce)
-        atexit.register(inflight.quiesce)
+        # the guard; and never DDP's reducer to destroy the group (harness/core/inflight.py).
+        if isinstance(model, DDP):
+            inflight.keep(model.process_group)
+        atexit.unregister(inflight.at_exit)
+        atexit.register(inflight.at_exit)
 
     @property
     def step(self) -> int:
