@@ -33,7 +33,7 @@ from harness.config.schema import RunConfig
 from harness.core import logs, registry
 from harness.errors import ConfigError
 from harness.launch import stacks  # noqa: F401 - first: the rank server's stack dump (harness/launch/stacks.py)
-from harness.results.folder import campaign_identity
+from harness.results.folder import campaign_identity, rows_identity, seeds_text, shared_seeds
 
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "experiments")
 GROUPS = ("workload", "topology", "fault", "detectors", "campaign")
@@ -123,19 +123,35 @@ def preflight(argv: list[str]) -> None:
         # Each job's campaign, and the job that first ran it: where the jobs write into the
         # sweep's folder, its merged report reads them together (a swept `out` is read by none:
         # its jobs' folders are each its own run's).
-        seen: dict[str, int] = {}
+        # Jobs that run the same trials (one campaign, or seeds in common where only the seeds
+        # or a setting that changes no row vary) are refused here, before any job runs.
+        seen: list[tuple[dict, str]] = []
         writers: dict[Path, int] = {}  # each job's folder, and the first job writing into it
         for number, job in enumerate(jobs):
             where = f" (sweep job {number}: {_own(job, shared)})"
             cfg = _composed([o for o in job if not (in_job and o.startswith("out="))])
             run = validated(cfg, where)
-            first = seen.setdefault(campaign_identity(dataclasses.asdict(run)), number)
-            if first != number and not outs:
-                fail(
-                    f"sweep: jobs {first} ({' '.join(jobs[first])}) and {number} "
-                    f"({' '.join(job)}) run the same campaign: the merged report would count "
-                    "its rows twice; allowed: values that change the campaign"
-                )
+            record = dataclasses.asdict(run)
+            rows = rows_identity(record)
+            for first, (earlier, its_rows) in enumerate(seen):
+                if outs or its_rows != rows:
+                    continue
+                if campaign_identity(earlier) == campaign_identity(record):
+                    fail(
+                        f"sweep: jobs {first} ({' '.join(jobs[first])}) and {number} "
+                        f"({' '.join(job)}) run the same campaign: the merged report would "
+                        "count its rows twice; allowed: values that change the campaign"
+                    )
+                both = shared_seeds(earlier, record)
+                if both:
+                    fail(
+                        f"sweep: jobs {first} ({' '.join(jobs[first])}) and {number} "
+                        f"({' '.join(job)}) both run the trials of {seeds_text(both)} (the "
+                        "same campaign but for its seeds or settings that change no row): the "
+                        "merged report would count their rows twice; allowed: jobs that share "
+                        "no seed (run the most seeds once), or values that change the campaign"
+                    )
+            seen.append((record, rows))
             if outs:
                 out = None if in_job else Path(cfg.out)
             else:

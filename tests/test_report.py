@@ -4,6 +4,7 @@ overhead sections, and a page whose every image is a PNG next to it."""
 from __future__ import annotations
 
 import csv
+import json
 import math
 import re
 import shutil
@@ -348,3 +349,50 @@ def test_a_run_named_twice_or_beside_its_sweep_and_another_runs_out_are_refused(
             assert exited.value.code == 2 and message in err and err.count("\n") == 1, (tool, err)
     assert (other / "report.md").read_text() == "the other run's own report\n"
     assert not (sweep / "report.md").exists()
+
+
+def seeds_of(baseline_run: Path, folder: Path, seeds: range, **settings: object) -> Path:
+    """The baseline run as if run with only `seeds` (from workload.seed, as `campaign.seeds`
+    counts them) and the campaign settings given: its campaign.json and its rows of them."""
+    record = json.loads((baseline_run / "campaign.json").read_text())
+    record["seeds"] = len(seeds)
+    record["workload"]["seed"] = seeds.start
+    record["trials"] = [t for t in record["trials"] if t["seed"] in seeds]
+    record.update(settings)
+    folder.mkdir(parents=True)
+    (folder / "campaign.json").write_text(json.dumps(record))
+    with open(baseline_run / "trials.csv", newline="") as f:
+        table = list(csv.DictReader(f))
+    with open(folder / "trials.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(table[0]))
+        writer.writeheader()
+        writer.writerows(r for r in table if int(r["seed"]) in seeds)
+    return folder
+
+
+def test_runs_that_share_seeds_of_one_campaign_are_refused_naming_the_seeds(tmp_path, capsys):
+    """`sdc-report A S` with S the same campaign run for 2 seeds of A's 5 (or with
+    campaign.fast_forward=false, golden_cache or checkpoint.keep otherwise, which change no
+    row) counted S's trials twice, as new evidence: only identical seed lists were refused."""
+    a = seeds_of(BASELINE, tmp_path / "A", range(0, 4))
+    fewer = seeds_of(BASELINE, tmp_path / "S", range(0, 2))
+    slow = seeds_of(
+        BASELINE,
+        tmp_path / "F",
+        range(1, 3),
+        fast_forward=False,
+        golden_cache=False,
+        checkpoint={"interval": 10, "keep": True},
+    )
+    for other, shared in ((fewer, "seeds 0-1"), (slow, "seeds 1-2")):
+        with pytest.raises(SystemExit) as exited:
+            report.main([str(a), str(other)])
+        err = capsys.readouterr().err
+        assert exited.value.code == 2 and err.count("\n") == 1, err
+        assert err.startswith(f"sdc-report: {other}: the same campaign as {a} for {shared} ")
+        assert not (a / "report.md").exists()
+    # Seeds apart, or a setting that decides a row apart: other trials, read together.
+    later = seeds_of(BASELINE, tmp_path / "L", range(4, 6))
+    noisier = seeds_of(BASELINE, tmp_path / "N", range(0, 2), noise_seeds=3)
+    assert len(tables.load_trials([a, later])) == 33 * 6
+    assert len(tables.load_trials([a, noisier])) == 33 * 6

@@ -91,3 +91,34 @@ def test_a_sweep_writes_a_merged_report_that_sdc_report_rebuilds(tmp_path, monke
     monkeypatch.chdir(tmp_path)
     report.main(["sweep"])
     assert (top / "report.md").read_text() == merged
+
+
+@pytest.mark.parametrize(
+    ("swept", "jobs", "seeds"),
+    [
+        (["campaign.seeds=1,2"], ("campaign.seeds=1", "campaign.seeds=2"), "seed 0"),
+        (
+            ["campaign.seeds=2", "campaign.fast_forward=true,false"],
+            ("campaign.fast_forward=True", "campaign.fast_forward=False"),
+            "seeds 0-1",
+        ),
+    ],
+)
+def test_a_sweep_whose_jobs_share_seeds_is_refused_before_any_job_runs(
+    swept, jobs, seeds, tmp_path, monkeypatch, capsys
+):
+    """`-m campaign.seeds=1,2` ran seed 0's trials in both jobs (and so did a swept
+    fast_forward, which changes no row): the merged report counted them twice."""
+    from harness import cli
+
+    monkeypatch.chdir(tmp_path)
+    argv = cli.implied_campaign(["-m", "fault=grad_bitflip", "fault.bit=3", *swept])
+    with pytest.raises(SystemExit) as exited:
+        cli.preflight(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.count("\n") == 1, err
+    assert (
+        err.startswith("sdc-bench: error: sweep: jobs 0 (") and f"run the trials of {seeds} " in err
+    )
+    assert all(job in err for job in jobs), err
+    assert not (tmp_path / "multirun").exists() and not (tmp_path / "results").exists()

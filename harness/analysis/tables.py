@@ -17,7 +17,13 @@ import pandas as pd
 
 from harness.core.formats import BIT_CLASSES, classify_bit
 from harness.core.vocabulary import DAMAGING, Effect, Site
-from harness.results.folder import TRIALS_FILE, RunFolder, campaign_identity
+from harness.results.folder import (
+    TRIALS_FILE,
+    RunFolder,
+    rows_identity,
+    seeds_text,
+    shared_seeds,
+)
 from harness.results.schema import (
     RECOVERY_KINDS,
     recovery_kinds,
@@ -107,20 +113,26 @@ def distinct(dirs: list[Path]) -> None:
 
 
 def _one_of_each_campaign(files: list[Path]) -> None:
-    """Tables of two runs of one campaign (config and seeds alike) hold the same rows: read
-    together, each trial would count twice and narrow every interval as if it were evidence."""
-    seen: dict[str, Path] = {}
+    """Tables of two runs that ran the same trials (configs alike in all that decides a row,
+    seeds in common: a copy, the same command again, fewer seeds or `campaign.fast_forward`
+    set otherwise) hold the same rows: read together, each would count twice and narrow every
+    interval as if it were evidence."""
+    seen: list[tuple[Path, dict, str]] = []
     for f in files:
         record = RunFolder(f.parent).campaign_record()
         if record is None:
             continue
-        first = seen.setdefault(campaign_identity(record), f.parent)
-        if first != f.parent:
-            raise ReportError(
-                f"{f.parent}: the same campaign as {first} (its config and seeds), whose rows "
-                "it repeats: each trial would count twice; name one of them (sdc-regress "
-                "compares two runs)"
-            )
+        rows = rows_identity(record)
+        for first, earlier, its_rows in seen:
+            shared = shared_seeds(earlier, record) if its_rows == rows else []
+            if shared:
+                raise ReportError(
+                    f"{f.parent}: the same campaign as {first} for {seeds_text(shared)} "
+                    "(its config but for the seeds and the settings that change no row), whose "
+                    "rows both hold: each trial would count twice; name one of them, or runs "
+                    "that share no seed (sdc-regress compares two runs)"
+                )
+        seen.append((f.parent, record, rows))
 
 
 def check_out(flag: str, out: Path, dirs: list[Path]) -> None:

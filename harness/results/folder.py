@@ -50,6 +50,53 @@ def campaign_identity(record: dict[str, Any]) -> str:
     return json.dumps(_canonical(held), sort_keys=True, indent=1)
 
 
+# What picks which trials a campaign runs (its seeds: `campaign.seeds` counts them from
+# `workload.seed`, and `trials` lists them), and what is documented to change no row but
+# `start_step` (`campaign.fast_forward`, docs/configuration.md): two campaigns alike but for
+# these run the same trial wherever they run one of a seed both hold, and write it the same row.
+PICKS_TRIALS = {"": ("seeds", "trials", "fast_forward"), "workload": ("seed",)}
+
+
+def rows_identity(record: dict[str, Any]) -> str:
+    """What decides a trial's row in a campaign (a config or a campaign.json record): its
+    identity (`campaign_identity`) less which seeds it runs and the settings that change no
+    row. Two campaigns of one rows identity hold the same row for each trial they share."""
+    held = json.loads(campaign_identity(record))
+    for section, keys in PICKS_TRIALS.items():
+        within = held.get(section) if section else held
+        if isinstance(within, dict):
+            for key in keys:
+                within.pop(key, None)
+    return json.dumps(held, sort_keys=True, indent=1)
+
+
+def shared_seeds(first: dict[str, Any], second: dict[str, Any]) -> list[int]:
+    """The seeds of the trials two campaigns (configs or campaign.json records) both run: the
+    same scenario and checks on the same seed under settings that decide its row alike, so the
+    same trial, counted twice where their tables are read together. Empty where they share
+    none, or differ in a setting that decides a row."""
+    if rows_identity(first) != rows_identity(second):
+        return []
+    ran = {_trial_key(t) for t in first.get("trials") or []}
+    return sorted({t["seed"] for t in second.get("trials") or [] if _trial_key(t) in ran})
+
+
+def _trial_key(trial: dict[str, Any]) -> str:
+    return json.dumps(_canonical(trial), sort_keys=True)
+
+
+def seeds_text(seeds: list[int]) -> str:
+    """Seeds as their runs, named: [0, 1, 2, 5] as "seeds 0-2, 5", [3] as "seed 3"."""
+    runs: list[list[int]] = []
+    for seed in sorted(seeds):
+        if runs and seed == runs[-1][-1] + 1:
+            runs[-1].append(seed)
+        else:
+            runs.append([seed])
+    text = ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
+    return f"seed{'s' if len(seeds) > 1 else ''} {text}"
+
+
 def _canonical(value: Any) -> Any:
     """A whole float as the integer it equals: 30.0 given on the command line is the YAML's 30."""
     if isinstance(value, dict):
