@@ -396,3 +396,26 @@ def test_runs_that_share_seeds_of_one_campaign_are_refused_naming_the_seeds(tmp_
     noisier = seeds_of(BASELINE, tmp_path / "N", range(0, 2), noise_seeds=3)
     assert len(tables.load_trials([a, later])) == 33 * 6
     assert len(tables.load_trials([a, noisier])) == 33 * 6
+
+
+def test_a_merge_goes_to_a_folder_of_its_own_and_keeps_each_runs_report(
+    tmp_path, capsys, monkeypatch
+):
+    """`sdc-report A B` wrote the merged report over A's own report.md, report.html and
+    figures: "the first folder" was the default, which only --help said."""
+    kept_open(monkeypatch)  # no figure drawn to disk: the reports' own files are the point
+    a = seeds_of(BASELINE, tmp_path / "A", range(0, 1))
+    b = seeds_of(BASELINE, tmp_path / "B", range(1, 2))
+    c = seeds_of(BASELINE, tmp_path / "C", range(2, 3))
+    (a / "report.md").write_text("A's own report\n")
+    (a / "figures").mkdir()
+    (a / "figures" / "catch_rate.png").write_bytes(b"A's own figure")
+    for others, folder in (([b], "merged"), ([c], "merged-2"), ([b], "merged")):
+        report.main([str(a), *map(str, others)])
+        assert capsys.readouterr().out.endswith(f"report: {a / folder / 'report.md'}\n")
+        runs = (a / folder / "report.md").read_text().splitlines()[2]
+        assert runs == f"Runs: {', '.join(sorted(map(str, [a, *others])))}  "
+    assert (a / "report.md").read_text() == "A's own report\n"
+    assert (a / "figures" / "catch_rate.png").read_bytes() == b"A's own figure"
+    assert not (a / "report.html").exists()
+    assert {p.name for p in a.iterdir() if p.is_dir()} == {"figures", "merged", "merged-2"}

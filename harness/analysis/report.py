@@ -7,6 +7,7 @@ interval: a 3/3 catch rate is not a 100% detector, and the interval says so.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import sys
@@ -312,6 +313,34 @@ def _spans(numbers: list[int]) -> str:
     return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
 
 
+# Where a report of several folders goes by default, inside the first: each run's own report
+# stays its own. A merge of another set of runs takes the next free name (merged-2, ...).
+MERGED = "merged"
+
+
+def runs_line(df: pd.DataFrame) -> str:
+    """The report's first line: the folders whose trials it counts."""
+    return f"Runs: {', '.join(sorted(df['run'].unique()))}  "
+
+
+def default_out(dirs: list[Path], df: pd.DataFrame) -> Path:
+    """Where `sdc-report` writes without --out: one folder's report into that folder; a merge
+    of several into FIRST/merged/, or where a merged report of other runs is there already,
+    the first of merged-2, merged-3, ... that is free or holds this merge's."""
+    if len(dirs) == 1:
+        return dirs[0]
+    line = runs_line(df)
+    for n in itertools.count(1):
+        out = dirs[0] / (MERGED if n == 1 else f"{MERGED}-{n}")
+        try:
+            held = (out / "report.md").read_text(encoding="utf-8").splitlines()
+        except (FileNotFoundError, NotADirectoryError):
+            held = None
+        if (held is None and not out.exists()) or (held and line in held[:3]):
+            return out
+    raise AssertionError("unreachable")
+
+
 def write_report(df: pd.DataFrame, out: Path, dirs: list[Path] | None = None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     folder = out / "figures"
@@ -319,7 +348,7 @@ def write_report(df: pd.DataFrame, out: Path, dirs: list[Path] | None = None) ->
     checks = detector_names(df)  # none: a campaign of the faults' effects alone
     sections = [
         "# SDC detection coverage report",
-        f"Runs: {', '.join(sorted(df['run'].unique()))}  ",
+        runs_line(df),
         "Environment: " + environment_line(df) + "  ",
         "Numerics: " + numerics_line(df) + "  ",
         "Golden runs: " + golden_line(df) + "  ",
@@ -446,14 +475,21 @@ def to_html(markdown: str) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = OneLineParser(prog="sdc-report", description=__doc__.split("\n\n")[0])
     parser.add_argument("dirs", nargs="+", type=Path, help="run folders or sweep folders")
-    parser.add_argument("--out", type=Path, help="where to write (default: the first folder)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help=f"where to write (default: the folder named, or for several folders {MERGED}/ "
+        f"inside the first, {MERGED}-2/ and on where one holds a merge of other runs; a "
+        "folder's own report is never replaced by a merged one)",
+    )
     try:
         args = parser.parse_args(argv)
         df = load_trials(args.dirs)
-        check_out("--out", args.out or args.dirs[0], args.dirs)
+        out = args.out or default_out(args.dirs, df)
+        check_out("--out", out, args.dirs)
     except ReportError as exc:
         print(f"sdc-report: {exc}", file=sys.stderr)
         sys.exit(2)
-    path = write_report(df, args.out or args.dirs[0], args.dirs)
+    path = write_report(df, out, args.dirs)
     print(summary(df))
     print(f"report: {path}")
