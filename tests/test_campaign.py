@@ -121,11 +121,17 @@ def test_rerun_resumes_without_duplicates_and_refuses_another_campaign(tmp_path,
     ids = [r["trial_id"] for r in rows(out)]
     per_trial = {json.loads(line)["trial_id"] for line in (out / "events.jsonl").open()}
     assert per_trial == set(ids)
-    # Finished: rerun, it starts no world (seconds) and writes the report again.
+    # Finished: rerun, it starts no world (seconds) and writes the report again. A stop after
+    # the last row but before the report (SIGTERM) left the world's folder: the rerun clears it.
     (out / "report.md").unlink()
+    stale = out / "world" / "world-0"
+    stale.mkdir(parents=True)
+    for name in ("rank0.pid", "rendezvous", "stack-123.txt"):
+        (stale / name).write_text("left by a stopped run\n")
     again = run_ok(*args, f"out={out}", cwd=tmp_path)
     assert f"{out}: every trial is recorded; nothing to run" in again.stderr
     assert (out / "report.md").exists() and without_timing(rows(out)) == without_timing(expected)
+    assert not (out / "world").exists()
 
     before = (out / "trials.csv").read_bytes()
     proc = sdc_bench(*args, "workload.lr=0.01", f"out={out}", cwd=tmp_path, timeout=60)

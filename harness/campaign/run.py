@@ -380,9 +380,12 @@ def run_campaign(run: RunConfig, out: Path, executor: Executor | None = None) ->
                     len(run.trials))  # fmt: skip
     if not campaign.pending and not overhead.wanted(run, out):
         # Nothing to run: no world to start (seconds), only the report to write again, and the
-        # golden snapshots to drop where a run stopped after its last row or now keeps none.
+        # golden snapshots to drop where a run stopped after its last row or now keeps none,
+        # and the world folder such a stop left (pid files, rendezvous, stacks), which a world
+        # closing removes on every other path.
         logger.info("%s: every trial is recorded; nothing to run", out)
         campaign.finish()
+        shutil.rmtree(folder.world, ignore_errors=True)
         return campaign.records.trials
     if run.recovery.enabled:
         scratch_folders(out, run)
