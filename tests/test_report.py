@@ -419,3 +419,22 @@ def test_a_merge_goes_to_a_folder_of_its_own_and_keeps_each_runs_report(
     assert (a / "figures" / "catch_rate.png").read_bytes() == b"A's own figure"
     assert not (a / "report.html").exists()
     assert {p.name for p in a.iterdir() if p.is_dir()} == {"figures", "merged", "merged-2"}
+
+
+@pytest.mark.parametrize("cut", [40, 1], ids=["mid-row", "its newline alone"])
+def test_a_torn_last_row_says_a_rerun_drops_it_and_resumes(cut, tmp_path, capsys):
+    """A campaign stopped mid-write: its last line torn. sdc-report said only "its cells do not
+    match the header's columns", not what to do; a row cut where its cells still read (its
+    newline alone) was counted as whole."""
+    run = seeds_of(BASELINE, tmp_path / "run", range(0, 1))
+    data = (run / "trials.csv").read_bytes()
+    (run / "trials.csv").write_bytes(data[:-cut])
+    with pytest.raises(SystemExit) as exited:
+        report.main([str(run)])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err == (
+        f"sdc-report: {run / 'trials.csv'}, line 34: cut short, without its newline (a campaign "
+        "stopped while writing it); rerun the same sdc-bench command (the same out), which "
+        "drops the torn line and resumes\n"
+    )
+    assert not (run / "report.md").exists()

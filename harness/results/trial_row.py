@@ -230,7 +230,16 @@ def row_line(row: TrialRow, columns: Iterable[str] = COLUMNS) -> str:
 
 def read_trials(path: Path) -> tuple[tuple[str, ...], list[TrialRow]]:
     """A trials.csv's header and rows. Raises TrialRowError naming the file and line of a cell
-    that does not read, or the contract columns the header lacks."""
+    that does not read, or the contract columns the header lacks, or a last row cut short (no
+    newline: a campaign stopped mid-write), whose cells, though they may read, are not whole."""
+    data = path.read_bytes()
+    whole = data.count(b"\n")
+    if whole and not data.endswith(b"\n"):  # a header, then a torn row
+        raise TrialRowError(
+            f"{path}, line {whole + 1}: cut short, without its newline (a campaign "
+            "stopped while writing it); rerun the same sdc-bench command (the same out), which "
+            "drops the torn line and resumes"
+        )
     with open(path, newline="", encoding="utf-8") as f:
         reader = csv.DictReader(f)
         header = tuple(reader.fieldnames or ())
