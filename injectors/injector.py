@@ -21,9 +21,10 @@ harness has not run, among every module that could.
 
 At site allreduce the rider region (the float32 numbers summed with each chunk,
 harness/runtime/comm.py) is a target named `riders`; only that exact name reaches it, so a
-glob's draws over parameters stay what they were. The contribution models (drop, duplicate,
-stale) change what the faulty ranks send into the reduction, rider region included, so every
-receiver gets the same wrong sum.
+glob's draws over parameters stay what they were. `fault.bucket` narrows it to one chunk's
+region, and `fault.index` places the elements in it (its size is known when it is at hand).
+The contribution models (drop, duplicate, stale) change what the faulty ranks send into the
+reduction, rider region included, so every receiver gets the same wrong sum.
 
 Each site's hooks live in an object of its own (injectors/strikes.py), chosen once per fault;
 the injector hands every hook to it and keeps what all sites share.
@@ -98,8 +99,10 @@ class FaultInjector(Plugin):
             self.active = fault.ranks[0] in hardware
         else:
             self.active = bool(mine & set(fault.ranks))
-        # With a bucket named, positions are drawn over that bucket's tensors when it first shows.
-        matched = [] if fault.bucket is not None else sites.matching(fault, model, forward)
+        # With a bucket named, positions are drawn over that bucket's tensors when it first shows
+        # (the rider region's, as without one, where it is at hand).
+        in_bucket = fault.bucket is not None and fault.tensor != sites.RIDERS
+        matched = [] if in_bucket else sites.matching(fault, model, forward)
         self.positions = self.initial_positions(matched)
         # The world ranks of a sub-group reduction under way (harness/runtime/locate.py), else None.
         self.group: tuple[int, ...] | None = None
@@ -191,6 +194,8 @@ class FaultInjector(Plugin):
                     min(fault.index, n - 1) if fault.index is not None else self.rng.randrange(n)
                 )
                 self.positions[name] = self.model.group(n, first, self.rng)
+            elif fault.index is not None:  # the rider region, its size known when at hand
+                self.positions[name] = list(range(fault.index, fault.index + fault.elements))
             else:
                 self.positions[name] = sorted(self.rng.sample(range(n), min(fault.elements, n)))
         return [(i, None) for i in self.positions.get(name, [])]

@@ -254,7 +254,8 @@ class Reduced(Buckets):
         if not self.first(step, bucket.index) or not self._receives(bucket):
             return
         if self.fault.tensor == sites.RIDERS:
-            if bucket.rider_region is not None:
+            named = self.fault.bucket in (None, bucket.index)  # every chunk's, or the one named
+            if bucket.rider_region is not None and named:
                 self.injector.inject(step, [(sites.RIDERS, bucket.rider_region)])
             return
         self.inject_bucket(step, bucket)

@@ -646,6 +646,52 @@ CASES = [
         "fault.tensor",
         "matches nothing in bucket 1",
     ),
+    # What a fault in one bucket names is counted in that bucket (gpt's bucket 1: 157,184
+    # elements, 1,280 of them biases), not over the model: each fault below never struck.
+    (
+        ["workload=gpt", "fault.site=grad", "fault.model=bitflip", "fault.bucket=1"]
+        + ["fault.schedule=[{step:3,rank:1,tensor:head.weight,index:3,bit:30}]"],
+        "fault.schedule[0].tensor",
+        "'head.weight' is not in bucket 1; allowed: tok.weight, pos.weight,",
+    ),
+    (
+        ["workload=gpt", "fault=grad_bitflip", "fault.bucket=1", "fault.index=200000"],
+        "fault.index",
+        "200000 is out of range of the 157184 elements '*' names in bucket 1; allowed: 0..157183",
+    ),
+    (
+        ["workload=gpt", "fault=grad_scale", "fault.bucket=1", "fault.tensor=*.bias"]
+        + ["fault.elements=1500"],
+        "fault.elements",
+        "1500 is more than the 1280 elements '*.bias' names in bucket 1; allowed: 1..1280",
+    ),
+    # The rider region's index and elements within its slots (8 + 4 * 4 ranks), where the
+    # index was ignored and the draw took fewer; with no spare, recovery may shrink the world to
+    # one node (8 + 4 slots).
+    *(
+        (
+            ["detectors=[allreduce_sketch]", "fault=allreduce_rank", "fault.tensor=riders", *extra],
+            f"fault.{name}",
+            message,
+        )
+        for extra, name, message in (
+            (
+                ["fault.index=100000"],
+                "index",
+                "of the 24 elements the rider region holds; allowed: 0..23",
+            ),
+            (
+                ["fault.elements=100000"],
+                "elements",
+                "100000 is more than the 24 elements the rider region holds; allowed: 1..24",
+            ),
+            (
+                ["fault.index=23", "recovery.enabled=true"],
+                "index",
+                "23 is out of range of the 12 elements the rider region holds; allowed: 0..11",
+            ),
+        )
+    ),  # fmt: skip
     (["detectors.nan_inf.mode=panic"], "detectors.nan_inf.mode", "allowed: observe, act"),
     (["fault=grad_scale", "fault.model=crash", "fault.value=melt"], "fault.value", "raise, exit"),
     # A broken reduction strikes every receiver: every rank's process went down, each recorded.
@@ -1152,3 +1198,11 @@ def test_a_sharded_runs_rider_fault_is_accepted_where_a_check_rides():
     run = compose_run("campaign=single", "topology.parallel=fsdp", "detectors=[allreduce_sketch]",
                       "fault=allreduce_rank", "fault.tensor=riders")  # fmt: skip
     assert run.scenarios[0].tensor == "riders"
+
+
+def test_a_rider_fault_takes_a_bucket_and_an_index_within_the_region():
+    """Every chunk's reduction carries the rider region where a check rides: `riders` in
+    bucket 0 was refused as matching nothing there."""
+    run = compose_run("campaign=single", "detectors=[allreduce_sketch]", "fault=allreduce_rank",
+                      "fault.tensor=riders", "fault.bucket=0", "fault.index=23")  # fmt: skip
+    assert (run.scenarios[0].bucket, run.scenarios[0].index) == (0, 23)

@@ -844,3 +844,20 @@ def test_a_scheduled_product_strikes_at_its_step_and_module(workload, module, ph
     assert [(e.step, e.tensor, e.index, e.bit, e.fired) for e in struck] == [
         (1, module, 0, 14, True)
     ]
+
+
+def test_a_rider_fault_strikes_the_index_and_bucket_it_names():
+    """`fault.index` in the rider region was ignored (an element drawn from the seed, the row
+    saying the index), and `fault.bucket` too (every chunk's region struck)."""
+    model = torch.nn.Linear(2, 2)
+    fault = FaultConfig(site="allreduce", scope="rank", model="value", value=1e6, tensor="riders",
+                        index=5, elements=2, bucket=1, ranks=(0,), steps=(0,))  # fmt: skip
+    log = EventLog(0, 0)
+    injector = FaultInjector(fault, 0, RankInfo(0, 1, 1), log, model)
+    regions = [torch.zeros(12) for _ in range(3)]
+    for i, region in enumerate(regions):
+        bucket = Bucket(i, torch.zeros(4), [], i == 2, rider_region=region)
+        injector.on_reduced_grad(0, bucket)
+    assert [r.nonzero().flatten().tolist() for r in regions] == [[], [5, 6], []]
+    struck = [e for e in log.events if isinstance(e, ElementInject)]
+    assert sorted(e.index for e in struck) == [5, 6]

@@ -37,19 +37,30 @@ def check_target(
     model: torch.nn.Module,
     forward: ForwardModules | None = None,
     shard_group: int | None = None,
+    layout: list[tuple[str, ...]] | None = None,
+    riders: int | None = None,
 ) -> None:
     """The tensors a fault names must exist at its site on this workload's model; at a module
     site, among the modules `forward` says the forward runs (one that never runs, such as a
     container, could never strike). Sharded over groups of `shard_group` ranks, a fault in a
-    rank's own shard (sites allreduce, weight, optimizer) must find an element there."""
+    rank's own shard (sites allreduce, weight, optimizer) must find an element there. With
+    the reduction's chunks known (`layout`, a campaign's fixed one: check_bucket has checked
+    `fault.bucket` against it), a fault in one bucket names, counts and indexes only what that
+    bucket holds; `riders`: the rider region's slots (the fewest the run may have), where known."""
     if fault.clean:
         return
     reachable = dict(sites.targets(fault.site, model, forward))
+    held = None if layout is None or fault.bucket is None else layout[fault.bucket]
+    if held is not None:
+        reachable = {n: size for n, size in reachable.items() if n in held}
     names = ", ".join(reachable)
+    where = f"site {fault.site}" if held is None else f"bucket {fault.bucket}"
     for i, entry in enumerate(fault.schedule):
         at = f"{key}.schedule[{i}]"
         if entry["tensor"] not in reachable:
-            message = f"'{entry['tensor']}' is not at site {fault.site}; allowed: {names}"
+            message = f"'{entry['tensor']}' is not in {where}; allowed: {names}"
+            if held is None:
+                message = f"'{entry['tensor']}' is not at site {fault.site}; allowed: {names}"
             raise ConfigError(f"{at}.tensor", message)
         size = reachable[entry["tensor"]]
         if size is not None and entry["index"] >= size:
@@ -76,6 +87,10 @@ def check_target(
                 _in_shard(f"{key}.schedule[{i}]", fault, model, entry, shard_group)
         return
     matched = sites.matching(fault, model, forward)
+    if held is not None and fault.tensor != sites.RIDERS:
+        matched = [(n, size) for n, size in matched if n in held]
+    if riders is not None and fault.tensor == sites.RIDERS:
+        matched = [(sites.RIDERS, riders)]
     if not matched:
         where = SITE_TARGETS.get(fault.site, "")
         message = f"'{fault.tensor}' matches nothing at site {fault.site}{where}; allowed: {names}"
@@ -103,12 +118,24 @@ def check_target(
         sizes = [size for _, size in matched]
     if fault.index is not None and None not in sizes and fault.index + fault.elements > sum(sizes):
         high = sum(sizes) - fault.elements
-        raise ConfigError(f"{key}.index", f"{fault.index} is out of range; allowed: 0..{high}")
+        held_by = _held_by(fault, held)
+        raise ConfigError(
+            f"{key}.index", f"{fault.index} is out of range of the {sum(sizes)} elements "
+            f"{held_by}; allowed: 0..{high}"
+        )  # fmt: skip
     if None not in sizes and fault.ber is None:
-        _elements_fit(key, fault, sizes)
+        _elements_fit(key, fault, sizes, _held_by(fault, held))
 
 
-def _elements_fit(key: str, fault: FaultConfig, sizes: list[int]) -> None:
+def _held_by(fault: FaultConfig, held: tuple[str, ...] | None) -> str:
+    """What holds a fault's elements, as its errors say it."""
+    if fault.tensor == sites.RIDERS:
+        return "the rider region holds"
+    where = f"at site {fault.site}" if held is None else f"in bucket {fault.bucket}"
+    return f"'{fault.tensor}' names {where}"
+
+
+def _elements_fit(key: str, fault: FaultConfig, sizes: list[int], held_by: str) -> None:
     """The elements a fault strikes within what it names: a draw past them took fewer (the
     loss's one element for 8), and a burst past the largest tensor was cut, while the record
     said what was asked."""
@@ -117,13 +144,13 @@ def _elements_fit(key: str, fault: FaultConfig, sizes: list[int]) -> None:
         if span > largest:
             raise ConfigError(
                 f"{key}.elements", f"a burst of {fault.elements} at stride {fault.stride} spans "
-                f"{span} elements, past the largest tensor '{fault.tensor}' names at site "
-                f"{fault.site} ({largest} elements); allowed: a span of at most {largest}"
+                f"{span} elements, past the largest tensor {held_by} ({largest} elements); "
+                f"allowed: a span of at most {largest}"
             )  # fmt: skip
     elif fault.elements > sum(sizes):
         raise ConfigError(
             f"{key}.elements", f"{fault.elements} is more than the {sum(sizes)} elements "
-            f"'{fault.tensor}' names at site {fault.site}; allowed: 1..{sum(sizes)}"
+            f"{held_by}; allowed: 1..{sum(sizes)}"
         )  # fmt: skip
 
 
@@ -155,7 +182,8 @@ def check_riders(key: str, fault: FaultConfig, checks: Iterable[str]) -> None:
 def check_bucket(key: str, fault: FaultConfig, model: torch.nn.Module) -> None:
     """A campaign's reduction chunks are fixed for the run's life (harness/runtime/comm.py): a
     bucket past the last is never reduced, so its fault could never strike. (A guard's buckets
-    are its DDP module's own, known only once it has reduced.)"""
+    are its DDP module's own, known only once it has reduced.) What the fault names is then
+    counted within that bucket (check_target)."""
     if fault.bucket is None:
         return
     layout = fixed_layout(model)
@@ -166,6 +194,9 @@ def check_bucket(key: str, fault: FaultConfig, model: torch.nn.Module) -> None:
             f"{count} bucket{'s' * (count != 1)}; allowed: 0..{count - 1}"
         )  # fmt: skip
     held = layout[fault.bucket]
+    # Every chunk carries the rider region where a check rides (check_riders), each its own.
+    if fault.tensor == sites.RIDERS:
+        return
     if not any(matches(name, fault.tensor) for name in held):
         raise ConfigError(
             f"{key}.tensor", f"'{fault.tensor}' matches nothing in bucket {fault.bucket}; "

@@ -44,6 +44,7 @@ from harness.core.checks import CheckConfig
 from harness.core.values import choice, flag, integer, known_keys, positive, writable
 from harness.errors import ConfigError
 from harness.runtime import determinism, devices, numerics
+from harness.runtime.comm import fixed_layout, rider_slots
 from harness.runtime.environment import check_cpu_kernels
 from harness.runtime.workloads import DTYPES, Workload, WorkloadConfig
 from injectors import bits
@@ -143,6 +144,13 @@ def _applicable(topology: TopologyConfig, checks: dict[str, CheckConfig]) -> Non
                 f"does not apply under topology.parallel={parallel}; allowed: "
                 + ", ".join(allowed),
             )
+
+
+def _smallest_world(topology: TopologyConfig, recovery: RecoveryConfig) -> int:
+    """The ranks of the smallest world a DDP trial may train in: a recovery with no spare left
+    drops the quarantined node (harness/campaign/recovery.py), one node for each."""
+    lost = max(0, recovery.max_recoveries - topology.spares) if recovery.enabled else 0
+    return max(1, topology.nodes - lost) * topology.ranks_per_node
 
 
 def _placed(topology: TopologyConfig, launcher: str) -> TopologyConfig:
@@ -408,6 +416,7 @@ def run_config(raw: dict[str, Any]) -> RunConfig:
         scenario_raw = expand_scenarios(scenarios_raw, width)
         if not scenario_raw:
             raise ConfigError("campaign.scenarios", "a campaign needs at least one scenario")
+    riders = None if topology.sharded else rider_slots(_smallest_world(topology, recovery))
     traced_sites = {str(s.get("site")) for _, s in scenario_raw} & set(TRACED_SITES)
     forward = traced() if traced_sites else None
     overhead = overhead_config(campaign.get("overhead"))
@@ -426,8 +435,9 @@ def run_config(raw: dict[str, Any]) -> RunConfig:
             _timed_alike(timed, key, checks if trial_checks is None else trial_checks)
         mix = scenario_class(key, scenario)
         fault = fault_config(key, scenario, workload, topology)
-        check_target(key, fault, model, forward, topology.shard_group)
         check_bucket(key, fault, model)
+        layout = None if topology.sharded else fixed_layout(model)
+        check_target(key, fault, model, forward, topology.shard_group, layout, riders)
         if fault.follows == "data" and not recovery.enabled:
             raise ConfigError(
                 f"{key}.follows", "data: a fault follows its data once recovery hands a node's "
