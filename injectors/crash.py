@@ -39,6 +39,21 @@ class Crash(FaultModel):
                     f"{key}.{name}", "a crash takes its rank's process down at the first element "
                     f"it reaches; leave it {unset if unset is not None else 'unset'}"
                 )  # fmt: skip
+        # The trial ends at the first crash: a later step, or a broken unit's next strike,
+        # could never come.
+        if fault.persistence != "transient":
+            raise ConfigError(
+                f"{key}.persistence", f"{fault.persistence}: a crash ends the trial at its first "
+                "strike, so it never strikes again; allowed: transient"
+            )  # fmt: skip
+        steps = sorted({e["step"] for e in fault.schedule} or set(fault.steps))
+        if len(steps) > 1:
+            name = "schedule" if fault.schedule else "steps"
+            raise ConfigError(
+                f"{key}.{name}", f"a crash ends the trial at its first step ({steps[0]}), so "
+                f"step{'s' * (len(steps) > 2)} {', '.join(map(str, steps[1:]))} could never "
+                f"strike; allowed: one step"
+            )  # fmt: skip
         if fault.scope == "reduction":
             # A broken reduction strikes every receiver of the sum: every rank would go down.
             raise ConfigError(

@@ -1079,6 +1079,28 @@ IGNORED_OR_MISTYPED = [
             ("fault.index=3", "index"),
         )
     ),  # fmt: skip
+    # The trial ends at a crash: a later step, or a permanent fault's next strike, never came.
+    *(
+        (
+            ["campaign=single", "fault=grad_scale", "fault.model=crash", "fault.value=raise"]
+            + ["fault.factor=null", extra],
+            f"fault.{name}",
+            message,
+        )
+        for extra, name, message in (
+            (
+                "fault.steps=[3,5]",
+                "steps",
+                "a crash ends the trial at its first step (3), so step "
+                "5 could never strike; allowed: one step",
+            ),
+            (
+                "fault.persistence=permanent",
+                "persistence",
+                "a crash ends the trial at its first strike",
+            ),
+        )
+    ),  # fmt: skip
     # A swap's or burst's index at a module site was clamped to the output's end.
     (
         [
