@@ -759,6 +759,12 @@ CASES = [
         "leaves the cosine no step of the 30-step run; allowed: 0..29",
     ),
     (["workload=custom", "+workload.weight_decay=0.1"], "workload.weight_decay", "on workload"),
+    # A custom optimizer takes its own lr: workload.lr was recorded (plan.json) and never read.
+    (
+        ["workload=custom", "workload.lr=0.5", "workload.optimizer.lr=0.1"],
+        "workload.lr",
+        "0.5 is not the rate the custom optimizer takes (workload.optimizer.lr=0.1)",
+    ),
     # A mistyped key of a fault model's own names the keys each model declares.
     (
         [

@@ -128,6 +128,16 @@ def _recipe(raw: dict[str, Any]) -> dict[str, Any]:
                 f"workload.{key}", "a custom workload builds its own optimizer: set it on "
                 "workload.optimizer"
             )  # fmt: skip
+    optimizer = raw.get("optimizer") if raw["name"] == "custom" else None
+    if isinstance(optimizer, dict) and "lr" in optimizer and optimizer["lr"] != raw.get("lr"):
+        # The optimizer is built from workload.optimizer alone; workload.lr, which its lr
+        # follows by default (${..lr}), would be recorded but never read.
+        raise ConfigError(
+            "workload.lr", f"{raw.get('lr')} is not the rate the custom optimizer takes "
+            f"(workload.optimizer.lr={optimizer['lr']}), which a custom workload builds from "
+            "workload.optimizer alone; allowed: set workload.lr only (workload.optimizer.lr "
+            "follows it), or the two equal"
+        )  # fmt: skip
     betas = raw.get("betas")
     if betas is not None:
         if (
