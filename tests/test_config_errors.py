@@ -35,6 +35,17 @@ CASES = [
         SHARDED_CHECKS,
     ),
     ([*FSDP, "recovery.enabled=true"], "topology.spares", "allowed: 3 or more"),
+    # DDP drops a quarantined node without a spare: one node would leave none to run on.
+    (
+        [
+            "fault=grad_nan",
+            "topology.nodes=1",
+            "topology.ranks_per_node=4",
+            "recovery.enabled=true",
+        ],
+        "topology.spares",
+        "a world of one node with no spare has none left to train on",
+    ),
     ([*FSDP, "fault=grad_scale", "fault.bucket=0"], "fault.bucket", "fsdp has no buckets"),
     (
         ["topology.parallel=fsdp", "detectors=[weight_consensus]"],

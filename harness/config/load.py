@@ -374,6 +374,14 @@ def run_config(raw: dict[str, Any]) -> RunConfig:
         )  # fmt: skip
     if topology.sharded:
         _sharded_recovery(topology, recovery)
+    elif recovery.enabled and topology.nodes + topology.spares < 2:
+        # DDP's recovery drops the quarantined node where no spare takes its place
+        # (harness/campaign/recovery.py): a world of one node would have none left to run on.
+        raise ConfigError(
+            "topology.spares", "recovery quarantines the suspect node, and a world of one node "
+            "with no spare has none left to train on: it could never recover; allowed: 1 or "
+            "more (or topology.nodes=2 or more)"
+        )  # fmt: skip
     seeds = integer("campaign.seeds", campaign.get("seeds"), 1)
     noise_seeds = integer("campaign.noise_seeds", campaign.get("noise_seeds"), 2)
     fast_forward = campaign.get("fast_forward", True)
