@@ -227,6 +227,15 @@ def _per_job(out: Override) -> bool:
 def _composition_error(message: str, overrides: list[str]) -> str:
     """Hydra's message for an unknown key, rewritten to name the keys that do exist."""
     first = message.strip().splitlines()[0]
+    for override in overrides:  # Hydra's grammar error names neither the override nor its key
+        try:
+            OverridesParser.create().parse_overrides([override])
+        except HydraException:
+            key = override.split("=", 1)[0].lstrip("+~")
+            return (
+                f"{key}: cannot parse '{override}' ({first}); allowed: KEY=VALUE in Hydra's "
+                "override grammar (a list: [a,b], a mapping: {k:v}, quoted where it holds = or ,)"
+            )
     if not first.startswith("Could not override '"):
         return first
     key = first.split("'")[1]

@@ -704,6 +704,8 @@ CASES = [
         )
     ),  # fmt: skip
     (["detectors.nan_inf.mode=panic"], "detectors.nan_inf.mode", "allowed: observe, act"),
+    # Hydra's grammar error named neither the override nor its key.
+    (["fault.steps=[3"], "fault.steps", "cannot parse 'fault.steps=[3' (no viable alternative"),
     (["fault=grad_scale", "fault.model=crash", "fault.value=melt"], "fault.value", "raise, exit"),
     # A broken reduction strikes every receiver: every rank's process went down, each recorded.
     (
