@@ -195,7 +195,8 @@ class FaultInjector(Plugin):
                 )
                 self.positions[name] = self.model.group(n, first, self.rng)
             elif fault.index is not None:  # the rider region, its size known when at hand
-                self.positions[name] = list(range(fault.index, fault.index + fault.elements))
+                first = min(fault.index, n - 1)
+                self.positions[name] = list(range(first, min(first + fault.elements, n)))
             else:
                 self.positions[name] = sorted(self.rng.sample(range(n), min(fault.elements, n)))
         return [(i, None) for i in self.positions.get(name, [])]
