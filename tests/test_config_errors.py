@@ -342,6 +342,18 @@ CASES = [
         "campaign.scenarios[0].checks.grad_stats.min_ratio",
         "needs 2 or more ranks",
     ),
+    (
+        # Recovery puts the run's checks in act mode; a scenario's observe would have switched
+        # it off for its trials unsaid (no stop, no recovery, campaign.json saying enabled).
+        [
+            "recovery.enabled=true",
+            "detectors=[nan_inf]",
+            "campaign.scenarios=[{site:grad,model:value,value:nan,ranks:[3],steps:[5],"
+            "checks:{nan_inf:{mode:observe}}}]",
+        ],
+        "campaign.scenarios[0].checks.nan_inf.mode",
+        "observe: recovery acts on alerts",
+    ),
     (["workload.min_lr_ratio=0.5"], "workload.min_lr_ratio", "lr_schedule=warmup_cosine"),
     (
         ["detectors=[replay]", "detectors.replay.compare=exact", "detectors.replay.rtol=0.01"],

@@ -439,6 +439,13 @@ def run_config(raw: dict[str, Any]) -> RunConfig:
         )
         if trial_checks is not None:
             _checks_in_run(f"{key}.checks", trial_checks, workload.steps, checkpoint_cfg)
+            observed = [n for n, c in trial_checks.items() if recovery.enabled and c.mode != "act"]
+            if observed:
+                raise ConfigError(
+                    f"{key}.checks.{observed[0]}.mode", f"{trial_checks[observed[0]].mode}: "
+                    "recovery acts on alerts, so its run's checks stop the step they alarm on; "
+                    "allowed: act (or recovery.enabled=false to observe)"
+                )  # fmt: skip
         if overhead is not None:
             _timed_alike(timed, key, checks if trial_checks is None else trial_checks)
         mix = scenario_class(key, scenario)
