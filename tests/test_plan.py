@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 from dataclasses import replace
@@ -444,6 +445,28 @@ def test_sdc_plan_on_the_notebook_fixture_writes_its_plan_and_figure(tmp_path, c
     text = (tmp_path / "plan.md").read_text()
     assert "| 1 | replay | 5 |" in text and "--sdc-rate 0.0001" in text
     assert (tmp_path / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_merged_plan_goes_beside_the_merged_report_and_keeps_each_runs_plan(tmp_path, capsys):
+    """`sdc-plan A B` wrote its plan over A's own plan.md and plan.png: "the first folder" was
+    the default, as sdc-report's was."""
+    a, b, c = (tmp_path / name for name in "ABC")
+    for job, run in zip("012", (a, b, c), strict=True):
+        shutil.copytree(FIXTURE / job, run)
+    plan_report.main([str(a), "--sdc-rate", "1e-4"])
+    own = (a / "plan.md").read_text(), (a / "plan.png").read_bytes()
+    assert own[0].splitlines()[2] == f"Runs: {a}  "
+    report.main([str(a), str(b)])
+    for others, folder in (([b], "merged"), ([c], "merged-2"), ([b], "merged")):
+        plan_report.main([str(a), *map(str, others), "--sdc-rate", "1e-4"])
+        assert capsys.readouterr().out.endswith(
+            f"plan: {a / folder / 'plan.md'}\nfigure: {a / folder / 'plan.png'}\n"
+        )
+        runs = (a / folder / "plan.md").read_text().splitlines()[2]
+        assert runs == f"Runs: {', '.join(sorted(map(str, [a, *others])))}  "
+    assert ((a / "plan.md").read_text(), (a / "plan.png").read_bytes()) == own
+    assert (a / "merged" / "report.md").exists() and not (a / "merged-2" / "report.md").exists()
+    assert {p.name for p in a.iterdir() if p.is_dir()} == {"merged", "merged-2"}
 
 
 def test_the_report_of_a_run_with_several_intervals_has_the_plan(tmp_path):

@@ -47,10 +47,13 @@ from harness.analysis.plan import (
     plan,
 )
 from harness.analysis.tables import (
+    MERGED,
     ReportError,
     check_out,
+    default_out,
     markdown_table,
     rate_text,
+    runs_line,
     unfinished,
 )
 from harness.results.costs import JobCosts
@@ -435,7 +438,12 @@ def parse(argv: list[str] | None) -> Arguments:
     default = Job()
     parser = _Parser(prog="sdc-plan", description=MODEL.split(":")[0] + ".")
     parser.add_argument("dirs", nargs="+", type=Path, help="run or sweep folders")
-    parser.add_argument("--out", type=Path, help="where plan.md goes (default: the first folder)")
+    where = (
+        "where plan.md and plan.png go (default: the folder named, or for several folders "
+        f"{MERGED}/ inside the first, beside a merged report of the same runs; a folder's own "
+        "plan is never replaced by a merged one)"
+    )
+    parser.add_argument("--out", type=Path, help=where)
     parser.add_argument(
         "--costs",
         type=Path,
@@ -490,8 +498,9 @@ def main(argv: list[str] | None = None) -> None:
                 f"incomplete: {'; '.join(stopped)}; finish it (rerun its command with the same "
                 "out) before planning"
             )
+        out = args.out or default_out(args.dirs, trials)
         try:
-            check_out("--out", args.out or args.dirs[0], args.dirs)
+            check_out("--out", out, args.dirs)
         except ReportError as exc:
             raise PlanError(str(exc)) from None
         if args.equal_weights:
@@ -516,12 +525,11 @@ def main(argv: list[str] | None = None) -> None:
     except PlanError as exc:
         print(f"sdc-plan: {exc}", file=sys.stderr)
         sys.exit(2)
-    out = args.out or args.dirs[0]
     out.mkdir(parents=True, exist_ok=True)
     path = figure(result, out / FIGURE_FILE)
     written = out / PLAN_FILE
     text = markdown(result, path.name, derived=args.derived)
-    written.write_text("# How often to audit\n\n" + text + "\n")
+    written.write_text(f"# How often to audit\n\n{runs_line(trials)}\n\n{text}\n")
     print(header(args.job, result.overheads, args.derived) + "\n")
     print(mix_line(result) + untimed_line(result) + "\n")
     print(markdown_table(rows(result, TOP)))

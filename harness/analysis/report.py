@@ -7,7 +7,6 @@ interval: a 3/3 catch rate is not a 100% detector, and the interval says so.
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import sys
@@ -21,6 +20,7 @@ from harness.analysis.intervals import audit_intervals
 from harness.analysis.overheads import load_overhead, rounds_text
 from harness.analysis.tables import (
     CRASH,
+    MERGED,
     OneLineParser,
     ReportError,
     bit_dtypes,
@@ -28,6 +28,7 @@ from harness.analysis.tables import (
     catch_rates,
     cells,
     check_out,
+    default_out,
     detection_times,
     detector_names,
     escape_cell,
@@ -39,6 +40,7 @@ from harness.analysis.tables import (
     own_attributions,
     per_trial,
     recovery,
+    runs_line,
     sees_and_misses,
     sweep_columns,
     unfinished,
@@ -311,34 +313,6 @@ def _spans(numbers: list[int]) -> str:
         else:
             spans.append([n, n])
     return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
-
-
-# Where a report of several folders goes by default, inside the first: each run's own report
-# stays its own. A merge of another set of runs takes the next free name (merged-2, ...).
-MERGED = "merged"
-
-
-def runs_line(df: pd.DataFrame) -> str:
-    """The report's first line: the folders whose trials it counts."""
-    return f"Runs: {', '.join(sorted(df['run'].unique()))}  "
-
-
-def default_out(dirs: list[Path], df: pd.DataFrame) -> Path:
-    """Where `sdc-report` writes without --out: one folder's report into that folder; a merge
-    of several into FIRST/merged/, or where a merged report of other runs is there already,
-    the first of merged-2, merged-3, ... that is free or holds this merge's."""
-    if len(dirs) == 1:
-        return dirs[0]
-    line = runs_line(df)
-    for n in itertools.count(1):
-        out = dirs[0] / (MERGED if n == 1 else f"{MERGED}-{n}")
-        try:
-            held = (out / "report.md").read_text(encoding="utf-8").splitlines()
-        except (FileNotFoundError, NotADirectoryError):
-            held = None
-        if (held is None and not out.exists()) or (held and line in held[:3]):
-            return out
-    raise AssertionError("unreachable")
 
 
 def write_report(df: pd.DataFrame, out: Path, dirs: list[Path] | None = None) -> Path:

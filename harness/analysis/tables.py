@@ -7,6 +7,7 @@ planner and `sdc-regress` read runs through these.
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 from dataclasses import dataclass
 from enum import StrEnum
@@ -151,6 +152,39 @@ def check_out(flag: str, out: Path, dirs: list[Path]) -> None:
             f"{flag} {out}: another run's folder (it holds trials not reported here), whose "
             "own files this would replace; name one of the folders reported, or a new one"
         )
+
+
+# Where a report or plan of several folders goes by default, inside the first: each run's own
+# report and plan stay its own. A merge of another set of runs takes the next free name
+# (merged-2, ...); a report and a plan of the same runs share a folder.
+MERGED = "merged"
+MERGES = ("report.md", "plan.md")  # what a merge writes, its runs line third
+
+
+def runs_line(df: pd.DataFrame) -> str:
+    """The first line of a report or plan after its title: the folders whose trials it counts."""
+    return f"Runs: {', '.join(sorted(df['run'].unique()))}  "
+
+
+def default_out(dirs: list[Path], df: pd.DataFrame) -> Path:
+    """Where `sdc-report` and `sdc-plan` write without --out: one folder's report or plan into
+    that folder; a merge of several into FIRST/merged/, or where a merge of other runs is there
+    already, the first of merged-2, merged-3, ... that is free or holds this merge's."""
+    if len(dirs) == 1:
+        return dirs[0]
+    line = runs_line(df)
+    for n in itertools.count(1):
+        out = dirs[0] / (MERGED if n == 1 else f"{MERGED}-{n}")
+        if not out.exists() or any(line in _head(out / name) for name in MERGES):
+            return out
+    raise AssertionError("unreachable")
+
+
+def _head(path: Path) -> list[str]:
+    try:
+        return path.read_text(encoding="utf-8").splitlines()[:3]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
 
 
 def load_trials(dirs: list[Path]) -> pd.DataFrame:
