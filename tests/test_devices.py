@@ -20,8 +20,10 @@ from tests.conftest import compose_run, sdc_bench
     ("requested", "backend", "ranks", "gpus", "device"),
     [
         (None, "gloo", 4, 0, "cpu"),  # the spawned simulation without a GPU: as always
-        (None, "gloo", 4, 2, "cpu"),  # a GPU each or none
-        (None, "gloo", 4, 8, "cuda"),
+        (None, "gloo", 4, 2, "cpu"),
+        # docs/design.md section 4: the simulated gloo world runs on the CPU unless told
+        # otherwise, however many GPUs the machine has; only NCCL, which cannot, takes them.
+        (None, "gloo", 4, 8, "cpu"),
         ("cuda", "gloo", 4, 1, "cuda"),  # four ranks sharing one GPU: a valid test rig
         ("cpu", "gloo", 4, 8, "cpu"),
         (None, "nccl", 3, 4, "cuda"),
@@ -47,6 +49,18 @@ def test_a_placement_that_cannot_work_is_refused_naming_the_key(
     with pytest.raises(ConfigError) as err:
         devices.resolve(requested, backend, ranks, gpus)
     assert err.value.key == key and words in str(err.value)
+
+
+def test_no_overrides_run_on_the_cpu_on_a_machine_with_a_gpu_per_rank(monkeypatch):
+    """`sdc-bench` with no overrides runs the simulated 4-node gloo world on the CPU (the
+    contract, docs/design.md section 4): on a machine of 8 GPUs it ran on them, whose rows are
+    not the CPU's, so a nightly on a GPU host compared other numbers with its CPU baseline."""
+    monkeypatch.setattr(devices, "gpu_count", lambda: 8)
+    topology = compose_run().topology
+    assert (topology.nodes, topology.backend, topology.device) == (4, "gloo", "cpu")
+    assert compose_run("topology.device=cuda").topology.device == "cuda"
+    nccl = compose_run("topology.backend=nccl").topology
+    assert (nccl.backend, nccl.device) == ("nccl", "cuda")
 
 
 def test_ranks_take_their_own_gpu_or_share_them_round_robin():
@@ -113,7 +127,7 @@ def test_the_preflight_marks_exact_replay_and_refuses_it_on_cuda_where_it_cannot
 
 
 def test_a_torchrun_world_whose_hosts_resolve_different_devices_is_refused():
-    """Each host resolves `topology.device` itself: unset, hosts with and without GPUs would
+    """Each host resolves `topology.device` itself: hosts on two kinds of device would
     fingerprint weights by two methods and alarm on every consensus. The world refuses before
     its first trial (torchrun's ranks all gather their kind; the tests/test_multihost.py runs
     take that path with every host on the CPU)."""

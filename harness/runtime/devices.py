@@ -1,9 +1,10 @@
 """Where each rank computes: `topology.device=cpu|cuda` (docs/design.md, section 3).
 
-Unset, a run uses cuda when every rank the launcher starts on this machine has a GPU of its own,
-else the CPU: the spawned simulation on a machine without a GPU runs as it always has. Rank r of
-a machine uses `cuda:(local rank % GPUs)`, so several ranks may share one GPU over gloo (a
-valid test rig); NCCL refuses that, and the CPU.
+Unset, a gloo world runs on the CPU, on any machine: `sdc-bench` with no overrides is the
+simulated world on the CPU (docs/design.md section 4), whose rows a GPU would not reproduce, so
+a GPU is used only when asked for (`topology.device=cuda`) or by NCCL, which runs on nothing
+else. Rank r of a machine uses `cuda:(local rank % GPUs)`, so several ranks may share one GPU
+over gloo (a valid test rig); NCCL refuses that, and the CPU.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ def resolve(requested: str | None, backend: str, ranks_here: int, gpus: int) -> 
         raise ConfigError(
             "topology.device", f"'{requested}' is not allowed; allowed: {', '.join(DEVICES)}"
         )
-    device = requested or ("cuda" if 0 < ranks_here <= gpus else "cpu")
+    # Without a GPU, an unset device under NCCL stays the CPU, so that the refusal below names
+    # the backend the user set rather than the device they did not.
+    device = requested or ("cuda" if backend == "nccl" and gpus else "cpu")
     if device == "cuda" and gpus == 0:
         raise ConfigError("topology.device", "'cuda' needs a GPU and this machine has none")
     if backend == "nccl" and device != "cuda":
