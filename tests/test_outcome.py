@@ -167,6 +167,22 @@ def test_alerts_before_the_injection_do_not_count_as_detection():
     assert row.alerts == 1 and row.detected is False
 
 
+def test_a_clean_trial_counts_each_detectors_merged_alerts():
+    """The false positive rate is alerts in clean trials / clean trials, per detector
+    (docs/design.md, section 5): the row keeps each check's count of alerts, merged per step
+    and phase as `alerts` counts them, since `alert_detectors` says only which alerted."""
+    parts = [
+        _part(0, [_alert(0, 1, "pre_allreduce", [0], detector="a"),
+                  _alert(0, 2, "pre_allreduce", [0], detector="a"),
+                  _alert(0, 2, "consensus", [0], detector="b")]),
+        _part(1, [_alert(1, 1, "pre_allreduce", [1], detector="a")]),
+    ] + [_part(r) for r in (2, 3)]  # fmt: skip
+    row = _row(FaultConfig(), parts)
+    assert row.alerts == 3 and row.alert_detectors == ("a", "b")
+    assert row.alert_counts == {"a": 2, "b": 1}
+    assert _row(FaultConfig(), [_part(r) for r in range(4)]).alert_counts == {}
+
+
 def test_noise_band_and_wilson():
     assert noise_band([Golden(0, 1.0, "a"), Golden(1, 1.3, "b"), Golden(2, 0.9, "c")]) == (
         pytest.approx(0.4)

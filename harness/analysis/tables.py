@@ -642,11 +642,40 @@ def false_positive_counts(df: pd.DataFrame) -> dict[str, Counts]:
     return found
 
 
+def false_alert_counts(df: pd.DataFrame) -> dict[str, tuple[int, int] | None]:
+    """Per detector: (its alerts in the clean trials it ran in, those trials), the false
+    positive rate of docs/design.md section 5 as a count over a count (a trial may raise
+    several); None where a clean trial alerted in a table written before `alert_counts`, whose
+    alerts cannot be laid on a check."""
+    clean = df[df[Column.site] == Site.NONE]
+    counts = clean[Column.alert_counts].map(
+        lambda text: {k: int(v) for k, v in (x.split("=") for x in text.split(";"))} if text else {}
+    )
+    unrecorded = (clean[Column.alerts] > 0) & (counts.map(len) == 0)
+    found: dict[str, tuple[int, int] | None] = {}
+    for d in detector_names(df):
+        on = named(clean[Column.detectors], d)
+        alerts = sum(c.get(d, 0) for c in counts[on])
+        found[d] = None if unrecorded[on].any() else (alerts, int(on.sum()))
+    return found
+
+
 def false_positives(df: pd.DataFrame) -> list[dict[str, object]]:
-    return [
-        {"detector": d, "clean trials with an alert": rate_text(*kn)}
-        for d, kn in false_positive_counts(df).items()
-    ]
+    """Per detector: the share of clean trials with an alert (a proportion, with its interval),
+    and its alerts per clean trial (docs/design.md section 5's rate, which one noisy trial
+    raises as much as many)."""
+    alerts = false_alert_counts(df)
+    rows = []
+    for d, kn in false_positive_counts(df).items():
+        counted = alerts[d]
+        per = "-"
+        if counted is not None and counted[1]:
+            per = f"{counted[0]}/{counted[1]} = {counted[0] / counted[1]:.3g}"
+        rows.append(
+            {"detector": d, "clean trials with an alert": rate_text(*kn),
+             "alerts per clean trial": per}
+        )  # fmt: skip
+    return rows
 
 
 def per_trial(df: pd.DataFrame) -> str:

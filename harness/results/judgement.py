@@ -244,6 +244,7 @@ def trial_row(
         precision=run.workload.precision,
         fault_phase=fault.phase if fault.site == Site.MATMUL else None,
         fault_settings=fault.settings_text() or None,
+        alert_counts=_by_entry(dict(Counter(a.detector for a in alerts))),
         **(recovery.fields() if recovery else {}),
     )
     if crash:

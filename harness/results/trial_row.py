@@ -123,6 +123,11 @@ class TrialRow:
     # ("rate=0.1", "tensor=riders"; FaultConfig.settings_text; blank: none, or a table written
     # before the column).
     fault_settings: str | None = _extra()
+    # Each check's alerts, merged per step and phase as `alerts` counts them: the false positive
+    # rate is alerts in clean trials / clean trials, per detector (docs/design.md, section 5),
+    # which `alert_detectors` cannot give once a check alerts twice. Blank in a table written
+    # before the column, where `alerts` may say some were raised.
+    alert_counts: dict[str, int] = _extra(factory=dict)
 
     def cells(self) -> dict[str, str]:
         """The row as trials.csv's cells, by column."""

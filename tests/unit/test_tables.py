@@ -211,7 +211,8 @@ TABLE = trials(
     {"fired": False, "effect": "masked", "detected": True, "detectors": BOTH,
      "detected_by": "replay"},
     # 7-8: clean trials; replay alerts in one, nan_inf in none
-    {"site": "none", "detectors": BOTH, "alert_detectors": "replay"},
+    {"site": "none", "detectors": BOTH, "alerts": 1, "alert_detectors": "replay",
+     "alert_counts": "replay=1"},
     {"site": "none", "detectors": "nan_inf"},
 )  # fmt: skip
 
@@ -242,9 +243,11 @@ def test_a_detector_name_inside_another_is_not_credited():
 def test_false_positives_count_clean_trials_where_each_detector_ran():
     assert false_positive_counts(TABLE) == {"nan_inf": (0, 2), "replay": (1, 1)}
     assert false_positives(TABLE) == [
-        {"detector": "nan_inf", "clean trials with an alert": rate_text(0, 2)},
-        {"detector": "replay", "clean trials with an alert": rate_text(1, 1)},
-    ]
+        {"detector": "nan_inf", "clean trials with an alert": rate_text(0, 2),
+         "alerts per clean trial": "0/2 = 0"},
+        {"detector": "replay", "clean trials with an alert": rate_text(1, 1),
+         "alerts per clean trial": "1/1 = 1"},
+    ]  # fmt: skip
 
 
 def test_false_positives_count_clean_trials_with_an_alert_and_the_total_reads_as_alerts():
@@ -256,7 +259,26 @@ def test_false_positives_count_clean_trials_with_an_alert_and_the_total_reads_as
     assert false_positive_counts(table) == {"nan_inf": (1, 10)}
     assert per_trial(table) == "5 alerts in 10 clean trials"
     assert per_trial(trials(noisy)) == "5 alerts in 1 clean trial"
-    assert per_trial(TABLE) == "0 alerts in 2 clean trials"
+    assert per_trial(TABLE) == "1 alert in 2 clean trials"
+
+
+def test_false_positive_rate_is_each_detectors_alerts_over_its_clean_trials():
+    """docs/design.md section 5: alerts in clean trials / clean trials, per detector, beside
+    the share of clean trials with an alert: five alerts of nan_inf in one of ten clean trials
+    are 0.5 per clean trial, where k/n counts that trial once. A table written before the
+    per-check counts, whose trial alerted, cannot give it: a dash."""
+    noisy = {"site": "none", "detectors": BOTH, "alerts": 6,
+             "alert_detectors": BOTH, "alert_counts": "nan_inf=5;replay=1"}  # fmt: skip
+    quiet = [{"site": "none", "detectors": BOTH}] * 9
+    rows = false_positives(trials(noisy, *quiet))
+    assert [r["alerts per clean trial"] for r in rows] == ["5/10 = 0.5", "1/10 = 0.1"]
+    assert rows[0]["clean trials with an alert"] == rate_text(1, 10)
+    older = {**noisy, "alert_counts": ""}
+    assert [r["alerts per clean trial"] for r in false_positives(trials(older, *quiet))] == [
+        "-",
+        "-",
+    ]
+    assert false_positives(trials(*quiet))[0]["alerts per clean trial"] == "0/9 = 0"
 
 
 def test_no_fired_trials_give_empty_counts():
