@@ -28,9 +28,9 @@ RECORDS = [
      "index": 7, "bit": None, "bits": None, "old": 0.5, "new": 5.0, "old_bits": "3f000000",
      "new_bits": "40a00000", "fired": True, "phase": "backward", "group": [0, 1]},
     {"kind": "inject", **STAMP, "step": 3, "site": "allreduce", "model": "stale",
-     "tensor": "bucket0", "bucket": 0, "index": None, "bit": None, "bits": None, "elements": 9,
-     "changed": 4, "riders": True, "old_norm": 1.0, "new_norm": 2.0, "from_step": 2,
-     "fired": True},
+     "tensor": "bucket0", "bucket": 0, "index": None, "bit": None, "bits": None, "old": None,
+     "new": None, "old_bits": None, "new_bits": None, "elements": 9, "changed": 4,
+     "riders": True, "old_norm": 1.0, "new_norm": 2.0, "from_step": 2, "fired": True},
     {"kind": "checkpoint", **STAMP, "step": 9, "path": "store/t/step_000009.pt"},
     {"kind": "retry", **STAMP, "step": 5, "reason": "every rank alarmed on the received sum"},
     {"kind": "stop", **STAMP, "step": 5, "detector": "allreduce_sketch"},
@@ -61,6 +61,39 @@ def test_every_kind_has_a_class_and_an_inject_reads_as_its_own_shape():
     assert all(isinstance(from_record(r), events.Inject) for r in RECORDS[2:5])
     with pytest.raises(ValueError, match="'nope'"):
         from_record({"kind": "nope"})
+
+
+# The fields docs/design.md section 4 gives every `inject` record.
+INJECT_FIELDS = ("step", "rank", "site", "tensor", "index", "bit", "old", "new", "old_bits",
+                 "new_bits")  # fmt: skip
+
+
+def test_every_inject_shape_carries_the_contracts_fields():
+    """A whole contribution (drop, duplicate, stale) or a defective unit's lane has no one
+    element: its `index`, `bit`, values and bit patterns are null, present as the contract's
+    every inject record has them, so a reader of events.jsonl can take them from any inject
+    (a drop's record had no `old` or `old_bits`)."""
+    shapes = [
+        ElementInject(step=3, site="grad", model="bitflip", tensor="w", index=7, bit=30,
+                      bits=[30], old=0.5, new="inf", old_bits="0x3f000000",
+                      new_bits="0x7f000000", fired=True),
+        ContributionInject(step=3, site="allreduce", model="drop", tensor="bucket0", bucket=0,
+                           elements=9, changed=9, old_norm=1.0, new_norm=0.0, from_step=None,
+                           fired=True),
+        events.LaneInject(step=3, site="matmul", model="defective_unit", tensor="fc",
+                          product=1, bit=30, lane=0, lanes=16, elements=4, old_norm=1.0,
+                          new_norm=2.0, fired=True),
+    ]  # fmt: skip
+    for event in shapes:
+        record = to_record(event)
+        missing = [f for f in INJECT_FIELDS if f not in record]
+        assert not missing, (type(event).__name__, missing)
+        assert type(from_record(record)) is type(event)
+    # A record written before the fields were there reads as the same event.
+    for event in shapes[1:]:
+        record = to_record(event)
+        older = {k: v for k, v in record.items() if k not in ("old", "new", "old_bits", "new_bits")}
+        assert from_record(older) == event
 
 
 def test_the_log_stamps_rank_node_and_time():

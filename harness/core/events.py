@@ -124,13 +124,18 @@ class ElementInject(Inject):
 @dataclass(frozen=True, kw_only=True)
 class ContributionInject(Inject):
     """A rank's whole contribution to one reduction chunk changed (stale, dropped...): how
-    many elements, and the chunk's L2 norm before and after. `index`, `bit` and `bits` stay
-    None so that every inject record has them."""
+    many elements, and the chunk's L2 norm before and after. `index`, `bit`, `bits`, the
+    values and their bit patterns stay None so that every inject record has the fields
+    docs/design.md section 4 gives it."""
 
     bucket: int
     index: None = None
     bit: None = None
     bits: None = None
+    old: None = None
+    new: None = None
+    old_bits: None = None
+    new_bits: None = None
     elements: int
     changed: int
     riders: bool = True
@@ -148,13 +153,18 @@ class LaneInject(Inject):
     its children's counted, from 1, as `fault.product` counts and matmul_checksum's alerts name
     it, `fc#2`): `bit` flipped
     in the outputs of lane `lane` of `lanes`, every one of its `elements`; the output's L2 norm
-    before and after (non-finite as strings). `index` and `bits` stay None so that every
-    inject record has them."""
+    before and after (non-finite as strings). `index`, `bits`, the values and their bit
+    patterns stay None so that every inject record has the fields docs/design.md section 4
+    gives it."""
 
     product: int
     index: None = None
     bit: int
     bits: None = None
+    old: None = None
+    new: None = None
+    old_bits: None = None
+    new_bits: None = None
     lane: int
     lanes: int
     elements: int
