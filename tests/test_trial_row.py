@@ -48,13 +48,13 @@ FULL = TrialRow(
     warnings=("replay: not deterministic",), parallel=Parallel.HSDP, shard_size=2,
     fault_class="defective_unit", weight=0.495, bit_dtype="bfloat16",
     bit_class="exponent", precision="bf16-mixed", fault_phase="backward",
-    fault_settings="nbits=2 rate=0.1",
+    fault_settings="nbits=2 rate=0.1", alert_counts={"nan_inf": 9, "replay": 3},
 )  # fmt: skip
 
 
 # Columns added since the first tables were written.
 LATER = ("parallel", "shard_size", "fault_class", "weight", "bit_dtype", "bit_class", "precision",
-         "fault_phase", "fault_settings")  # fmt: skip
+         "fault_phase", "fault_settings", "alert_counts")  # fmt: skip
 
 
 def test_an_older_table_reads_and_writes_back_byte_identical(tmp_path):
