@@ -167,6 +167,27 @@ def test_alerts_before_the_injection_do_not_count_as_detection():
     assert row.alerts == 1 and row.detected is False
 
 
+def test_an_alert_earlier_in_the_injection_step_than_the_fault_is_no_detection():
+    """A check's alert in the injection step but in a phase before the fault strikes (a loss
+    check before a gradient fault, replay's audit before the update a weight fault corrupts)
+    came before the fault and cannot have seen it: it was credited as a catch at ttd 0,
+    contained. One in or after the fault's phase is a catch."""
+    early = [_part(0, [_alert(0, 3, "loss", [0])]), _part(1, [_inject(1, 3)], digest="x")]
+    row = _row(GRAD_NAN, early + [_part(2), _part(3)])
+    assert row.alerts == 1 and not row.detected and row.detect_step is None
+    assert row.contained is False and row.detect_steps == {}
+    same = [_part(0), _part(1, [_inject(1, 3), _alert(1, 3, "pre_allreduce", [1])], digest="x")]
+    assert _row(GRAD_NAN, same + [_part(2), _part(3)]).detected
+    weight = replace(_inject(2, 3), site="weight", model="scale")
+
+    def struck_and(phase):
+        return [_part(0), _part(1), _part(2, [weight, _alert(2, 3, phase, [2])], digest="x"),
+                _part(3)]  # fmt: skip
+
+    assert not _row(WEIGHT, struck_and("audit")).detected
+    assert _row(WEIGHT, struck_and("consensus")).detected
+
+
 def test_a_clean_trial_counts_each_detectors_merged_alerts():
     """The false positive rate is alerts in clean trials / clean trials, per detector
     (docs/design.md, section 5): the row keeps each check's count of alerts, merged per step

@@ -332,8 +332,8 @@ def write_report(df: pd.DataFrame, out: Path, dirs: list[Path] | None = None) ->
         "effects: " + effects_line(df) + incomplete_line(df),
         "Rates are k/n with a 95% Wilson interval. Catch rate = detected / fired "
         "(docs/design.md §5); "
-        "`detected` means an alert at or after the first step in which the injection changed a "
-        "value.",
+        "`detected` means an alert at or after the injection: in a later step than the first "
+        "in which the injection changed a value, or in that step from the phase it struck in.",
         DEFINITIONS,
         "## Catch rate by detector\n\nEach detector's n counts the trials in which it ran.\n\n"
         + markdown_table(catch_rates(df)),

@@ -24,7 +24,7 @@ from harness.core.events import (
     TrialAlert,
 )
 from harness.core.formats import classify_bit
-from harness.core.phases import PHASE_ORDER
+from harness.core.phases import PHASE_ORDER, STRIKE_PHASE
 from harness.core.vocabulary import (
     GRADIENT_SITES,
     Effect,
@@ -151,7 +151,7 @@ def trial_row(
     fired = bool(injections)
     inject_step = min((e.step for e in injections), default=None)
     injected_ranks = {e.rank for e in injections}
-    caught = [a for a in alerts if fired and a.step >= inject_step]
+    caught = [a for a in alerts if fired and after_injection(a, fault, inject_step)]
     first = caught[0] if caught else None
     own_first = _first_alert_by_check(caught)
 
@@ -251,6 +251,17 @@ def trial_row(
         events.append(Crash(cause=crash, time=0.0))
     events += alerts
     return row, [replace(e, trial_id=spec.trial_id) for e in events]
+
+
+def after_injection(alert: TrialAlert, fault: FaultConfig, inject_step: int) -> bool:
+    """Whether `alert` came at or after the fault first struck: a later step, or the injection
+    step from the phase the fault strikes in on (STRIKE_PHASE; a site without one, from the
+    step's start)."""
+    if alert.step != inject_step:
+        return alert.step > inject_step
+    backward = fault.site == Site.MATMUL and fault.phase == "backward"
+    strikes = STRIKE_PHASE.get(f"{fault.site} backward" if backward else str(fault.site))
+    return strikes is None or PHASE_ORDER[alert.phase] >= PHASE_ORDER[strikes]
 
 
 def struck_by(alert: Alert, injections: list[Inject]) -> set[int]:
