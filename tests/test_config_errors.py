@@ -745,6 +745,21 @@ CASES = [
     (["topology.nodes=0"], "topology.nodes", "1..inf"),
     (["topology.cpu_kernels=avx3"], "topology.cpu_kernels", "avx2, avx512, default, native"),
     (["topology.cpu_numerics=fast"], "topology.cpu_numerics", "allowed: emulated, native"),
+    # A float32 workload makes no 16-bit product: either setting ran the same bits, and
+    # campaign.json named the one given.
+    *(
+        (
+            ["campaign=single", *extra, f"topology.cpu_numerics={mode}"],
+            "topology.cpu_numerics",
+            f"'{mode}' sets how 16-bit matrix products are computed, and workload {name} at "
+            "precision 32-true makes only float32 ones",
+        )
+        for mode, name, extra in (
+            ("native", "mlp", []),
+            ("emulated", "gpt", ["workload=gpt"]),
+            ("native", "llama", ["workload=llama", "workload.precision=32-true"]),
+        )
+    ),  # fmt: skip
     (["recovery.enabled=maybe"], "recovery.enabled", "allowed: true, false"),
     (["recovery.enabled=true", "detectors=[]"], "recovery.enabled", "choose detectors"),
     (["fault.sitee=grad"], "fault.sitee", ""),
@@ -1163,6 +1178,13 @@ def test_a_clean_scenario_in_a_campaign_and_the_default_fault_are_accepted():
     run = compose_run("campaign=default")
     assert run.scenarios[0].clean and len(run.scenarios) == 8
     assert compose_run("campaign=single").scenarios[0].clean
+
+
+def test_cpu_numerics_is_accepted_where_a_product_may_be_16_bit():
+    """A 16-bit precision makes 16-bit products; a custom model may cast inside its forward."""
+    for extra in (["workload.dtype=bfloat16"], ["workload=llama"], ["workload=gpt2"]):
+        run = compose_run("campaign=single", *extra, "topology.cpu_numerics=native")
+        assert run.topology.cpu_numerics == "native"
 
 
 def test_a_matmul_faults_bits_are_those_of_the_value_it_strikes():

@@ -199,6 +199,22 @@ def overhead_config(raw: Any) -> OverheadConfig | None:
     )
 
 
+def _numerics_read(workload: WorkloadConfig, topology: TopologyConfig) -> None:
+    """`topology.cpu_numerics` decides how 16-bit products are computed: a built-in workload
+    trained in float32 makes none, and its rows are the same bits under either setting, while
+    campaign.json and the report would name the one given. A custom model may cast inside its
+    forward, which its precision does not say: its setting is taken as given."""
+    given = topology.cpu_numerics
+    if given is None or workload.name == "custom" or (workload.precision or "32-true") != "32-true":
+        return
+    raise ConfigError(
+        numerics.KEY, f"'{given}' sets how 16-bit matrix products are computed, and workload "
+        f"{workload.name} at precision 32-true makes only float32 ones (the same bits either "
+        "way); leave it unset, or set a 16-bit workload.precision (bf16-true, 16-true, "
+        "bf16-mixed)"
+    )  # fmt: skip
+
+
 def recovery_config(raw: dict[str, Any]) -> RecoveryConfig:
     enabled = raw.get("enabled", False)
     if not isinstance(enabled, bool):
@@ -353,6 +369,7 @@ def run_config(raw: dict[str, Any]) -> RunConfig:
     campaign = dict(raw["campaign"])
     launcher = choice("launcher", raw.get("launcher", "spawn"), LAUNCHERS)
     topology = _placed(topology, launcher)
+    _numerics_read(workload, topology)
     recovery = recovery_config(dict(raw.get("recovery") or {}))
     checkpoint = dict(raw["checkpoint"])
     checkpoint_cfg = CheckpointConfig(
