@@ -760,6 +760,13 @@ CASES = [
             ("native", "llama", ["workload=llama", "workload.precision=32-true"]),
         )
     ),  # fmt: skip
+    # No check to time: the campaign ran and wrote no overhead.csv, saying nothing.
+    (
+        ["campaign=single", "detectors=[]", "campaign.overhead={steps:3,rounds:1}"],
+        "campaign.overhead",
+        "detectors=[] chooses none, so no overhead.csv would be written; choose detectors, or "
+        "leave it null",
+    ),
     (["recovery.enabled=maybe"], "recovery.enabled", "allowed: true, false"),
     (["recovery.enabled=true", "detectors=[]"], "recovery.enabled", "choose detectors"),
     (["fault.sitee=grad"], "fault.sitee", ""),

@@ -445,6 +445,14 @@ def run_config(raw: dict[str, Any]) -> RunConfig:
     traced_sites = {str(s.get("site")) for _, s in scenario_raw} & set(TRACED_SITES)
     forward = traced() if traced_sites else None
     overhead = overhead_config(campaign.get("overhead"))
+    if overhead is not None and not checks:
+        # harness/campaign/overhead.py times checks: with none it measures nothing, and wrote
+        # no overhead.csv without a word.
+        raise ConfigError(
+            "campaign.overhead", "times each of the run's checks against runs without them, and "
+            "detectors=[] chooses none, so no overhead.csv would be written; choose detectors, "
+            "or leave it null"
+        )  # fmt: skip
     timed: dict[tuple[str, int | None], tuple[str, CheckConfig]] = {}
     scenarios, trials, classes = [], [], []
     stepped: torch.optim.Optimizer | None = None
