@@ -354,6 +354,19 @@ CASES = [
         "campaign.scenarios[0].checks.nan_inf.mode",
         "observe: recovery acts on alerts",
     ),
+    # The run's own check set to observe: recovery put it in act mode without a word.
+    (
+        [
+            "campaign=single",
+            "fault=grad_nan",
+            "recovery.enabled=true",
+            "topology.spares=1",
+            "detectors.nan_inf.mode=observe",
+        ],
+        "detectors.nan_inf.mode",
+        "observe: recovery acts on alerts, so its run's checks stop the step they alarm on; "
+        "allowed: act, or leave it null",
+    ),
     (["workload.min_lr_ratio=0.5"], "workload.min_lr_ratio", "lr_schedule=warmup_cosine"),
     (
         ["detectors=[replay]", "detectors.replay.compare=exact", "detectors.replay.rtol=0.01"],
@@ -1185,6 +1198,14 @@ def test_a_clean_scenario_in_a_campaign_and_the_default_fault_are_accepted():
     run = compose_run("campaign=default")
     assert run.scenarios[0].clean and len(run.scenarios) == 8
     assert compose_run("campaign=single").scenarios[0].clean
+
+
+def test_a_checks_mode_left_unset_observes_and_acts_under_recovery():
+    assert compose_run("campaign=single").detectors["nan_inf"].mode == "observe"
+    recovering = ["campaign=single", "recovery.enabled=true", "topology.spares=1"]
+    assert compose_run(*recovering).detectors["nan_inf"].mode == "act"
+    given = compose_run(*recovering, "detectors.nan_inf.mode=act")
+    assert given.detectors["nan_inf"].mode == "act"
 
 
 def test_cpu_numerics_is_accepted_where_a_product_may_be_16_bit():

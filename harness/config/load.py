@@ -380,7 +380,16 @@ def run_config(raw: dict[str, Any]) -> RunConfig:
     if recovery.enabled:
         if not checks:
             raise ConfigError("recovery.enabled", "recovery acts on alerts: choose detectors")
-        # Recovery acts on alerts: every check stops the step that it alarms on.
+        # Recovery acts on alerts: every check stops the step that it alarms on, so an observe
+        # given for one would be overridden without a word.
+        for name, params in (raw.get("detectors") or {}).items():
+            mode = (params or {}).get("mode")
+            if mode is not None and mode != "act":
+                raise ConfigError(
+                    f"detectors.{name}.mode", f"{mode}: recovery acts on alerts, so its run's "
+                    "checks stop the step they alarm on; allowed: act, or leave it null (or "
+                    "recovery.enabled=false to observe)"
+                )  # fmt: skip
         checks = {name: config.in_mode("act") for name, config in checks.items()}
     _applicable(topology, checks)
     _checks_in_run("detectors", checks, workload.steps, checkpoint_cfg)

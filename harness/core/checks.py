@@ -29,6 +29,10 @@ class CheckConfig(Settings):
     mode: str = "observe"
 
     def __post_init__(self) -> None:
+        if self.mode is None:
+            # Unset in experiments/detectors/: observe, which recovery makes act; a given observe
+            # recovery refuses (harness/config/load.py), as it would be overridden.
+            self._normalise("mode", "observe")
         choice("mode", self.mode, MODES)
 
     @property
