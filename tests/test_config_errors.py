@@ -1167,6 +1167,21 @@ IGNORED_OR_MISTYPED = [
             ),
         )
     ),  # fmt: skip
+    # Largest among as many elements as are named takes them all, as random does: the same
+    # strike (the loss's one element), told apart only by its trial id.
+    (
+        ["campaign=single", "fault=loss_scale", "fault.select=largest"],
+        "fault.select",
+        "largest: fault.elements=1 takes every element '*' names at site loss, as a random draw "
+        "does; allowed: random",
+    ),
+    (
+        ["campaign=single", "fault=grad_scale", "fault.select=largest"]
+        + ["fault.tensor=head.bias", "fault.elements=10"],
+        "fault.select",
+        "'head.bias' names at site grad, as a random draw does; allowed: random, or "
+        "fault.elements below 10",
+    ),
     # A swap's or burst's index at a module site was clamped to the output's end.
     (
         [

@@ -125,6 +125,9 @@ def check_target(
         )  # fmt: skip
     if None not in sizes and fault.ber is None:
         _elements_fit(key, fault, sizes, _held_by(fault, held))
+        whole = shard_group is None and fault.tensor != sites.RIDERS
+        if whole and fault.site not in sites.MODULE_SITES:
+            _largest_picks(key, fault, sum(sizes), _held_by(fault, held))
 
 
 def _held_by(fault: FaultConfig, held: tuple[str, ...] | None) -> str:
@@ -133,6 +136,18 @@ def _held_by(fault: FaultConfig, held: tuple[str, ...] | None) -> str:
         return "the rider region holds"
     where = f"at site {fault.site}" if held is None else f"in bucket {fault.bucket}"
     return f"'{fault.tensor}' names {where}"
+
+
+def _largest_picks(key: str, fault: FaultConfig, total: int, held_by: str) -> None:
+    """`largest` among exactly `elements` elements (the loss's one) takes every one, as a random
+    draw does: the strikes were the same, while the trial id and fault_settings told the two
+    apart. (A module site strikes one of its modules' outputs, whose sizes may differ by run.)"""
+    if fault.select == "largest" and fault.elements == total:
+        fewer = f", or fault.elements below {total}" if total > 1 else ""
+        raise ConfigError(
+            f"{key}.select", f"largest: fault.elements={fault.elements} takes every element "
+            f"{held_by}, as a random draw does; allowed: random{fewer}"
+        )  # fmt: skip
 
 
 def _elements_fit(key: str, fault: FaultConfig, sizes: list[int], held_by: str) -> None:
