@@ -73,6 +73,23 @@ class WeightConsensus(Detector):
             )
 
     @classmethod
+    def check_optimizer(
+        cls,
+        key: str,
+        config: Config,
+        stepped: Callable[[], torch.optim.Optimizer],
+        named: str,
+    ) -> None:
+        if config.optimizer_state and not any(
+            _per_element(p, state) for p, state in stepped().state.items()
+        ):
+            raise ConfigError(
+                f"{key}.optimizer_state", f"true: {named} keeps no state per element of a "
+                "parameter, so the weights alone would be fingerprinted, as with false; leave it "
+                "false, or use an optimizer that keeps some (Adam's moments, SGD's momentum)"
+            )  # fmt: skip
+
+    @classmethod
     def first_suspect_step(
         cls, config: Config, alarm_step: int, checkpointed: Callable[[int], bool]
     ) -> int:
@@ -128,8 +145,7 @@ class WeightConsensus(Detector):
             # What the optimizer keeps per element of each parameter, whichever it is (Adam's
             # moments, SGD's momentum): not its counters (Adam's step, on the host on a GPU).
             for p, state in self.optimizer.state.items():
-                named += [(f"{names[p]}.{k}", v) for k, v in sorted(state.items())
-                          if isinstance(v, torch.Tensor) and v.shape == p.shape]  # fmt: skip
+                named += [(f"{names[p]}.{k}", v) for k, v in _per_element(p, state)]
         return [(n, dtensors.local(t)) for n, t in named]
 
     def _consensus(self, step: int, model: nn.Module) -> torch.Tensor:
@@ -189,3 +205,10 @@ class WeightConsensus(Detector):
 
 
 DETECTOR = WeightConsensus
+
+
+def _per_element(param: torch.Tensor, state: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
+    """What an optimizer keeps per element of `param`, whichever it is (Adam's moments, SGD's
+    momentum): not its counters (Adam's step, on the host on a GPU)."""
+    return [(k, v) for k, v in sorted(state.items())
+            if isinstance(v, torch.Tensor) and v.shape == param.shape]  # fmt: skip

@@ -599,6 +599,34 @@ CASES = [
         "fault.site",
         "(torch.optim.SGD) keeps none: the fault could never strike",
     ),
+    # Consensus over the optimizer's state of an optimizer that keeps none: the same rows and
+    # events as without it, campaign.json saying the moments were fingerprinted.
+    *(
+        (
+            [
+                "workload=custom",
+                "workload.optimizer._target_=torch.optim.SGD",
+                "detectors=[weight_consensus]",
+                "workload.steps=10",
+                *extra,
+            ],
+            key,
+            "true: workload.optimizer (torch.optim.SGD) keeps no state per element of a "
+            "parameter, so the weights alone would be fingerprinted",
+        )
+        for key, extra in (
+            (
+                "detectors.weight_consensus.optimizer_state",
+                ["campaign=single", "detectors.weight_consensus.optimizer_state=true"],
+            ),
+            (
+                "campaign.scenarios[0].checks.weight_consensus.optimizer_state",
+                [
+                    "campaign.scenarios=[{site:none,checks:{weight_consensus:{optimizer_state:true}}}]"
+                ],
+            ),
+        )
+    ),  # fmt: skip
     # A model's sizes (a ZeroDivisionError, a TypeError, or a model of no width trained to the
     # end) and a custom part the harness calls with its arguments (Hydra's own error).
     (["workload=gpt", "workload.heads=0"], "workload.heads", "0 is out of range; allowed: 1.."),
@@ -1221,6 +1249,16 @@ def test_a_checks_mode_left_unset_observes_and_acts_under_recovery():
     assert compose_run(*recovering).detectors["nan_inf"].mode == "act"
     given = compose_run(*recovering, "detectors.nan_inf.mode=act")
     assert given.detectors["nan_inf"].mode == "act"
+
+
+def test_optimizer_state_is_accepted_where_the_optimizer_keeps_some():
+    momentum = ["workload.optimizer._target_=torch.optim.SGD", "+workload.optimizer.momentum=0.9"]
+    for extra in ([], momentum):
+        run = compose_run(
+            "campaign=single", "workload=custom", *extra, "detectors=[weight_consensus]",
+            "workload.steps=10", "detectors.weight_consensus.optimizer_state=true",
+        )  # fmt: skip
+        assert run.detectors["weight_consensus"].optimizer_state
 
 
 def test_cpu_numerics_is_accepted_where_a_product_may_be_16_bit():

@@ -464,7 +464,14 @@ def run_config(raw: dict[str, Any]) -> RunConfig:
         )  # fmt: skip
     timed: dict[tuple[str, int | None], tuple[str, CheckConfig]] = {}
     scenarios, trials, classes = [], [], []
-    stepped: torch.optim.Optimizer | None = None
+    # A custom workload's optimizer, stepped once, for every scenario and check that needs it.
+    stepped = functools.cache(lambda: _stepped_optimizer(workload))
+    named = f"workload.optimizer ({(workload.optimizer or {}).get('_target_')})"
+    if workload.name == "custom":
+        for name, config in checks.items():
+            detectors.detector_class(name).check_optimizer(
+                f"detectors.{name}", config, stepped, named
+            )
     for n, (i, scenario) in enumerate(scenario_raw):
         key = "fault" if campaign.get("name") == "single" else f"campaign.scenarios[{i}]"
         scenario = dict(scenario)
@@ -473,6 +480,10 @@ def run_config(raw: dict[str, Any]) -> RunConfig:
         )
         if trial_checks is not None:
             _checks_in_run(f"{key}.checks", trial_checks, workload.steps, checkpoint_cfg)
+            for name, config in trial_checks.items() if workload.name == "custom" else ():
+                detectors.detector_class(name).check_optimizer(
+                    f"{key}.checks.{name}", config, stepped, named
+                )
             observed = [n for n, c in trial_checks.items() if recovery.enabled and c.mode != "act"]
             if observed:
                 raise ConfigError(
@@ -495,10 +506,8 @@ def run_config(raw: dict[str, Any]) -> RunConfig:
             )  # fmt: skip
         check_riders(key, fault, checks if trial_checks is None else trial_checks)
         if fault.site == "optimizer" and workload.name == "custom":
-            stepped = stepped or _stepped_optimizer(workload)  # once, for every such scenario
-            named = f"workload.optimizer ({workload.optimizer.get('_target_')})"
-            check_moments(key, stepped, named)
-            check_moment_values(key, fault, stepped)
+            check_moments(key, stepped(), named)
+            check_moment_values(key, fault, stepped())
         scenarios.append(fault)
         classes.append((key, not fault.clean, mix))
         for s in range(seeds):

@@ -282,6 +282,18 @@ class Detector(Plugin):
         """What the check needs of the world (raise ConfigError)."""
 
     @classmethod
+    def check_optimizer(
+        cls,
+        key: str,
+        config: CheckConfig,
+        stepped: Callable[[], torch.optim.Optimizer],
+        named: str,
+    ) -> None:
+        """What the check needs of a custom workload's optimizer (raise ConfigError under `key`):
+        `stepped()` is it after one step (an optimizer makes its state on its first), `named`
+        the optimizer as an error says it. A built-in workload's AdamW keeps its two moments."""
+
+    @classmethod
     def compares_bits(cls, config: CheckConfig) -> bool:
         """Whether it compares recomputations bit for bit: on cuda the ranks then fix what that
         needs (harness/runtime/determinism.py)."""
