@@ -73,20 +73,36 @@ def check_group_choices(argv: list[str]) -> None:
         for choice in _options(arg):
             if choice not in allowed:
                 fail(f"{key}: '{choice}' is not allowed; allowed: {', '.join(allowed)}")
+        if key == "detectors":
+            for listed in _lists(arg):
+                twice = next((c for i, c in enumerate(listed) if c in listed[:i]), None)
+                if twice is not None:
+                    # Composed, a check is one key: the second entry ran nothing of its own.
+                    fail(f"detectors: '{twice}' is listed twice in [{','.join(listed)}]; "
+                         "allowed: each check once")  # fmt: skip
+
+
+def _values(arg: str) -> list:
+    """What `arg` gives its key, as Hydra's grammar reads it: one value, or each of a sweep's
+    (`detectors=[a,b],[c]`, `choice(...)`). Where Hydra cannot expand it here (glob needs the
+    config), none: Hydra's own error or the composed config's check answers it."""
+    try:
+        override = OverridesParser.create().parse_overrides([arg])[0]
+        if override.is_sweep_override():
+            return list(override.sweep_iterator())
+        return [override.value()]
+    except HydraException:
+        return []
+
+
+def _lists(arg: str) -> list[list[str]]:
+    """Each list `arg` gives a group (a sweep over lists gives several)."""
+    return [[str(v) for v in value] for value in _values(arg) if isinstance(value, list)]
 
 
 def _options(arg: str) -> list[str]:
-    """Every option `arg` names, as Hydra's grammar reads it: a list, a sweep over options or
-    over lists (`detectors=[a,b],[c]`, `choice(...)`). Where Hydra cannot expand it here (glob
-    needs the config), none: Hydra's own error or the composed config's check answers it."""
-    try:
-        override = OverridesParser.create().parse_overrides([arg])[0]
-        values = (
-            list(override.sweep_iterator()) if override.is_sweep_override() else [override.value()]
-        )
-    except HydraException:
-        return []
-    flat = [v for value in values for v in (value if isinstance(value, list) else [value])]
+    """Every option `arg` names: a list's, a sweep's over options or over lists."""
+    flat = [v for value in _values(arg) for v in (value if isinstance(value, list) else [value])]
     return ["null" if v is None else str(v) for v in flat]
 
 

@@ -783,6 +783,17 @@ CASES = [
     ),
     # A sweep over sets of checks: each set's names, as Hydra's grammar reads them.
     (["-m", "detectors=[nan_inf],[replayy]"], "detectors", "'replayy' is not allowed"),
+    # A check is one key once composed: the second entry ran nothing, unsaid.
+    (
+        ["detectors=[nan_inf,replay,nan_inf]"],
+        "detectors",
+        "'nan_inf' is listed twice in [nan_inf,replay,nan_inf]; allowed: each check once",
+    ),
+    (
+        ["-m", "detectors=[nan_inf],[replay,replay]"],
+        "detectors",
+        "'replay' is listed twice in [replay,replay]",
+    ),
     (["topology.nodes=0"], "topology.nodes", "1..inf"),
     (["topology.cpu_kernels=avx3"], "topology.cpu_kernels", "avx2, avx512, default, native"),
     (["topology.cpu_numerics=fast"], "topology.cpu_numerics", "allowed: emulated, native"),
