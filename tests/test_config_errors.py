@@ -1206,6 +1206,30 @@ IGNORED_OR_MISTYPED = [
             ),
         )
     ),  # fmt: skip
+    # A burst from fault.index past the end of the tensor holding it was moved back to fit:
+    # head.bias's index 6 struck 0, 3, 6, 9.
+    (
+        ["campaign=single", "fault=grad_scale", "fault.model=burst", "fault.burst_model=scale"]
+        + ["fault.elements=4", "fault.stride=3", "fault.tensor=head.bias", "fault.index=6"],
+        "fault.index",
+        "6: a burst of 4 at stride 3 spans 10 elements, and from element 6 of 'head.bias' (10 "
+        "elements) it runs past the end, so it would be moved back to start at 0; allowed: 0..0",
+    ),
+    # Counted over the named tensors: 2558 is in head.weight, whose end the burst crossed.
+    (
+        ["campaign=single", "fault=grad_scale", "fault.model=burst", "fault.burst_model=scale"]
+        + ["fault.elements=4", "fault.tensor=head.*", "fault.index=2558"],
+        "fault.index",
+        "from element 2558 of 'head.weight' (2560 elements) it runs past the end, so it would "
+        "be moved back to start at 2556; allowed: 0..2556",
+    ),
+    (
+        ["campaign=single", "fault=grad_scale", "fault.site=activation", "fault.model=burst"]
+        + ["fault.burst_model=scale", "fault.elements=4", "fault.tensor=head", "fault.index=318"],
+        "fault.index",
+        "from element 318 of the output struck in 'head' (320 elements) it runs past the end, so "
+        "it would be moved back to start at 316; allowed: 0..316",
+    ),
     # Largest among as many elements as are named takes them all, as random does: the same
     # strike (the loss's one element), told apart only by its trial id.
     (

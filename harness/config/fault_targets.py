@@ -104,6 +104,9 @@ def check_target(
         if fault.index is not None:  # a grouped model's first element (past the end: clamped)
             for name in targets:
                 _within(f"{key}.index", fault, name, fault.index, forward)
+                if fault.model == "burst":
+                    what, size = _struck_size(fault, name, forward)
+                    _burst_fits(key, fault, fault.index, f"the {what} struck in '{name}'", size)
         if fault.model == "defective_unit":
             _lane_in_a_product(key, fault, targets, forward)
         elif fault.ber is None:
@@ -123,11 +126,47 @@ def check_target(
             f"{key}.index", f"{fault.index} is out of range of the {sum(sizes)} elements "
             f"{held_by}; allowed: 0..{high}"
         )  # fmt: skip
+    if fault.model == "burst" and fault.index is not None and held is None and shard_group is None:
+        _burst_from_index(key, fault, matched)
     if None not in sizes and fault.ber is None:
         _elements_fit(key, fault, sizes, _held_by(fault, held))
         whole = shard_group is None and fault.tensor != sites.RIDERS
         if whole and fault.site not in sites.MODULE_SITES:
             _largest_picks(key, fault, sum(sizes), _held_by(fault, held))
+
+
+def _burst_from_index(key: str, fault: FaultConfig, matched: list[tuple[str, int | None]]) -> None:
+    """A burst from `fault.index`, counted over the named tensors in model order as the
+    injector counts it, within the tensor that holds that element."""
+    k = fault.index
+    for name, size in matched:
+        if size is None:
+            return
+        if k < size:
+            _burst_fits(key, fault, k, f"'{name}'", size, fault.index - k)
+            return
+        k -= size
+
+
+def _burst_fits(
+    key: str, fault: FaultConfig, start: int, where: str, size: int, offset: int = 0
+) -> None:
+    """A burst starting at element `start` of what it strikes (`size` elements, 0: not traced;
+    `offset`: its first element's place in fault.index's count) must end within it: one past
+    the end was moved back to fit (burst.py), so it struck elements other than those named."""
+    span = (fault.elements - 1) * fault.stride + 1
+    if not size or start + span <= size:
+        return
+    allowed = (
+        f"{offset}..{offset + size - span}" if size >= span
+        else f"an element of a tensor of {span} or more"
+    )  # fmt: skip
+    raise ConfigError(
+        f"{key}.index", f"{fault.index}: a burst of {fault.elements} at stride {fault.stride} "
+        f"spans {span} elements, and from element {start} of {where} ({size} elements) it runs "
+        f"past the end, so it would be moved back to start at {max(0, size - span)}; allowed: "
+        f"{allowed}"
+    )  # fmt: skip
 
 
 def _held_by(fault: FaultConfig, held: tuple[str, ...] | None) -> str:
