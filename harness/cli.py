@@ -52,7 +52,8 @@ def store_installed_detectors() -> None:
     store = ConfigStore.instance()
     for name in registry.installed(registry.DETECTORS):
         if name not in detectors.built_in():
-            defaults = detectors.detector_class(name).Config().params()
+            # Its mode unset, as the built-ins' files leave it: observe, and act under recovery.
+            defaults = {**detectors.detector_class(name).Config().params(), "mode": None}
             store.store(group="detectors", name=name, node={name: defaults})
 
 

@@ -199,7 +199,7 @@ def overhead_config(raw: Any) -> OverheadConfig | None:
     )
 
 
-def _numerics_read(workload: WorkloadConfig, topology: TopologyConfig) -> None:
+def _numerics_matter(workload: WorkloadConfig, topology: TopologyConfig) -> None:
     """`topology.cpu_numerics` decides how 16-bit products are computed: a built-in workload
     trained in float32 makes none, and its rows are the same bits under either setting, while
     campaign.json and the report would name the one given. A custom model may cast inside its
@@ -369,7 +369,7 @@ def run_config(raw: dict[str, Any]) -> RunConfig:
     campaign = dict(raw["campaign"])
     launcher = choice("launcher", raw.get("launcher", "spawn"), LAUNCHERS)
     topology = _placed(topology, launcher)
-    _numerics_read(workload, topology)
+    _numerics_matter(workload, topology)
     recovery = recovery_config(dict(raw.get("recovery") or {}))
     checkpoint = dict(raw["checkpoint"])
     checkpoint_cfg = CheckpointConfig(
