@@ -39,6 +39,13 @@ from harness.core.values import flag
 from harness.errors import ConfigError
 
 
+def _per_element(param: torch.Tensor, state: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
+    """What an optimizer keeps per element of `param`, whichever it is (Adam's moments, SGD's
+    momentum): not its counters (Adam's step, on the host on a GPU)."""
+    return [(k, v) for k, v in sorted(state.items())
+            if isinstance(v, torch.Tensor) and v.shape == param.shape]  # fmt: skip
+
+
 class WeightConsensus(Detector):
     name = "weight_consensus"
     parallel = ("ddp", "hsdp")
@@ -142,8 +149,6 @@ class WeightConsensus(Detector):
         named = [(n, p) for n, p in model.named_parameters()]
         if self.config.optimizer_state and self.optimizer is not None:
             names = {p: n for n, p in named}
-            # What the optimizer keeps per element of each parameter, whichever it is (Adam's
-            # moments, SGD's momentum): not its counters (Adam's step, on the host on a GPU).
             for p, state in self.optimizer.state.items():
                 named += [(f"{names[p]}.{k}", v) for k, v in _per_element(p, state)]
         return [(n, dtensors.local(t)) for n, t in named]
@@ -205,10 +210,3 @@ class WeightConsensus(Detector):
 
 
 DETECTOR = WeightConsensus
-
-
-def _per_element(param: torch.Tensor, state: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
-    """What an optimizer keeps per element of `param`, whichever it is (Adam's moments, SGD's
-    momentum): not its counters (Adam's step, on the host on a GPU)."""
-    return [(k, v) for k, v in sorted(state.items())
-            if isinstance(v, torch.Tensor) and v.shape == param.shape]  # fmt: skip
