@@ -549,6 +549,27 @@ def test_a_false_positive_rate_that_rose_regresses():
     assert regress.false_positive_rises(clean(1), clean(3)) == []  # within the noise
 
 
+def test_false_alerts_per_clean_trial_that_rose_regress_where_the_share_held():
+    """3 clean trials of 60 alert in both runs, once each, then 20 times each: the share of
+    clean trials with an alert held (3/60), and sdc-regress saw nothing, while docs/design.md
+    section 5's rate (alerts in clean trials over clean trials) went from 0.05 to 1."""
+
+    def clean(each: int, counted: bool = True) -> pd.DataFrame:
+        return frame(*(dict(trial_id=f"c{i}", site="none", detectors="replay",
+                            alert_detectors="replay" if i < 3 else "",
+                            alerts=str(each if i < 3 else 0),
+                            alert_counts=f"replay={each}" if i < 3 and counted else "")
+                       for i in range(60)))  # fmt: skip
+
+    assert regress.false_positive_rises(clean(1), clean(20)) == [
+        regress._finding("false alerts per clean trial rose", "replay", "3/60 = 0.05 [0.017, 0.15]",
+                         "60/60 = 1 [0.78, 1.3]"),
+    ]  # fmt: skip
+    assert regress.false_positive_rises(clean(1), clean(2)) == []  # within the noise
+    # A table written before alert_counts cannot lay its clean trials' alerts on a check.
+    assert regress.false_positive_rises(clean(1, counted=False), clean(20)) == []
+
+
 def test_an_interrupted_run_is_refused_and_its_report_says_so(runs, tmp_path, capsys):
     """A nightly stopped after its first trials compared as 'no regression' (the cells it had
     not reached were listed as not compared), and its report read as a whole campaign's."""

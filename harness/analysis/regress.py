@@ -12,7 +12,8 @@ stopped before its end), before anything is compared. A regression is:
   so that the seed-to-seed noise of two runs of the same code is never one;
 - a false positive: a detector with no alert in the baseline's clean trials has one now, or
   its rate of clean trials with an alert rose (the current lower bound above the baseline's
-  upper bound);
+  upper bound), or, where that share held, its alerts per clean trial rose (docs/design.md
+  section 5's rate; the same rule on its score interval);
 - an overhead (a check's against the hook, the hook's own against plain DDP) more than 25%
   above the baseline's and more than 5 percentage points, with every current round above
   every baseline round (`overhead_low_pct` and `overhead_high_pct`): a 4-rank world on 2
@@ -64,10 +65,13 @@ from harness.analysis.tables import (
     catch_counts,
     cell_stats,
     detector_names,
+    false_alert_counts,
     false_positive_counts,
     load_trials,
     markdown_table,
     named,
+    per_trial_text,
+    poisson_interval,
     rate_text,
     unfinished,
     wilson,
@@ -309,6 +313,28 @@ def false_positive_rises(base: pd.DataFrame, cur: pd.DataFrame) -> list[dict[str
             found.append(
                 _finding("false positive rate rose", detector, rate_text(*was), rate_text(*now))
             )
+    judged = {f["where"] for f in found}
+    return found + [f for f in false_alert_rises(base, cur) if f["where"] not in judged]
+
+
+def false_alert_rises(base: pd.DataFrame, cur: pd.DataFrame) -> list[dict[str, str]]:
+    """A detector whose alerts per clean trial (docs/design.md section 5's false positive rate)
+    rose, the current 95% lower bound above the baseline's upper bound: the same share of clean
+    trials alerting, each many times more often. Not judged where either table was written
+    before `alert_counts` and a clean trial alerted."""
+    before = false_alert_counts(base)
+    found = []
+    for detector, now in false_alert_counts(cur).items():
+        was = before.get(detector)
+        if now is None or was is None or not was[1] or not now[1]:
+            continue
+        if poisson_interval(*now)[0] > poisson_interval(*was)[1]:
+            found.append(
+                _finding(
+                    "false alerts per clean trial rose", detector, per_trial_text(*was),
+                    per_trial_text(*now),
+                )
+            )  # fmt: skip
     return found
 
 

@@ -78,6 +78,21 @@ def wilson(k: float, n: float) -> tuple[float, float]:
     return (low, high)
 
 
+def poisson_interval(count: int, n: int) -> tuple[float, float]:
+    """95% score interval of a rate of events per trial: `count` events over `n` trials, each
+    trial able to hold several (alerts per clean trial), where Wilson's bounds a share."""
+    if n == 0:
+        return (math.nan, math.nan)
+    half = Z95 * math.sqrt(count + Z95**2 / 4)
+    return (max(0.0, count + Z95**2 / 2 - half) / n, (count + Z95**2 / 2 + half) / n)
+
+
+def per_trial_text(count: int, n: int) -> str:
+    """`count` events over `n` trials as a rate with its interval: "24/3 = 8 [5.4, 12]"."""
+    low, high = poisson_interval(count, n)
+    return f"{count}/{n} = {count / n:.3g} [{low:.2g}, {high:.2g}]"
+
+
 def blind_spot(harmful: Counts) -> bool:
     """docs/design.md section 5: harmful trials whose catch rate's upper bound is below 50%."""
     k, n = harmful
