@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import csv
 import itertools
+import re
+import shlex
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
@@ -12,8 +14,9 @@ from pathlib import Path
 import pytest
 
 import injectors
+from harness.analysis.sweep import planned_jobs
 from harness.analysis.tables import blind_spot
-from harness.cli import CONFIG_DIR
+from harness.cli import CONFIG_DIR, implied_campaign
 from harness.config.schema import RunConfig
 from harness.runtime import checkpoint
 from tests.conftest import compose_run, events, rows, run_here, without_timing
@@ -46,6 +49,30 @@ def test_every_campaign_composes_and_validates(name):
     # own, alone reads fewer reference runs.
     assert run.noise_seeds == 5 or name == "smoke"
     assert len({t.trial_id for t in run.trials}) == len(run.trials)
+
+
+def commented_commands() -> list[tuple[str, list[str]]]:
+    """Each `sdc-bench` command a file under experiments/ shows in its comments (continuations
+    joined), as its file and overrides: the words up to the first that is no override."""
+    found = []
+    for path in sorted(Path(CONFIG_DIR).rglob("*.yaml")):
+        text = re.sub(r"\\\n#", " ", path.read_text())
+        for line in re.findall(r"^#\s+sdc-bench(\s.*)?$", text, flags=re.M):
+            words = list(itertools.takewhile(lambda w: "=" in w or w == "-m", shlex.split(line)))
+            found.append((str(path.relative_to(CONFIG_DIR)), words))
+    return found
+
+
+@pytest.mark.parametrize(
+    "where, words", commented_commands(), ids=lambda v: " ".join(v) if isinstance(v, list) else v
+)
+def test_every_command_a_config_file_shows_composes_and_validates(where, words):
+    # A sweep's every job, as Hydra's sweeper splits it; the launcher's hydra.* keys set no run.
+    task = [w for w in implied_campaign(words) if w != "-m" and not w.startswith("hydra")]
+    jobs = planned_jobs(task) if "-m" in words else [task]
+    assert jobs, (where, words)
+    for job in jobs:
+        assert compose_run(*job).trials, (where, job)
 
 
 def test_smoke_is_small_and_exercises_every_detector():
