@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
@@ -213,6 +213,19 @@ def _numerics_matter(workload: WorkloadConfig, topology: TopologyConfig) -> None
         "way); leave it unset, or set a 16-bit workload.precision (bf16-true, 16-true, "
         "bf16-mixed)"
     )  # fmt: skip
+
+
+def _optimizer_suits(
+    key: str,
+    checks: dict[str, CheckConfig],
+    workload: WorkloadConfig,
+    stepped: Callable[[], torch.optim.Optimizer],
+    named: str,
+) -> None:
+    """Each check's needs of a custom workload's optimizer (a built-in's AdamW meets them),
+    under `key`.NAME."""
+    for name, config in checks.items() if workload.name == "custom" else ():
+        detectors.detector_class(name).check_optimizer(f"{key}.{name}", config, stepped, named)
 
 
 def recovery_config(raw: dict[str, Any]) -> RecoveryConfig:
@@ -467,11 +480,7 @@ def run_config(raw: dict[str, Any]) -> RunConfig:
     # A custom workload's optimizer, stepped once, for every scenario and check that needs it.
     stepped = functools.cache(lambda: _stepped_optimizer(workload))
     named = f"workload.optimizer ({(workload.optimizer or {}).get('_target_')})"
-    if workload.name == "custom":
-        for name, config in checks.items():
-            detectors.detector_class(name).check_optimizer(
-                f"detectors.{name}", config, stepped, named
-            )
+    _optimizer_suits("detectors", checks, workload, stepped, named)
     for n, (i, scenario) in enumerate(scenario_raw):
         key = "fault" if campaign.get("name") == "single" else f"campaign.scenarios[{i}]"
         scenario = dict(scenario)
@@ -480,10 +489,7 @@ def run_config(raw: dict[str, Any]) -> RunConfig:
         )
         if trial_checks is not None:
             _checks_in_run(f"{key}.checks", trial_checks, workload.steps, checkpoint_cfg)
-            for name, config in trial_checks.items() if workload.name == "custom" else ():
-                detectors.detector_class(name).check_optimizer(
-                    f"{key}.checks.{name}", config, stepped, named
-                )
+            _optimizer_suits(f"{key}.checks", trial_checks, workload, stepped, named)
             observed = [n for n, c in trial_checks.items() if recovery.enabled and c.mode != "act"]
             if observed:
                 raise ConfigError(
